@@ -1,0 +1,85 @@
+"""spmdcomm: torch.distributed-style collectives, syncs, a DDP train step and device prefetch for JAX."""
+
+from jax.sharding import PartitionSpec as P
+
+from spmdcomm.collectives import (
+    REDUCE_OPS,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    axis_index,
+    axis_size,
+    broadcast,
+    gather,
+    permute,
+    pmax,
+    pmean,
+    pmin,
+    psum,
+    reduce,
+    reduce_scatter,
+    scatter,
+    shift,
+)
+from spmdcomm.errors import (
+    AxisError,
+    BackendError,
+    ReplicatedReductionWarning,
+    ShapeError,
+    SpmdError,
+)
+from spmdcomm.mesh import (
+    data_mesh,
+    data_sharding,
+    default_mesh,
+    device_count,
+    local_device_count,
+    make_mesh,
+    process_count,
+    process_index,
+    replicated_sharding,
+)
+from spmdcomm.spmd import SpmdFunction, spmd
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "P",
+    # collectives
+    "REDUCE_OPS",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "broadcast",
+    "gather",
+    "permute",
+    "pmax",
+    "pmean",
+    "pmin",
+    "psum",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+    "shift",
+    # errors
+    "AxisError",
+    "BackendError",
+    "ReplicatedReductionWarning",
+    "ShapeError",
+    "SpmdError",
+    # meshes and topology
+    "data_mesh",
+    "data_sharding",
+    "default_mesh",
+    "device_count",
+    "local_device_count",
+    "make_mesh",
+    "process_count",
+    "process_index",
+    "replicated_sharding",
+    # the wrapper
+    "SpmdFunction",
+    "spmd",
+]
