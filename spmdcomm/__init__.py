@@ -21,6 +21,7 @@ from spmdcomm.collectives import (
     scatter,
     shift,
 )
+from spmdcomm.data import MaskedBatch, pad_batch, unpad
 from spmdcomm.errors import (
     AxisError,
     BackendError,
@@ -63,6 +64,10 @@ __all__ = [
     "reduce_scatter",
     "scatter",
     "shift",
+    # batches
+    "MaskedBatch",
+    "pad_batch",
+    "unpad",
     # errors
     "AxisError",
     "BackendError",
