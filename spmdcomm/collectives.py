@@ -189,7 +189,8 @@ def reduce_scatter(
 
     The reduction over all devices of ``axis`` is split along ``dim`` into ``n`` equal chunks, and device ``i``
     receives chunk ``i``. With ``tiled=True`` output dimension ``dim`` is ``n`` times smaller; with
-    ``tiled=False`` input dimension ``dim`` must equal ``n`` and is removed. ``"sum"`` and ``"mean"`` compile to
+    ``tiled=False`` input dimension ``dim`` must equal ``n`` and is removed. Booleans are summed as ``int32``
+    counts, as in :func:`psum`. ``"sum"`` and ``"mean"`` compile to
     one reduce-scatter; ``"max"``, ``"min"`` and ``"prod"`` to one all-to-all plus a local reduction.
 
     Four devices each holding ``[0, 1, 2, 3]`` give device ``r`` the value ``4 * r``:
@@ -209,6 +210,8 @@ def reduce_scatter(
         d = _dim("reduce_scatter", path, leaf, dim)
         _check_split("reduce_scatter", path, leaf, d, axis, n, exact=not tiled)
         if op in ("sum", "mean"):
+            if leaf.dtype == jnp.bool_:
+                leaf = leaf.astype(jnp.int32)  # count, as psum does
             out = lax.psum_scatter(leaf, axis, scatter_dimension=d, tiled=tiled)
             return out if op == "sum" else _mean_from_sum(out, n)
         # Chunk i of every device arrives at device i, stacked along d, then is reduced locally.

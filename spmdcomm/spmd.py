@@ -195,8 +195,10 @@ def _pmap_body(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
         in_axes = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: _pmap_axis(spec), sub),
                                specs, args, is_leaf=_is_spec)
         out_axes = jax.tree.map(_pmap_axis, sf.out_specs, is_leaf=_is_spec)
-        out = jax.pmap(sf.fn, axis_name=axis, in_axes=in_axes, out_axes=out_axes,
-                       devices=list(mesh.devices.flat))(*split)
+        # pmap needs one mapped argument to know its size; a dummy one serves when every input is replicated.
+        dummy = jnp.zeros((n,), jnp.int8)
+        out = jax.pmap(lambda _, *a: sf.fn(*a), axis_name=axis, in_axes=(0, *in_axes), out_axes=out_axes,
+                       devices=list(mesh.devices.flat))(dummy, *split)
         return jax.tree.map(lambda spec, sub: jax.tree.map(lambda y: _from_leading(y, spec), sub),
                             sf.out_specs, out, is_leaf=_is_spec)
 

@@ -1,0 +1,320 @@
+"""Every collective x both backends x 1/2/4/8 devices x dtypes x pytrees, against NumPy references.
+
+Each device ``i`` gets its own block ``xs[i]``; the reference computes what each device must hold afterwards
+from those blocks alone. Outputs are collected with ``out_specs=P("data")`` so every device's result is seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+
+import spmdcomm as sc
+from spmdcomm import P
+
+BACKENDS = ["shard_map", "pmap"]
+
+
+class Pair(NamedTuple):
+    a: Any
+    b: Any
+
+
+def make_blocks(n: int, *, bools: bool = True, seed: int = 0) -> Any:
+    """Per-device blocks (leading axis = device) in a nested dict/tuple/list/NamedTuple pytree."""
+    rng = np.random.default_rng(seed)
+    rows = 2 * n  # divisible by n, so split-based collectives apply
+    tree = {
+        "f32": Pair(a=rng.standard_normal((n, rows, 3)).astype(np.float32),
+                    b=(rng.standard_normal((n, rows)).astype(ml_dtypes.bfloat16),)),
+        "i32": [rng.integers(-2, 3, size=(n, rows, 2)).astype(np.int32)],
+    }
+    if bools:
+        tree["bool"] = rng.random((n, rows, 2)) > 0.3
+    return tree
+
+
+def run(fn: Callable[[Any], Any], blocks: Any, mesh, backend: str, axis: str = "data") -> Any:
+    """Runs ``fn`` on device i's block blocks[i]; returns the per-device outputs stacked on axis 0."""
+    n = mesh.size
+    glob = jax.tree.map(lambda b: b.reshape((n * b.shape[1],) + b.shape[2:]), blocks)
+    out = sc.spmd(fn, mesh=mesh, in_specs=P(axis), out_specs=P(axis), backend=backend)(glob)
+    return jax.tree.map(lambda o: np.asarray(o).reshape((n, -1) + o.shape[1:]), out)
+
+
+def check(got: Any, want: Any, *, exact: bool = False) -> None:
+    paths_got, tree_got = jax.tree_util.tree_flatten_with_path(got)
+    leaves_want, tree_want = jax.tree.flatten(want)
+    assert tree_got == tree_want
+    for (path, g), w in zip(paths_got, leaves_want):
+        name = jax.tree_util.keystr(path)
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        if exact or w.dtype.kind in "biu":
+            np.testing.assert_array_equal(g, w, err_msg=name)
+        elif w.dtype == ml_dtypes.bfloat16 or g.dtype == ml_dtypes.bfloat16:
+            np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=3e-2, atol=6e-2,
+                                       err_msg=name)
+        else:
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def per_device(blocks: Any, ref: Callable[[list[np.ndarray], int], np.ndarray]) -> Any:
+    """Applies ``ref(xs, i)`` (xs: the list of every device's block) for every device i; stacks results."""
+    def leaf(b: np.ndarray) -> np.ndarray:
+        xs = [b[i] for i in range(b.shape[0])]
+        return np.stack([np.asarray(ref(xs, i)) for i in range(len(xs))])
+    return jax.tree.map(leaf, blocks)
+
+
+def f32_sum(xs: list[np.ndarray]) -> np.ndarray:
+    acc = np.sum([x.astype(np.float64) if x.dtype.kind == "f" or x.dtype == ml_dtypes.bfloat16 else x
+                  for x in xs], axis=0)
+    if xs[0].dtype == np.bool_:
+        return acc.astype(np.int32)
+    return acc.astype(xs[0].dtype)
+
+
+def np_reduce(op: str, xs: list[np.ndarray]) -> np.ndarray:
+    n = len(xs)
+    if op == "sum":
+        return f32_sum(xs)
+    if op == "mean":
+        return f32_sum(xs).astype(np.float32 if xs[0].dtype.kind in "biu" else xs[0].dtype) / n
+    stack = np.stack(xs)
+    if op == "max":
+        return stack.max(0)
+    if op == "min":
+        return stack.min(0)
+    if stack.dtype == np.bool_:
+        return stack.all(0)
+    return np.prod(stack.astype(np.float64) if stack.dtype == ml_dtypes.bfloat16 else stack,
+                   axis=0).astype(stack.dtype)
+
+
+def zeros_like(x: np.ndarray) -> np.ndarray:
+    return np.zeros_like(x)
+
+
+def split(x: np.ndarray, n: int, dim: int) -> list[np.ndarray]:
+    return np.split(x, n, axis=dim)
+
+
+# (name, spmdcomm call, reference, exact?) — the table every backend and device count runs through.
+CASES: list[tuple[str, Callable[[Any], Any], Callable[[list[np.ndarray], int], np.ndarray], bool]] = [
+    ("psum", lambda x: sc.psum(x, "data"), lambda xs, i: np_reduce("sum", xs), False),
+    ("psum_rs_ag", lambda x: sc.psum(x, "data", algorithm="rs_ag"), lambda xs, i: np_reduce("sum", xs), False),
+    ("pmean", lambda x: sc.pmean(x, "data"), lambda xs, i: np_reduce("mean", xs), False),
+    ("pmax", lambda x: sc.pmax(x, "data"), lambda xs, i: np_reduce("max", xs), True),
+    ("pmin", lambda x: sc.pmin(x, "data"), lambda xs, i: np_reduce("min", xs), True),
+    ("all_reduce_prod", lambda x: sc.all_reduce(x, "data", "prod"), lambda xs, i: np_reduce("prod", xs), False),
+    ("all_reduce_mean_rs_ag", lambda x: sc.all_reduce(x, "data", "mean", algorithm="rs_ag"),
+     lambda xs, i: np_reduce("mean", xs), False),
+    ("all_gather", lambda x: sc.all_gather(x, "data"), lambda xs, i: np.concatenate(xs, 0), True),
+    ("all_gather_dim1", lambda x: sc.all_gather(x, "data", dim=-1),
+     lambda xs, i: np.concatenate(xs, -1), True),
+    ("all_gather_untiled", lambda x: sc.all_gather(x, "data", dim=1, tiled=False),
+     lambda xs, i: np.stack(xs, 1), True),
+    ("reduce_scatter", lambda x: sc.reduce_scatter(x, "data"),
+     lambda xs, i: split(np_reduce("sum", xs), len(xs), 0)[i], False),
+    ("reduce_scatter_mean", lambda x: sc.reduce_scatter(x, "data", op="mean"),
+     lambda xs, i: split(np_reduce("mean", xs), len(xs), 0)[i], False),
+    ("reduce_scatter_max", lambda x: sc.reduce_scatter(x, "data", op="max"),
+     lambda xs, i: split(np_reduce("max", xs), len(xs), 0)[i], True),
+    ("reduce_scatter_min", lambda x: sc.reduce_scatter(x, "data", op="min"),
+     lambda xs, i: split(np_reduce("min", xs), len(xs), 0)[i], True),
+    ("reduce_scatter_prod", lambda x: sc.reduce_scatter(x, "data", op="prod"),
+     lambda xs, i: split(np_reduce("prod", xs), len(xs), 0)[i], False),
+    ("all_to_all", lambda x: sc.all_to_all(x, "data", split_dim=0, concat_dim=0),
+     lambda xs, i: np.concatenate([split(x, len(xs), 0)[i] for x in xs], 0), True),
+    ("all_to_all_1_0", lambda x: sc.all_to_all(
+        jax.tree.map(lambda v: v.reshape(v.shape[0] // axis_n(), axis_n(), *v.shape[1:]), x),
+        "data", split_dim=1, concat_dim=0),
+     lambda xs, i: np.concatenate(
+         [split(x.reshape(x.shape[0] // len(xs), len(xs), *x.shape[1:]), len(xs), 1)[i] for x in xs], 0),
+     True),
+    ("broadcast_root0", lambda x: sc.broadcast(x, "data"), lambda xs, i: xs[0], True),
+    ("broadcast_rootlast", lambda x: sc.broadcast(x, "data", root=axis_n() - 1), lambda xs, i: xs[-1], True),
+    ("reduce", lambda x: sc.reduce(x, "data", root=axis_n() // 2),
+     lambda xs, i: np_reduce("sum", xs) if i == len(xs) // 2 else xs[i].astype(np_reduce("sum", xs).dtype),
+     False),
+    ("reduce_max", lambda x: sc.reduce(x, "data", op="max"),
+     lambda xs, i: np_reduce("max", xs) if i == 0 else xs[i], True),
+    ("gather", lambda x: sc.gather(x, "data", root=axis_n() - 1),
+     lambda xs, i: np.concatenate(xs, 0) if i == len(xs) - 1 else zeros_like(np.concatenate(xs, 0)), True),
+    ("scatter", lambda x: sc.scatter(x, "data", root=axis_n() - 1),
+     lambda xs, i: split(xs[-1], len(xs), 0)[i], True),
+    ("scatter_dim1", lambda x: sc.scatter(
+        jax.tree.map(lambda v: v.reshape(v.shape[0] // axis_n(), axis_n(), *v.shape[1:]), x), "data", dim=1),
+     lambda xs, i: split(xs[0].reshape(xs[0].shape[0] // len(xs), len(xs), *xs[0].shape[1:]), len(xs), 1)[i],
+     True),
+    ("shift", lambda x: sc.shift(x, "data", 1), lambda xs, i: xs[(i - 1) % len(xs)], True),
+    ("shift_back2", lambda x: sc.shift(x, "data", -2), lambda xs, i: xs[(i + 2) % len(xs)], True),
+    ("permute_swap01", lambda x: sc.permute(x, "data", [(0, 1), (1, 0)] if axis_n() > 1 else [(0, 0)]),
+     lambda xs, i: xs[1 - i] if (len(xs) > 1 and i < 2) else (xs[0] if len(xs) == 1 else zeros_like(xs[i])),
+     True),
+    ("axis_index", lambda x: jax.tree.map(lambda v: jnp.full(v.shape, sc.axis_index("data"), jnp.int32), x),
+     lambda xs, i: np.full(xs[i].shape, i, np.int32), True),
+    ("axis_size", lambda x: jax.tree.map(lambda v: jnp.full(v.shape, sc.axis_size("data"), jnp.int32), x),
+     lambda xs, i: np.full(xs[i].shape, len(xs), np.int32), True),
+]
+
+
+def axis_n() -> int:
+    return lax.axis_size("data")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_collective_matches_numpy(case, backend, mesh):
+    name, fn, ref, exact = case
+    blocks = make_blocks(mesh.size)
+    got = run(fn, blocks, mesh, backend)
+    check(got, per_device(blocks, ref), exact=exact)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prod_is_exact_with_zeros_and_negatives(backend):
+    mesh = sc.data_mesh()
+    x = np.array([[-1.5, 0.0, 2.0], [-2.0, 3.0, -0.5], [1.0, 1.0, 1.0], [2.0, -1.0, 4.0],
+                  [-1.0, 2.0, 0.5], [0.5, 1.0, -2.0], [1.0, -3.0, 1.0], [-4.0, 1.0, 2.0]], np.float32)
+    got = sc.spmd(lambda v: sc.all_reduce(v, "data", "prod"), mesh=mesh, in_specs=P("data"),
+                  out_specs=P(), backend=backend)(x)
+    np.testing.assert_array_equal(np.asarray(got)[0], np.prod(x, axis=0))
+    assert np.asarray(got)[0, 1] == 0.0
+
+
+def test_bool_reductions_follow_lax():
+    mesh = sc.data_mesh()
+    x = np.array([True, False, True, True, False, True, True, True])
+    f = sc.spmd(lambda v: (sc.psum(v, "data"), sc.pmax(v, "data"), sc.pmin(v, "data"),
+                           sc.all_reduce(v, "data", "prod")), mesh=mesh, in_specs=P("data"), out_specs=P())
+    total, anyv, allv, prod = f(x)
+    assert total.dtype == jnp.int32 and int(total[0]) == 6
+    assert anyv.dtype == jnp.bool_ and bool(anyv[0]) and not bool(allv[0]) and not bool(prod[0])
+
+
+def test_reduce_scatter_textbook_case():
+    """torch.distributed.reduce_scatter: 4 devices each holding [0, 1, 2, 3] give device r the value 4*r."""
+    mesh = sc.data_mesh(devices=jax.devices()[:4])
+    for backend in BACKENDS:
+        out = sc.spmd(lambda x: sc.reduce_scatter(x, "data"), mesh=mesh, in_specs=P(), out_specs=P("data"),
+                      backend=backend)(np.arange(4, dtype=np.int32))
+        assert np.asarray(out).tolist() == [0, 4, 8, 12]
+        assert [s.data.tolist() for s in sorted(out.addressable_shards, key=lambda s: s.index)] == [
+            [0], [4], [8], [12]]
+
+
+def test_rooted_collectives_move_exact_bits():
+    """broadcast/scatter deliver NaN payloads, infinities and -0.0 bit for bit (no arithmetic on values)."""
+    mesh = sc.data_mesh()
+    special = np.array([np.nan, -0.0, np.inf, -np.inf, 1e-45, 3.0, -7.5, 0.0], np.float32)
+    special[0] = np.frombuffer(np.uint32(0x7FC01234).tobytes(), np.float32)[0]  # NaN with a payload
+    x = np.tile(special, (8, 1))
+    x[1:] = 123.0  # non-root blocks must not leak in
+    out = sc.spmd(lambda v: (sc.broadcast(v, "data"), sc.scatter(v, "data", dim=1)), mesh=mesh,
+                  in_specs=P("data"), out_specs=P("data"))(x)
+    bits = lambda a: np.asarray(a).view(np.uint32)  # noqa: E731
+    np.testing.assert_array_equal(bits(out[0]), np.tile(bits(special), (8, 1)))
+    np.testing.assert_array_equal(bits(out[1]).reshape(-1), bits(special))
+
+
+def test_complex_broadcast_is_exact():
+    mesh = sc.data_mesh(devices=jax.devices()[:2])
+    x = np.array([[1 + 2j, -0.0 - 3j], [5 + 5j, 6 + 6j]], np.complex64)
+    out = sc.spmd(lambda v: sc.broadcast(v, "data", root=1), mesh=mesh, in_specs=P("data"),
+                  out_specs=P("data"))(x)
+    np.testing.assert_array_equal(np.asarray(out), np.stack([x[1], x[1]]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Multi-axis meshes
+
+
+MULTI_CASES = [
+    ("psum", lambda x, ax: sc.psum(x, ax), lambda g: np.broadcast_to(g.sum(1, keepdims=True), g.shape)),
+    ("pmax", lambda x, ax: sc.pmax(x, ax), lambda g: np.broadcast_to(g.max(1, keepdims=True), g.shape)),
+    ("prod", lambda x, ax: sc.all_reduce(x, ax, "prod"),
+     lambda g: np.broadcast_to(g.prod(1, keepdims=True), g.shape)),
+    ("broadcast", lambda x, ax: sc.broadcast(x, ax, root=1), lambda g: np.broadcast_to(g[:, 1:2], g.shape)),
+    ("shift", lambda x, ax: sc.shift(x, ax, 1), lambda g: np.roll(g, 1, axis=1)),
+]
+
+
+@pytest.mark.parametrize("axes", [("a", "b"), "b", "a"], ids=["ab", "b", "a"])
+@pytest.mark.parametrize("case", MULTI_CASES, ids=[c[0] for c in MULTI_CASES])
+def test_multi_axis_mesh(case, axes):
+    """On a 4x2 mesh, a collective over one axis acts within groups; over ("a", "b") over all 8 devices."""
+    name, fn, ref = case
+    mesh = sc.make_mesh({"a": 4, "b": 2})
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(-3, 4, size=(4, 2, 3)).astype(np.int32)  # block of device (a, b)
+    out = sc.spmd(lambda x: fn(x, axes), mesh=mesh, in_specs=P("a", "b"), out_specs=P("a", "b"))(
+        blocks.reshape(4, 2 * 3))
+    got = np.asarray(out).reshape(4, 2, 3)
+    # Rearrange so the reduced axes form axis 1 of a (groups, members, 3) array, in row-major member order.
+    if axes == ("a", "b"):
+        g = blocks.reshape(1, 8, 3)
+        want = ref(g).reshape(4, 2, 3)
+    elif axes == "b":
+        want = ref(blocks)
+    else:
+        want = ref(blocks.transpose(1, 0, 2)).transpose(1, 0, 2)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_multi_axis_reduce_scatter_and_all_gather_roundtrip():
+    mesh = sc.make_mesh({"a": 4, "b": 2})
+    x = np.arange(8 * 16, dtype=np.float32).reshape(8 * 16)
+
+    def f(v):
+        part = sc.reduce_scatter(v, ("a", "b"))
+        return sc.all_gather(part, ("a", "b"))
+
+    out = sc.spmd(f, mesh=mesh, in_specs=P(("a", "b")), out_specs=P(("a", "b")))(x)
+    blocks = x.reshape(8, 16)
+    np.testing.assert_allclose(np.asarray(out).reshape(8, 16), np.tile(blocks.sum(0), (8, 1)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Raw jax.shard_map and raw jax.pmap
+
+
+def test_usable_in_raw_shard_map():
+    mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.device_put(np.arange(16.0, dtype=np.float32), jax.sharding.NamedSharding(mesh, P("i")))
+    f = jax.jit(jax.shard_map(lambda v: (sc.psum(v, "i"), sc.all_gather(v, "i"), sc.broadcast(v, "i", root=2)),
+                              mesh=mesh, in_specs=P("i"), out_specs=(P(), P(), P())))
+    total, gathered, bcast = f(x)
+    np.testing.assert_allclose(total, np.arange(16.0).reshape(8, 2).sum(0))
+    np.testing.assert_array_equal(gathered, np.arange(16.0))
+    np.testing.assert_array_equal(bcast, [4.0, 5.0])
+
+
+def test_usable_in_raw_pmap():
+    x = np.arange(16.0, dtype=np.float32).reshape(8, 2)
+    out = jax.pmap(lambda v: (sc.pmean(v, "i"), sc.shift(v, "i", 1), sc.reduce_scatter(v, "i", tiled=False)
+                              if v.shape[0] == 8 else sc.all_gather(v, "i")), axis_name="i")(x)
+    np.testing.assert_allclose(out[0][3], x.mean(0))
+    np.testing.assert_array_equal(out[1], np.roll(x, 1, axis=0))
+    np.testing.assert_array_equal(out[2][5], x.reshape(-1))
+
+
+def test_pmap_backend_matches_shard_map_on_2d_blocks():
+    mesh = sc.data_mesh(devices=jax.devices()[:4])
+    x = np.arange(8 * 32, dtype=np.float32).reshape(8, 32)  # split along dimension 1
+
+    def f(v):
+        return sc.all_to_all(v, "data", split_dim=0, concat_dim=1), sc.psum(v, "data")
+
+    outs = [sc.spmd(f, mesh=mesh, in_specs=P(None, "data"), out_specs=(P(None, "data"), P()),
+                    backend=b)(x) for b in BACKENDS]
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
