@@ -89,12 +89,13 @@ class SpmdFunction:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any) -> Any:
-        mesh = self.resolved_mesh()
-        return self._compiled(mesh)(*self.place(args))
+        placed = self.place(args)
+        return self._compiled(self.resolved_mesh())(*placed)
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Places ``args`` and lowers the compiled function for them (``.compile().as_text()`` gives HLO)."""
-        return self._compiled(self.resolved_mesh()).lower(*self.place(args))
+        placed = self.place(args)
+        return self._compiled(self.resolved_mesh()).lower(*placed)
 
     def resolved_mesh(self) -> Mesh:
         """The mesh this function runs on: its own, or :func:`spmdcomm.default_mesh`."""
@@ -146,7 +147,7 @@ def _arg_specs(in_specs: Any, args: Sequence[Any], what: str) -> tuple[Any, ...]
     if len(specs) != len(args):
         raise SpmdError(describe(
             "spmd", f"{what} has {len(specs)} entries but the function got {len(args)} arguments.",
-            fix=f"give one spec per argument, or a single PartitionSpec for all of them."))
+            fix="give one spec per argument, or a single PartitionSpec for all of them."))
     return specs
 
 
@@ -185,6 +186,7 @@ def _as_tuple_specs(in_specs: Any) -> Any:
 
 
 def _pmap_body(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
+    _check_pmap_mesh(sf.__name__, mesh)
     (axis,) = mesh.axis_names
     n = mesh.shape[axis]
 
@@ -242,16 +244,22 @@ def _check_spec(fn: str, name: str, spec: P, mesh: Mesh, backend: str) -> None:
         _check_pmap_spec(fn, name, spec, mesh)
 
 
-def _check_pmap_spec(fn: str, name: str, spec: P, mesh: Mesh) -> None:
-    fix = "use backend='shard_map', which expresses any mesh and spec."
+_PMAP_FIX = "use backend='shard_map', which expresses any mesh and spec."
+
+
+def _check_pmap_mesh(fn: str, mesh: Mesh) -> None:
     if len(mesh.axis_names) != 1:
         raise BackendError(describe(
-            fn, f"backend='pmap' needs a 1-D mesh, but the mesh has axes {dict(mesh.shape)}.", fix=fix))
+            fn, f"backend='pmap' needs a 1-D mesh, but the mesh has axes {dict(mesh.shape)}.", fix=_PMAP_FIX))
+
+
+def _check_pmap_spec(fn: str, name: str, spec: P, mesh: Mesh) -> None:
+    _check_pmap_mesh(fn, mesh)
     used = [entry for entry in spec if entry is not None and entry != ()]
     if len(used) > 1:
         raise BackendError(describe(
             fn, f"backend='pmap' can split one dimension per argument, but spec {spec} splits {len(used)}.",
-            leaf=name, fix=fix))
+            leaf=name, fix=_PMAP_FIX))
 
 
 def _check_divisible(fn: str, name: str, spec: P, shape: tuple[int, ...], mesh: Mesh) -> None:
