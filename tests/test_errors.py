@@ -9,7 +9,6 @@ import pytest
 import spmdcomm as sc
 from spmdcomm import P
 
-
 DATA = P("data")
 
 
