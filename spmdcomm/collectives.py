@@ -65,7 +65,7 @@ REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod")
 # all_reduce(algorithm="auto") switches a leaf to reduce-scatter + all-gather from this many bytes per device
 # on, on CPU only (benchmarks/collectives.py measured it faster than XLA:CPU's all-reduce there; on GPU and
 # TPU the native all-reduce is already a ring/tree algorithm, so "auto" keeps it).
-RS_AG_MIN_BYTES = 16 * 2**20
+RS_AG_MIN_BYTES = 4 * 2**20
 
 
 def psum(x: Any, axis: AxisName, *, algorithm: Algorithm = "auto") -> Any:
