@@ -25,6 +25,11 @@ from spmdcomm.data import MaskedBatch, pad_batch, unpad
 from spmdcomm.errors import (
     AxisError,
     BackendError,
+    BarrierTimeoutError,
+    CoordinatorError,
+    DistributedError,
+    ProcessMismatchError,
+    RemoteProcessError,
     ReplicatedReductionWarning,
     ShapeError,
     SpmdError,
@@ -39,6 +44,13 @@ from spmdcomm.mesh import (
     process_count,
     process_index,
     replicated_sharding,
+)
+from spmdcomm.runtime import (
+    initialize,
+    is_initialized,
+    is_main_process,
+    local_rank,
+    process_devices,
 )
 from spmdcomm.spmd import SpmdFunction, spmd
 
@@ -74,6 +86,11 @@ __all__ = [
     "ReplicatedReductionWarning",
     "ShapeError",
     "SpmdError",
+    "DistributedError",
+    "CoordinatorError",
+    "BarrierTimeoutError",
+    "ProcessMismatchError",
+    "RemoteProcessError",
     # meshes and topology
     "data_mesh",
     "data_sharding",
@@ -84,6 +101,12 @@ __all__ = [
     "process_count",
     "process_index",
     "replicated_sharding",
+    # multi-process runtime
+    "initialize",
+    "is_initialized",
+    "is_main_process",
+    "local_rank",
+    "process_devices",
     # the wrapper
     "SpmdFunction",
     "spmd",
