@@ -22,6 +22,8 @@ from spmdcomm.collectives import (
     shift,
 )
 from spmdcomm.data import MaskedBatch, pad_batch, unpad
+from spmdcomm.debug import enabled as debug_enabled
+from spmdcomm.debug import set_debug
 from spmdcomm.errors import (
     AxisError,
     BackendError,
@@ -53,6 +55,16 @@ from spmdcomm.runtime import (
     process_devices,
 )
 from spmdcomm.spmd import SpmdFunction, spmd
+from spmdcomm.sync import (
+    all_gather_object,
+    barrier,
+    broadcast_object,
+    host_all_gather,
+    host_all_reduce,
+    host_broadcast,
+    main_process_first,
+    sync_devices,
+)
 
 __version__ = "0.1.0"
 
@@ -107,6 +119,18 @@ __all__ = [
     "is_main_process",
     "local_rank",
     "process_devices",
+    # barriers and host-level collectives across processes
+    "barrier",
+    "sync_devices",
+    "main_process_first",
+    "host_all_reduce",
+    "host_all_gather",
+    "host_broadcast",
+    "broadcast_object",
+    "all_gather_object",
+    # debug mode
+    "set_debug",
+    "debug_enabled",
     # the wrapper
     "SpmdFunction",
     "spmd",

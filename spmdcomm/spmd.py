@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm import debug
 from spmdcomm.errors import BackendError, ShapeError, SpmdError, describe
 from spmdcomm.mesh import check_mesh_axes, default_mesh
 
@@ -90,7 +91,10 @@ class SpmdFunction:
 
     def __call__(self, *args: Any) -> Any:
         mesh = self.resolved_mesh()
-        return self._compiled(mesh)(*self.place(args))
+        placed = self.place(args)
+        if debug.enabled():  # SPMDCOMM_DEBUG: processes compare this call's inputs first
+            debug.check_call(self.__name__, placed)
+        return self._compiled(mesh)(*placed)
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Places ``args`` and lowers the compiled function for them (``.compile().as_text()`` gives HLO)."""
