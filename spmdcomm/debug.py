@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from spmdcomm.errors import ProcessMismatchError, describe
 from spmdcomm.mesh import process_count, process_index
@@ -52,59 +52,69 @@ def enabled() -> bool:
     return os.environ.get(ENV_DEBUG, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def check_call(name: str, args: Sequence[Any]) -> None:
+def check_call(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Mesh | None = None
+               ) -> None:
     """Raises :class:`~spmdcomm.errors.ProcessMismatchError` on every process unless all processes
-    are calling function ``name`` with inputs of the same structure, shapes, dtypes and shardings.
+    call function ``name`` with the same input structure, shapes, dtypes, shardings, specs and mesh.
+
+    Runs before the inputs are placed: placing host data on a multi-process mesh is itself a
+    cross-process transfer, which aborts when the shapes differ.
 
     >>> check_call("step", (np.zeros(3),))   # one process: nothing to compare
     """
     if process_count() == 1:
         return
-    mine = fingerprint(name, args)
-    prints = [pickle.loads(b) for b in exchange("spmd", "spmd debug check", pickle.dumps(mine))]
+    mine = fingerprint(name, args, in_specs=in_specs, mesh=mesh)
+    prints = [pickle.loads(b) for b in exchange(name, "spmd debug check", pickle.dumps(mine))]
     diffs = {p: _diff(fp, prints[0]) for p, fp in enumerate(prints) if fp != prints[0]}
     if not diffs:
         return
-    text = " ".join(f"Process {p} differs from process 0: {'; '.join(d)}." for p, d in diffs.items())
+    text = " ".join(f"Process {p} differs from process 0: {'; '.join(d)}."
+                    for p, d in diffs.items())
     raise ProcessMismatchError(describe(
-        name, f"debug check (process {process_index()}): the processes called it with different "
-        f"inputs, which would hang or compute garbage. {text}",
+        name, f"debug check on process {process_index()}: the processes called it with different "
+        f"inputs, which would hang, abort or compute garbage. {text}",
         fix="give every process inputs of the same global shape, dtype and sharding (pad the "
         "last batch, e.g. with spmdcomm.pad_batch), and call the same functions in the same order."))
 
 
-def fingerprint(name: str, args: Sequence[Any]) -> dict[str, Any]:
-    """What :func:`check_call` compares: the name, then ``path -> (shape, dtype, sharding)``.
+def fingerprint(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Mesh | None = None
+                ) -> dict[str, Any]:
+    """What :func:`check_call` compares: name, specs, mesh, and ``path -> (shape, dtype, sharding)``.
 
     >>> fingerprint("f", (np.zeros((2, 3), np.float32),))["leaves"]
     {'[0]': ((2, 3), 'float32', None)}
     """
     leaves = jax.tree_util.tree_flatten_with_path(tuple(args))[0]
-    return {"name": name, "leaves": {
-        jax.tree_util.keystr(path): (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)),
-                                     _sharding(x))
-        for path, x in leaves}}
+    return {
+        "function": name,
+        "in_specs": str(in_specs),
+        "mesh": None if mesh is None else str(dict(mesh.shape)),
+        "leaves": {jax.tree_util.keystr(path): _leaf(x) for path, x in leaves},
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
 
 
-def _sharding(x: Any) -> str | None:
+def _leaf(x: Any) -> tuple[tuple[int, ...], str, str | None]:
+    dtype = str(getattr(x, "dtype", type(x).__name__))
     sharding = getattr(x, "sharding", None)
     if isinstance(sharding, NamedSharding):
-        return f"{sharding.spec} over mesh {dict(sharding.mesh.shape)}"
-    return None if sharding is None else type(sharding).__name__
+        where = f"{sharding.spec} over mesh {dict(sharding.mesh.shape)}"
+    else:
+        where = None if sharding is None else type(sharding).__name__
+    return tuple(getattr(x, "shape", ())), dtype, where
 
 
 def _diff(fp: dict[str, Any], ref: dict[str, Any]) -> list[str]:
-    out = []
-    if fp["name"] != ref["name"]:
-        out.append(f"it called {fp['name']!r}, process 0 called {ref['name']!r}")
-    names = ("shape", "dtype", "sharding")
+    out = [f"{key} {fp[key]} vs {ref[key]} on process 0"
+           for key in ("function", "in_specs", "mesh") if fp[key] != ref[key]]
     for path in sorted(set(fp["leaves"]) | set(ref["leaves"])):
         a, b = fp["leaves"].get(path), ref["leaves"].get(path)
         if a is None or b is None:
             out.append(f"args{path} is {'missing' if a is None else 'extra'} (not on both)")
             continue
-        out += [f"args{path}: {k} {x} vs {y} on process 0" for k, x, y in zip(names, a, b) if x != y]
+        out += [f"args{path}: {k} {x} vs {y} on process 0"
+                for k, x, y in zip(("shape", "dtype", "sharding"), a, b, strict=True) if x != y]
     return out

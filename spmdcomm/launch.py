@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -102,6 +102,7 @@ def launch(
                               ENV_PROCESS_ID: str(rank), ENV_LOCAL_RANK: str(rank),
                               ENV_LOCAL_WORLD_SIZE: str(nprocs)})
             job.start(rank, [sys.executable, *target], child_env)
+        job.forward_output()  # only now start threads: every fork above happened without them
         return job.wait(timeout)
 
 
@@ -155,10 +156,13 @@ def _exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: the kernel sends SIGKILL when the launcher dies.
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+def _die_with_parent() -> Callable[[], None] | None:
+    """A function for the child to run between fork and exec: the kernel sends it SIGKILL when the
+    launcher dies (Linux; elsewhere None). libc is looked up here, before forking."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -170,14 +174,17 @@ class _Job:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self, rank: int, cmd: list[str], env: dict[str, str]) -> None:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with_parent)
-        self.procs[rank] = proc
-        for src, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(rank, src, dst, self.lock), daemon=True)
-            t.start()
-            self.threads.append(t)
+        self.procs[rank] = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent())
+
+    def forward_output(self) -> None:
+        """Starts the threads that copy each process's output, prefixed with its rank."""
+        for rank, proc in self.procs.items():
+            for src, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                t = threading.Thread(target=_pump, args=(rank, src, dst, self.lock), daemon=True)
+                t.start()
+                self.threads.append(t)
 
     def wait(self, timeout: float | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -91,6 +91,7 @@ def initialize(
             f"process's id, but got coordinator_address={address!r}, process_id={pid!r}.",
             fix=f"pass them, set {ENV_COORDINATOR} and {ENV_PROCESS_ID}, or start the script with "
             "spmdcomm-launch."))
+    host, port = _split_address(address)
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
@@ -101,7 +102,6 @@ def initialize(
             fix="call spmdcomm.initialize() at the top of the script, before any other JAX call."))
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     deadline = time.monotonic() + timeout
-    host, port = _split_address(address)
     if pid == 0:
         _check_port_free(address, host, port)
     else:

@@ -91,10 +91,9 @@ class SpmdFunction:
 
     def __call__(self, *args: Any) -> Any:
         mesh = self.resolved_mesh()
-        placed = self.place(args)
-        if debug.enabled():  # SPMDCOMM_DEBUG: processes compare this call's inputs first
-            debug.check_call(self.__name__, placed)
-        return self._compiled(mesh)(*placed)
+        if debug.enabled():  # SPMDCOMM_DEBUG: processes compare the call before placing inputs
+            debug.check_call(self.__name__, args, in_specs=self.in_specs, mesh=mesh)
+        return self._compiled(mesh)(*self.place(args))
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Places ``args`` and lowers the compiled function for them (``.compile().as_text()`` gives HLO)."""

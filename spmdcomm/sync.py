@@ -124,7 +124,7 @@ def main_process_first(*, local: bool = False, timeout: float = DEFAULT_TIMEOUT)
             raise
         client.key_value_set(key, json.dumps({"error": None}))
         return
-    who = "this host's local-rank-0 process" if local else "process 0"
+    who = "the main process of this host" if local else "the main process"
     try:
         done = json.loads(client.blocking_key_value_get(key, _ms(timeout)))
     except jax.errors.JaxRuntimeError:
@@ -136,8 +136,8 @@ def main_process_first(*, local: bool = False, timeout: float = DEFAULT_TIMEOUT)
             "raise `timeout` if the main process's work is slow.")) from None
     if done["error"]:
         raise RemoteProcessError(describe(
-            "main_process_first", f"process {done['process']} ({who}) raised inside the block, so "
-            f"process {process_index()} does not run it: {done['error']}",
+            "main_process_first", f"{who} (process {done['process']}) raised inside the block, "
+            f"so process {process_index()} does not run it: {done['error']}",
             fix="see the main process's traceback for the cause."))
     yield
 
