@@ -46,7 +46,7 @@ def set_debug(on: bool | None = True) -> None:
 
 
 def enabled() -> bool:
-    """Whether debug mode is on (:func:`set_debug`, else ``SPMDCOMM_DEBUG`` set to anything but 0)."""
+    """Whether debug mode is on: :func:`set_debug`, else ``SPMDCOMM_DEBUG`` set and not ``0``."""
     if _override[0] is not None:
         return _override[0]
     return os.environ.get(ENV_DEBUG, "").strip().lower() not in ("", "0", "false", "no", "off")
@@ -75,12 +75,13 @@ def check_call(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Me
         name, f"debug check on process {process_index()}: the processes called it with different "
         f"inputs, which would hang, abort or compute garbage. {text}",
         fix="give every process inputs of the same global shape, dtype and sharding (pad the "
-        "last batch, e.g. with spmdcomm.pad_batch), and call the same functions in the same order."))
+        "last batch, e.g. with spmdcomm.pad_batch), and call the same functions in the same "
+        "order."))
 
 
 def fingerprint(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Mesh | None = None
                 ) -> dict[str, Any]:
-    """What :func:`check_call` compares: name, specs, mesh, and ``path -> (shape, dtype, sharding)``.
+    """What :func:`check_call` compares: name, specs, mesh, ``path -> (shape, dtype, sharding)``.
 
     >>> fingerprint("f", (np.zeros((2, 3), np.float32),))["leaves"]
     {'[0]': ((2, 3), 'float32', None)}
@@ -94,7 +95,7 @@ def fingerprint(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: M
     }
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 def _leaf(x: Any) -> tuple[tuple[int, ...], str, str | None]:

@@ -120,7 +120,8 @@ def main_process_first(*, local: bool = False, timeout: float = DEFAULT_TIMEOUT)
         try:
             yield
         except BaseException as e:
-            client.key_value_set(key, json.dumps({"error": _summary(e), "process": process_index()}))
+            failure = {"error": _summary(e), "process": process_index()}
+            client.key_value_set(key, json.dumps(failure))
             raise
         client.key_value_set(key, json.dumps({"error": None}))
         return
@@ -157,7 +158,8 @@ def host_all_reduce(tree: Any, op: str = "sum", *, timeout: float = DEFAULT_TIME
         raise SpmdError(describe("host_all_reduce", f"unknown op {op!r}.",
                                  fix=f"use one of {HOST_REDUCE_OPS}."))
     reduce = _HOST_REDUCERS[op]
-    return jax.tree.map(lambda x: np.asarray(reduce(x)), _gather_tree("host_all_reduce", tree, timeout))
+    stacked = _gather_tree("host_all_reduce", tree, timeout)
+    return jax.tree.map(lambda x: np.asarray(reduce(x)), stacked)
 
 
 def host_all_gather(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> Any:
@@ -228,7 +230,7 @@ def exchange(
     return _sync_point(fn, label, timeout, payload)
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 
 _HOST_REDUCERS: dict[str, Callable[[np.ndarray], Any]] = {
@@ -315,7 +317,8 @@ def _timeout_error(
     fn: str, client: Any, mine: dict[str, Any], n: int, timeout: float, cause: Exception
 ) -> BarrierTimeoutError:
     seq = mine["seq"]
-    arrived = {_pid(k) for k, _ in _try(lambda: client.key_value_dir_get(f"{_PREFIX}{seq}/rec/"), [])}
+    records = _try(lambda: client.key_value_dir_get(f"{_PREFIX}{seq}/rec/"), [])
+    arrived = {_pid(k) for k, _ in records}
     missing = [p for p in range(n) if p not in arrived]
     last = []
     for p in range(n):
@@ -327,10 +330,10 @@ def _timeout_error(
         what = (f"every process arrived, but not within {timeout:g} s of the first (or the barrier "
                 f"failed: {str(cause).splitlines()[0]})")
     return BarrierTimeoutError(describe(
-        fn, f"{_where(mine)} on process {process_index()}: {what}. Last sync point of each process: "
-        + "; ".join(last) + ".",
-        fix="make every process call the same barriers and host collectives in the same order, check "
-        "that no process has died or is stuck, or raise `timeout` if a process is just slow."))
+        fn, f"{_where(mine)} on process {process_index()}: {what}. Last sync point of each "
+        "process: " + "; ".join(last) + ".",
+        fix="make every process call the same barriers and host collectives in the same order, "
+        "check that no process has died or is stuck, or raise `timeout` if a process is slow."))
 
 
 def _try(get: Callable[[], Any], default: Any) -> Any:
@@ -360,7 +363,7 @@ def _gather_tree(fn: str, tree: Any, timeout: float) -> Any:
     flat = [jax.tree_util.tree_flatten_with_path(t) for t in trees]
     _check_same_leaves(fn, flat)
     leaves = [[leaf for _, leaf in f[0]] for f in flat]
-    return jax.tree.unflatten(flat[0][1], [np.stack(col) for col in zip(*leaves)])
+    return jax.tree.unflatten(flat[0][1], [np.stack(col) for col in zip(*leaves, strict=True)])
 
 
 def _check_same_leaves(fn: str, flat: list[tuple[list[tuple[Any, np.ndarray]], Any]]) -> None:
@@ -370,7 +373,7 @@ def _check_same_leaves(fn: str, flat: list[tuple[list[tuple[Any, np.ndarray]], A
             raise ProcessMismatchError(describe(
                 fn, f"process {p} passed a tree of structure {treedef}, process 0 {ref_def}.",
                 fix="pass the same pytree structure on every process."))
-        for (path, a), (_, b) in zip(leaves, ref):
+        for (path, a), (_, b) in zip(leaves, ref, strict=True):
             if a.shape != b.shape or a.dtype != b.dtype:
                 raise ProcessMismatchError(describe(
                     fn, f"process {p} passed shape {a.shape} dtype {a.dtype}, process 0 shape "

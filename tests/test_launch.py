@@ -1,4 +1,4 @@
-"""The launcher, run on small plain-Python scripts (no JAX in the children, so each test is fast)."""
+"""The launcher, on small plain-Python scripts (no JAX in the children, so each test is fast)."""
 
 import os
 import signal
@@ -82,11 +82,13 @@ def test_launcher_signal_leaves_no_process(tmp_path, sig):
     pids = tmp_path / "pids"
     path = script(tmp_path, f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
                   "time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--grace", "1", path],
+    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--grace", "1", path]
+    proc = subprocess.Popen(cmd,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 30
-        while (not pids.exists() or len(pids.read_text().split()) < 2) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+                not pids.exists() or len(pids.read_text().split()) < 2):
             time.sleep(0.1)
         children = [int(p) for p in pids.read_text().split()]
         assert len(children) == 2

@@ -8,8 +8,9 @@ import pytest
 import spmdcomm as sc
 from spmdcomm import debug, runtime
 
-ENV = ("SPMDCOMM_COORDINATOR", "SPMDCOMM_NUM_PROCESSES", "SPMDCOMM_PROCESS_ID", "SPMDCOMM_LOCAL_RANK",
-       "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST", "JAX_COORDINATOR_ADDRESS")
+ENV = ("SPMDCOMM_COORDINATOR", "SPMDCOMM_NUM_PROCESSES", "SPMDCOMM_PROCESS_ID",
+       "SPMDCOMM_LOCAL_RANK", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST",
+       "JAX_COORDINATOR_ADDRESS")
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def test_initialize_errors(clean_env):
     with pytest.raises(sc.DistributedError, match="SPMDCOMM_NUM_PROCESSES='two' is not an integer"):
         sc.initialize()
     clean_env.setenv("SPMDCOMM_NUM_PROCESSES", "2")
-    with pytest.raises(sc.DistributedError, match="needs a coordinator address and this process's id"):
+    with pytest.raises(sc.DistributedError, match="needs a coordinator address and this"):
         sc.initialize()
     with pytest.raises(sc.DistributedError, match="is not HOST:PORT"):
         sc.initialize("localhost", process_id=1)
@@ -122,8 +123,8 @@ def test_debug_switch(monkeypatch):
 def test_debug_fingerprint_diff():
     mesh = sc.data_mesh(devices=jax.devices()[:2])
     placed = jax.device_put(np.zeros((4, 2), np.float32), sc.data_sharding(mesh))
-    a = debug.fingerprint("step", ({"x": placed, "y": np.zeros(3, np.int32)},), in_specs=sc.P("data"),
-                          mesh=mesh)
+    a = debug.fingerprint("step", ({"x": placed, "y": np.zeros(3, np.int32)},),
+                          in_specs=sc.P("data"), mesh=mesh)
     b = debug.fingerprint("step", ({"x": np.zeros((4, 2), np.float16), "z": 1},), in_specs=sc.P(),
                           mesh=mesh)
     assert a["leaves"]["[0]['x']"] == ((4, 2), "float32", "P('data',) over mesh {'data': 2}")

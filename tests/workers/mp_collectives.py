@@ -1,6 +1,7 @@
 """Worker for tests/test_multiprocess.py: every collective and sync across processes, vs NumPy.
 
-Run it under the launcher: ``spmdcomm-launch -n 2 --devices-per-process 2 mp_collectives.py SHARED_FILE``.
+Run it under the launcher:
+``spmdcomm-launch -n 2 --devices-per-process 2 mp_collectives.py SHARED_FILE``.
 Each process prints ``CHECKS OK <count>`` at the end; any failed check raises (non-zero exit).
 """
 
@@ -37,7 +38,9 @@ def check(name, got, want):
     checks.append(name)
 
 
-def run(fn, x, in_specs=P("data"), out_specs=P()):
+def run(fn, x, in_specs=None, out_specs=None):
+    in_specs = P("data") if in_specs is None else in_specs
+    out_specs = P() if out_specs is None else out_specs
     return host(sc.spmd(fn, in_specs=in_specs, out_specs=out_specs, mesh=mesh)(x))
 
 
@@ -54,7 +57,8 @@ check("process_devices_other", [d.process_index for d in sc.process_devices(npro
 k = 3
 x = (np.arange(n * k, dtype=np.float32).reshape(n, k) - 4) * 1.5
 check("psum", run(lambda b: sc.psum(b, "data"), x), x.sum(0, keepdims=True))
-check("psum_rs_ag", run(lambda b: sc.psum(b, "data", algorithm="rs_ag"), x), x.sum(0, keepdims=True))
+check("psum_rs_ag", run(lambda b: sc.psum(b, "data", algorithm="rs_ag"), x),
+      x.sum(0, keepdims=True))
 check("pmean", run(lambda b: sc.pmean(b, "data"), x), x.mean(0, keepdims=True))
 check("pmax", run(lambda b: sc.pmax(b, "data"), x), x.max(0, keepdims=True))
 check("pmin", run(lambda b: sc.pmin(b, "data"), x), x.min(0, keepdims=True))

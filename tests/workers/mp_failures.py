@@ -1,12 +1,13 @@
 """Worker for tests/test_multiprocess.py: the ways processes fall out of step, and what they report.
 
 ``mp_failures.py errors``: 2 processes. Mismatched barrier names, an exception inside
-main_process_first, a debug-mode shape mismatch and a host_all_reduce shape mismatch must each raise
-the right error on every process (printed as ``CAUGHT <name>: <message>``); then the seed bug: process 0
-calls ``barrier`` twice, process 1 once, so process 0 must time out naming process 1 and exit 1.
+main_process_first, a debug-mode shape mismatch and a host_all_reduce shape mismatch must each
+raise the right error on every process (printed as ``CAUGHT <name>: <message>``); then the seed
+bug: process 0 calls ``barrier`` twice, process 1 once, so process 0 must time out naming process 1
+and exit 1.
 
-``mp_failures.py kill``: process 1 kills itself with SIGKILL while the others wait in a barrier with a
-long timeout; the launcher must end them. Process 1 prints ``KILLING <time>`` first.
+``mp_failures.py kill``: process 1 kills itself with SIGKILL while the others wait in a barrier
+with a long timeout; the launcher must end them. Process 1 prints ``KILLING <time>`` first.
 """
 
 import os
