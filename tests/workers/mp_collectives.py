@@ -46,6 +46,12 @@ def run(fn, x, in_specs=None, out_specs=None):
 
 # --- topology -----------------------------------------------------------------------------------
 assert nproc > 1 and sc.is_initialized()
+sc.initialize()  # a second call is a no-op
+try:
+    sc.initialize(num_processes=nproc + 1)
+except sc.DistributedError as e:
+    assert "already joined as process" in str(e)
+    checks.append("initialize_again")
 check("local_rank", sc.local_rank(), pid)  # one host: local rank == process index
 check("is_main", sc.is_main_process(), pid == 0)
 check("is_main_local", sc.is_main_process(local=True), pid == 0)
