@@ -13,6 +13,11 @@ __all__ = [
     "ShapeError",
     "BackendError",
     "ReplicatedReductionWarning",
+    "DistributedError",
+    "CoordinatorError",
+    "BarrierTimeoutError",
+    "ProcessMismatchError",
+    "RemoteProcessError",
 ]
 
 
@@ -39,6 +44,29 @@ class ReplicatedReductionWarning(UserWarning):
     with ``check_vma=True`` this is the classic gradient trap: ``jax.grad`` with respect to replicated
     parameters already returns the gradient summed over the axis.
     """
+
+
+class DistributedError(RuntimeError):
+    """A multi-process operation failed at run time (base class of the errors below).
+
+    Not a :class:`SpmdError`: the input was fine, but the processes of the job did not cooperate.
+    """
+
+
+class CoordinatorError(DistributedError, ConnectionError):
+    """The coordinator of a multi-process job could not be reached, or cannot listen on its port."""
+
+
+class BarrierTimeoutError(DistributedError, TimeoutError):
+    """Not every process arrived in time; the message names the missing ones and where each was."""
+
+
+class ProcessMismatchError(DistributedError):
+    """Processes reached different barriers, or called the same function with different inputs."""
+
+
+class RemoteProcessError(DistributedError):
+    """Another process failed in a block this process was waiting for; the message has its error."""
 
 
 def describe(fn: str, message: str, *, fix: str | None = None, leaf: str | None = None) -> str:

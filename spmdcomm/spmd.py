@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm import debug
 from spmdcomm.errors import BackendError, ShapeError, SpmdError, describe
 from spmdcomm.mesh import check_mesh_axes, default_mesh
 
@@ -91,6 +92,8 @@ class SpmdFunction:
 
     def __call__(self, *args: Any) -> Any:
         mesh = self.resolved_mesh()
+        if debug.enabled():  # SPMDCOMM_DEBUG: processes compare the call before placing inputs
+            debug.check_call(self.__name__, args, in_specs=self.in_specs, mesh=mesh)
         leaves, treedef = jax.tree.flatten(args)
         hit = self._fast.get((treedef, mesh))
         # Fast path: every leaf already sits where the last call placed it (one == per leaf, no pytree walk).
