@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -189,7 +190,7 @@ def _make(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
         mapped = jax.shard_map(sf.fn, mesh=mesh, in_specs=_as_tuple_specs(sf.in_specs), out_specs=sf.out_specs,
                                check_vma=sf.check_vma)
         return jax.jit(mapped, donate_argnums=sf.donate_argnums)
-    return jax.jit(_pmap_body(sf, mesh), donate_argnums=sf.donate_argnums)
+    return _make_pmap(sf, mesh)
 
 
 def _as_tuple_specs(in_specs: Any) -> Any:
@@ -197,26 +198,43 @@ def _as_tuple_specs(in_specs: Any) -> Any:
     return in_specs if _is_spec(in_specs) else tuple(in_specs)
 
 
-def _pmap_body(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
+def _make_pmap(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
+    """pmap over the leading device axis, with each split dimension moved there and back."""
     _check_pmap_mesh(sf.__name__, mesh)
     (axis,) = mesh.axis_names
     n = mesh.shape[axis]
+    out_axes = jax.tree.map(_pmap_axis, sf.out_specs, is_leaf=_is_spec)
+    pmapped: dict[Hashable, Callable[..., Any]] = {}
 
-    def body(*args: Any) -> Any:
+    def in_axes_of(args: tuple[Any, ...]) -> Any:
         specs = _arg_specs(sf.in_specs, args, "in_specs")
-        split = jax.tree.map(lambda spec, sub: jax.tree.map(lambda x: _to_leading(x, spec, n), sub),
-                             specs, args, is_leaf=_is_spec)
-        in_axes = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: _pmap_axis(spec), sub),
-                               specs, args, is_leaf=_is_spec)
-        out_axes = jax.tree.map(_pmap_axis, sf.out_specs, is_leaf=_is_spec)
-        # pmap needs one mapped argument to know its size; a dummy one serves when every input is replicated.
-        dummy = jnp.zeros((n,), jnp.int8)
-        out = jax.pmap(lambda _, *a: sf.fn(*a), axis_name=axis, in_axes=(0, *in_axes), out_axes=out_axes,
-                       devices=list(mesh.devices.flat))(dummy, *split)
+        return tuple(jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: _pmap_axis(spec), sub),
+                                  specs, args, is_leaf=_is_spec))
+
+    def split(*args: Any) -> tuple[Any, ...]:
+        specs = _arg_specs(sf.in_specs, args, "in_specs")
+        return tuple(jax.tree.map(lambda spec, sub: jax.tree.map(lambda x: _to_leading(x, spec, n), sub),
+                                  specs, args, is_leaf=_is_spec))
+
+    def merge(out: Any) -> Any:
         return jax.tree.map(lambda spec, sub: jax.tree.map(lambda y: _from_leading(y, spec), sub),
                             sf.out_specs, out, is_leaf=_is_spec)
 
-    return body
+    def run(in_axes: Any, dummy: Any, parts: tuple[Any, ...]) -> Any:
+        # pmap needs one mapped argument to know its size; a dummy one serves when every input is replicated.
+        key = _hashable(in_axes)
+        if key not in pmapped:
+            pmapped[key] = jax.pmap(lambda _, *a: sf.fn(*a), axis_name=axis, in_axes=(0, *in_axes),
+                                    out_axes=out_axes, devices=list(mesh.devices.flat))
+        return pmapped[key](dummy, *parts)
+
+    if jax.process_count() == 1:
+        return jax.jit(lambda *args: merge(run(in_axes_of(args), jnp.zeros((n,), jnp.int8), split(*args))),
+                       donate_argnums=sf.donate_argnums)
+    # With several processes pmap cannot run inside jit; it takes global arrays split on the leading axis.
+    split_jit, merge_jit = jax.jit(split), jax.jit(merge)
+    dummy = jax.device_put(np.zeros((n,), np.int8), NamedSharding(mesh, P(axis)))
+    return lambda *args: merge_jit(run(in_axes_of(args), dummy, split_jit(*args)))
 
 
 def _split_dim(spec: P | None) -> int | None:

@@ -38,10 +38,10 @@ def check(name, got, want):
     checks.append(name)
 
 
-def run(fn, x, in_specs=None, out_specs=None):
+def run(fn, x, in_specs=None, out_specs=None, backend="shard_map"):
     in_specs = P("data") if in_specs is None else in_specs
     out_specs = P() if out_specs is None else out_specs
-    return host(sc.spmd(fn, in_specs=in_specs, out_specs=out_specs, mesh=mesh)(x))
+    return host(sc.spmd(fn, in_specs=in_specs, out_specs=out_specs, mesh=mesh, backend=backend)(x))
 
 
 # --- topology -----------------------------------------------------------------------------------
@@ -104,6 +104,14 @@ check("shift", run(lambda b: sc.shift(b, "data", 1), x, out_specs=P("data")), np
 check("axis_index", run(lambda b: sc.axis_index("data")[None], x, out_specs=P("data")),
       np.arange(n))
 check("axis_size", run(lambda b: np.full((1,), sc.axis_size("data")), x), [n])
+
+# --- the pmap backend gives the same answers across processes ------------------------------------
+check("pmap_psum", run(lambda b: sc.psum(b, "data"), x, backend="pmap"), x.sum(0, keepdims=True))
+check("pmap_shift", run(lambda b: sc.shift(b, "data", 1), x, out_specs=P("data"), backend="pmap"),
+      np.roll(x, 1, axis=0))
+check("pmap_scatter", run(lambda b: sc.scatter(b, "data", root=0), z, in_specs=P(), out_specs=P("data"),
+                          backend="pmap"), z)
+check("pmap_all_gather", run(lambda b: sc.all_gather(b, "data"), x, backend="pmap"), x)
 
 # --- debug mode: identical calls pass the check -------------------------------------------------
 sc.set_debug(True)
