@@ -231,10 +231,25 @@ def _make_pmap(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
     if jax.process_count() == 1:
         return jax.jit(lambda *args: merge(run(in_axes_of(args), jnp.zeros((n,), jnp.int8), split(*args))),
                        donate_argnums=sf.donate_argnums)
-    # With several processes pmap cannot run inside jit; it takes global arrays split on the leading axis.
+    # With several processes pmap cannot run inside jit: it takes global arrays split on the leading axis and
+    # returns process-local ones (leading axis = this process's devices), which are reassembled as global arrays.
     split_jit, merge_jit = jax.jit(split), jax.jit(merge)
     dummy = jax.device_put(np.zeros((n,), np.int8), NamedSharding(mesh, P(axis)))
-    return lambda *args: merge_jit(run(in_axes_of(args), dummy, split_jit(*args)))
+
+    def globalise(axis_or_none: int | None, y: jax.Array) -> jax.Array:
+        shards = [s.data for s in y.addressable_shards]
+        if axis_or_none is None:
+            return jax.make_array_from_single_device_arrays(y.shape, NamedSharding(mesh, P()), shards)
+        shape = (n,) + shards[0].shape[1:]
+        return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P(axis)), shards)
+
+    def call(*args: Any) -> Any:
+        out = run(in_axes_of(args), dummy, split_jit(*args))
+        out = jax.tree.map(lambda a, sub: jax.tree.map(lambda y: globalise(a, y), sub), out_axes, out,
+                           is_leaf=lambda v: v is None or isinstance(v, int))
+        return merge_jit(out)
+
+    return call
 
 
 def _split_dim(spec: P | None) -> int | None:
