@@ -119,8 +119,7 @@ def test_early_stop_ends_the_thread_even_with_a_full_queue(how):
             assert wait_until(lambda: it._state.queue.qsize() == 3)
     else:
         it = sc.prefetch_to_device(endless(), size=3)
-        for b in it:
-            break
+        b = next(it)
         assert wait_until(lambda: it._state.queue.qsize() == 3)
         thread = it._thread
         if how == "break_close":
