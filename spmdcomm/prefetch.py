@@ -1,7 +1,8 @@
 """Threaded host-to-device prefetch: the next batches are already on the mesh when the step wants them.
 
-A background thread pulls host batches from any iterable of NumPy pytrees and places them on the mesh as
-global ``jax.Array``s split along dimension 0, up to ``size`` batches ahead of the training loop.
+Background threads pull host batches from any iterable of NumPy pytrees (one thread) and place them on the
+mesh as global ``jax.Array``s split along dimension 0 (another, so that waiting on the loader overlaps with
+the copies), up to ``size`` batches ahead of the training loop.
 
 On CPU, ``jax.device_put`` of a 64-byte aligned NumPy array does not copy: the device array aliases the
 host memory. Prefetch copies each device's block into an aligned staging buffer of its own (the one copy
@@ -9,7 +10,7 @@ a plain ``device_put`` would make anyway, but done off the training thread and i
 device arrays alias those buffers. A buffer is reused only when nothing refers to it any more: while a
 device array (or a computation still reading it) aliases a buffer, JAX holds a reference to it, so the
 check is its reference count. Batches the loop keeps alive are never overwritten; if every buffer is
-busy, a fresh one is allocated. On GPU and TPU, the thread ``device_put`` s and waits for the copy, so
+busy, a fresh one is allocated. On GPU and TPU, the placing thread ``device_put`` s and waits for the copy, so
 the copy overlaps the previous step.
 
 >>> batches = ({"x": np.full((8, 2), float(i))} for i in range(3))
@@ -68,7 +69,7 @@ def prefetch_to_device(
 
     At most ``size`` batches are taken from ``iterable`` ahead of the one the loop has. An exception in
     ``iterable`` is raised in the loop with its original traceback. Stop early with ``break`` plus
-    :meth:`Prefetcher.close`, a ``with`` block, or by dropping the iterator: the thread ends. Time the
+    :meth:`Prefetcher.close`, a ``with`` block, or by dropping the iterator: the threads end. Time the
     loop spent waiting for data is in :attr:`Prefetcher.stats`.
     """
     size = int(size)
@@ -113,16 +114,19 @@ class PrefetchStats:
 
 
 class Prefetcher(Iterator[Any]):
-    """The iterator :func:`prefetch_to_device` returns; also a context manager that stops its thread."""
+    """The iterator :func:`prefetch_to_device` returns; also a context manager that stops its threads."""
 
     def __init__(self, source: Iterator[Any], size: int, sharding: Sharding, pad_to_multiple: int | None):
         self.stats = PrefetchStats()
         self._state = _State(source, size, sharding, pad_to_multiple)
-        self._thread = threading.Thread(target=_produce, args=(self._state,), daemon=True,
-                                        name="spmdcomm-prefetch")
-        self._thread.start()
-        # The thread holds only the state, never this object, so dropping the iterator stops it.
-        self._finalizer = weakref.finalize(self, _stop, self._state, self._thread)
+        # One thread waits on the source while the other places the previous batch, so a loader that
+        # waits (on storage, on the network) overlaps with the copies. They hold only the state, never
+        # this object, so dropping the iterator stops them.
+        self._threads = tuple(threading.Thread(target=target, args=(self._state,), daemon=True,
+                                               name="spmdcomm-prefetch") for target in (_fetch, _place_all))
+        for thread in self._threads:
+            thread.start()
+        self._finalizer = weakref.finalize(self, _stop, self._state, self._threads)
 
     def __next__(self) -> Any:
         state = self._state
@@ -134,7 +138,7 @@ class Prefetcher(Iterator[Any]):
                 kind, value = state.queue.get(timeout=POLL_SECONDS)
                 break
             except queue.Empty:
-                if not self._thread.is_alive() and state.queue.empty():
+                if not self.alive and state.queue.empty():
                     state.finished = True
         if kind == "item":
             state.slots.release()
@@ -146,13 +150,13 @@ class Prefetcher(Iterator[Any]):
         raise StopIteration
 
     def close(self) -> None:
-        """Stops the producer thread and waits (up to ``CLOSE_TIMEOUT`` s) for it to end."""
+        """Stops the producer threads and waits (up to ``CLOSE_TIMEOUT`` s in all) for them to end."""
         self._finalizer()
 
     @property
     def alive(self) -> bool:
-        """Whether the producer thread is still running."""
-        return self._thread.is_alive()
+        """Whether a producer thread is still running."""
+        return any(thread.is_alive() for thread in self._threads)
 
     def __enter__(self) -> Prefetcher:
         return self
@@ -172,7 +176,8 @@ class _State:
         self.size = size
         self.sharding = sharding
         self.pad_to_multiple = pad_to_multiple
-        self.queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.fetched: queue.Queue[tuple[str, Any]] = queue.Queue()  # host batches, not yet placed
+        self.queue: queue.Queue[tuple[str, Any]] = queue.Queue()  # placed batches
         self.slots = threading.Semaphore(size)  # batches taken from source but not yet handed out
         self.stop = threading.Event()
         self.finished = False
@@ -180,15 +185,18 @@ class _State:
         self.pool = _StagingPool(keep=size + 3)
 
 
-def _stop(state: _State, thread: threading.Thread) -> None:
+def _stop(state: _State, threads: tuple[threading.Thread, ...]) -> None:
     state.stop.set()
     state.finished = True
     state.slots.release()
-    if thread is not threading.current_thread():
-        thread.join(CLOSE_TIMEOUT)
+    deadline = time.monotonic() + CLOSE_TIMEOUT
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _produce(state: _State) -> None:
+def _fetch(state: _State) -> None:
+    """Takes batches from the source, at most ``size`` ahead of the consumer, into ``state.fetched``."""
     try:
         while True:
             while not state.slots.acquire(timeout=POLL_SECONDS):
@@ -199,11 +207,11 @@ def _produce(state: _State) -> None:
             try:
                 item = next(state.source)
             except StopIteration:
-                state.queue.put(("done", None))
+                state.fetched.put(("done", None))
                 return
-            state.queue.put(("item", _place(state, item)))
+            state.fetched.put(("item", item))
     except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
-        state.queue.put(("error", e))
+        state.fetched.put(("error", e))
     finally:
         close = getattr(state.source, "close", None)
         if close is not None:
@@ -211,6 +219,23 @@ def _produce(state: _State) -> None:
                 close()
             except Exception:  # noqa: BLE001 - a failing close must not hide the real outcome
                 pass
+
+
+def _place_all(state: _State) -> None:
+    """Places fetched batches on the mesh, in order, into ``state.queue``."""
+    while not state.stop.is_set():
+        try:
+            kind, value = state.fetched.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            continue
+        if kind == "item":
+            try:
+                value = _place(state, value)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+                kind, value = "error", e
+        state.queue.put((kind, value))
+        if kind != "item":
+            return
 
 
 def _place(state: _State, batch: Any) -> Any:

@@ -121,13 +121,13 @@ def test_early_stop_ends_the_thread_even_with_a_full_queue(how):
         it = sc.prefetch_to_device(endless(), size=3)
         b = next(it)
         assert wait_until(lambda: it._state.queue.qsize() == 3)
-        thread = it._thread
+        threads = it._threads
         if how == "break_close":
             it.close()
         else:
             del it, b
             gc.collect()
-        assert wait_until(lambda: not thread.is_alive())
+        assert wait_until(lambda: not any(t.is_alive() for t in threads))
     assert wait_until(lambda: not prefetch_threads())
 
 
