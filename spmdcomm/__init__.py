@@ -21,7 +21,15 @@ from spmdcomm.collectives import (
     scatter,
     shift,
 )
-from spmdcomm.data import MaskedBatch, pad_batch, unpad
+from spmdcomm.data import (
+    MaskedBatch,
+    ShardedSampler,
+    join_batches,
+    pad_batch,
+    shard_batch,
+    take_batches,
+    unpad,
+)
 from spmdcomm.debug import enabled as debug_enabled
 from spmdcomm.debug import set_debug
 from spmdcomm.errors import (
@@ -47,6 +55,7 @@ from spmdcomm.mesh import (
     process_index,
     replicated_sharding,
 )
+from spmdcomm.prefetch import Prefetcher, PrefetchStats, prefetch_to_device
 from spmdcomm.runtime import (
     initialize,
     is_initialized,
@@ -92,6 +101,14 @@ __all__ = [
     "MaskedBatch",
     "pad_batch",
     "unpad",
+    "shard_batch",
+    "ShardedSampler",
+    "take_batches",
+    "join_batches",
+    # prefetch
+    "prefetch_to_device",
+    "Prefetcher",
+    "PrefetchStats",
     # errors
     "AxisError",
     "BackendError",

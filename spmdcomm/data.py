@@ -1,4 +1,4 @@
-"""Host batches: padding uneven batches with a mask.
+"""Host batches: padding uneven batches with a mask, sharding them onto the mesh, sampling and joining.
 
 torch.nn.DataParallel splits 15 examples over 2 devices as 8 + 7; SPMD programs need equal blocks, so
 spmdcomm pads to 16 and carries a boolean mask that marks the real examples. Everything downstream (the DDP
@@ -10,18 +10,37 @@ step, eval metrics) weighs examples by the mask, so results equal the unpadded c
 ([0.0, 1.0, 2.0, 3.0, 4.0, 0.0, 0.0, 0.0], [True, True, True, True, True, False, False, False])
 >>> sc.unpad(padded)["x"].tolist()
 [0.0, 1.0, 2.0, 3.0, 4.0]
+
+:func:`shard_batch` places a host batch on the mesh, :class:`ShardedSampler` splits a data set across
+processes so that every example is used exactly once per epoch, and :func:`join_batches` keeps processes
+whose iterators run out early stepping with fully masked batches until every process is done.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, Sharding
 
-from spmdcomm.errors import ShapeError, SpmdError, describe
+from spmdcomm.errors import BarrierTimeoutError, ShapeError, SpmdError, describe
+from spmdcomm.mesh import data_sharding, default_mesh, process_count, process_index
+from spmdcomm.runtime import coordination_client
+from spmdcomm.sync import DEFAULT_TIMEOUT
 
-__all__ = ["MaskedBatch", "pad_batch", "unpad"]
+__all__ = [
+    "MaskedBatch",
+    "pad_batch",
+    "unpad",
+    "shard_batch",
+    "ShardedSampler",
+    "take_batches",
+    "join_batches",
+]
 
 
 class MaskedBatch(NamedTuple):
@@ -72,6 +91,162 @@ def unpad(batch: MaskedBatch | Any, mask: Any = None) -> Any:
     return jax.tree.map(lambda leaf: np.asarray(leaf)[keep], batch)
 
 
+def shard_batch(batch: Any, mesh: Mesh | None = None, axis: str | tuple[str, ...] = "data") -> Any:
+    """Puts a host batch on ``mesh`` as global ``jax.Array``s split along dimension 0 over ``axis``.
+
+    ``batch`` is a pytree of arrays with a common leading size (a :class:`MaskedBatch` keeps its mask,
+    sharded the same way). With several processes, each passes its own slice of the global batch; the
+    global batch is the processes' slices in process order. The per-process size must divide across this
+    process's devices along ``axis``; pad it with :func:`pad_batch` otherwise.
+
+    Like ``jax.device_put``, a 64-byte aligned NumPy leaf may be aliased on CPU rather than copied: do
+    not write into it while its device array is in use. (:func:`spmdcomm.prefetch_to_device` copies.)
+
+    >>> b = sc.shard_batch({"x": np.arange(16.0).reshape(8, 2)})
+    >>> b["x"].sharding.spec == sc.P("data"), b["x"].addressable_shards[1].data.tolist()
+    (True, [[2.0, 3.0]])
+    """
+    sharding = data_sharding(default_mesh() if mesh is None else mesh, axis)
+    leading_size("shard_batch", batch)
+
+    def put(path: Any, leaf: Any) -> jax.Array:
+        shape = global_shape("shard_batch", sharding, leaf.shape, jax.tree_util.keystr(path))
+        if isinstance(leaf, jax.Array) and process_count() == 1:
+            return jax.device_put(leaf, sharding)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(leaf), shape)
+
+    return jax.tree_util.tree_map_with_path(put, batch)
+
+
+class ShardedSampler:
+    """Splits example indices ``0 .. num_examples - 1`` into per-shard batches, each used once per epoch.
+
+    Shard ``shard_index`` of ``num_shards`` (usually one shard per process) calls :meth:`batches`.
+    Every step's global batch is the shards' batches side by side; all shards get the same number of
+    batches. With ``drop_remainder=False`` every example appears exactly once per epoch across all
+    shards, and the last step's examples are spread evenly over the shards, each padded to the batch
+    size and masked (never repeated, unlike torch's ``DistributedSampler``). With ``drop_remainder=True``
+    only full global batches are used: the few examples left over (different ones each shuffled epoch)
+    are skipped.
+
+    ``shuffle`` draws a new order every epoch from ``(seed, epoch)``; every shard draws the same one,
+    so the shards must share ``seed``. The epoch is an argument, or, left out, an internal counter that
+    each :meth:`batches` call advances, so a forgotten ``set_epoch`` cannot repeat an epoch's order.
+
+    >>> s = sc.ShardedSampler(10, shard_index=1, num_shards=2, shuffle=False)
+    >>> [(b.data.tolist(), b.mask.tolist()) for b in s.batches(3)]
+    [([3, 4, 5], [True, True, True]), ([8, 9, 0], [True, True, False])]
+    """
+
+    def __init__(self, num_examples: int, *, shard_index: int, num_shards: int, shuffle: bool = True,
+                 seed: int = 0, drop_remainder: bool = False):
+        for name, value, low in (("num_examples", num_examples, 0), ("num_shards", num_shards, 1)):
+            if not isinstance(value, (int, np.integer)) or value < low:
+                raise SpmdError(describe("ShardedSampler", f"{name}={value!r} must be an int >= {low}."))
+        if not isinstance(shard_index, (int, np.integer)) or not 0 <= shard_index < num_shards:
+            raise SpmdError(describe(
+                "ShardedSampler", f"shard_index={shard_index!r} is not in [0, num_shards={num_shards}).",
+                fix="pass e.g. shard_index=sc.process_index(), num_shards=sc.process_count()."))
+        self.num_examples = int(num_examples)
+        self.shard_index = int(shard_index)
+        self.num_shards = int(num_shards)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_remainder = drop_remainder
+        self.epoch = 0
+
+    def num_batches(self, batch_size: int) -> int:
+        """The number of batches every shard gets per epoch for a per-shard ``batch_size``."""
+        step = self.num_shards * _positive("ShardedSampler.num_batches", "batch_size", batch_size)
+        if self.drop_remainder:
+            return self.num_examples // step
+        return -(-self.num_examples // step)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """All ``num_examples`` indices in the order of ``epoch`` (identical on every shard)."""
+        if not self.shuffle:
+            return np.arange(self.num_examples)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+
+    def batches(self, batch_size: int, *, epoch: int | None = None) -> Iterator[MaskedBatch]:
+        """This shard's index batches for one epoch: ``MaskedBatch(indices, mask)`` of ``batch_size`` each.
+
+        ``epoch=None`` uses the internal counter and advances it by one (at this call, not lazily).
+        Padded positions hold index 0 and ``mask`` False, so gathering them never fails.
+        """
+        n = self.num_batches(batch_size)
+        if epoch is None:
+            epoch, self.epoch = self.epoch, self.epoch + 1
+        order = self.order(epoch)
+        step = self.num_shards * batch_size
+        full = order[: (n if self.drop_remainder else self.num_examples // step) * step]
+        mine = full.reshape(-1, self.num_shards, batch_size)[:, self.shard_index]
+        out = [MaskedBatch(row, np.ones(batch_size, dtype=bool)) for row in mine]
+        rest = order[len(full):]
+        if not self.drop_remainder and len(rest):
+            part = np.array_split(rest, self.num_shards)[self.shard_index]
+            out.append(pad_batch(part, batch_size) if len(part) else
+                       MaskedBatch(np.zeros(batch_size, order.dtype), np.zeros(batch_size, bool)))
+        return iter(out)
+
+
+def take_batches(dataset: Any, index_batches: Iterable[Any]) -> Iterator[MaskedBatch]:
+    """Gathers ``dataset`` rows for each index batch: yields ``MaskedBatch(rows, mask)``.
+
+    ``dataset`` is a pytree of arrays indexed along dimension 0 (NumPy arrays, memory maps, or anything
+    that takes an integer index array). ``index_batches`` yields :class:`MaskedBatch` es of indices (as
+    :meth:`ShardedSampler.batches` does) or plain index arrays (all rows real). Padded rows are zeros.
+
+    >>> s = sc.ShardedSampler(5, shard_index=0, num_shards=1, shuffle=False)
+    >>> [(b.data["x"].tolist(), b.mask.tolist()) for b in sc.take_batches({"x": np.arange(5) * 10},
+    ...                                                                  s.batches(4))]
+    [([0, 10, 20, 30], [True, True, True, True]), ([40, 0, 0, 0], [True, False, False, False])]
+    """
+    for item in index_batches:
+        idx, mask = (item.data, item.mask) if isinstance(item, MaskedBatch) else (item, None)
+        idx = np.asarray(idx)
+        mask = np.ones(len(idx), bool) if mask is None else np.asarray(mask, bool)
+        rows = jax.tree.map(lambda a, idx=idx, mask=mask: _zero_masked(np.asarray(a[idx]), mask), dataset)
+        yield MaskedBatch(rows, mask)
+
+
+def join_batches(
+    batches: Iterable[Any], *, like: Any = None, timeout: float = DEFAULT_TIMEOUT
+) -> Iterator[MaskedBatch]:
+    """Yields this process's batches until every process has run out; meanwhile pads with empty batches.
+
+    Each step, the processes exchange a has-data flag (through the coordination service, each wait
+    bounded by ``timeout`` seconds). A process whose iterator is done yields fully masked batches (zero
+    data, all-False ``mask``) shaped like its last batch, or like ``like`` if it had none, so it keeps
+    calling the same collectives as the others and nobody hangs (torch's ``Join``, Horovod's
+    ``hvd.join``). Batches come out as :class:`MaskedBatch` (plain batches get an all-True mask).
+    With one process it only adds the mask.
+
+    >>> [b.mask.tolist() for b in sc.join_batches([{"x": np.ones(2)}])]
+    [[True, True]]
+    """
+    source, template = iter(batches), like
+    exchange = _FlagExchange(timeout) if process_count() > 1 else None
+    has_data = True
+    while True:
+        item = next(source, _END) if has_data else _END
+        has_data = item is not _END
+        if exchange is not None and not exchange.any(has_data):
+            return
+        if has_data:
+            template = item if isinstance(item, MaskedBatch) else pad_batch(item, 1)
+            yield template
+            continue
+        if exchange is None:
+            return
+        if template is None:
+            raise SpmdError(describe(
+                "join_batches", f"process {process_index()} had no batches at all, so it cannot shape "
+                "the empty batches it must feed while the other processes finish.",
+                fix="pass like=<one example batch> to join_batches."))
+        yield _empty_like(template)
+
+
 def leading_size(fn: str, tree: Any) -> int:
     """The common size of dimension 0 of every leaf of ``tree``; raises naming the leaves that differ."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
@@ -92,3 +267,105 @@ def leading_size(fn: str, tree: Any) -> int:
             fn, f"leaves have different leading sizes: {sizes}.",
             fix="give every leaf the same number of examples in dimension 0."))
     return next(iter(sizes.values()))
+
+
+def global_shape(fn: str, sharding: Sharding, local_shape: tuple[int, ...], leaf: str) -> tuple[int, ...]:
+    """The global shape of an array built from this process's ``local_shape`` slice (split on dim 0)."""
+    return process_layout(fn, sharding, local_shape, leaf)[0]
+
+
+def process_layout(
+    fn: str, sharding: Sharding, local_shape: tuple[int, ...], leaf: str
+) -> tuple[tuple[int, ...], list[tuple[jax.Device, tuple[slice, ...]]]]:
+    """The global shape, and for each of this process's devices the index of its block in the local slice.
+
+    The processes split dimension 0 only: each holds the dimension-0 blocks of its devices, in global
+    order. Raises :class:`ShapeError` (saying how to pad) when the local size does not divide.
+    """
+    if not local_shape:
+        raise ShapeError(describe(fn, "is a scalar; batch leaves need a leading example dimension.",
+                                  leaf=leaf or "<root>", fix="give every leaf shape (batch, ...)."))
+    probe = (len(sharding.device_set),) + tuple(local_shape[1:])
+    starts = {i[0].indices(probe[0])[0] for i in sharding.devices_indices_map(probe).values()}
+    mine = sorted({i[0].indices(probe[0])[0] for i in sharding.addressable_devices_indices_map(probe).values()})
+    rows = local_shape[0]
+    if rows % len(mine):
+        raise ShapeError(describe(
+            fn, f"dimension 0 has {rows} examples on process {process_index()}, which do not divide "
+            f"into this process's {len(mine)} blocks (shape {tuple(local_shape)}, sharding "
+            f"{getattr(sharding, 'spec', sharding)}).", leaf=leaf or "<root>",
+            fix=f"pad the batch: spmdcomm.pad_batch(batch, {len(mine)}) pads with zeros and returns a "
+            "MaskedBatch whose mask marks the real examples (or use pad_to_multiple= when prefetching)."))
+    per = rows // len(mine)
+    shape = (per * len(starts),) + tuple(local_shape[1:])
+    rank = {start * per * len(starts) // probe[0]: r for r, start in enumerate(mine)}
+    blocks = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        r = rank[index[0].indices(shape[0])[0]]
+        blocks.append((device, (slice(r * per, (r + 1) * per),) + tuple(index[1:])))
+    return shape, blocks
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+_END = object()
+
+
+def _positive(fn: str, name: str, value: Any) -> int:
+    if not isinstance(value, (int, np.integer)) or value < 1:
+        raise SpmdError(describe(fn, f"{name}={value!r} must be a positive int."))
+    return int(value)
+
+
+def _zero_masked(rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    if mask.all():
+        return rows
+    rows = rows.copy()
+    rows[~mask] = 0
+    return rows
+
+
+def _empty_like(template: Any) -> MaskedBatch:
+    data = template.data if isinstance(template, MaskedBatch) else template
+    size = leading_size("join_batches", data)
+    return MaskedBatch(jax.tree.map(lambda a: np.zeros(np.shape(a), np.asarray(a).dtype), data),
+                       np.zeros(size, bool))
+
+
+class _FlagExchange:
+    """Every process's has-data flag, step by step, through the coordination service's key-value store.
+
+    Uses its own keys rather than device collectives or numbered sync points, so it is safe to run in a
+    prefetch thread next to the training loop's own collectives.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, timeout: float):
+        self.client = coordination_client("join_batches")
+        self.prefix = f"spmdcomm/join/{next(self._ids)}/"
+        self.timeout_ms = max(1, math.ceil(timeout * 1000))
+        self.timeout = timeout
+        self.step = 0
+
+    def any(self, flag: bool) -> bool:
+        step, me = self.step, process_index()
+        self.client.key_value_set(f"{self.prefix}{step}/{me}", "1" if flag else "0")
+        flags = []
+        for p in range(process_count()):
+            try:
+                flags.append(self.client.blocking_key_value_get(f"{self.prefix}{step}/{p}", self.timeout_ms))
+            except jax.errors.JaxRuntimeError:
+                raise BarrierTimeoutError(describe(
+                    "join_batches", f"process {p} did not report whether it has data for step {step} "
+                    f"within {self.timeout:g} s (process {me} waited).",
+                    fix="check that every process iterates its join_batches to the end, and that none "
+                    "died or is stuck; raise `timeout` for slow loaders.")) from None
+        if step > 0:  # every process has read step - 1 before writing step
+            try:
+                self.client.key_value_delete(f"{self.prefix}{step - 1}/{me}")
+            except jax.errors.JaxRuntimeError:
+                pass
+        self.step += 1
+        return "1" in flags

@@ -1,0 +1,225 @@
+"""Host-to-device prefetch: steps/s with no prefetch, flax's prefetch_to_device, and spmdcomm's.
+
+Part 1 (loader vs step): a loader takes L ms per batch and a jit step takes S ms; for L/S in {0, 0.5, 1, 2}
+it reports steps/s for each mode, once with an I/O-like loader (it sleeps, as waiting on storage does)
+and once with a CPU-bound loader (NumPy work holding a core). "vs zero-cost" divides by the same mode's
+steps/s with L = 0.
+
+Part 2 (hidden transfer): a 16 MiB batch and a ~2 ms step, zero-cost loader. hidden = (T_sync - T_mode) /
+(T_sync - T_preplaced): the fraction of the host-to-device time that the mode takes off the step.
+
+Variants are interleaved (every repetition runs every mode once) and medians are reported. Every loop
+waits on the step from two steps earlier, so at most two steps are in flight.
+
+    python benchmarks/prefetch.py [--devices 2] [--reps 5] [--steps 30] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={args.devices}").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import flax
+    import jax
+    import numpy as np
+
+    import spmdcomm as sc
+
+    bench = _Bench(args, jax, np, sc)
+    results = {
+        "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "flax": flax.__version__,
+        "numpy": np.__version__, "python": sys.version.split()[0], "backend": jax.default_backend(),
+        "devices": jax.device_count(), "cpus": os.cpu_count(), "reps": args.reps, "steps": args.steps,
+        "loader_vs_step": bench.loader_vs_step(), "hidden_transfer": bench.hidden_transfer(),
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=2, help="fake CPU devices (ignored on GPU)")
+    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per variant")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per run")
+    p.add_argument("--step-ms", type=float, default=4.0, help="S for part 1")
+    p.add_argument("--json", help="write the results to this file")
+    return p
+
+
+MODES = ("none", "flax", "ours")
+
+
+class _Bench:
+    def __init__(self, args, jax, np, sc):
+        self.args, self.jax, self.np, self.sc = args, jax, np, sc
+        self.sharding = sc.data_sharding()
+        self.ndev = jax.device_count()
+
+    # ---- part 1 -----------------------------------------------------------------------------------------
+
+    def loader_vs_step(self) -> dict:
+        np = self.np
+        s_ms = self.args.step_ms
+        host = np.random.default_rng(0).normal(size=(256, 1024)).astype(np.float32)  # 1 MiB
+        step = self._calibrated_step(host, s_ms)
+        burn = _calibrate_cpu_work(np)
+        out = {"batch_mib": host.nbytes / 2**20, "step_ms": self._measure_step(step, host) * 1e3}
+        print(f"\n== loader vs step: batch {out['batch_mib']:.0f} MiB, S = {out['step_ms']:.1f} ms "
+              f"(target {s_ms}), {self.ndev} devices ==")
+        for kind in ("io", "cpu"):
+            rows = {}
+            for ratio in (0, 0.5, 1, 2):
+                loader = _loader(kind, host, ratio * s_ms / 1e3, burn, np)
+                times = self._interleaved({m: (lambda m=m, ld=loader: self._run(m, ld, step)) for m in MODES})
+                rows[ratio] = {m: 1.0 / statistics.median(t) for m, t in times.items()}
+            for row in rows.values():
+                row.update({f"{m}_vs_zero_cost": row[m] / rows[0][m] for m in MODES})
+            out[kind] = rows
+            print(f"-- {'I/O-like' if kind == 'io' else 'CPU-bound'} loader: steps/s (x of the same mode at L=0)")
+            print(f"{'L/S':>5} " + " ".join(f"{m:>16}" for m in MODES))
+            for ratio, row in rows.items():
+                print(f"{ratio:>5} " + " ".join(f"{row[m]:8.1f} ({row[m + '_vs_zero_cost']:.2f}x)"
+                                                for m in MODES))
+        return out
+
+    # ---- part 2 -----------------------------------------------------------------------------------------
+
+    def hidden_transfer(self) -> dict:
+        np = self.np
+        host = np.random.default_rng(1).normal(size=(4096, 1024)).astype(np.float32)  # 16 MiB
+        step = self._calibrated_step(host, 2.0)
+        loader = _loader("io", host, 0.0, None, np)
+        variants = {m: (lambda m=m: self._run(m, loader, step)) for m in MODES}
+        placed = self.jax.device_put(host, self.sharding)
+        variants["preplaced"] = lambda: self._run("preplaced", lambda: placed, step)
+        times = {m: statistics.median(t) for m, t in self._interleaved(variants).items()}
+        span = times["none"] - times["preplaced"]
+        hidden = {m: (times["none"] - times[m]) / span if span > 0 else float("nan") for m in ("flax", "ours")}
+        out = {"batch_mib": host.nbytes / 2**20, "step_ms": self._measure_step(step, host) * 1e3,
+               "ms_per_step": {m: t * 1e3 for m, t in times.items()}, "hidden": hidden}
+        print(f"\n== hidden transfer: {out['batch_mib']:.0f} MiB batch, step {out['step_ms']:.1f} ms ==")
+        for m, t in out["ms_per_step"].items():
+            extra = f"   hidden = {hidden[m]:.2f}" if m in hidden else ""
+            print(f"{m:>10}: {t:7.2f} ms/step{extra}")
+        return out
+
+    # ---- loops ------------------------------------------------------------------------------------------
+
+    def _run(self, mode: str, loader, step) -> float:
+        """Seconds per step of one timed run (after 3 warm-up steps)."""
+        jax, sc, n = self.jax, self.sc, self.args.steps + 3
+        source = (loader() for _ in range(n))
+        if mode == "preplaced":
+            batches = source
+        elif mode == "none":
+            batches = (jax.device_put(b, self.sharding) for b in source)
+        elif mode == "flax":
+            from flax import jax_utils
+            batches = jax_utils.prefetch_to_device(
+                (b.reshape(self.ndev, -1, *b.shape[1:]) for b in source), 2)
+        else:
+            batches = sc.prefetch_to_device(source, 2)
+        pending = []
+        for i, b in enumerate(batches):
+            if i == 3:
+                jax.block_until_ready(pending)
+                start = time.perf_counter()
+            pending.append(step(b))
+            if len(pending) > 2:
+                pending.pop(0).block_until_ready()
+        jax.block_until_ready(pending)
+        if mode == "ours":
+            batches.close()
+        return (time.perf_counter() - start) / self.args.steps
+
+    def _interleaved(self, variants: dict) -> dict[str, list[float]]:
+        for run in variants.values():  # compile and warm every variant first
+            run()
+        times: dict[str, list[float]] = {m: [] for m in variants}
+        for _ in range(self.args.reps):
+            for m, run in variants.items():
+                times[m].append(run())
+        return times
+
+    def _calibrated_step(self, host, target_ms: float):
+        jax = self.jax
+        jnp = jax.numpy
+        w = jnp.full((64, 64), 1.0 / 64, jnp.float32)
+
+        def make(k):
+            @jax.jit
+            def step(x):
+                h = x.reshape(-1, x.shape[-1])[:, :64]
+                for _ in range(k):
+                    h = jnp.tanh(h @ w)
+                return h.sum()
+            return step
+
+        k = 1
+        while True:
+            step = make(k)
+            t = self._measure_step(step, host)
+            if t * 1e3 >= target_ms or k >= 4096:
+                return make(max(1, round(k * target_ms / 1e3 / t)))
+            k *= 4
+
+    def _measure_step(self, step, host) -> float:
+        x = self.jax.device_put(host, self.sharding)
+        step(x).block_until_ready()
+        ts = []
+        for _ in range(7):
+            t = time.perf_counter()
+            step(x).block_until_ready()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+
+def _loader(kind: str, host, seconds: float, burn, np):
+    """A zero-argument function returning a host batch after ``seconds`` of waiting or CPU work."""
+    if seconds <= 0:
+        return lambda: host
+    if kind == "io":
+        def io():
+            time.sleep(seconds)
+            return host
+        return io
+
+    def cpu():
+        burn(seconds)
+        return host
+    return cpu
+
+
+def _calibrate_cpu_work(np):
+    """``burn(seconds)``: NumPy work (like decoding or augmenting) that keeps one core busy that long."""
+    scratch = np.random.default_rng(0).normal(size=64 * 1024).astype(np.float32)
+
+    def chunk():
+        np.sin(scratch, out=scratch)
+        np.add(scratch, 1.0, out=scratch)
+
+    start, reps = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.05:
+        chunk()
+        reps += 1
+    per = (time.perf_counter() - start) / reps
+
+    def burn(seconds):
+        for _ in range(max(1, round(seconds / per))):
+            chunk()
+    return burn
+
+
+if __name__ == "__main__":
+    main()

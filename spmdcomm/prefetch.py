@@ -1,0 +1,300 @@
+"""Threaded host-to-device prefetch: the next batches are already on the mesh when the step wants them.
+
+Background threads pull host batches from any iterable of NumPy pytrees (one thread) and place them on the
+mesh as global ``jax.Array``s split along dimension 0 (another, so that waiting on the loader overlaps with
+the copies), up to ``size`` batches ahead of the training loop.
+
+On CPU, ``jax.device_put`` of a 64-byte aligned NumPy array does not copy: the device array aliases the
+host memory. Prefetch copies each device's block into an aligned staging buffer of its own (the one copy
+a plain ``device_put`` would make anyway, but done off the training thread and into warm memory), and the
+device arrays alias those buffers. A buffer is reused only when nothing refers to it any more: while a
+device array (or a computation still reading it) aliases a buffer, JAX holds a reference to it, so the
+check is its reference count. Batches the loop keeps alive are never overwritten; if every buffer is
+busy, a fresh one is allocated. On GPU and TPU, the placing thread ``device_put`` s and waits for the copy, so
+the copy overlaps the previous step.
+
+>>> batches = ({"x": np.full((8, 2), float(i))} for i in range(3))
+>>> with sc.prefetch_to_device(batches) as it:
+...     print([float(b["x"].sum()) for b in it], it.stats.steps)
+[0.0, 16.0, 32.0] 3
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, Sharding
+
+from spmdcomm.data import leading_size, pad_batch, process_layout
+from spmdcomm.errors import SpmdError, describe
+from spmdcomm.mesh import data_sharding, default_mesh
+
+__all__ = ["prefetch_to_device", "Prefetcher", "PrefetchStats"]
+
+# Seconds between checks of the stop flag (and of the producer's health) while waiting.
+POLL_SECONDS = 0.05
+# Seconds close() waits for the producer thread to finish (it may be inside a slow next(iterable)).
+CLOSE_TIMEOUT = 10.0
+# How many recent per-step waits PrefetchStats.waits keeps.
+WAIT_HISTORY = 4096
+
+
+def prefetch_to_device(
+    iterable: Iterable[Any],
+    size: int = 2,
+    *,
+    mesh: Mesh | None = None,
+    axis: str | tuple[str, ...] = "data",
+    sharding: Sharding | None = None,
+    pad_to_multiple: int | None = None,
+) -> Prefetcher:
+    """Iterates over ``iterable``'s batches placed on the mesh, prefetched up to ``size`` ahead.
+
+    Each batch is a pytree of arrays (dicts, tuples, NamedTuples, :class:`~spmdcomm.MaskedBatch`) with a
+    common leading size, placed split along dimension 0 over ``axis`` of ``mesh`` (default
+    :func:`spmdcomm.default_mesh`), or as ``sharding`` says if given. With several processes each passes
+    its own slice, as in :func:`spmdcomm.shard_batch`. ``pad_to_multiple=k`` pads every batch to a
+    multiple of ``k`` examples and yields :class:`~spmdcomm.MaskedBatch` es (use this process's device
+    count along the axis to accept any batch size).
+
+    At most ``size`` batches are taken from ``iterable`` ahead of the one the loop has. An exception in
+    ``iterable`` is raised in the loop with its original traceback. Stop early with ``break`` plus
+    :meth:`Prefetcher.close`, a ``with`` block, or by dropping the iterator: the threads end. Time the
+    loop spent waiting for data is in :attr:`Prefetcher.stats`.
+    """
+    size = int(size)
+    if size < 1:
+        raise SpmdError(describe("prefetch_to_device", f"size={size} must be at least 1.",
+                                 fix="use 2 (double buffering) unless measurements say otherwise."))
+    if pad_to_multiple is not None and (not isinstance(pad_to_multiple, int) or pad_to_multiple < 1):
+        raise SpmdError(describe("prefetch_to_device", f"pad_to_multiple={pad_to_multiple!r} must be a "
+                                 "positive int.", fix="pass the number of devices along the data axis."))
+    if sharding is None:
+        sharding = data_sharding(default_mesh() if mesh is None else mesh, axis)
+    return Prefetcher(iter(iterable), size, sharding, pad_to_multiple)
+
+
+@dataclasses.dataclass
+class PrefetchStats:
+    """Time the training loop spent waiting for its next batch (seconds).
+
+    ``last_wait`` is the latest step's wait, ``waits`` the most recent per-step waits (up to
+    ``WAIT_HISTORY``), ``total_wait`` and ``max_wait`` cover all ``steps``.
+    """
+
+    steps: int = 0
+    total_wait: float = 0.0
+    last_wait: float = 0.0
+    max_wait: float = 0.0
+    waits: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=WAIT_HISTORY))
+
+    @property
+    def mean_wait(self) -> float:
+        """Average wait per step."""
+        return self.total_wait / self.steps if self.steps else 0.0
+
+    def record(self, wait: float) -> None:
+        """Adds one step's wait."""
+        self.steps += 1
+        self.total_wait += wait
+        self.last_wait = wait
+        self.max_wait = max(self.max_wait, wait)
+        self.waits.append(wait)
+
+
+class Prefetcher(Iterator[Any]):
+    """The iterator :func:`prefetch_to_device` returns; also a context manager that stops its threads."""
+
+    def __init__(self, source: Iterator[Any], size: int, sharding: Sharding, pad_to_multiple: int | None):
+        self.stats = PrefetchStats()
+        self._state = _State(source, size, sharding, pad_to_multiple)
+        # One thread waits on the source while the other places the previous batch, so a loader that
+        # waits (on storage, on the network) overlaps with the copies. They hold only the state, never
+        # this object, so dropping the iterator stops them.
+        self._threads = tuple(threading.Thread(target=target, args=(self._state,), daemon=True,
+                                               name="spmdcomm-prefetch") for target in (_fetch, _place_all))
+        for thread in self._threads:
+            thread.start()
+        self._finalizer = weakref.finalize(self, _stop, self._state, self._threads)
+
+    def __next__(self) -> Any:
+        state = self._state
+        start = time.perf_counter()
+        while True:
+            if state.finished:
+                raise StopIteration
+            try:
+                kind, value = state.queue.get(timeout=POLL_SECONDS)
+                break
+            except queue.Empty:
+                if not self.alive and state.queue.empty():
+                    state.finished = True
+        if kind == "item":
+            state.slots.release()
+            self.stats.record(time.perf_counter() - start)
+            return value
+        self.close()
+        if kind == "error":
+            raise value
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stops the producer threads and waits (up to ``CLOSE_TIMEOUT`` s in all) for them to end."""
+        self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        """Whether a producer thread is still running."""
+        return any(thread.is_alive() for thread in self._threads)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _State:
+    """What the producer thread and the consumer share (the producer must not see the Prefetcher)."""
+
+    def __init__(self, source: Iterator[Any], size: int, sharding: Sharding, pad_to_multiple: int | None):
+        self.source = source
+        self.size = size
+        self.sharding = sharding
+        self.pad_to_multiple = pad_to_multiple
+        self.fetched: queue.Queue[tuple[str, Any]] = queue.Queue()  # host batches, not yet placed
+        self.queue: queue.Queue[tuple[str, Any]] = queue.Queue()  # placed batches
+        self.slots = threading.Semaphore(size)  # batches taken from source but not yet handed out
+        self.stop = threading.Event()
+        self.finished = False
+        self.stage = next(iter(sharding.device_set)).platform == "cpu"
+        self.pool = _StagingPool(keep=size + 3)
+
+
+def _stop(state: _State, threads: tuple[threading.Thread, ...]) -> None:
+    state.stop.set()
+    state.finished = True
+    state.slots.release()
+    deadline = time.monotonic() + CLOSE_TIMEOUT
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _fetch(state: _State) -> None:
+    """Takes batches from the source, at most ``size`` ahead of the consumer, into ``state.fetched``."""
+    try:
+        while True:
+            while not state.slots.acquire(timeout=POLL_SECONDS):
+                if state.stop.is_set():
+                    return
+            if state.stop.is_set():
+                return
+            try:
+                item = next(state.source)
+            except StopIteration:
+                state.fetched.put(("done", None))
+                return
+            state.fetched.put(("item", item))
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+        state.fetched.put(("error", e))
+    finally:
+        close = getattr(state.source, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - a failing close must not hide the real outcome
+                pass
+
+
+def _place_all(state: _State) -> None:
+    """Places fetched batches on the mesh, in order, into ``state.queue``."""
+    while not state.stop.is_set():
+        try:
+            kind, value = state.fetched.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            continue
+        if kind == "item":
+            try:
+                value = _place(state, value)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+                kind, value = "error", e
+        state.queue.put((kind, value))
+        if kind != "item":
+            return
+
+
+def _place(state: _State, batch: Any) -> Any:
+    if state.pad_to_multiple is not None:
+        batch = pad_batch(batch, state.pad_to_multiple)
+    else:
+        leading_size("prefetch_to_device", batch)
+
+    def put(path: Any, leaf: Any) -> jax.Array:
+        leaf = np.asarray(leaf)
+        shape, blocks = process_layout("prefetch_to_device", state.sharding, leaf.shape,
+                                       jax.tree_util.keystr(path))
+        devices = [device for device, _ in blocks]
+        if state.stage:
+            parts = [state.pool.fill(leaf[index], device) for device, index in blocks]
+        else:
+            parts = [leaf[index] for _, index in blocks]
+        arrays = jax.device_put(parts, devices)
+        return jax.make_array_from_single_device_arrays(shape, state.sharding, arrays)
+
+    placed = jax.tree_util.tree_map_with_path(put, batch)
+    if not state.stage:
+        jax.block_until_ready(placed)
+    return placed
+
+
+class _Buffer:
+    """A 64-byte aligned host array (a view into ``raw``) and the reference counts it has when idle."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self.raw = np.empty(nbytes + 64, np.uint8)
+        offset = (-self.raw.ctypes.data) % 64
+        self.view = self.raw[offset:offset + nbytes].view(dtype).reshape(shape)
+        self.idle_refs = self.refs()
+
+    def refs(self) -> tuple[int, int]:
+        return sys.getrefcount(self.view), sys.getrefcount(self.raw)
+
+    def idle(self) -> bool:
+        # JAX keeps a reference to a host array that a device buffer aliases until the device buffer
+        # is freed, which waits for every computation using it; any other view also raises a count.
+        return self.refs() == self.idle_refs
+
+
+class _StagingPool:
+    """Aligned staging buffers per (shape, dtype, device), reused only once idle."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.buffers: dict[tuple[Any, ...], list[_Buffer]] = {}
+
+    def fill(self, block: np.ndarray, device: jax.Device) -> np.ndarray:
+        """An aligned copy of ``block`` in a buffer nothing else uses."""
+        free = self.buffers.setdefault((block.shape, block.dtype.str, device.id), [])
+        buffer = next((b for b in free if b.idle()), None)
+        if buffer is None:
+            buffer = _Buffer(block.shape, block.dtype)
+            if len(free) < self.keep:
+                free.append(buffer)
+        np.copyto(buffer.view, block)
+        return buffer.view

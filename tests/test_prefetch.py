@@ -1,0 +1,221 @@
+"""prefetch_to_device: placement, order, padding, errors, early stop, look-ahead bound, staging safety."""
+
+import gc
+import threading
+import time
+import traceback
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spmdcomm as sc
+from spmdcomm.errors import ShapeError
+
+
+class Pair(NamedTuple):
+    x: np.ndarray
+    y: np.ndarray
+
+
+def prefetch_threads():
+    return [t for t in threading.enumerate() if t.name == "spmdcomm-prefetch"]
+
+
+def wait_until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind():
+    yield
+    gc.collect()
+    assert wait_until(lambda: not prefetch_threads()), "a prefetch thread outlived its test"
+
+
+def batches(n, rows=8):
+    for i in range(n):
+        yield {"x": np.full((rows, 3), i, np.float32), "i": np.arange(rows) + 100 * i}
+
+
+def test_order_values_and_placement(mesh):
+    n = mesh.shape["data"]
+    with sc.prefetch_to_device(batches(6, rows=2 * n), mesh=mesh) as it:
+        got = list(it)
+    assert len(got) == 6
+    for i, b in enumerate(got):
+        assert b["x"].sharding == sc.data_sharding(mesh) and b["i"].sharding == sc.data_sharding(mesh)
+        np.testing.assert_array_equal(np.asarray(b["i"]), np.arange(2 * n) + 100 * i)
+        for shard in b["i"].addressable_shards:
+            d = list(mesh.devices.flat).index(shard.device)
+            np.testing.assert_array_equal(np.asarray(shard.data), np.arange(2 * d, 2 * d + 2) + 100 * i)
+
+
+def test_tuples_namedtuples_and_explicit_sharding():
+    mesh = sc.make_mesh({"data": 4, "model": 2})
+    sharding = jax.sharding.NamedSharding(mesh, sc.P("data", "model"))
+    src = [Pair(np.arange(16.0).reshape(8, 2) + k, np.ones((8, 2))) for k in range(3)]
+    with sc.prefetch_to_device(iter(src), sharding=sharding) as it:
+        for want, got in zip(src, it, strict=True):
+            assert isinstance(got, Pair) and got.x.sharding == sharding
+            np.testing.assert_array_equal(np.asarray(got.x), want.x)
+            for shard in got.x.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), want.x[shard.index])
+    with sc.prefetch_to_device(iter([(np.zeros(8), np.ones(8))])) as it:
+        (a, b), = list(it)
+        assert float(b.sum()) == 8.0
+
+
+def test_pad_to_multiple_yields_masked_batches_with_exact_means():
+    sizes = [8, 16, 5, 13, 1]
+    src = ({"x": np.arange(n, dtype=np.float32) + 1} for n in sizes)
+    with sc.prefetch_to_device(src, pad_to_multiple=8) as it:
+        for n, b in zip(sizes, it, strict=True):
+            assert isinstance(b, sc.MaskedBatch) and b.mask.shape[0] % 8 == 0
+            x, m = np.asarray(b.data["x"]), np.asarray(b.mask)
+            assert m.sum() == n and (x * m).sum() / m.sum() == (n + 1) / 2
+
+
+def test_producer_exception_reraised_with_original_traceback():
+    def broken():
+        yield {"x": np.zeros(8)}
+        raise KeyError("record 17 is corrupt")
+
+    it = sc.prefetch_to_device(broken())
+    next(it)
+    with pytest.raises(KeyError, match="record 17 is corrupt") as info:
+        next(it)
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "broken" in frames
+    assert wait_until(lambda: not it.alive)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_shape_error_from_producer_says_how_to_pad():
+    it = sc.prefetch_to_device(iter([{"x": np.zeros((7, 2))}]))
+    with pytest.raises(ShapeError, match=r"leaf \['x'\].*7 examples.*pad_to_multiple"):
+        next(it)
+
+
+@pytest.mark.parametrize("how", ["break_close", "context", "gc"])
+def test_early_stop_ends_the_thread_even_with_a_full_queue(how):
+    def endless():
+        i = 0
+        while True:
+            yield {"x": np.full(8, i)}
+            i += 1
+
+    if how == "context":
+        with sc.prefetch_to_device(endless(), size=3) as it:
+            next(it)
+            assert wait_until(lambda: it._state.queue.qsize() == 3)
+    else:
+        it = sc.prefetch_to_device(endless(), size=3)
+        b = next(it)
+        assert wait_until(lambda: it._state.queue.qsize() == 3)
+        threads = it._threads
+        if how == "break_close":
+            it.close()
+        else:
+            del it, b
+            gc.collect()
+        assert wait_until(lambda: not any(t.is_alive() for t in threads))
+    assert wait_until(lambda: not prefetch_threads())
+
+
+def test_close_stops_a_producer_stuck_in_a_slow_loader():
+    release = threading.Event()
+
+    def slow():
+        yield {"x": np.zeros(8)}
+        release.wait(5)
+        yield {"x": np.ones(8)}
+
+    it = sc.prefetch_to_device(slow())
+    next(it)
+    release.set()
+    it.close()
+    assert not it.alive
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_size_bounds_look_ahead(size):
+    pulled = []
+
+    def counting():
+        for i in range(50):
+            pulled.append(i)
+            yield {"x": np.full(8, i)}
+
+    with sc.prefetch_to_device(counting(), size=size) as it:
+        for consumed in range(1, 6):
+            b = next(it)
+            assert int(b["x"][0]) == consumed - 1
+            assert wait_until(lambda c=consumed: len(pulled) == c + size)
+            time.sleep(0.05)
+            assert len(pulled) == consumed + size
+
+
+def test_stats_record_every_wait():
+    def slow(n):
+        for i in range(n):
+            time.sleep(0.02)
+            yield {"x": np.full(8, i)}
+
+    with sc.prefetch_to_device(slow(4), size=1) as it:
+        for _ in it:
+            pass
+        s = it.stats
+    assert s.steps == 4 and len(s.waits) == 4
+    assert s.total_wait == pytest.approx(sum(s.waits)) and s.last_wait == s.waits[-1]
+    assert s.max_wait == max(s.waits) and s.mean_wait == pytest.approx(s.total_wait / 4)
+    assert s.total_wait > 0
+
+
+def test_staging_buffers_are_aligned_reused_and_never_overwrite_live_batches():
+    src = [{"x": np.full((64, 16), i, np.float32)} for i in range(40)]
+    pointers = []
+    with sc.prefetch_to_device(iter(src), size=2) as it:
+        for b in it:
+            shard = b["x"].addressable_shards[0].data
+            pointers.append(shard.unsafe_buffer_pointer())
+            assert float(shard[0, 0]) == float(len(pointers) - 1)
+            del b, shard
+    assert all(p % 64 == 0 for p in pointers)
+    assert len(set(pointers)) <= 2 + 3 < len(pointers)  # zero-copy staging, and buffers come back
+    kept = list(sc.prefetch_to_device(iter(src), size=2))  # the loop holds every batch
+    for i, b in enumerate(kept):
+        np.testing.assert_array_equal(np.asarray(b["x"]), src[i]["x"])
+
+
+def test_staging_buffer_not_reused_while_a_dropped_batch_is_still_being_read():
+    @jax.jit
+    def slow_sum(x):
+        c = jax.lax.fori_loop(0, 40, lambda i, c: jnp.tanh(c @ c), jnp.eye(64) * 0.5)
+        return (x * (1.0 + 0.0 * c[0, 0])).sum()  # reads x only after the loop
+
+    src = [np.full((64, 16), i, np.float32) for i in range(12)]
+    slow_sum(jnp.asarray(src[0])).block_until_ready()
+    results = []
+    with sc.prefetch_to_device(iter(src), size=2) as it:
+        for x in it:
+            results.append(slow_sum(x))  # dispatched, then the loop drops x at once
+            del x
+            if len(results) > 8:
+                results[-9].block_until_ready()  # bound the steps in flight
+    assert [float(r) for r in results] == [64 * 16 * i for i in range(12)]
+
+
+def test_bad_arguments():
+    with pytest.raises(sc.SpmdError, match="size=0 must be at least 1"):
+        sc.prefetch_to_device([], size=0)
+    with pytest.raises(sc.SpmdError, match="pad_to_multiple=0"):
+        sc.prefetch_to_device([], pad_to_multiple=0)
