@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
                    disable=args.no_progress or not main_proc, file=sys.stdout)
         t0 = time.perf_counter()
         with sc.prefetch_to_device(sc.take_batches(train, index_batches)) as batches:
-            state, steps = sc.fit(step, state, batches, callback=lambda i, m: bar.update(1))
+            state, steps = sc.fit(step, state, batches, callback=lambda i, m, bar=bar: bar.update(1))
             waited = batches.stats.total_wait
         seconds = time.perf_counter() - t0
         bar.close()
