@@ -55,7 +55,7 @@ from spmdcomm.mesh import (
     process_index,
     replicated_sharding,
 )
-from spmdcomm.prefetch import Prefetcher, PrefetchStats, prefetch_to_device
+from spmdcomm.prefetch import Prefetcher, PrefetchStats, aligned_empty, prefetch_to_device
 from spmdcomm.runtime import (
     initialize,
     is_initialized,
@@ -107,6 +107,7 @@ __all__ = [
     "join_batches",
     # prefetch
     "prefetch_to_device",
+    "aligned_empty",
     "Prefetcher",
     "PrefetchStats",
     # errors

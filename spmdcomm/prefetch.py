@@ -1,17 +1,20 @@
-"""Threaded host-to-device prefetch: the next batches are already on the mesh when the step wants them.
+"""Host-to-device prefetch: the next batches are already on the mesh when the step wants them.
 
-Background threads pull host batches from any iterable of NumPy pytrees (one thread) and place them on the
-mesh as global ``jax.Array``s split along dimension 0 (another, so that waiting on the loader overlaps with
-the copies), up to ``size`` batches ahead of the training loop.
+Batches from any iterable of NumPy pytrees are placed on the mesh as global ``jax.Array``s split along
+dimension 0. While the loader is effectively free (its ``next()`` returns at once), the training loop's own
+thread places each batch when asked, doing exactly what a synchronous ``jax.device_put`` does: thread
+hand-offs would cost more than they could hide. Once the loader is seen to take time, two background
+threads take over for good: one waits on the loader while the other places the previous batch, up to
+``size`` batches ahead of the loop.
 
-On CPU, ``jax.device_put`` of a 64-byte aligned NumPy array does not copy: the device array aliases the
-host memory. Prefetch copies each device's block into an aligned staging buffer of its own (the one copy
-a plain ``device_put`` would make anyway, but done off the training thread and into warm memory), and the
-device arrays alias those buffers. A buffer is reused only when nothing refers to it any more: while a
-device array (or a computation still reading it) aliases a buffer, JAX holds a reference to it, so the
-check is its reference count. Batches the loop keeps alive are never overwritten; if every buffer is
-busy, a fresh one is allocated. On GPU and TPU, the placing thread ``device_put`` s and waits for the copy, so
-the copy overlaps the previous step.
+On CPU, ``jax.device_put`` of a 64-byte aligned, contiguous NumPy array does not copy: the device array
+aliases the host memory. A leaf that is already aligned (see :func:`aligned_empty`) is put as it is, so it
+is never copied, exactly as ``jax.device_put`` would treat it. The placing thread copies any other leaf
+into an aligned staging buffer of prefetch's own (warm, reused memory) which the device arrays alias. A
+buffer is reused only when nothing refers to it any more: while a device array (or a computation still
+reading it) aliases a buffer, JAX holds a reference to it, so the check is its reference count. Batches
+the loop keeps alive are never overwritten; if every buffer is busy, a fresh one is allocated. On GPU and
+TPU, the placing thread ``device_put`` s and waits for the copy, so the copy overlaps the previous step.
 
 >>> batches = ({"x": np.full((8, 2), float(i))} for i in range(3))
 >>> with sc.prefetch_to_device(batches) as it:
@@ -39,7 +42,7 @@ from spmdcomm.data import leading_size, pad_batch, process_layout
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.mesh import data_sharding, default_mesh
 
-__all__ = ["prefetch_to_device", "Prefetcher", "PrefetchStats"]
+__all__ = ["prefetch_to_device", "aligned_empty", "Prefetcher", "PrefetchStats"]
 
 # Seconds between checks of the stop flag (and of the producer's health) while waiting.
 POLL_SECONDS = 0.05
@@ -47,6 +50,13 @@ POLL_SECONDS = 0.05
 CLOSE_TIMEOUT = 10.0
 # How many recent per-step waits PrefetchStats.waits keeps.
 WAIT_HISTORY = 4096
+# A loader call slower than this (seconds) counts as slow. The loop's thread places batches itself until
+# slow calls dominate (a decaying count of them passes SLOW_CALLS), then the threads start; with 0 they
+# start at once.
+INLINE_LOAD_SECONDS = 2e-4
+SLOW_CALLS = 1.5
+# Host arrays aligned to this many bytes are put on CPU devices without a copy.
+ALIGNMENT = 64
 
 
 def prefetch_to_device(
@@ -67,10 +77,15 @@ def prefetch_to_device(
     multiple of ``k`` examples and yields :class:`~spmdcomm.MaskedBatch` es (use this process's device
     count along the axis to accept any batch size).
 
-    At most ``size`` batches are taken from ``iterable`` ahead of the one the loop has. An exception in
+    At most ``size`` batches are taken from ``iterable`` ahead of the one the loop has (none while the
+    loader is effectively free and the loop's thread places batches itself). An exception in
     ``iterable`` is raised in the loop with its original traceback. Stop early with ``break`` plus
     :meth:`Prefetcher.close`, a ``with`` block, or by dropping the iterator: the threads end. Time the
     loop spent waiting for data is in :attr:`Prefetcher.stats`.
+
+    As with ``jax.device_put``, a 64-byte aligned, contiguous NumPy leaf may be aliased on CPU rather
+    than copied: the loader must not write into an array after yielding it (allocate a fresh one per
+    batch, e.g. with :func:`aligned_empty`). Unaligned leaves are copied, so their memory may be reused.
     """
     size = int(size)
     if size < 1:
@@ -82,6 +97,25 @@ def prefetch_to_device(
     if sharding is None:
         sharding = data_sharding(default_mesh() if mesh is None else mesh, axis)
     return Prefetcher(iter(iterable), size, sharding, pad_to_multiple)
+
+
+def aligned_empty(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+    """An uninitialised C-contiguous NumPy array whose data starts on a 64-byte boundary.
+
+    Loaders that fill their batches into such arrays let :func:`prefetch_to_device` (and
+    ``jax.device_put``) put them on CPU devices without copying, as long as each device's block is a
+    multiple of 64 bytes. The device arrays then alias the memory: do not write into it afterwards.
+
+    >>> x = sc.aligned_empty((256, 3), np.float32)
+    >>> x.ctypes.data % 64, x.shape, x.dtype, x.flags.c_contiguous
+    (0, (256, 3), dtype('float32'), True)
+    """
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    offset = (-raw.ctypes.data) % ALIGNMENT
+    return raw[offset:][:nbytes].view(dtype).reshape(shape)
 
 
 @dataclasses.dataclass
@@ -119,16 +153,56 @@ class Prefetcher(Iterator[Any]):
     def __init__(self, source: Iterator[Any], size: int, sharding: Sharding, pad_to_multiple: int | None):
         self.stats = PrefetchStats()
         self._state = _State(source, size, sharding, pad_to_multiple)
-        # One thread waits on the source while the other places the previous batch, so a loader that
-        # waits (on storage, on the network) overlaps with the copies. They hold only the state, never
-        # this object, so dropping the iterator stops them.
-        self._threads = tuple(threading.Thread(target=target, args=(self._state,), daemon=True,
-                                               name="spmdcomm-prefetch") for target in (_fetch, _place_all))
-        for thread in self._threads:
-            thread.start()
-        self._finalizer = weakref.finalize(self, _stop, self._state, self._threads)
+        self._slow_calls = 0.0  # decaying count of slow loader calls while placing in-line
+        # The threads hold only the state, never this object, so dropping the iterator stops them.
+        self._finalizer = weakref.finalize(self, _stop, self._state)
+        if INLINE_LOAD_SECONDS <= 0:
+            _start_threads(self._state)
 
     def __next__(self) -> Any:
+        if self._state.threads:
+            return self._next_from_threads()
+        return self._next_inline()
+
+    def close(self) -> None:
+        """Stops the producer threads and waits (up to ``CLOSE_TIMEOUT`` s in all) for them to end."""
+        self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        """Whether a producer thread is still running."""
+        return any(thread.is_alive() for thread in self._state.threads)
+
+    @property
+    def threaded(self) -> bool:
+        """Whether background threads fetch and place the batches (else the loop's thread does)."""
+        return bool(self._state.threads)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _next_inline(self) -> Any:
+        state = self._state
+        if state.finished:
+            raise StopIteration
+        start = time.perf_counter()
+        try:
+            batch = next(state.source)
+            loaded = time.perf_counter()
+            placed = _place(state, batch, stage=False)
+        except BaseException:
+            self.close()
+            raise
+        self.stats.record(time.perf_counter() - start)
+        self._slow_calls = 0.75 * self._slow_calls + (loaded - start > INLINE_LOAD_SECONDS)
+        if self._slow_calls > SLOW_CALLS:
+            _start_threads(state)
+        return placed
+
+    def _next_from_threads(self) -> Any:
         state = self._state
         start = time.perf_counter()
         while True:
@@ -149,21 +223,6 @@ class Prefetcher(Iterator[Any]):
             raise value
         raise StopIteration
 
-    def close(self) -> None:
-        """Stops the producer threads and waits (up to ``CLOSE_TIMEOUT`` s in all) for them to end."""
-        self._finalizer()
-
-    @property
-    def alive(self) -> bool:
-        """Whether a producer thread is still running."""
-        return any(thread.is_alive() for thread in self._threads)
-
-    def __enter__(self) -> Prefetcher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 # ---------------------------------------------------------------------------------------------------------
 
@@ -181,18 +240,31 @@ class _State:
         self.slots = threading.Semaphore(size)  # batches taken from source but not yet handed out
         self.stop = threading.Event()
         self.finished = False
-        self.stage = next(iter(sharding.device_set)).platform == "cpu"
+        self.threads: tuple[threading.Thread, ...] = ()
+        self.cpu = next(iter(sharding.device_set)).platform == "cpu"
+        self.plans: dict[tuple[Any, ...], tuple[tuple[int, ...], bool]] = {}
         self.pool = _StagingPool(keep=size + 3)
 
 
-def _stop(state: _State, threads: tuple[threading.Thread, ...]) -> None:
+def _start_threads(state: _State) -> None:
+    # One thread waits on the source while the other places the previous batch, so a loader that
+    # waits (on storage, on the network) overlaps with the placement.
+    state.threads = tuple(threading.Thread(target=target, args=(state,), daemon=True, name="spmdcomm-prefetch")
+                          for target in (_fetch, _place_all))
+    for thread in state.threads:
+        thread.start()
+
+
+def _stop(state: _State) -> None:
     state.stop.set()
     state.finished = True
     state.slots.release()
     deadline = time.monotonic() + CLOSE_TIMEOUT
-    for thread in threads:
+    for thread in state.threads:
         if thread is not threading.current_thread():
             thread.join(max(0.0, deadline - time.monotonic()))
+    if not state.threads:  # in-line: nobody else is running the source
+        _close_source(state)
 
 
 def _fetch(state: _State) -> None:
@@ -213,12 +285,16 @@ def _fetch(state: _State) -> None:
     except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
         state.fetched.put(("error", e))
     finally:
-        close = getattr(state.source, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - a failing close must not hide the real outcome
-                pass
+        _close_source(state)
+
+
+def _close_source(state: _State) -> None:
+    close = getattr(state.source, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - a failing close must not hide the real outcome
+            pass
 
 
 def _place_all(state: _State) -> None:
@@ -230,7 +306,9 @@ def _place_all(state: _State) -> None:
             continue
         if kind == "item":
             try:
-                value = _place(state, value)
+                value = _place(state, value, stage=True)
+                if not state.cpu:  # the copy overlaps the loop's step, not the loop's next wait
+                    jax.block_until_ready(value)
             except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 kind, value = "error", e
         state.queue.put((kind, value))
@@ -238,38 +316,54 @@ def _place_all(state: _State) -> None:
             return
 
 
-def _place(state: _State, batch: Any) -> Any:
+def _place(state: _State, batch: Any, *, stage: bool) -> Any:
+    """The batch as global arrays; with ``stage``, unaligned CPU leaves are first copied into staging buffers.
+
+    Without it, this is a plain ``device_put`` (JAX copies unaligned leaves on its own threads).
+    """
     if state.pad_to_multiple is not None:
         batch = pad_batch(batch, state.pad_to_multiple)
     else:
         leading_size("prefetch_to_device", batch)
-
-    def put(path: Any, leaf: Any) -> jax.Array:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    hosts, shapes = [], []
+    for path, leaf in flat:
         leaf = np.asarray(leaf)
-        shape, blocks = process_layout("prefetch_to_device", state.sharding, leaf.shape,
-                                       jax.tree_util.keystr(path))
-        devices = [device for device, _ in blocks]
-        if state.stage:
-            parts = [state.pool.fill(leaf[index], device) for device, index in blocks]
-        else:
-            parts = [leaf[index] for _, index in blocks]
-        arrays = jax.device_put(parts, devices)
-        return jax.make_array_from_single_device_arrays(shape, state.sharding, arrays)
+        key = (leaf.shape, leaf.dtype)
+        plan = state.plans.get(key)
+        if plan is None:
+            plan = state.plans[key] = _plan(state, leaf, jax.tree_util.keystr(path))
+        shape, stageable = plan
+        if stage and stageable and not _aligned(leaf):
+            leaf = state.pool.copy(leaf)
+        hosts.append(leaf)
+        shapes.append(shape)
+    if state.sharding.is_fully_addressable:
+        placed = jax.device_put(hosts, state.sharding)
+    else:
+        placed = [jax.make_array_from_process_local_data(state.sharding, host, shape)
+                  for host, shape in zip(hosts, shapes)]
+    return jax.tree_util.tree_unflatten(treedef, placed)
 
-    placed = jax.tree_util.tree_map_with_path(put, batch)
-    if not state.stage:
-        jax.block_until_ready(placed)
-    return placed
+
+def _plan(state: _State, leaf: np.ndarray, name: str) -> tuple[tuple[int, ...], bool]:
+    """A leaf shape's global shape, and whether staging it lets every device block alias host memory."""
+    shape, blocks = process_layout("prefetch_to_device", state.sharding, leaf.shape, name)
+    contiguous = all(all(s == slice(None) for s in index[1:]) for _, index in blocks)
+    block_bytes = leaf.nbytes // max(1, len(blocks))
+    return shape, state.cpu and contiguous and block_bytes % ALIGNMENT == 0
+
+
+def _aligned(leaf: np.ndarray) -> bool:
+    return leaf.flags.c_contiguous and leaf.ctypes.data % ALIGNMENT == 0
 
 
 class _Buffer:
-    """A 64-byte aligned host array (a view into ``raw``) and the reference counts it has when idle."""
+    """An aligned host array (a view into ``raw``) and the reference counts it has when idle."""
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        self.raw = np.empty(nbytes + 64, np.uint8)
-        offset = (-self.raw.ctypes.data) % 64
-        self.view = self.raw[offset:offset + nbytes].view(dtype).reshape(shape)
+        self.view = aligned_empty(shape, dtype)
+        self.raw = self.view.base
         self.idle_refs = self.refs()
 
     def refs(self) -> tuple[int, int]:
@@ -282,19 +376,19 @@ class _Buffer:
 
 
 class _StagingPool:
-    """Aligned staging buffers per (shape, dtype, device), reused only once idle."""
+    """Aligned staging buffers per (shape, dtype), reused only once idle."""
 
     def __init__(self, keep: int):
         self.keep = keep
         self.buffers: dict[tuple[Any, ...], list[_Buffer]] = {}
 
-    def fill(self, block: np.ndarray, device: jax.Device) -> np.ndarray:
-        """An aligned copy of ``block`` in a buffer nothing else uses."""
-        free = self.buffers.setdefault((block.shape, block.dtype.str, device.id), [])
+    def copy(self, leaf: np.ndarray) -> np.ndarray:
+        """An aligned copy of ``leaf`` in a buffer nothing else uses."""
+        free = self.buffers.setdefault((leaf.shape, leaf.dtype.str), [])
         buffer = next((b for b in free if b.idle()), None)
         if buffer is None:
-            buffer = _Buffer(block.shape, block.dtype)
+            buffer = _Buffer(leaf.shape, leaf.dtype)
             if len(free) < self.keep:
                 free.append(buffer)
-        np.copyto(buffer.view, block)
+        np.copyto(buffer.view, leaf)
         return buffer.view

@@ -1,4 +1,8 @@
-"""prefetch_to_device: placement, order, padding, errors, early stop, look-ahead bound, staging safety."""
+"""prefetch_to_device: placement, order, padding, errors, early stop, look-ahead bound, staging and aliasing.
+
+Batches are placed by the loop's own thread while the loader is free and by background threads once it
+takes time; ``mode`` forces one way or the other (threads from the start, or never) to test both.
+"""
 
 import gc
 import threading
@@ -12,6 +16,7 @@ import numpy as np
 import pytest
 
 import spmdcomm as sc
+from spmdcomm import prefetch
 from spmdcomm.errors import ShapeError
 
 
@@ -40,15 +45,30 @@ def no_thread_left_behind():
     assert wait_until(lambda: not prefetch_threads()), "a prefetch thread outlived its test"
 
 
+@pytest.fixture(params=["inline", "threaded"])
+def mode(request, monkeypatch):
+    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", float("inf") if request.param == "inline" else 0.0)
+    return request.param
+
+
+def unaligned(a):
+    """A copy of ``a`` whose data starts 16 bytes past a 64-byte boundary."""
+    raw = sc.aligned_empty(a.nbytes + 16, np.uint8)
+    out = raw[16:16 + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
 def batches(n, rows=8):
     for i in range(n):
         yield {"x": np.full((rows, 3), i, np.float32), "i": np.arange(rows) + 100 * i}
 
 
-def test_order_values_and_placement(mesh):
+def test_order_values_and_placement(mesh, mode):
     n = mesh.shape["data"]
     with sc.prefetch_to_device(batches(6, rows=2 * n), mesh=mesh) as it:
         got = list(it)
+        assert it.threaded == (mode == "threaded")
     assert len(got) == 6
     for i, b in enumerate(got):
         assert b["x"].sharding == sc.data_sharding(mesh) and b["i"].sharding == sc.data_sharding(mesh)
@@ -58,7 +78,7 @@ def test_order_values_and_placement(mesh):
             np.testing.assert_array_equal(np.asarray(shard.data), np.arange(2 * d, 2 * d + 2) + 100 * i)
 
 
-def test_tuples_namedtuples_and_explicit_sharding():
+def test_tuples_namedtuples_and_explicit_sharding(mode):
     mesh = sc.make_mesh({"data": 4, "model": 2})
     sharding = jax.sharding.NamedSharding(mesh, sc.P("data", "model"))
     src = [Pair(np.arange(16.0).reshape(8, 2) + k, np.ones((8, 2))) for k in range(3)]
@@ -73,7 +93,7 @@ def test_tuples_namedtuples_and_explicit_sharding():
         assert float(b.sum()) == 8.0
 
 
-def test_pad_to_multiple_yields_masked_batches_with_exact_means():
+def test_pad_to_multiple_yields_masked_batches_with_exact_means(mode):
     sizes = [8, 16, 5, 13, 1]
     src = ({"x": np.arange(n, dtype=np.float32) + 1} for n in sizes)
     with sc.prefetch_to_device(src, pad_to_multiple=8) as it:
@@ -83,7 +103,7 @@ def test_pad_to_multiple_yields_masked_batches_with_exact_means():
             assert m.sum() == n and (x * m).sum() / m.sum() == (n + 1) / 2
 
 
-def test_producer_exception_reraised_with_original_traceback():
+def test_producer_exception_reraised_with_original_traceback(mode):
     def broken():
         yield {"x": np.zeros(8)}
         raise KeyError("record 17 is corrupt")
@@ -99,14 +119,16 @@ def test_producer_exception_reraised_with_original_traceback():
         next(it)
 
 
-def test_shape_error_from_producer_says_how_to_pad():
+def test_shape_error_from_producer_says_how_to_pad(mode):
     it = sc.prefetch_to_device(iter([{"x": np.zeros((7, 2))}]))
     with pytest.raises(ShapeError, match=r"leaf \['x'\].*7 examples.*pad_to_multiple"):
         next(it)
 
 
 @pytest.mark.parametrize("how", ["break_close", "context", "gc"])
-def test_early_stop_ends_the_thread_even_with_a_full_queue(how):
+def test_early_stop_ends_the_threads_even_with_a_full_queue(how, monkeypatch):
+    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", 0.0)
+
     def endless():
         i = 0
         while True:
@@ -121,7 +143,8 @@ def test_early_stop_ends_the_thread_even_with_a_full_queue(how):
         it = sc.prefetch_to_device(endless(), size=3)
         b = next(it)
         assert wait_until(lambda: it._state.queue.qsize() == 3)
-        threads = it._threads
+        threads = it._state.threads
+        assert len(threads) == 2
         if how == "break_close":
             it.close()
         else:
@@ -131,7 +154,34 @@ def test_early_stop_ends_the_thread_even_with_a_full_queue(how):
     assert wait_until(lambda: not prefetch_threads())
 
 
-def test_close_stops_a_producer_stuck_in_a_slow_loader():
+@pytest.mark.parametrize("how", ["break_close", "context", "gc"])
+def test_early_stop_in_line_closes_the_loader(how, monkeypatch):
+    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", float("inf"))
+    closed = []
+
+    def endless():
+        try:
+            while True:
+                yield {"x": np.zeros(8)}
+        finally:
+            closed.append(True)
+
+    it = sc.prefetch_to_device(endless())
+    if how == "context":
+        with it:
+            next(it)
+    else:
+        next(it)
+        if how == "break_close":
+            it.close()
+        else:
+            del it
+            gc.collect()
+    assert closed == [True] and not prefetch_threads()
+
+
+def test_close_stops_a_producer_stuck_in_a_slow_loader(monkeypatch):
+    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", 0.0)
     release = threading.Event()
 
     def slow():
@@ -147,7 +197,8 @@ def test_close_stops_a_producer_stuck_in_a_slow_loader():
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
-def test_size_bounds_look_ahead(size):
+def test_size_bounds_look_ahead(size, mode):
+    ahead = size if mode == "threaded" else 0
     pulled = []
 
     def counting():
@@ -159,12 +210,29 @@ def test_size_bounds_look_ahead(size):
         for consumed in range(1, 6):
             b = next(it)
             assert int(b["x"][0]) == consumed - 1
-            assert wait_until(lambda c=consumed: len(pulled) == c + size)
+            assert wait_until(lambda c=consumed: len(pulled) == c + ahead)
             time.sleep(0.05)
-            assert len(pulled) == consumed + size
+            assert len(pulled) == consumed + ahead
 
 
-def test_stats_record_every_wait():
+def test_a_loader_that_takes_time_switches_to_threads_and_keeps_order():
+    def loader(n, sleep_from):
+        for i in range(n):
+            if i >= sleep_from:
+                time.sleep(0.005)
+            yield {"x": np.full(8, i)}
+
+    with sc.prefetch_to_device(loader(12, 4), size=2) as it:
+        got = [int(next(it)["x"][0]) for _ in range(4)]
+        assert not it.threaded  # a free loader is run by the loop's thread
+        got += [int(b["x"][0]) for b in it]
+        assert it.threaded and it.stats.steps == 12
+    assert got == list(range(12))
+    with sc.prefetch_to_device(loader(30, 30)) as it:
+        assert sum(1 for _ in it) == 30 and not it.threaded
+
+
+def test_stats_record_every_wait(mode):
     def slow(n):
         for i in range(n):
             time.sleep(0.02)
@@ -180,8 +248,9 @@ def test_stats_record_every_wait():
     assert s.total_wait > 0
 
 
-def test_staging_buffers_are_aligned_reused_and_never_overwrite_live_batches():
-    src = [{"x": np.full((64, 16), i, np.float32)} for i in range(40)]
+def test_staging_buffers_are_aligned_reused_and_never_overwrite_live_batches(monkeypatch):
+    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", 0.0)  # the placing thread stages
+    src = [{"x": unaligned(np.full((64, 16), i, np.float32))} for i in range(40)]
     pointers = []
     with sc.prefetch_to_device(iter(src), size=2) as it:
         for b in it:
@@ -196,13 +265,36 @@ def test_staging_buffers_are_aligned_reused_and_never_overwrite_live_batches():
         np.testing.assert_array_equal(np.asarray(b["x"]), src[i]["x"])
 
 
-def test_staging_buffer_not_reused_while_a_dropped_batch_is_still_being_read():
+def test_aligned_leaves_are_aliased_and_unaligned_ones_copied(mode):
+    aligned = sc.aligned_empty((64, 16), np.float32)
+    aligned[...] = 1.0
+    loose = unaligned(np.full((64, 16), 2.0, np.float32))
+    with sc.prefetch_to_device(iter([{"a": aligned, "u": loose}])) as it:
+        b = next(it)
+    blocks = [s.data.unsafe_buffer_pointer() for s in b["a"].addressable_shards]
+    assert blocks == [aligned.ctypes.data + k * aligned.nbytes // 8 for k in range(8)]  # zero-copy
+    loose[...] = 3.0  # allowed: the unaligned leaf was copied
+    np.testing.assert_array_equal(np.asarray(b["u"]), np.full((64, 16), 2.0))
+    aligned[...] = 4.0  # breaks the contract: the device array aliases the yielded array
+    np.testing.assert_array_equal(np.asarray(b["a"]), np.full((64, 16), 4.0))
+
+
+@pytest.mark.parametrize("shape, dtype", [((256, 3), np.float32), (7, np.int8), ((0, 5), np.float64),
+                                          ((3, 5, 2), np.complex64)])
+def test_aligned_empty(shape, dtype):
+    x = sc.aligned_empty(shape, dtype)
+    assert x.ctypes.data % 64 == 0 and x.flags.c_contiguous and x.flags.writeable
+    assert x.shape == (shape if isinstance(shape, tuple) else (shape,)) and x.dtype == dtype
+
+
+def test_staging_buffer_not_reused_while_a_dropped_batch_is_still_being_read(monkeypatch):
+    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", 0.0)
     @jax.jit
     def slow_sum(x):
         c = jax.lax.fori_loop(0, 40, lambda i, c: jnp.tanh(c @ c), jnp.eye(64) * 0.5)
         return (x * (1.0 + 0.0 * c[0, 0])).sum()  # reads x only after the loop
 
-    src = [np.full((64, 16), i, np.float32) for i in range(12)]
+    src = [unaligned(np.full((64, 16), i, np.float32)) for i in range(12)]
     slow_sum(jnp.asarray(src[0])).block_until_ready()
     results = []
     with sc.prefetch_to_device(iter(src), size=2) as it:

@@ -11,6 +11,8 @@ sc.initialize(timeout=60)
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
+from spmdcomm import prefetch  # noqa: E402
+
 pid, nproc = sc.process_index(), sc.process_count()
 mesh = sc.data_mesh()
 local = sc.local_device_count()
@@ -42,10 +44,14 @@ masked = sc.shard_batch(sc.pad_batch({"x": mine[:rows - 1]}, local))
 check_placement("shard_batch mask", masked.mask,
                 np.tile(np.r_[np.ones(rows - 1, bool), False], nproc))
 
-# prefetch_to_device: same layout, several batches, padding.
-with sc.prefetch_to_device({"x": mine + 1000 * k} for k in range(3)) as it:
-    for k, b in enumerate(it):
-        check_placement(f"prefetch batch {k}", b["x"], global_x + 1000 * k)
+# prefetch_to_device: same layout, several batches, padding; placed in-line and by the threads.
+default_inline_load_seconds = prefetch.INLINE_LOAD_SECONDS
+for inline_load_seconds in (float("inf"), 0.0):
+    prefetch.INLINE_LOAD_SECONDS = inline_load_seconds
+    with sc.prefetch_to_device({"x": mine + 1000 * k} for k in range(3)) as it:
+        for k, b in enumerate(it):
+            check_placement(f"prefetch batch {k}, threaded={it.threaded}", b["x"], global_x + 1000 * k)
+prefetch.INLINE_LOAD_SECONDS = default_inline_load_seconds
 with sc.prefetch_to_device(iter([{"x": mine[:rows - 1]}]), pad_to_multiple=local) as it:
     (b,) = list(it)
     real = sum(int(np.asarray(s.data).sum()) for s in b.mask.addressable_shards)
