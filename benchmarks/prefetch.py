@@ -33,7 +33,6 @@ def main() -> None:
     args = _parser().parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={args.devices}").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import flax
     import jax
     import numpy as np

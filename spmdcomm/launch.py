@@ -37,6 +37,7 @@ from typing import IO
 
 from spmdcomm.runtime import (
     ENV_COORDINATOR,
+    ENV_LOCAL_DEVICE_IDS,
     ENV_LOCAL_RANK,
     ENV_LOCAL_WORLD_SIZE,
     ENV_NUM_PROCESSES,
@@ -64,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error("give a script to run (script.py [args...]) or -m module [args...]")
     target = ["-m", args.module, *args.command] if args.module else list(args.command)
     return launch(target, args.nprocs, devices_per_process=args.devices_per_process,
-                  coordinator=args.coordinator, timeout=args.timeout, grace=args.grace)
+                  gpus_per_process=args.gpus_per_process, coordinator=args.coordinator, timeout=args.timeout,
+                  grace=args.grace)
 
 
 def launch(
@@ -72,6 +74,7 @@ def launch(
     nprocs: int,
     *,
     devices_per_process: int | None = None,
+    gpus_per_process: int | None = None,
     coordinator: str | None = None,
     timeout: float | None = None,
     grace: float = GRACE_SECONDS,
@@ -82,7 +85,9 @@ def launch(
     ``target`` is what follows ``python`` on a command line: ``["train.py", "--lr", "0.1"]`` or
     ``["-m", "pkg.train"]``. ``devices_per_process`` gives each process that many fake CPU devices
     (it sets ``XLA_FLAGS=--xla_force_host_platform_device_count``, and ``JAX_PLATFORMS=cpu`` unless
-    already set). ``coordinator`` is ``HOST:PORT`` (default: ``127.0.0.1`` and a free port).
+    already set). ``gpus_per_process`` gives rank ``r`` the local accelerators ``r*K .. r*K+K-1``
+    (through ``SPMDCOMM_LOCAL_DEVICE_IDS``, which :func:`spmdcomm.initialize` passes to JAX as
+    ``local_device_ids``). ``coordinator`` is ``HOST:PORT`` (default: ``127.0.0.1`` and a free port).
     ``timeout`` ends the whole job after that many seconds (status 124). ``env`` replaces
     ``os.environ`` as the base environment.
     """
@@ -101,6 +106,9 @@ def launch(
             child_env.update({ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(nprocs),
                               ENV_PROCESS_ID: str(rank), ENV_LOCAL_RANK: str(rank),
                               ENV_LOCAL_WORLD_SIZE: str(nprocs)})
+            if gpus_per_process:
+                ids = range(rank * gpus_per_process, (rank + 1) * gpus_per_process)
+                child_env[ENV_LOCAL_DEVICE_IDS] = ",".join(map(str, ids))
             job.start(rank, [sys.executable, *target], child_env)
         job.forward_output()  # only now start threads: every fork above happened without them
         return job.wait(timeout)
@@ -125,6 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
     p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
                    help="give each process K fake CPU devices")
+    p.add_argument("--gpus-per-process", type=int, default=None, metavar="K",
+                   help="give each process K of this host's GPUs (rank r gets GPUs r*K .. r*K+K-1)")
     p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="coordinator address (default: 127.0.0.1 and a free port)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",

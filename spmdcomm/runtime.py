@@ -37,6 +37,7 @@ __all__ = [
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
     "ENV_LOCAL_RANK",
+    "ENV_LOCAL_DEVICE_IDS",
     "ENV_LOCAL_WORLD_SIZE",
 ]
 
@@ -45,6 +46,7 @@ ENV_COORDINATOR = "SPMDCOMM_COORDINATOR"  # HOST:PORT of process 0's coordinatio
 ENV_NUM_PROCESSES = "SPMDCOMM_NUM_PROCESSES"
 ENV_PROCESS_ID = "SPMDCOMM_PROCESS_ID"
 ENV_LOCAL_RANK = "SPMDCOMM_LOCAL_RANK"  # index among the processes on this host
+ENV_LOCAL_DEVICE_IDS = "SPMDCOMM_LOCAL_DEVICE_IDS"  # comma-separated accelerator ids for this process
 ENV_LOCAL_WORLD_SIZE = "SPMDCOMM_LOCAL_WORLD_SIZE"  # number of processes on this host
 
 # Seconds initialize() waits for the coordinator to be reachable and for every process to join.
@@ -189,6 +191,8 @@ def _settings(
     address = address or os.environ.get(ENV_COORDINATOR) or None
     count = count if count is not None else _env_int(ENV_NUM_PROCESSES)
     pid = pid if pid is not None else _env_int(ENV_PROCESS_ID)
+    if device_ids is None and os.environ.get(ENV_LOCAL_DEVICE_IDS):
+        device_ids = [int(i) for i in os.environ[ENV_LOCAL_DEVICE_IDS].split(",")]
     if None in (address, count, pid):
         address, count, pid, device_ids = _auto_detect(address, count, pid, device_ids, timeout)
     return address, count, pid, device_ids

@@ -39,6 +39,23 @@ def test_env_prefix_and_device_count(tmp_path, capsys):
     assert len({ln.split()[4] for ln in lines}) == 1  # one coordinator address for all
 
 
+def test_gpus_per_process_assigns_disjoint_local_devices(tmp_path, capsys):
+    path = script(tmp_path, "print(rank, os.environ['SPMDCOMM_LOCAL_DEVICE_IDS'])\n")
+    assert launch.main(["-n", "3", "--gpus-per-process", "2", path]) == 0
+    lines = sorted(capsys.readouterr().out.splitlines())
+    assert lines == ["[rank 0] 0 0,1", "[rank 1] 1 2,3", "[rank 2] 2 4,5"]
+
+
+def test_initialize_reads_local_device_ids(monkeypatch):
+    from spmdcomm import runtime
+
+    monkeypatch.setenv(runtime.ENV_LOCAL_DEVICE_IDS, "2,3")
+    monkeypatch.setenv(runtime.ENV_COORDINATOR, "127.0.0.1:1")
+    monkeypatch.setenv(runtime.ENV_NUM_PROCESSES, "2")
+    monkeypatch.setenv(runtime.ENV_PROCESS_ID, "1")
+    assert runtime._settings(None, None, None, None, 1.0) == ("127.0.0.1:1", 2, 1, [2, 3])
+
+
 def test_module_form_and_argument_errors(tmp_path, capsys, monkeypatch):
     (tmp_path / "mymod.py").write_text("import sys\nprint('module', sys.argv[1:])\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
