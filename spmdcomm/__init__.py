@@ -22,6 +22,18 @@ from spmdcomm.collectives import (
     shift,
 )
 from spmdcomm.data import MaskedBatch, pad_batch, unpad
+from spmdcomm.ddp import (
+    DEFAULT_MAX_IN_FLIGHT,
+    EvalStep,
+    TrainState,
+    TrainStep,
+    fit,
+    make_eval_step,
+    make_train_step,
+    masked_mean,
+    nnx_loss_fn,
+    optimizer_state_bytes,
+)
 from spmdcomm.errors import (
     AxisError,
     BackendError,
@@ -68,6 +80,17 @@ __all__ = [
     "MaskedBatch",
     "pad_batch",
     "unpad",
+    # data-parallel training
+    "DEFAULT_MAX_IN_FLIGHT",
+    "EvalStep",
+    "TrainState",
+    "TrainStep",
+    "fit",
+    "make_eval_step",
+    "make_train_step",
+    "masked_mean",
+    "nnx_loss_fn",
+    "optimizer_state_bytes",
     # errors
     "AxisError",
     "BackendError",
