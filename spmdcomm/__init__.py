@@ -21,6 +21,7 @@ from spmdcomm.collectives import (
     scatter,
     shift,
 )
+from spmdcomm.checkpoint import latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from spmdcomm.data import MaskedBatch, pad_batch, unpad
 from spmdcomm.ddp import (
     DEFAULT_MAX_IN_FLIGHT,
@@ -37,6 +38,7 @@ from spmdcomm.ddp import (
 from spmdcomm.errors import (
     AxisError,
     BackendError,
+    ReplicaDivergenceError,
     ReplicatedReductionWarning,
     ShapeError,
     SpmdError,
@@ -52,6 +54,7 @@ from spmdcomm.mesh import (
     process_index,
     replicated_sharding,
 )
+from spmdcomm.replicas import Divergence, assert_replicated, check_replicas_in_sync
 from spmdcomm.spmd import SpmdFunction, spmd
 
 __version__ = "0.1.0"
@@ -91,9 +94,16 @@ __all__ = [
     "masked_mean",
     "nnx_loss_fn",
     "optimizer_state_bytes",
+    "Divergence",
+    "assert_replicated",
+    "check_replicas_in_sync",
+    "latest_checkpoint_step",
+    "restore_checkpoint",
+    "save_checkpoint",
     # errors
     "AxisError",
     "BackendError",
+    "ReplicaDivergenceError",
     "ReplicatedReductionWarning",
     "ShapeError",
     "SpmdError",

@@ -49,6 +49,7 @@ import numpy as np
 import optax
 from jax import lax
 from jax.experimental import multihost_utils
+from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -325,7 +326,7 @@ def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
     from flax import nnx
 
     def loss_fn(params: Any, batch: Any, *, apply_fn: Any, model_state: Any, rng: Any, mask: Any) -> Any:
-        model = nnx.merge(apply_fn, params, model_state)
+        model = nnx.merge(apply_fn, params, model_state, copy=True)
         loss, aux = _split_loss_output(fn(model, batch, rng=rng, mask=mask), "nnx_loss_fn")
         _, _, new_state = nnx.split(model, nnx.Param, ...)
         return loss, {**aux, "model_state": new_state}
@@ -448,19 +449,20 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
 
     def body(state: TrainState, data: Any, mask: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         grad_sum, metric_sums, model_state, count = _accumulate(o, state, data, mask, varying)
-        # One collective for everything that is summed in f32 (metrics, model state, leaf-wise gradients).
-        stats = jax.tree.map(lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)),
-                             _float_leaves(model_state))
+        # The example count, the metrics and the model state travel in one f32 vector (XLA:CPU pays per
+        # buffer); XLA fuses its all-reduce with the gradients' into one collective.
+        weighted_state = jax.tree.map(lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)),
+                                      _float_leaves(model_state))
+        vec, unravel = ravel_pytree((count, metric_sums, weighted_state))
         if o.shard_optimizer:
-            total, metric_sums, stats = lax.psum((count, metric_sums, stats), axis)
-            grads, finite = None, None
+            vec = lax.psum(vec, axis)
         elif flat is not None:
-            total, metric_sums, stats = lax.psum((count, metric_sums, stats), axis)
+            vec = lax.psum(vec, axis)
             grads = _bucketed_psum(grad_sum, flat, o.bucket_bytes, o.reduce_dtype, axis)
         else:
-            low = _cast(grad_sum, o.reduce_dtype)
-            total, metric_sums, stats, low = lax.psum((count, metric_sums, stats, low), axis)
+            vec, low = lax.psum((vec, _cast(grad_sum, o.reduce_dtype)), axis)
             grads = _cast_like(low, grad_sum)
+        total, metric_sums, stats = unravel(vec)
         denom = jnp.maximum(total, 1.0)
         new_model_state = _merge_model_state(model_state, jax.tree.map(lambda v: v / denom, stats), axis)
         if o.shard_optimizer:

@@ -13,6 +13,7 @@ __all__ = [
     "ShapeError",
     "BackendError",
     "ReplicatedReductionWarning",
+    "ReplicaDivergenceError",
 ]
 
 
@@ -48,3 +49,7 @@ def describe(fn: str, message: str, *, fix: str | None = None, leaf: str | None 
     if fix:
         text += f" Fix: {fix}"
     return text
+
+
+class ReplicaDivergenceError(SpmdError):
+    """A value that should be identical on every device (replicated parameters, optimizer state) is not."""
