@@ -35,9 +35,16 @@ from spmdcomm.ddp import (
     nnx_loss_fn,
     optimizer_state_bytes,
 )
+from spmdcomm.debug import enabled as debug_enabled
+from spmdcomm.debug import set_debug
 from spmdcomm.errors import (
     AxisError,
     BackendError,
+    BarrierTimeoutError,
+    CoordinatorError,
+    DistributedError,
+    ProcessMismatchError,
+    RemoteProcessError,
     ReplicaDivergenceError,
     ReplicatedReductionWarning,
     ShapeError,
@@ -55,7 +62,24 @@ from spmdcomm.mesh import (
     replicated_sharding,
 )
 from spmdcomm.replicas import Divergence, assert_replicated, check_replicas_in_sync
+from spmdcomm.runtime import (
+    initialize,
+    is_initialized,
+    is_main_process,
+    local_rank,
+    process_devices,
+)
 from spmdcomm.spmd import SpmdFunction, spmd
+from spmdcomm.sync import (
+    all_gather_object,
+    barrier,
+    broadcast_object,
+    host_all_gather,
+    host_all_reduce,
+    host_broadcast,
+    main_process_first,
+    sync_devices,
+)
 
 __version__ = "0.1.0"
 
@@ -107,6 +131,11 @@ __all__ = [
     "ReplicatedReductionWarning",
     "ShapeError",
     "SpmdError",
+    "DistributedError",
+    "CoordinatorError",
+    "BarrierTimeoutError",
+    "ProcessMismatchError",
+    "RemoteProcessError",
     # meshes and topology
     "data_mesh",
     "data_sharding",
@@ -117,6 +146,24 @@ __all__ = [
     "process_count",
     "process_index",
     "replicated_sharding",
+    # multi-process runtime
+    "initialize",
+    "is_initialized",
+    "is_main_process",
+    "local_rank",
+    "process_devices",
+    # barriers and host-level collectives across processes
+    "barrier",
+    "sync_devices",
+    "main_process_first",
+    "host_all_reduce",
+    "host_all_gather",
+    "host_broadcast",
+    "broadcast_object",
+    "all_gather_object",
+    # debug mode
+    "set_debug",
+    "debug_enabled",
     # the wrapper
     "SpmdFunction",
     "spmd",

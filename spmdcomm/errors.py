@@ -14,6 +14,11 @@ __all__ = [
     "BackendError",
     "ReplicatedReductionWarning",
     "ReplicaDivergenceError",
+    "DistributedError",
+    "CoordinatorError",
+    "BarrierTimeoutError",
+    "ProcessMismatchError",
+    "RemoteProcessError",
 ]
 
 
@@ -42,6 +47,33 @@ class ReplicatedReductionWarning(UserWarning):
     """
 
 
+class DistributedError(RuntimeError):
+    """A multi-process operation failed at run time (base class of the errors below).
+
+    Not a :class:`SpmdError`: the input was fine, but the processes of the job did not cooperate.
+    """
+
+
+class CoordinatorError(DistributedError, ConnectionError):
+    """The coordinator of a multi-process job could not be reached, or cannot listen on its port."""
+
+
+class BarrierTimeoutError(DistributedError, TimeoutError):
+    """Not every process arrived in time; the message names the missing ones and where each was."""
+
+
+class ProcessMismatchError(DistributedError):
+    """Processes reached different barriers, or called the same function with different inputs."""
+
+
+class RemoteProcessError(DistributedError):
+    """Another process failed in a block this process was waiting for; the message has its error."""
+
+
+class ReplicaDivergenceError(SpmdError):
+    """A value that should be identical on every device (replicated parameters, optimizer state) is not."""
+
+
 def describe(fn: str, message: str, *, fix: str | None = None, leaf: str | None = None) -> str:
     """Formats an error message: ``spmdcomm.FN: [leaf PATH: ]MESSAGE. Fix: FIX``."""
     where = f"leaf {leaf}: " if leaf else ""
@@ -49,7 +81,3 @@ def describe(fn: str, message: str, *, fix: str | None = None, leaf: str | None 
     if fix:
         text += f" Fix: {fix}"
     return text
-
-
-class ReplicaDivergenceError(SpmdError):
-    """A value that should be identical on every device (replicated parameters, optimizer state) is not."""

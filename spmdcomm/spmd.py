@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm import debug
 from spmdcomm.errors import BackendError, ShapeError, SpmdError, describe
 from spmdcomm.mesh import check_mesh_axes, default_mesh
 
@@ -90,6 +91,8 @@ class SpmdFunction:
 
     def __call__(self, *args: Any) -> Any:
         mesh = self.resolved_mesh()
+        if debug.enabled():  # SPMDCOMM_DEBUG: processes compare the call before placing inputs
+            debug.check_call(self.__name__, args, in_specs=self.in_specs, mesh=mesh)
         return self._compiled(mesh)(*self.place(args))
 
     def lower(self, *args: Any) -> jax.stages.Lowered:

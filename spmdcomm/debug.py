@@ -1,0 +1,121 @@
+"""Debug mode: processes check that they call each spmd function with the same inputs.
+
+A multi-process program hangs, aborts or silently computes garbage when its processes call a
+compiled function with different shapes, dtypes or shardings. With ``SPMDCOMM_DEBUG=1`` in the
+environment (or ``spmdcomm.set_debug(True)``), every call of an :func:`spmdcomm.spmd` function
+first compares a fingerprint of the call across processes (function name and, per input leaf,
+shape, dtype and sharding) through the coordination service; on a mismatch every process raises
+:class:`~spmdcomm.errors.ProcessMismatchError` naming the differing process and the difference.
+This is the counterpart of ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. Each call then costs one host round
+trip, so keep it for debugging. With one process there is nothing to compare and the check is
+skipped.
+
+>>> import spmdcomm as sc
+>>> sc.set_debug(True); sc.debug_enabled()
+True
+>>> sc.set_debug(None)   # back to the SPMDCOMM_DEBUG environment variable
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from spmdcomm.errors import ProcessMismatchError, describe
+from spmdcomm.mesh import process_count, process_index
+from spmdcomm.sync import exchange
+
+__all__ = ["set_debug", "enabled", "check_call", "fingerprint", "ENV_DEBUG"]
+
+ENV_DEBUG = "SPMDCOMM_DEBUG"
+
+_override: list[bool | None] = [None]
+
+
+def set_debug(on: bool | None = True) -> None:
+    """Turns debug mode on or off for this process; ``None`` defers to ``SPMDCOMM_DEBUG`` again.
+
+    Every process must make the same choice: the check is a sync point that all of them join.
+    """
+    _override[0] = on
+
+
+def enabled() -> bool:
+    """Whether debug mode is on: :func:`set_debug`, else ``SPMDCOMM_DEBUG`` set and not ``0``."""
+    if _override[0] is not None:
+        return _override[0]
+    return os.environ.get(ENV_DEBUG, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def check_call(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Mesh | None = None
+               ) -> None:
+    """Raises :class:`~spmdcomm.errors.ProcessMismatchError` on every process unless all processes
+    call function ``name`` with the same input structure, shapes, dtypes, shardings, specs and mesh.
+
+    Runs before the inputs are placed: placing host data on a multi-process mesh is itself a
+    cross-process transfer, which aborts when the shapes differ.
+
+    >>> check_call("step", (np.zeros(3),))   # one process: nothing to compare
+    """
+    if process_count() == 1:
+        return
+    mine = fingerprint(name, args, in_specs=in_specs, mesh=mesh)
+    prints = [pickle.loads(b) for b in exchange(name, "spmd debug check", pickle.dumps(mine))]
+    diffs = {p: _diff(fp, prints[0]) for p, fp in enumerate(prints) if fp != prints[0]}
+    if not diffs:
+        return
+    text = " ".join(f"Process {p} differs from process 0: {'; '.join(d)}."
+                    for p, d in diffs.items())
+    raise ProcessMismatchError(describe(
+        name, f"debug check on process {process_index()}: the processes called it with different "
+        f"inputs, which would hang, abort or compute garbage. {text}",
+        fix="give every process inputs of the same global shape, dtype and sharding (pad the "
+        "last batch, e.g. with spmdcomm.pad_batch), and call the same functions in the same "
+        "order."))
+
+
+def fingerprint(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Mesh | None = None
+                ) -> dict[str, Any]:
+    """What :func:`check_call` compares: name, specs, mesh, ``path -> (shape, dtype, sharding)``.
+
+    >>> fingerprint("f", (np.zeros((2, 3), np.float32),))["leaves"]
+    {'[0]': ((2, 3), 'float32', None)}
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(tuple(args))[0]
+    return {
+        "function": name,
+        "in_specs": str(in_specs),
+        "mesh": None if mesh is None else str(dict(mesh.shape)),
+        "leaves": {jax.tree_util.keystr(path): _leaf(x) for path, x in leaves},
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _leaf(x: Any) -> tuple[tuple[int, ...], str, str | None]:
+    dtype = str(getattr(x, "dtype", type(x).__name__))
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        where = f"{sharding.spec} over mesh {dict(sharding.mesh.shape)}"
+    else:
+        where = None if sharding is None else type(sharding).__name__
+    return tuple(getattr(x, "shape", ())), dtype, where
+
+
+def _diff(fp: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    out = [f"{key} {fp[key]} vs {ref[key]} on process 0"
+           for key in ("function", "in_specs", "mesh") if fp[key] != ref[key]]
+    for path in sorted(set(fp["leaves"]) | set(ref["leaves"])):
+        a, b = fp["leaves"].get(path), ref["leaves"].get(path)
+        if a is None or b is None:
+            out.append(f"args{path} is {'missing' if a is None else 'extra'} (not on both)")
+            continue
+        out += [f"args{path}: {k} {x} vs {y} on process 0"
+                for k, x, y in zip(("shape", "dtype", "sharding"), a, b, strict=True) if x != y]
+    return out

@@ -1,0 +1,272 @@
+"""A local launcher: runs one Python script (or module) as N cooperating JAX processes.
+
+``spmdcomm-launch -n 2 --devices-per-process 2 train.py --lr 0.1`` (or ``python -m
+spmdcomm.launch``) picks a free loopback port for the coordinator, starts two copies of
+``train.py`` with the environment that :func:`spmdcomm.initialize` reads (``SPMDCOMM_COORDINATOR``,
+``SPMDCOMM_NUM_PROCESSES``, ``SPMDCOMM_PROCESS_ID``, ``SPMDCOMM_LOCAL_RANK``,
+``SPMDCOMM_LOCAL_WORLD_SIZE``; see :mod:`spmdcomm.runtime`), and prefixes every output line with
+``[rank i]``.
+
+It fails fast: as soon as one process exits with a non-zero status or is killed, the others get
+SIGTERM and, after a grace period, SIGKILL (JAX catches SIGTERM and keeps running), and the
+launcher exits non-zero naming the rank and its exit status or signal. Ctrl-C or SIGTERM to the
+launcher is passed on to every process in the same way. Each process runs in its own session
+and, on Linux, is killed by the kernel if the launcher dies, so no process outlives the
+launcher.
+
+Exit status: 0 when every process exited 0; otherwise the first failing process's status (``128
++ signal`` when it was killed by a signal), ``124`` when ``--timeout`` expired, ``128 + signal``
+when the launcher itself was interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+from spmdcomm.runtime import (
+    ENV_COORDINATOR,
+    ENV_LOCAL_RANK,
+    ENV_LOCAL_WORLD_SIZE,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+__all__ = [
+    "main",
+    "launch",
+    "free_port",
+    "GRACE_SECONDS",
+]
+
+# Seconds between SIGTERM and SIGKILL when the launcher ends the remaining processes.
+GRACE_SECONDS = 3.0
+
+_POLL_SECONDS = 0.05
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``spmdcomm-launch``; returns the exit status (see the module docstring)."""
+    args = _parser().parse_args(argv)
+    if args.module is None and not args.command:
+        _parser().error("give a script to run (script.py [args...]) or -m module [args...]")
+    target = ["-m", args.module, *args.command] if args.module else list(args.command)
+    return launch(target, args.nprocs, devices_per_process=args.devices_per_process,
+                  coordinator=args.coordinator, timeout=args.timeout, grace=args.grace)
+
+
+def launch(
+    target: Sequence[str],
+    nprocs: int,
+    *,
+    devices_per_process: int | None = None,
+    coordinator: str | None = None,
+    timeout: float | None = None,
+    grace: float = GRACE_SECONDS,
+    env: dict[str, str] | None = None,
+) -> int:
+    """Runs ``python *target`` as ``nprocs`` processes and returns the launcher's exit status.
+
+    ``target`` is what follows ``python`` on a command line: ``["train.py", "--lr", "0.1"]`` or
+    ``["-m", "pkg.train"]``. ``devices_per_process`` gives each process that many fake CPU devices
+    (it sets ``XLA_FLAGS=--xla_force_host_platform_device_count``, and ``JAX_PLATFORMS=cpu`` unless
+    already set). ``coordinator`` is ``HOST:PORT`` (default: ``127.0.0.1`` and a free port).
+    ``timeout`` ends the whole job after that many seconds (status 124). ``env`` replaces
+    ``os.environ`` as the base environment.
+    """
+    if nprocs < 1:
+        raise ValueError(f"spmdcomm-launch: -n must be at least 1, got {nprocs}.")
+    address = coordinator or f"127.0.0.1:{free_port()}"
+    base = dict(os.environ if env is None else env)
+    base.setdefault("PYTHONUNBUFFERED", "1")
+    if devices_per_process is not None:
+        base["XLA_FLAGS"] = _with_device_count(base.get("XLA_FLAGS", ""), devices_per_process)
+        base.setdefault("JAX_PLATFORMS", "cpu")
+    job = _Job(grace=grace)
+    with _forward_signals(job):
+        for rank in range(nprocs):
+            child_env = dict(base)
+            child_env.update({ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(nprocs),
+                              ENV_PROCESS_ID: str(rank), ENV_LOCAL_RANK: str(rank),
+                              ENV_LOCAL_WORLD_SIZE: str(nprocs)})
+            job.start(rank, [sys.executable, *target], child_env)
+        job.forward_output()  # only now start threads: every fork above happened without them
+        return job.wait(timeout)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="spmdcomm-launch",
+        description="Run a script as N cooperating JAX processes on this machine.",
+        usage="spmdcomm-launch -n N [--devices-per-process K] [--coordinator HOST:PORT] "
+              "(script.py | -m module) [args...]")
+    p.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
+    p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
+                   help="give each process K fake CPU devices")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="coordinator address (default: 127.0.0.1 and a free port)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="end the whole job after this many seconds (exit status 124)")
+    p.add_argument("--grace", type=float, default=GRACE_SECONDS, metavar="SECONDS",
+                   help=f"seconds between SIGTERM and SIGKILL (default {GRACE_SECONDS})")
+    p.add_argument("-m", dest="module", default=None, help="run a module, like python -m")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="script.py [args...], or the module's args")
+    return p
+
+
+def _with_device_count(flags: str, count: int) -> str:
+    kept = [f for f in flags.split() if not f.startswith(_DEVICE_FLAG)]
+    return " ".join([*kept, f"{_DEVICE_FLAG}={count}"])
+
+
+def _describe_status(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with status {code}"
+
+
+def _exit_status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A function for the child to run between fork and exec: the kernel sends it SIGKILL when the
+    launcher dies (Linux; elsewhere None). libc is looked up here, before forking."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+@dataclass
+class _Job:
+    grace: float
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    threads: list[threading.Thread] = field(default_factory=list)
+    interrupted: int | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self, rank: int, cmd: list[str], env: dict[str, str]) -> None:
+        self.procs[rank] = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent())
+
+    def forward_output(self) -> None:
+        """Starts the threads that copy each process's output, prefixed with its rank."""
+        for rank, proc in self.procs.items():
+            for src, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                t = threading.Thread(target=_pump, args=(rank, src, dst, self.lock), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def wait(self, timeout: float | None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.interrupted is not None:
+                name = signal.Signals(self.interrupted).name
+                self._say(f"received {name}; stopping all processes.")
+                self.stop(self.interrupted)
+                return 128 + self.interrupted
+            codes = {rank: p.poll() for rank, p in self.procs.items()}
+            failed = [(r, c) for r, c in codes.items() if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                running = sum(c is None for c in codes.values())
+                self._say(f"rank {rank} (pid {self.procs[rank].pid}) {_describe_status(code)}; "
+                          f"stopping the other {running} running process(es).")
+                self.stop()
+                return _exit_status(code)
+            if all(c == 0 for c in codes.values()):
+                self._drain()
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                self._say(f"timeout of {timeout:g} s expired; stopping all processes.")
+                self.stop()
+                return 124
+            time.sleep(_POLL_SECONDS)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Sends ``sig`` to every running process group, then SIGKILL after the grace period."""
+        self._signal_all(sig)
+        end = time.monotonic() + self.grace
+        while time.monotonic() < end and any(p.poll() is None for p in self.procs.values()):
+            time.sleep(_POLL_SECONDS)
+        self._signal_all(signal.SIGKILL)
+        for p in self.procs.values():
+            p.wait()
+        self._drain()
+
+    def _signal_all(self, sig: int) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)  # each child leads its own session: group id == pid
+                except ProcessLookupError:
+                    pass
+
+    def _drain(self) -> None:
+        for t in self.threads:
+            t.join(timeout=2.0)
+
+    def _say(self, message: str) -> None:
+        with self.lock:
+            print(f"spmdcomm-launch: {message}", file=sys.stderr, flush=True)
+
+
+def _pump(rank: int, src: IO[bytes], dst: IO[str], lock: threading.Lock) -> None:
+    prefix = f"[rank {rank}] "
+    for raw in iter(src.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        with lock:
+            dst.write(prefix + line + "\n")
+            dst.flush()
+    src.close()
+
+
+@contextlib.contextmanager
+def _forward_signals(job: _Job) -> Iterator[None]:
+    # While active, SIGINT and SIGTERM to the launcher mark the job as interrupted; its wait loop
+    # then passes the signal on to every process. An exception on the way out stops the job.
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            saved[sig] = signal.signal(sig, lambda sig, _: setattr(job, "interrupted", sig))
+    try:
+        yield
+    except BaseException:
+        job.stop()
+        raise
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Joining a multi-process job, and where this process sits in it.
+
+Call :func:`initialize` once at the top of a script, before any other JAX call. The same script
+then runs as one process (``initialize`` does nothing) or as one of N processes started by
+``spmdcomm-launch``, ``srun`` on SLURM, ``mpirun`` (Open MPI) or a Kubernetes job; JAX's own
+distributed runtime does the work (its coordination service; gloo collectives on CPU, NCCL on GPU).
+
+>>> import spmdcomm as sc
+>>> sc.initialize()          # a single process: nothing to join
+>>> sc.is_main_process(), sc.local_rank(), len(sc.process_devices())
+(True, 0, 8)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from spmdcomm.errors import CoordinatorError, DistributedError, SpmdError, describe
+from spmdcomm.mesh import process_count, process_index
+
+__all__ = [
+    "initialize",
+    "is_initialized",
+    "is_main_process",
+    "local_rank",
+    "process_devices",
+    "coordination_client",
+    "DEFAULT_INIT_TIMEOUT",
+    "ENV_COORDINATOR",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "ENV_LOCAL_RANK",
+    "ENV_LOCAL_WORLD_SIZE",
+]
+
+# The environment that spmdcomm-launch sets for each process and initialize() reads.
+ENV_COORDINATOR = "SPMDCOMM_COORDINATOR"  # HOST:PORT of process 0's coordination service
+ENV_NUM_PROCESSES = "SPMDCOMM_NUM_PROCESSES"
+ENV_PROCESS_ID = "SPMDCOMM_PROCESS_ID"
+ENV_LOCAL_RANK = "SPMDCOMM_LOCAL_RANK"  # index among the processes on this host
+ENV_LOCAL_WORLD_SIZE = "SPMDCOMM_LOCAL_WORLD_SIZE"  # number of processes on this host
+
+# Seconds initialize() waits for the coordinator to be reachable and for every process to join.
+DEFAULT_INIT_TIMEOUT = 120.0
+
+_KV_PREFIX = "spmdcomm/host/"
+_hosts: dict[int, str] = {}  # process id -> host name, filled by initialize()
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: Sequence[int] | None = None,
+    timeout: float = DEFAULT_INIT_TIMEOUT,
+) -> None:
+    """Joins this process to a multi-process JAX job; does nothing when there is only one process.
+
+    Each setting comes from its argument, else from the launcher's environment
+    (``SPMDCOMM_COORDINATOR``, ``SPMDCOMM_NUM_PROCESSES``, ``SPMDCOMM_PROCESS_ID``), else from
+    JAX's cluster auto-detection (SLURM, Open MPI, Kubernetes, Cloud TPU). With none of them set,
+    the job is a single process and nothing happens. CPU collectives use gloo. Calling it again
+    once joined is a no-op; it must come before anything starts JAX's backend (``jax.devices()``,
+    creating an array).
+
+    A process other than 0 first checks that it can open a TCP connection to the coordinator; if it
+    cannot within ``timeout`` seconds it raises :class:`~spmdcomm.errors.CoordinatorError` naming
+    the address (JAX itself would abort the process). Process 0 checks that the port is free.
+    ``timeout`` also bounds the wait for all processes to join: when one never arrives, JAX aborts
+    the processes that are waiting after about that long (it offers no way to turn this into an
+    exception).
+    """
+    if jax.distributed.is_initialized():
+        _check_same_job(num_processes, process_id)
+        return
+    address, count, pid, device_ids = _settings(
+        coordinator_address, num_processes, process_id, local_device_ids, timeout)
+    if count is None or count == 1:
+        return
+    if address is None or pid is None:
+        raise DistributedError(describe(
+            "initialize", f"a job of {count} processes needs a coordinator address and this "
+            f"process's id, but got coordinator_address={address!r}, process_id={pid!r}.",
+            fix=f"pass them, set {ENV_COORDINATOR} and {ENV_PROCESS_ID}, or start the script with "
+            "spmdcomm-launch."))
+    host, port = _split_address(address)
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise DistributedError(describe(
+            "initialize", "JAX's backend is already running in this process (something called "
+            "jax.devices(), created an array or ran a computation), so it can no longer join a "
+            "job.",
+            fix="call spmdcomm.initialize() at the top of the script, before any other JAX call."))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    deadline = time.monotonic() + timeout
+    if pid == 0:
+        _check_port_free(address, host, port)
+    else:
+        _wait_reachable(address, host, port, pid, timeout, deadline)
+    jax.distributed.initialize(
+        address, count, pid, local_device_ids=device_ids, cluster_detection_method="deactivate",
+        initialization_timeout=max(1, math.ceil(deadline - time.monotonic())),
+        coordinator_bind_address=f"{host}:{port}" if _is_loopback(host) else None)
+    _publish_host(pid, timeout)
+
+
+def is_initialized() -> bool:
+    """Whether this process has joined a multi-process job (False for a single process)."""
+    return jax.distributed.is_initialized()
+
+
+def is_main_process(*, local: bool = False) -> bool:
+    """Whether this is process 0 of the job (``local=True``: process 0 of its host, local rank 0).
+
+    >>> sc.is_main_process()
+    True
+    """
+    return (local_rank() if local else process_index()) == 0
+
+
+def local_rank() -> int:
+    """This process's index among the processes on its host (0 for a single process).
+
+    Known from :func:`initialize` (processes publish their host names), else from the launcher's
+    ``SPMDCOMM_LOCAL_RANK``, SLURM's ``SLURM_LOCALID`` or Open MPI's ``OMPI_COMM_WORLD_LOCAL_RANK``.
+    """
+    if _hosts:
+        me = process_index()
+        return sorted(p for p, h in _hosts.items() if h == _hosts[me]).index(me)
+    for var in (ENV_LOCAL_RANK, "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    if process_count() == 1:
+        return 0
+    raise DistributedError(describe(
+        "local_rank", "this process joined the job without spmdcomm.initialize() and no launcher "
+        "variable gives its local rank.",
+        fix="call spmdcomm.initialize() instead of jax.distributed.initialize(), or set "
+        f"{ENV_LOCAL_RANK}."))
+
+
+def process_devices(process: int | None = None) -> list[jax.Device]:
+    """The devices attached to process ``process`` (default: this one), in device-id order.
+
+    >>> [d.id for d in sc.process_devices(0)][:3]
+    [0, 1, 2]
+    """
+    n = process_count()
+    if process is None:
+        return list(jax.local_devices())
+    if not isinstance(process, int) or not 0 <= process < n:
+        raise SpmdError(describe(
+            "process_devices", f"process={process!r} is out of range for a job of {n} process(es).",
+            fix=f"pass a process index in [0, {n})."))
+    return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
+
+
+def coordination_client(fn: str) -> Any:
+    """JAX's coordination-service client of this job (barriers and a key-value store).
+
+    ``fn`` names the caller for the error raised when the process has not joined a job.
+    """
+    from jax._src.distributed import global_state
+
+    if global_state.client is None:
+        raise DistributedError(describe(
+            fn, "this process has not joined a multi-process job.",
+            fix="call spmdcomm.initialize() at the top of the script (under spmdcomm-launch, "
+            "SLURM, Open MPI or Kubernetes it finds its settings)."))
+    return global_state.client
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _settings(
+    address: str | None, count: int | None, pid: int | None, device_ids: Sequence[int] | None,
+    timeout: float,
+) -> tuple[str | None, int | None, int | None, Sequence[int] | None]:
+    address = address or os.environ.get(ENV_COORDINATOR) or None
+    count = count if count is not None else _env_int(ENV_NUM_PROCESSES)
+    pid = pid if pid is not None else _env_int(ENV_PROCESS_ID)
+    if None in (address, count, pid):
+        address, count, pid, device_ids = _auto_detect(address, count, pid, device_ids, timeout)
+    return address, count, pid, device_ids
+
+
+def _auto_detect(
+    address: str | None, count: int | None, pid: int | None, device_ids: Sequence[int] | None,
+    timeout: float,
+) -> tuple[str | None, int | None, int | None, Sequence[int] | None]:
+    from jax._src.clusters import ClusterEnv
+
+    return ClusterEnv.auto_detect_unset_distributed_params(
+        address, count, pid, device_ids, None, max(1, math.ceil(timeout)))
+
+
+def _env_int(var: str) -> int | None:
+    text = os.environ.get(var)
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise DistributedError(describe(
+            "initialize", f"environment variable {var}={text!r} is not an integer.",
+            fix=f"set {var} to an integer or unset it.")) from None
+
+
+def _check_same_job(count: int | None, pid: int | None) -> None:
+    if (count not in (None, process_count())) or (pid not in (None, process_index())):
+        raise DistributedError(describe(
+            "initialize", f"already joined as process {process_index()} of {process_count()}, but "
+            f"called again with num_processes={count}, process_id={pid}.",
+            fix="call initialize() once per process (later calls without arguments are no-ops)."))
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise DistributedError(describe(
+            "initialize", f"coordinator address {address!r} is not HOST:PORT.",
+            fix="pass e.g. '10.0.0.1:1234' (an IPv6 host goes in brackets: '[::1]:1234')."))
+    return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _wait_reachable(
+    address: str, host: str, port: int, pid: int, timeout: float, deadline: float
+) -> None:
+    last: OSError | None = None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 2.0)):
+                return
+        except OSError as e:
+            last = e
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    raise CoordinatorError(describe(
+        "initialize", f"process {pid} could not reach the coordinator at {address} within "
+        f"{timeout:g} s (last error: {last}).",
+        fix=f"check that process 0 is running and was given the same address, that {host} resolves "
+        f"to the machine running process 0 and port {port} is open between the machines "
+        "(firewall), or raise `timeout` if process 0 starts late."))
+
+
+def _check_port_free(address: str, host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    bind_host = host if _is_loopback(host) else ("::" if family == socket.AF_INET6 else "")
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((bind_host, port))
+        except OSError as e:
+            raise CoordinatorError(describe(
+                "initialize", f"process 0 cannot serve as coordinator at {address}: port {port} "
+                f"is not available ({e}).",
+                fix="choose a free port (spmdcomm-launch picks one when --coordinator is not "
+                "given), or stop what listens on it.")) from None
+
+
+def _publish_host(pid: int, timeout: float) -> None:
+    client = coordination_client("initialize")
+    client.key_value_set(f"{_KV_PREFIX}{pid}", socket.gethostname(), allow_overwrite=True)
+    client.wait_at_barrier("spmdcomm/initialize", int(timeout * 1000))
+    _hosts.update({int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(_KV_PREFIX)})

@@ -1,0 +1,112 @@
+"""The launcher, on small plain-Python scripts (no JAX in the children, so each test is fast)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spmdcomm import launch
+
+# The children are forked from this (JAX-using) test process; they exec Python at once.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def script(tmp_path, body, name="child.py"):
+    path = tmp_path / name
+    path.write_text("import os, signal, sys, time\nrank = int(os.environ['SPMDCOMM_PROCESS_ID'])\n"
+                    + body)
+    return str(path)
+
+
+def test_env_prefix_and_device_count(tmp_path, capsys):
+    path = script(tmp_path, "print(rank, *[os.environ[v] for v in ("
+                  "'SPMDCOMM_NUM_PROCESSES', 'SPMDCOMM_COORDINATOR', 'SPMDCOMM_LOCAL_RANK',"
+                  "'XLA_FLAGS', 'JAX_PLATFORMS')], sys.argv[1:])\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo"}
+    env.pop("JAX_PLATFORMS", None)
+    assert launch.launch([path, "a", "--b"], 3, devices_per_process=2, env=env) == 0
+    lines = sorted(capsys.readouterr().out.splitlines())
+    assert len(lines) == 3
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"[rank {rank}] {rank} 3 127.0.0.1:")
+        assert f" {rank} --foo --xla_force_host_platform_device_count=2 cpu ['a', '--b']" in line
+    assert len({ln.split()[4] for ln in lines}) == 1  # one coordinator address for all
+
+
+def test_module_form_and_argument_errors(tmp_path, capsys, monkeypatch):
+    (tmp_path / "mymod.py").write_text("import sys\nprint('module', sys.argv[1:])\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert launch.main(["-n", "2", "-m", "mymod", "x"]) == 0
+    assert capsys.readouterr().out.count("module ['x']") == 2
+    with pytest.raises(SystemExit):
+        launch.main(["-n", "2"])
+    with pytest.raises(ValueError, match="at least 1"):
+        launch.launch(["x.py"], 0)
+
+
+def test_failure_stops_the_others_and_names_the_rank(tmp_path, capsys):
+    path = script(tmp_path, "if rank == 1:\n    time.sleep(0.5); sys.exit(3)\ntime.sleep(60)\n")
+    start = time.monotonic()
+    assert launch.launch([path], 3, grace=1.0) == 3
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err
+    assert "rank 1 (pid " in err and ") exited with status 3; stopping the other 2" in err
+
+
+def test_killed_rank_and_sigterm_escalation(tmp_path, capsys):
+    # Rank 0 ignores SIGTERM (as JAX's preemption handler effectively does): it must get SIGKILL.
+    path = script(tmp_path, "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                  "if rank == 1:\n    time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n"
+                  "time.sleep(60)\n")
+    start = time.monotonic()
+    assert launch.launch([path], 2, grace=1.0) == 128 + signal.SIGKILL
+    assert time.monotonic() - start < 10
+    assert ") was killed by SIGKILL" in capsys.readouterr().err.split("rank 1 (pid", 1)[1]
+
+
+def test_timeout(tmp_path, capsys):
+    path = script(tmp_path, "time.sleep(60)\n")
+    assert launch.launch([path], 2, timeout=0.5, grace=0.5) == 124
+    assert "timeout of 0.5 s expired" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_launcher_signal_leaves_no_process(tmp_path, sig):
+    # SIGTERM is passed on to the children; SIGKILL of the launcher kills them through PDEATHSIG.
+    pids = tmp_path / "pids"
+    path = script(tmp_path, f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+                  "time.sleep(60)\n")
+    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--grace", "1", path]
+    proc = subprocess.Popen(cmd,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (
+                not pids.exists() or len(pids.read_text().split()) < 2):
+            time.sleep(0.1)
+        children = [int(p) for p in pids.read_text().split()]
+        assert len(children) == 2
+        proc.send_signal(sig)
+        assert proc.wait(timeout=10) == (128 + sig if sig == signal.SIGTERM else -sig)
+        deadline = time.monotonic() + 10
+        while any(map(_alive, children)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, children))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _alive(pid):
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
