@@ -483,3 +483,37 @@ def test_step_rejects_a_state_that_is_not_a_trainstate():
 
     with pytest.raises(sc.SpmdError, match="not a TrainState"):
         sc.make_train_step(loss_fn)(Other({}), BATCHES["mlp"][0])
+
+
+# --- multi-process ------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--devices-per-process", "2", "--timeout", "240",
+           "--grace", "2", str(root / "tests" / "workers" / "mp_ddp.py"), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("XLA_FLAGS", None)  # the launcher sets the device count
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("DDP OK") == 4
+    apply_fn, params, _ = init("mlp", seed=0)
+    batches = [sc.pad_batch(example_batch("mlp", 15, seed=s), 4) for s in range(5)]
+    mesh = mesh_of(4)
+    for zero in (0, 1):
+        state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh,
+                                     shard_optimizer=bool(zero))
+        state, history = sc.fit(sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=bool(zero)), state,
+                                batches)
+        got = np.load(tmp_path / f"params_zero{zero}.npz")
+        for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+            np.testing.assert_allclose(got[jax.tree_util.keystr(path)], np.asarray(x), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.load(tmp_path / f"losses_zero{zero}.npy"), [h["loss"] for h in history],
+                                   rtol=1e-5)
