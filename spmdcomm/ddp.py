@@ -1,20 +1,23 @@
 """A DDP-style data-parallel train step for Flax and optax.
 
-N devices (in one process or many) train exactly the model that one device trains on the global batch: every
-device runs ``loss_fn`` on its block of the batch, the gradients are averaged over the data axis with weights
-``real examples on this device / real examples on all devices``, and every replica applies the same optax update.
+N devices (in one process or many) train exactly the model that one device trains on the global
+batch: every device runs ``loss_fn`` on its block of the batch, the gradients are averaged over the
+data axis with weights ``real examples on this device / real examples on all devices``, and every
+replica applies the same optax update.
 
 The ``loss_fn`` contract (keyword arguments after the first two)::
 
     loss_fn(params, batch, *, apply_fn, model_state, rng, mask) -> loss | (loss, aux)
 
-* ``batch`` is this device's block (or micro-batch) of the global batch; ``mask`` is a bool vector of its
-  length marking the real examples (all True unless the step got a :class:`~spmdcomm.MaskedBatch`).
-* ``loss`` is a float scalar: the MEAN over the block's real examples (:func:`masked_mean` helps). The step
-  weighs it by the block's real-example count, so the result is the exact global mean, padding excluded.
-* ``aux`` is a dict of scalar metrics (means over the block's real examples, averaged like the loss) and,
-  under the key ``"model_state"``, the new mutable model state (e.g. Flax ``batch_stats``), which the step
-  averages over the data axis.
+* ``batch`` is this device's block (or micro-batch) of the global batch; ``mask`` is a bool
+  vector of its length marking the real examples (all True unless the step got a
+  :class:`~spmdcomm.MaskedBatch`).
+* ``loss`` is a float scalar: the MEAN over the block's real examples (:func:`masked_mean` helps).
+  The step weighs it by the block's real-example count, so the result is the exact global mean,
+  padding excluded.
+* ``aux`` is a dict of scalar metrics (means over the block's real examples, averaged like the
+  loss) and, under the key ``"model_state"``, the new mutable model state (e.g. Flax
+  ``batch_stats``), which the step averages over the data axis.
 * ``rng`` is a raw ``uint32[2]`` key, different per step, device and micro-batch.
 
 >>> import optax
@@ -28,9 +31,10 @@ The ``loss_fn`` contract (keyword arguments after the first two)::
 >>> float(metrics["loss"]), state.params["w"].tolist(), int(state.step)
 (1.0, [0.5, 0.5], 1)
 
-Inside ``shard_map`` (``check_vma=True``) ``jax.grad`` with respect to replicated parameters returns the
-gradient already summed over the axis. The step avoids that trap by marking the parameters as varying before
-differentiating, so each device gets its own local gradient, which the step then reduces exactly once.
+Inside ``shard_map`` (``check_vma=True``) ``jax.grad`` with respect to replicated parameters returns
+the gradient already summed over the axis. The step avoids that trap by marking the parameters as
+varying before differentiating, so each device gets its own local gradient, which the step then
+reduces exactly once.
 """
 
 from __future__ import annotations
@@ -72,8 +76,8 @@ __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
 ]
 
-# XLA:CPU hangs when more than ~32 executions containing collectives are queued per device; the step objects
-# wait on the result from this many calls back before dispatching another.
+# XLA:CPU hangs when more than ~32 executions containing collectives are queued per device; the step
+# objects wait on the result from this many calls back before dispatching another.
 DEFAULT_MAX_IN_FLIGHT = 8
 _MAX_IN_FLIGHT_LIMIT = 16
 
@@ -82,12 +86,12 @@ _MAX_IN_FLIGHT_LIMIT = 16
 class TrainState:
     """Everything one training step reads and writes, replicated on the mesh (a pytree).
 
-    ``step`` counts global steps, ``params`` are the trained parameters, ``opt_state`` the optax state,
-    ``model_state`` the mutable model state (Flax ``batch_stats``, NNX ``BatchStat`` ...; ``{}`` when none)
-    and ``rng`` a raw ``uint32[2]`` base key. ``apply_fn`` (a Flax ``Module.apply``, an NNX ``GraphDef`` or any
-    callable handed to ``loss_fn``) and ``tx`` are static. With ``shard_optimizer=True`` at creation,
-    ``opt_state`` holds flat optimizer-state vectors split across the data axis (ZeRO-1) and ``zero``
-    describes that layout.
+    ``step`` counts global steps, ``params`` are the trained parameters, ``opt_state`` the optax
+    state, ``model_state`` the mutable model state (Flax ``batch_stats``, NNX ``BatchStat`` ...;
+    ``{}`` when none) and ``rng`` a raw ``uint32[2]`` base key. ``apply_fn`` (a Flax
+    ``Module.apply``, an NNX ``GraphDef`` or any callable handed to ``loss_fn``) and ``tx`` are
+    static. With ``shard_optimizer=True`` at creation, ``opt_state`` holds flat optimizer-state
+    vectors split across the data axis (ZeRO-1) and ``zero`` describes that layout.
     """
 
     step: jax.Array
@@ -113,12 +117,13 @@ class TrainState:
         shard_optimizer: bool = False,
         verify: bool = True,
     ) -> TrainState:
-        """Builds the state and places it replicated on ``mesh`` (ZeRO-1 optimizer state split over ``axis``).
+        """Builds the state and places it replicated on ``mesh`` (ZeRO-1 optimizer state split over
+        ``axis``).
 
-        With several processes, process 0's ``params``, ``model_state`` and ``rng`` are broadcast so every
-        replica starts identical (DDP's init-time broadcast); ``verify`` first checks that every process passed
-        the same tree structure, shapes and dtypes and raises naming the process that differs. ``rng`` is an
-        int seed, a key, or ``None`` (seed 0).
+        With several processes, process 0's ``params``, ``model_state`` and ``rng`` are broadcast so
+        every replica starts identical (DDP's init-time broadcast); ``verify`` first checks that
+        every process passed the same tree structure, shapes and dtypes and raises naming the
+        process that differs. ``rng`` is an int seed, a key, or ``None`` (seed 0).
 
         >>> import optax
         >>> s = sc.TrainState.create(params={"w": np.ones(3, np.float32)}, tx=optax.adam(1e-3))
@@ -138,12 +143,23 @@ class TrainState:
         zero = _ZeroLayout.build(params, tx, axis, mesh.shape[axis]) if shard_optimizer else None
         opt_state = _init_opt_state(tx, params, zero, mesh)
         step = jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, P()))
-        return cls(step=step, params=params, opt_state=opt_state, model_state=model_state, rng=rng,
-                   apply_fn=apply_fn, tx=tx, zero=zero)
+        return cls(
+            step=step,
+            params=params,
+            opt_state=opt_state,
+            model_state=model_state,
+            rng=rng,
+            apply_fn=apply_fn,
+            tx=tx,
+            zero=zero,
+        )
 
     @classmethod
-    def create_nnx(cls, model: Any, *, tx: optax.GradientTransformation, **kwargs: Any) -> TrainState:
-        """Builds the state of a Flax NNX ``model``: ``nnx.split`` into graph, ``nnx.Param`` and the rest.
+    def create_nnx(
+        cls, model: Any, *, tx: optax.GradientTransformation, **kwargs: Any
+    ) -> TrainState:
+        """Builds the state of a Flax NNX ``model``: ``nnx.split`` into graph, ``nnx.Param`` and the
+        rest.
 
         ``apply_fn`` becomes the ``GraphDef``, ``model_state`` every non-``Param`` variable (e.g.
         ``BatchStat``). Pair it with :func:`nnx_loss_fn`. ``kwargs`` go to :meth:`create`.
@@ -180,45 +196,79 @@ def make_train_step(
       loss_fn: see the module docstring for the contract.
       mesh, axis: where the batch is split (default: every device, axis ``"data"``).
       backend: ``"shard_map"`` or ``"pmap"``; both compute the same step.
-      accum_steps: split each device's block into this many micro-batches, run them in a ``lax.scan`` and
+      accum_steps: split each device's block into this many micro-batches, run them in a
+      ``lax.scan`` and
         reduce the summed gradient ONCE at the end (torch ``no_sync``); one optimizer step per call.
-      reduce_dtype: e.g. ``jnp.bfloat16``: gradients are cast to it for the all-reduce and back after.
-      bucket_bytes: ``None`` all-reduces the gradient pytree leaf by leaf (XLA fuses them into one variadic
-        all-reduce); an int flattens the gradients into dtype-homogeneous buffers of at most that many bytes,
-        one all-reduce buffer each (a huge value gives one flat buffer per dtype).
-      shard_optimizer: ZeRO-1: reduce-scatter the gradients, update this device's slice of the flat parameters
+      reduce_dtype: e.g. ``jnp.bfloat16``: gradients are cast to it for the all-reduce and back
+      after. bucket_bytes: ``None`` all-reduces the gradient pytree leaf by leaf (XLA fuses them
+      into one variadic
+        all-reduce); an int flattens the gradients into dtype-homogeneous buffers of at most that
+        many bytes, one all-reduce buffer each (a huge value gives one flat buffer per dtype).
+      shard_optimizer: ZeRO-1: reduce-scatter the gradients, update this device's slice of the flat
+      parameters
         and optimizer state, all-gather the parameters. The state must come from
         ``TrainState.create(..., shard_optimizer=True)``.
-      skip_nonfinite: if any gradient entry on any replica is NaN/Inf, every replica keeps its parameters,
+      skip_nonfinite: if any gradient entry on any replica is NaN/Inf, every replica keeps its
+      parameters,
         optimizer and model state (``metrics["skipped"]`` is 1.0 for that step).
-      donate: let the step reuse the input state's buffers (do not touch the old state after the call).
-      max_in_flight: before dispatching, wait for the result from this many calls back (1..16) so XLA:CPU's
+      donate: let the step reuse the input state's buffers (do not touch the old state after the
+      call). max_in_flight: before dispatching, wait for the result from this many calls back
+      (1..16) so XLA:CPU's
         queue of collective executions never deadlocks.
 
-    ``batch`` is a pytree of arrays whose dimension 0 is the global batch (host NumPy, placed by the step; or
-    ``jax.Array``), or a :class:`~spmdcomm.MaskedBatch`. With several processes, host arrays are this
-    process's part. ``metrics`` holds the loss, ``aux`` metrics, ``"examples"`` (real examples in the global
-    batch) and, with ``skip_nonfinite``, ``"skipped"``; all are means over the real examples of the global batch.
+    ``batch`` is a pytree of arrays whose dimension 0 is the global batch (host NumPy, placed by the
+    step; or ``jax.Array``), or a :class:`~spmdcomm.MaskedBatch`. With several processes, host
+    arrays are this process's part. ``metrics`` holds the loss, ``aux`` metrics, ``"examples"``
+    (real examples in the global batch) and, with ``skip_nonfinite``, ``"skipped"``; all are means
+    over the real examples of the global batch.
     """
     mesh = default_mesh() if mesh is None else mesh
     check_mesh_axes("make_train_step", mesh, axis)
     if backend not in BACKENDS:
-        raise BackendError(describe("make_train_step", f"unknown backend {backend!r}.",
-                                    fix=f"use one of {BACKENDS}."))
+        raise BackendError(
+            describe(
+                "make_train_step", f"unknown backend {backend!r}.", fix=f"use one of {BACKENDS}."
+            )
+        )
     if not isinstance(accum_steps, (int, np.integer)) or accum_steps < 1:
-        raise SpmdError(describe("make_train_step", f"accum_steps={accum_steps!r} must be a positive int.",
-                                 fix="pass 1 (no accumulation) or the number of micro-batches."))
-    if bucket_bytes is not None and (not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1):
-        raise SpmdError(describe("make_train_step", f"bucket_bytes={bucket_bytes!r} must be a positive int.",
-                                 fix="pass None (leaf by leaf) or a bucket size in bytes, e.g. 25 * 2**20."))
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"accum_steps={accum_steps!r} must be a positive int.",
+                fix="pass 1 (no accumulation) or the number of micro-batches.",
+            )
+        )
+    if bucket_bytes is not None and (
+        not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1
+    ):
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"bucket_bytes={bucket_bytes!r} must be a positive int.",
+                fix="pass None (leaf by leaf) or a bucket size in bytes, e.g. 25 * 2**20.",
+            )
+        )
     if shard_optimizer and bucket_bytes is not None:
-        raise SpmdError(describe(
-            "make_train_step", "shard_optimizer=True already reduces one flat buffer per dtype; "
-            "bucket_bytes cannot be combined with it.", fix="drop bucket_bytes."))
-    options = _StepOptions(loss_fn=loss_fn, mesh=mesh, axis=axis, backend=backend, accum_steps=int(accum_steps),
-                           reduce_dtype=None if reduce_dtype is None else jnp.dtype(reduce_dtype),
-                           bucket_bytes=bucket_bytes, shard_optimizer=shard_optimizer,
-                           skip_nonfinite=skip_nonfinite, donate=donate)
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                "shard_optimizer=True already reduces one flat buffer per dtype; "
+                "bucket_bytes cannot be combined with it.",
+                fix="drop bucket_bytes.",
+            )
+        )
+    options = _StepOptions(
+        loss_fn=loss_fn,
+        mesh=mesh,
+        axis=axis,
+        backend=backend,
+        accum_steps=int(accum_steps),
+        reduce_dtype=None if reduce_dtype is None else jnp.dtype(reduce_dtype),
+        bucket_bytes=bucket_bytes,
+        shard_optimizer=shard_optimizer,
+        skip_nonfinite=skip_nonfinite,
+        donate=donate,
+    )
     return TrainStep(options, _check_in_flight("make_train_step", max_in_flight))
 
 
@@ -230,11 +280,13 @@ def make_eval_step(
     backend: Literal["shard_map", "pmap"] = "shard_map",
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
 ) -> EvalStep:
-    """Returns ``evaluate(state, batch) -> metrics``: exact means over the real examples of the global batch.
+    """Returns ``evaluate(state, batch) -> metrics``: exact means over the real examples of the
+    global batch.
 
-    ``metric_fn(params, batch, *, apply_fn, model_state, mask)`` returns a dict of scalar means over the real
-    examples of this device's block (or a scalar, reported as ``"loss"``). Each is weighted by the block's
-    real-example count, so padded rows of a :class:`~spmdcomm.MaskedBatch` never count.
+    ``metric_fn(params, batch, *, apply_fn, model_state, mask)`` returns a dict of scalar means over
+    the real examples of this device's block (or a scalar, reported as ``"loss"``). Each is weighted
+    by the block's real-example count, so padded rows of a :class:`~spmdcomm.MaskedBatch` never
+    count.
 
     >>> import optax
     >>> state = sc.TrainState.create(params={"w": np.float32(2.0)}, tx=optax.sgd(0.1))
@@ -247,9 +299,14 @@ def make_eval_step(
     mesh = default_mesh() if mesh is None else mesh
     check_mesh_axes("make_eval_step", mesh, axis)
     if backend not in BACKENDS:
-        raise BackendError(describe("make_eval_step", f"unknown backend {backend!r}.",
-                                    fix=f"use one of {BACKENDS}."))
-    return EvalStep(metric_fn, mesh, axis, backend, _check_in_flight("make_eval_step", max_in_flight))
+        raise BackendError(
+            describe(
+                "make_eval_step", f"unknown backend {backend!r}.", fix=f"use one of {BACKENDS}."
+            )
+        )
+    return EvalStep(
+        metric_fn, mesh, axis, backend, _check_in_flight("make_eval_step", max_in_flight)
+    )
 
 
 def fit(
@@ -259,10 +316,11 @@ def fit(
     *,
     callback: Callable[[int, dict[str, float]], None] | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
-    """Runs ``step`` over ``batches``; returns the final state and every step's metrics as Python floats.
+    """Runs ``step`` over ``batches``; returns the final state and every step's metrics as Python
+    floats.
 
-    Metrics are fetched to the host one in-flight window late (the step's ``max_in_flight``), so the loop
-    never stalls on the newest step and never queues more executions than XLA:CPU can hold.
+    Metrics are fetched to the host one in-flight window late (the step's ``max_in_flight``), so the
+    loop never stalls on the newest step and never queues more executions than XLA:CPU can hold.
     ``callback(step_index, metrics)`` sees each step's metrics in order.
 
     >>> import optax
@@ -308,10 +366,12 @@ def masked_mean(values: Any, mask: Any) -> jax.Array:
 
 
 def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Adapts ``fn(model, batch, *, rng, mask) -> loss | (loss, metrics)`` on a Flax NNX model to the contract.
+    """Adapts ``fn(model, batch, *, rng, mask) -> loss | (loss, metrics)`` on a Flax NNX model to
+    the contract.
 
-    The model is rebuilt with ``nnx.merge(apply_fn, params, model_state)``; variables the call changed (e.g.
-    ``BatchStat``) come back as the new model state. Use with :meth:`TrainState.create_nnx`.
+    The model is rebuilt with ``nnx.merge(apply_fn, params, model_state)``; variables the call
+    changed (e.g. ``BatchStat``) come back as the new model state. Use with
+    :meth:`TrainState.create_nnx`.
 
     >>> from flax import nnx
     >>> import optax
@@ -325,7 +385,9 @@ def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
     from flax import nnx
 
-    def loss_fn(params: Any, batch: Any, *, apply_fn: Any, model_state: Any, rng: Any, mask: Any) -> Any:
+    def loss_fn(
+        params: Any, batch: Any, *, apply_fn: Any, model_state: Any, rng: Any, mask: Any
+    ) -> Any:
         model = nnx.merge(apply_fn, params, model_state, copy=True)
         loss, aux = _split_loss_output(fn(model, batch, rng=rng, mask=mask), "nnx_loss_fn")
         _, _, new_state = nnx.split(model, nnx.Param, ...)
@@ -350,7 +412,8 @@ def optimizer_state_bytes(state: TrainState) -> int:
 
 
 class TrainStep:
-    """A compiled data-parallel train step (see :func:`make_train_step`). Call it as ``step(state, batch)``."""
+    """A compiled data-parallel train step (see :func:`make_train_step`). Call it as ``step(state,
+    batch)``."""
 
     def __init__(self, options: _StepOptions, max_in_flight: int):
         self.options = options
@@ -369,14 +432,20 @@ class TrainStep:
         return self._function(state).lower(state, *self.place(batch))
 
     def place(self, batch: Any) -> tuple[Any, Any]:
-        """Splits ``batch`` across the data axis: returns ``(data, mask)`` global arrays (``mask`` may be None)."""
+        """Splits ``batch`` across the data axis: returns ``(data, mask)`` global arrays (``mask``
+        may be None)."""
         o = self.options
         return _place_batch("make_train_step", batch, o.mesh, o.axis, o.accum_steps)
 
     def _function(self, state: TrainState) -> Callable[..., Any]:
         if not isinstance(state, TrainState):
-            raise SpmdError(describe("make_train_step", f"state is a {type(state).__name__}, not a TrainState.",
-                                     fix="build it with spmdcomm.TrainState.create(...)."))
+            raise SpmdError(
+                describe(
+                    "make_train_step",
+                    f"state is a {type(state).__name__}, not a TrainState.",
+                    fix="build it with spmdcomm.TrainState.create(...).",
+                )
+            )
         _check_zero_matches(self.options, state)
         key = (jax.tree.structure(state), self.options.backend)
         hit = self._compiled.get(key)
@@ -386,9 +455,12 @@ class TrainStep:
 
 
 class EvalStep:
-    """A compiled evaluation step (see :func:`make_eval_step`). Call it as ``evaluate(state, batch)``."""
+    """A compiled evaluation step (see :func:`make_eval_step`). Call it as ``evaluate(state,
+    batch)``."""
 
-    def __init__(self, metric_fn: Callable[..., Any], mesh: Mesh, axis: str, backend: str, max_in_flight: int):
+    def __init__(
+        self, metric_fn: Callable[..., Any], mesh: Mesh, axis: str, backend: str, max_in_flight: int
+    ):
         self.metric_fn = metric_fn
         self.mesh = mesh
         self.axis = axis
@@ -413,19 +485,29 @@ class EvalStep:
 
         def body(state: TrainState, data: Any, mask: Any) -> dict[str, jax.Array]:
             mask = _full_mask(data) if mask is None else mask
-            out = self.metric_fn(state.params, data, apply_fn=state.apply_fn, model_state=state.model_state,
-                                 mask=mask)
+            out = self.metric_fn(
+                state.params,
+                data,
+                apply_fn=state.apply_fn,
+                model_state=state.model_state,
+                mask=mask,
+            )
             metrics = out if isinstance(out, dict) else {"loss": out}
             _check_scalars("make_eval_step", metrics, "metric_fn")
             count = jnp.sum(mask, dtype=jnp.float32)
-            sums = {k: jnp.where(count > 0, count * v.astype(jnp.float32), 0.0) for k, v in metrics.items()}
+            sums = {
+                k: jnp.where(count > 0, count * v.astype(jnp.float32), 0.0)
+                for k, v in metrics.items()
+            }
             total, sums = lax.psum((count, sums), axis)
             return {**{k: v / jnp.maximum(total, 1.0) for k, v in sums.items()}, "examples": total}
 
-        return _spmd_compile(body, self.mesh, self.axis, self.backend, _state_specs(state), P(), donate=False)
+        return _spmd_compile(
+            body, self.mesh, self.axis, self.backend, _state_specs(state), P(), donate=False
+        )
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The step body
 
 
@@ -449,10 +531,11 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
 
     def body(state: TrainState, data: Any, mask: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         grad_sum, metric_sums, model_state, count = _accumulate(o, state, data, mask, varying)
-        # The example count, the metrics and the model state travel in one f32 vector (XLA:CPU pays per
-        # buffer); XLA fuses its all-reduce with the gradients' into one collective.
-        weighted_state = jax.tree.map(lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)),
-                                      _float_leaves(model_state))
+        # The example count, the metrics and the model state travel in one f32 vector (XLA:CPU pays
+        # per buffer); XLA fuses its all-reduce with the gradients' into one collective.
+        weighted_state = jax.tree.map(
+            lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)), _float_leaves(model_state)
+        )
         vec, unravel = ravel_pytree((count, metric_sums, weighted_state))
         if o.shard_optimizer:
             vec = lax.psum(vec, axis)
@@ -464,7 +547,9 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
             grads = _cast_like(low, grad_sum)
         total, metric_sums, stats = unravel(vec)
         denom = jnp.maximum(total, 1.0)
-        new_model_state = _merge_model_state(model_state, jax.tree.map(lambda v: v / denom, stats), axis)
+        new_model_state = _merge_model_state(
+            model_state, jax.tree.map(lambda v: v / denom, stats), axis
+        )
         if o.shard_optimizer:
             params, opt_state, finite = _zero_update(o, state, grad_sum, denom, n)
         else:
@@ -476,11 +561,17 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
         apply = total > 0 if mask is not None else None
         if o.skip_nonfinite:
             apply = finite if apply is None else apply & finite
-        keep = (lambda new, old: new) if apply is None else (
-            lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old))
-        new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
-                                  opt_state=keep(opt_state, state.opt_state),
-                                  model_state=keep(new_model_state, state.model_state))
+        keep = (
+            (lambda new, old: new)
+            if apply is None
+            else (lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old))
+        )
+        new_state = state.replace(
+            step=state.step + 1,
+            params=keep(params, state.params),
+            opt_state=keep(opt_state, state.opt_state),
+            model_state=keep(new_model_state, state.model_state),
+        )
         metrics = {k: v / denom for k, v in metric_sums.items()}
         metrics["examples"] = total
         if o.skip_nonfinite:
@@ -491,8 +582,11 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
     return _spmd_compile(body, o.mesh, axis, o.backend, specs, (specs, P()), donate=o.donate)
 
 
-def _accumulate(o: _StepOptions, state: TrainState, data: Any, mask: Any, varying: bool) -> tuple[Any, ...]:
-    """Runs loss_fn over the micro-batches; returns count-weighted sums of gradients and metrics, the last
+def _accumulate(
+    o: _StepOptions, state: TrainState, data: Any, mask: Any, varying: bool
+) -> tuple[Any, ...]:
+    """Runs loss_fn over the micro-batches; returns count-weighted sums of gradients and metrics,
+    the last
     model state and this device's real-example count."""
     axis, k, masked = o.axis, o.accum_steps, mask is not None
     mask = _full_mask(data) if mask is None else mask
@@ -502,13 +596,22 @@ def _accumulate(o: _StepOptions, state: TrainState, data: Any, mask: Any, varyin
     grad_fn = jax.value_and_grad(_loss_with_aux(o.loss_fn), has_aux=True)
 
     def one(model_state: Any, batch: Any, m: jax.Array, j: Any) -> tuple[Any, ...]:
-        (loss, aux), grads = grad_fn(params, batch, apply_fn=state.apply_fn, model_state=model_state,
-                                     rng=jax.random.fold_in(step_rng, j), mask=m)
+        (loss, aux), grads = grad_fn(
+            params,
+            batch,
+            apply_fn=state.apply_fn,
+            model_state=model_state,
+            rng=jax.random.fold_in(step_rng, j),
+            mask=m,
+        )
         new_model_state = aux.pop("model_state", model_state)
         _check_same_tree(model_state, new_model_state)
         c = jnp.sum(m, dtype=jnp.float32)
-        # A block without real examples may give a NaN mean: its weight is zero, and so is its contribution.
-        weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: c * v)
+        # A block without real examples may give a NaN mean: its weight is zero, and so is its
+        # contribution.
+        weigh = (
+            (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: c * v)
+        )
         metrics = jax.tree.map(lambda v: weigh(v.astype(jnp.float32)), {"loss": loss, **aux})
         return jax.tree.map(weigh, grads), metrics, new_model_state, c
 
@@ -531,8 +634,11 @@ def _accumulate(o: _StepOptions, state: TrainState, data: Any, mask: Any, varyin
 def _loss_with_aux(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(params: Any, batch: Any, **kwargs: Any) -> tuple[jax.Array, dict[str, Any]]:
         loss, aux = _split_loss_output(loss_fn(params, batch, **kwargs), "make_train_step")
-        _check_scalars("make_train_step", {"loss": loss, **{k: v for k, v in aux.items()
-                                                            if k != "model_state"}}, "loss_fn")
+        _check_scalars(
+            "make_train_step",
+            {"loss": loss, **{k: v for k, v in aux.items() if k != "model_state"}},
+            "loss_fn",
+        )
         return loss, dict(aux)
 
     return wrapped
@@ -541,9 +647,15 @@ def _loss_with_aux(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
 def _split_loss_output(out: Any, fn: str) -> tuple[Any, dict[str, Any]]:
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], dict):
-            raise SpmdError(describe(
-                fn, f"loss_fn returned a tuple of {len(out)} items; expected loss or (loss, aux dict).",
-                fix='return the scalar mean loss, or (loss, {"metric": value, "model_state": new_state}).'))
+            raise SpmdError(
+                describe(
+                    fn,
+                    f"loss_fn returned a tuple of {len(out)} items; expected loss or (loss, aux "
+                    f"dict).",
+                    fix="return the scalar mean loss, or (loss, "
+                    '{"metric": value, "model_state": new_state}).',
+                )
+            )
         return out[0], dict(out[1])
     return out, {}
 
@@ -552,10 +664,16 @@ def _check_scalars(fn: str, values: dict[str, Any], who: str) -> None:
     for name, v in values.items():
         shape = getattr(v, "shape", None)
         if shape != () or not jnp.issubdtype(v.dtype, jnp.floating):
-            raise ShapeError(describe(
-                fn, f"{who} returned {name!r} with shape {shape} and dtype {getattr(v, 'dtype', type(v))}; "
-                "it must be a float scalar (the mean over this block's real examples).", leaf=name,
-                fix="reduce per-example values with spmdcomm.masked_mean(values, mask)."))
+            raise ShapeError(
+                describe(
+                    fn,
+                    f"{who} returned {name!r} with shape {shape} and dtype "
+                    f"{getattr(v, 'dtype', type(v))}; "
+                    "it must be a float scalar (the mean over this block's real examples).",
+                    leaf=name,
+                    fix="reduce per-example values with spmdcomm.masked_mean(values, mask).",
+                )
+            )
 
 
 def _check_same_tree(old: Any, new: Any) -> None:
@@ -563,10 +681,15 @@ def _check_same_tree(old: Any, new: Any) -> None:
     old_shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(old)]
     new_shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(new)]
     if old_def != new_def or old_shapes != new_shapes:
-        raise SpmdError(describe(
-            "make_train_step", f"loss_fn returned a model_state whose tree or shapes differ from "
-            f"state.model_state: expected {old_def} {old_shapes}, got {new_def} {new_shapes}.",
-            fix="return the updated model state with the same structure (or leave 'model_state' out of aux)."))
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"loss_fn returned a model_state whose tree or shapes differ from "
+                f"state.model_state: expected {old_def} {old_shapes}, got {new_def} {new_shapes}.",
+                fix="return the updated model state with the same structure (or leave "
+                "'model_state' out of aux).",
+            )
+        )
 
 
 def _full_mask(data: Any) -> jax.Array:
@@ -574,18 +697,22 @@ def _full_mask(data: Any) -> jax.Array:
 
 
 def _vary(tree: Any, axis: str, varying: bool) -> Any:
-    # Marks replicated values as varying over `axis` so that jax.grad returns the per-device gradient
-    # instead of one already summed over the axis (shard_map with check_vma=True). pmap has no such typing.
+    # Marks replicated values as varying over `axis` so that jax.grad returns the per-device
+    # gradient instead of one already summed over the axis (shard_map with check_vma=True). pmap has
+    # no such typing.
     if not varying:
         return tree
-    return jax.tree.map(lambda x: x if axis in jax.typeof(x).mat.varying else lax.pcast(x, axis, to="varying"),
-                        tree)
+    return jax.tree.map(
+        lambda x: x if axis in jax.typeof(x).mat.varying else lax.pcast(x, axis, to="varying"), tree
+    )
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
     if dtype is None:
         return tree
-    return jax.tree.map(lambda g: g.astype(dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g, tree)
+    return jax.tree.map(
+        lambda g: g.astype(dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g, tree
+    )
 
 
 def _cast_like(tree: Any, like: Any) -> Any:
@@ -598,39 +725,62 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 def _float_leaves(tree: Any) -> Any:
-    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else
-                        jnp.zeros((0,), jnp.float32), tree)
+    return jax.tree.map(
+        lambda x: (
+            x.astype(jnp.float32)
+            if jnp.issubdtype(x.dtype, jnp.floating)
+            else jnp.zeros((0,), jnp.float32)
+        ),
+        tree,
+    )
 
 
 def _merge_model_state(local: Any, averaged: Any, axis: str) -> Any:
-    # Float leaves take their weighted average over the axis; integer leaves (counters) must agree on every
-    # replica and take the maximum.
-    return jax.tree.map(lambda x, avg: avg.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                        else lax.pmax(x, axis), local, averaged)
+    # Float leaves take their weighted average over the axis; integer leaves (counters) must agree
+    # on every replica and take the maximum.
+    return jax.tree.map(
+        lambda x, avg: (
+            avg.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else lax.pmax(x, axis)
+        ),
+        local,
+        averaged,
+    )
 
 
-def _bucketed_psum(grads: Any, flat: _FlatLayout, bucket_bytes: int, reduce_dtype: Any, axis: str) -> Any:
+def _bucketed_psum(
+    grads: Any, flat: _FlatLayout, bucket_bytes: int, reduce_dtype: Any, axis: str
+) -> Any:
     vectors = flat.flatten(grads)
     out = {}
     for name, vec in vectors.items():
         low = _cast(vec, reduce_dtype)
         step = max(1, bucket_bytes // low.dtype.itemsize)
-        chunks = [lax.psum(low[i:i + step], axis) for i in range(0, low.shape[0], step)]
-        out[name] = jnp.concatenate(chunks).astype(vec.dtype) if len(chunks) > 1 else chunks[0].astype(vec.dtype)
+        chunks = [lax.psum(low[i : i + step], axis) for i in range(0, low.shape[0], step)]
+        out[name] = (
+            jnp.concatenate(chunks).astype(vec.dtype)
+            if len(chunks) > 1
+            else chunks[0].astype(vec.dtype)
+        )
     return flat.unflatten(out)
 
 
-def _zero_update(o: _StepOptions, state: TrainState, grad_sum: Any, denom: jax.Array, n: int) -> tuple[Any, ...]:
+def _zero_update(
+    o: _StepOptions, state: TrainState, grad_sum: Any, denom: jax.Array, n: int
+) -> tuple[Any, ...]:
     layout = state.zero
     me = lax.axis_index(o.axis)
     grad_vecs = layout.flat.flatten(grad_sum, pad_to=n)
     grad_shards = {}
     for name, vec in grad_vecs.items():
         low = _cast(vec, o.reduce_dtype)
-        grad_shards[name] = (reduce_scatter(low, o.axis).astype(vec.dtype) / denom).astype(vec.dtype)
+        grad_shards[name] = (reduce_scatter(low, o.axis).astype(vec.dtype) / denom).astype(
+            vec.dtype
+        )
     param_vecs = layout.flat.flatten(state.params, pad_to=n)
-    param_shards = {name: lax.dynamic_slice_in_dim(vec, me * (vec.shape[0] // n), vec.shape[0] // n)
-                    for name, vec in param_vecs.items()}
+    param_shards = {
+        name: lax.dynamic_slice_in_dim(vec, me * (vec.shape[0] // n), vec.shape[0] // n)
+        for name, vec in param_vecs.items()
+    }
     updates, opt_state = state.tx.update(grad_shards, state.opt_state, param_shards)
     new_shards = optax.apply_updates(param_shards, updates)
     finite = None
@@ -641,10 +791,25 @@ def _zero_update(o: _StepOptions, state: TrainState, grad_sum: Any, denom: jax.A
     return params, opt_state, finite
 
 
-def _spmd_compile(body: Callable[..., Any], mesh: Mesh, axis: str, backend: str, state_specs: Any,
-                  out_specs: Any, *, donate: bool) -> Callable[..., Any]:
-    sf = SpmdFunction(body, in_specs=(state_specs, P(axis), P(axis)), out_specs=out_specs, mesh=mesh,
-                      backend=backend, check_vma=True, donate_argnums=(0,) if donate else ())
+def _spmd_compile(
+    body: Callable[..., Any],
+    mesh: Mesh,
+    axis: str,
+    backend: str,
+    state_specs: Any,
+    out_specs: Any,
+    *,
+    donate: bool,
+) -> Callable[..., Any]:
+    sf = SpmdFunction(
+        body,
+        in_specs=(state_specs, P(axis), P(axis)),
+        out_specs=out_specs,
+        mesh=mesh,
+        backend=backend,
+        check_vma=True,
+        donate_argnums=(0,) if donate else (),
+    )
     return sf._compiled(mesh)
 
 
@@ -653,7 +818,7 @@ def _state_specs(state: TrainState) -> Any:
     return state.replace(step=P(), params=P(), opt_state=opt_specs, model_state=P(), rng=P())
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Flat layouts (buckets, ZeRO-1)
 
 
@@ -668,18 +833,22 @@ class _FlatLayout:
     @classmethod
     def build(cls, tree: Any) -> _FlatLayout:
         leaves, treedef = jax.tree.flatten(tree)
-        return cls(treedef, tuple(tuple(x.shape) for x in leaves), tuple(jnp.dtype(x.dtype).name for x in leaves))
+        return cls(
+            treedef,
+            tuple(tuple(x.shape) for x in leaves),
+            tuple(jnp.dtype(x.dtype).name for x in leaves),
+        )
 
     def sizes(self, pad_to: int = 1) -> dict[str, int]:
         total: dict[str, int] = collections.defaultdict(int)
-        for shape, dt in zip(self.shapes, self.dtypes):
+        for shape, dt in zip(self.shapes, self.dtypes, strict=True):
             total[dt] += math.prod(shape)
         return {dt: -(-size // pad_to) * pad_to for dt, size in total.items()}
 
     def flatten(self, tree: Any, pad_to: int = 1) -> dict[str, jax.Array]:
         leaves = jax.tree.leaves(tree)
         groups: dict[str, list[jax.Array]] = collections.defaultdict(list)
-        for leaf, dt in zip(leaves, self.dtypes):
+        for leaf, dt in zip(leaves, self.dtypes, strict=True):
             groups[dt].append(jnp.ravel(leaf))
         out = {}
         for dt, size in self.sizes(pad_to).items():
@@ -690,16 +859,17 @@ class _FlatLayout:
     def unflatten(self, vectors: dict[str, jax.Array]) -> Any:
         offsets: dict[str, int] = collections.defaultdict(int)
         leaves = []
-        for shape, dt in zip(self.shapes, self.dtypes):
+        for shape, dt in zip(self.shapes, self.dtypes, strict=True):
             size = math.prod(shape)
-            leaves.append(vectors[dt][offsets[dt]:offsets[dt] + size].reshape(shape))
+            leaves.append(vectors[dt][offsets[dt] : offsets[dt] + size].reshape(shape))
             offsets[dt] += size
         return jax.tree.unflatten(self.treedef, leaves)
 
 
 @dataclasses.dataclass(frozen=True)
 class _ZeroLayout:
-    """ZeRO-1: the optimizer works on flat per-dtype parameter vectors split evenly over ``axis``."""
+    """ZeRO-1: the optimizer works on flat per-dtype parameter vectors split evenly over
+    ``axis``."""
 
     flat: _FlatLayout
     axis: str
@@ -709,14 +879,17 @@ class _ZeroLayout:
 
     @property
     def opt_specs(self) -> Any:
-        """The PartitionSpec of every optimizer-state leaf: split vectors ``P(axis)``, scalars ``P()``."""
+        """The PartitionSpec of every optimizer-state leaf: split vectors ``P(axis)``, scalars
+        ``P()``."""
         return jax.tree.unflatten(self.spec_treedef, self.spec_leaves)
 
     @classmethod
     def build(cls, params: Any, tx: optax.GradientTransformation, axis: str, n: int) -> _ZeroLayout:
         flat = _FlatLayout.build(params)
         _check_elementwise(tx, flat, n)
-        shard = {dt: jax.ShapeDtypeStruct((size // n,), dt) for dt, size in flat.sizes(pad_to=n).items()}
+        shard = {
+            dt: jax.ShapeDtypeStruct((size // n,), dt) for dt, size in flat.sizes(pad_to=n).items()
+        }
         abstract = jax.eval_shape(tx.init, shard)
         shard_shapes = {s.shape for s in shard.values()}
         leaves, treedef = jax.tree.flatten(abstract)
@@ -725,9 +898,13 @@ class _ZeroLayout:
 
 
 def _check_elementwise(tx: optax.GradientTransformation, flat: _FlatLayout, n: int) -> None:
-    """Raises unless ``tx`` treats every parameter entry independently (its state and its updates)."""
-    fix = ("use shard_optimizer=False, or an element-wise optax transformation (sgd, momentum, adam, adamw, "
-           "rmsprop, lion, ...); global-norm clipping and factored states need the whole gradient.")
+    """Raises unless ``tx`` treats every parameter entry independently (its state and its
+    updates)."""
+    fix = (
+        "use shard_optimizer=False, or an element-wise optax transformation (sgd, momentum, adam, "
+        "adamw, "
+        "rmsprop, lion, ...); global-norm clipping and factored states need the whole gradient."
+    )
     dtypes = sorted(set(flat.dtypes))
     rng = np.random.default_rng(0)
     size = 4 * n
@@ -743,24 +920,45 @@ def _check_elementwise(tx: optax.GradientTransformation, flat: _FlatLayout, n: i
 
     try:
         whole = run(g, p)
-        halves = [run([{dt: v[sl] for dt, v in gi.items()} for gi in g], {dt: v[sl] for dt, v in p.items()})
-                  for sl in (slice(0, size // 2), slice(size // 2, size))]
+        halves = [
+            run(
+                [{dt: v[sl] for dt, v in gi.items()} for gi in g],
+                {dt: v[sl] for dt, v in p.items()},
+            )
+            for sl in (slice(0, size // 2), slice(size // 2, size))
+        ]
     except Exception as e:  # noqa: BLE001 - any failure on flat vectors means the transform is not supported
-        raise SpmdError(describe("TrainState.create", f"shard_optimizer=True: the optax transformation fails "
-                                 f"on flat parameter slices ({type(e).__name__}: {e}).", fix=fix)) from e
+        raise SpmdError(
+            describe(
+                "TrainState.create",
+                f"shard_optimizer=True: the optax transformation fails "
+                f"on flat parameter slices ({type(e).__name__}: {e}).",
+                fix=fix,
+            )
+        ) from e
     for dt in dtypes:
         joined = np.concatenate([np.asarray(h[dt]) for h in halves])
         if not np.allclose(np.asarray(whole[dt]), joined, rtol=1e-4, atol=1e-6):
-            raise SpmdError(describe(
-                "TrainState.create", "shard_optimizer=True needs an optimizer that updates each parameter "
-                "entry independently, but this one gives different updates on slices of the parameters than "
-                "on the whole (e.g. clipping by global norm).", fix=fix))
+            raise SpmdError(
+                describe(
+                    "TrainState.create",
+                    "shard_optimizer=True needs an optimizer that updates each parameter "
+                    "entry independently, but this one gives different updates on slices of the "
+                    "parameters than "
+                    "on the whole (e.g. clipping by global norm).",
+                    fix=fix,
+                )
+            )
 
 
-def _init_opt_state(tx: optax.GradientTransformation, params: Any, zero: _ZeroLayout | None, mesh: Mesh) -> Any:
+def _init_opt_state(
+    tx: optax.GradientTransformation, params: Any, zero: _ZeroLayout | None, mesh: Mesh
+) -> Any:
     if zero is None:
         return jax.jit(tx.init, out_shardings=NamedSharding(mesh, P()))(params)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), zero.opt_specs, is_leaf=lambda x: isinstance(x, P))
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), zero.opt_specs, is_leaf=lambda x: isinstance(x, P)
+    )
     n = zero.shards
 
     def init(params: Any) -> Any:
@@ -772,21 +970,36 @@ def _init_opt_state(tx: optax.GradientTransformation, params: Any, zero: _ZeroLa
 
 def _check_zero_matches(o: _StepOptions, state: TrainState) -> None:
     if o.shard_optimizer and state.zero is None:
-        raise SpmdError(describe(
-            "make_train_step", "shard_optimizer=True, but the state's optimizer state is not sharded.",
-            fix="create the state with TrainState.create(..., shard_optimizer=True)."))
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                "shard_optimizer=True, but the state's optimizer state is not sharded.",
+                fix="create the state with TrainState.create(..., shard_optimizer=True).",
+            )
+        )
     if not o.shard_optimizer and state.zero is not None:
-        raise SpmdError(describe(
-            "make_train_step", "the state was created with shard_optimizer=True, but the step was not.",
-            fix="pass shard_optimizer=True to make_train_step."))
-    if state.zero is not None and (state.zero.axis != o.axis or state.zero.shards != o.mesh.shape[o.axis]):
-        raise SpmdError(describe(
-            "make_train_step", f"the state's optimizer is sharded {state.zero.shards} ways over axis "
-            f"{state.zero.axis!r}, but the step runs on axis {o.axis!r} of size {o.mesh.shape[o.axis]}.",
-            fix="create the state with the same mesh and axis as the step."))
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                "the state was created with shard_optimizer=True, but the step was not.",
+                fix="pass shard_optimizer=True to make_train_step.",
+            )
+        )
+    if state.zero is not None and (
+        state.zero.axis != o.axis or state.zero.shards != o.mesh.shape[o.axis]
+    ):
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"the state's optimizer is sharded {state.zero.shards} ways over axis "
+                f"{state.zero.axis!r}, but the step runs on axis {o.axis!r} of size "
+                f"{o.mesh.shape[o.axis]}.",
+                fix="create the state with the same mesh and axis as the step.",
+            )
+        )
 
 
-# ---------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Placement and multi-process helpers
 
 
@@ -797,16 +1010,29 @@ def _place_batch(fn: str, batch: Any, mesh: Mesh, axis: str, accum_steps: int) -
     need = n_local * accum_steps
     if local % need:
         what = f"{mesh.shape[axis]} devices on axis {axis!r}" + (
-            f" x accum_steps={accum_steps}" if accum_steps > 1 else "")
-        raise ShapeError(describe(
-            fn, f"the batch has {local} examples{' in this process' if jax.process_count() > 1 else ''}, "
-            f"which does not split evenly over {what} (needs a multiple of {need}).",
-            fix=f"pad it with spmdcomm.pad_batch(batch, {need}); the step then averages over real examples only."))
+            f" x accum_steps={accum_steps}" if accum_steps > 1 else ""
+        )
+        raise ShapeError(
+            describe(
+                fn,
+                f"the batch has {local} "
+                f"examples{' in this process' if jax.process_count() > 1 else ''}, "
+                f"which does not split evenly over {what} (needs a multiple of {need}).",
+                fix=f"pad it with spmdcomm.pad_batch(batch, {need}); the step then averages over "
+                f"real examples only.",
+            )
+        )
     if mask is not None:
         mask_len = int(np.shape(mask)[0]) if np.ndim(mask) == 1 else -1
         if mask_len != local:
-            raise ShapeError(describe(fn, f"the mask has shape {np.shape(mask)} but the batch has {local} rows.",
-                                      leaf="mask", fix="build the batch with spmdcomm.pad_batch."))
+            raise ShapeError(
+                describe(
+                    fn,
+                    f"the mask has shape {np.shape(mask)} but the batch has {local} rows.",
+                    leaf="mask",
+                    fix="build the batch with spmdcomm.pad_batch.",
+                )
+            )
     sharding = NamedSharding(mesh, P(axis))
     return _put(data, sharding), None if mask is None else _put(mask, sharding)
 
@@ -814,7 +1040,9 @@ def _place_batch(fn: str, batch: Any, mesh: Mesh, axis: str, accum_steps: int) -
 def _put(tree: Any, sharding: NamedSharding) -> Any:
     def one(x: Any) -> Any:
         if isinstance(x, jax.Array):
-            return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
+            return (
+                x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
+            )
         if jax.process_count() > 1:
             return jax.make_array_from_process_local_data(sharding, np.asarray(x))
         return x
@@ -830,7 +1058,9 @@ def _put(tree: Any, sharding: NamedSharding) -> Any:
 def _place_replicated(tree: Any, mesh: Mesh) -> Any:
     sharding = NamedSharding(mesh, P())
     if jax.process_count() > 1:
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x, x.shape), tree)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(sharding, x, x.shape), tree
+        )
     return jax.device_put(tree, sharding)
 
 
@@ -851,17 +1081,27 @@ def _check_same_structure_across_processes(fn: str, tree: Any) -> None:
     digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
     differ = [i for i, d in enumerate(digests) if d != digests[0]]
     if differ:
-        raise SpmdError(describe(
-            fn, f"processes {differ} passed parameters whose tree structure, shapes or dtypes differ from "
-            f"process 0's (this process, {jax.process_index()}, has {desc[:300]}).",
-            fix="build the model and optimizer identically in every process."))
+        raise SpmdError(
+            describe(
+                fn,
+                f"processes {differ} passed parameters whose tree structure, shapes or dtypes "
+                f"differ from "
+                f"process 0's (this process, {jax.process_index()}, has {desc[:300]}).",
+                fix="build the model and optimizer identically in every process.",
+            )
+        )
 
 
 def _check_in_flight(fn: str, k: int) -> int:
     if not isinstance(k, (int, np.integer)) or not 1 <= k <= _MAX_IN_FLIGHT_LIMIT:
-        raise SpmdError(describe(
-            fn, f"max_in_flight={k!r} must be an int in [1, {_MAX_IN_FLIGHT_LIMIT}].",
-            fix="XLA:CPU deadlocks with ~32 queued collective executions; keep the window at 16 or below."))
+        raise SpmdError(
+            describe(
+                fn,
+                f"max_in_flight={k!r} must be an int in [1, {_MAX_IN_FLIGHT_LIMIT}].",
+                fix="XLA:CPU deadlocks with ~32 queued collective executions; keep the window at "
+                "16 or below.",
+            )
+        )
     return int(k)
 
 

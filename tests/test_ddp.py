@@ -1,4 +1,4 @@
-"""The DDP train step: N devices must train exactly what one device trains on the global batch."""
+"""DDP step features: reduction layout in HLO, skipping, replica checks, NNX, checkpoints."""
 
 import dataclasses
 import re
@@ -9,109 +9,16 @@ import numpy as np
 import optax
 import pytest
 from ddp_models import (
-    CNN,
+    BATCHES,
+    assert_trees_close,
     example_batch,
     init,
     loss_fn,
-    optimizer,
+    mesh_of,
     reference_train,
 )
 
 import spmdcomm as sc
-
-STEPS = 5
-
-
-def mesh_of(n):
-    return sc.data_mesh(devices=jax.devices()[:n])
-
-
-def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
-    flat_a, tree_a = jax.tree_util.tree_flatten_with_path(actual)
-    flat_e, tree_e = jax.tree.flatten(expected)
-    assert tree_a == tree_e
-    for (path, a), e in zip(flat_a, flat_e):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
-                                   err_msg=jax.tree_util.keystr(path))
-
-
-def run_ddp(kind, n, opt, *, backend="shard_map", batches, **step_kwargs):
-    apply_fn, params, model_state = init(kind, axis_name="data")
-    mesh = mesh_of(n)
-    state = sc.TrainState.create(params=params, model_state=model_state, apply_fn=apply_fn, tx=optimizer(opt),
-                                 mesh=mesh, shard_optimizer=step_kwargs.get("shard_optimizer", False))
-    step = sc.make_train_step(loss_fn, mesh=mesh, backend=backend, **step_kwargs)
-    return sc.fit(step, state, batches)
-
-
-def run_reference(kind, opt, batches):
-    apply_fn, params, model_state = init(kind, axis_name=None)
-    return reference_train(loss_fn, apply_fn, params, model_state, optimizer(opt), batches)
-
-
-BATCHES = {kind: [example_batch(kind, 16, seed=s) for s in range(STEPS)] for kind in ("mlp", "cnn")}
-
-
-@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
-@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_mlp_n_devices_equal_one_device_on_global_batch(n, opt, backend):
-    state, history = run_ddp("mlp", n, opt, backend=backend, batches=BATCHES["mlp"])
-    ref_params, _, ref_losses = run_reference("mlp", opt, BATCHES["mlp"])
-    assert_trees_close(state.params, ref_params)
-    np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
-    assert int(state.step) == STEPS and all(h["examples"] == 16 for h in history)
-    sc.assert_replicated(state)
-
-
-@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
-@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_cnn_with_cross_replica_batchnorm_equals_one_device(n, opt, backend):
-    state, _ = run_ddp("cnn", n, opt, backend=backend, batches=BATCHES["cnn"])
-    ref_params, ref_model_state, _ = run_reference("cnn", opt, BATCHES["cnn"])
-    assert_trees_close(state.params, ref_params)
-    assert_trees_close(state.model_state, ref_model_state)
-    sc.assert_replicated(state)
-
-
-def test_without_cross_replica_batchnorm_statistics_differ():
-    # The same CNN with per-device BatchNorm does NOT match one device: the test above can fail.
-    apply_fn, params, model_state = init("cnn", axis_name=None)
-    mesh = mesh_of(4)
-    state = sc.TrainState.create(params=params, model_state=model_state, apply_fn=apply_fn,
-                                 tx=optimizer("sgd_momentum"), mesh=mesh)
-    state, _ = sc.fit(sc.make_train_step(loss_fn, mesh=mesh), state, BATCHES["cnn"])
-    ref_params, _, _ = run_reference("cnn", "sgd_momentum", BATCHES["cnn"])
-    kernel = np.asarray(state.params["Dense_0"]["kernel"])
-    assert not np.allclose(kernel, ref_params["Dense_0"]["kernel"], rtol=1e-5, atol=1e-6)
-
-
-def test_gradient_trap_naive_step_differs():
-    # A hand-written shard_map step that pmeans jax.grad of replicated params is n times too large.
-    apply_fn, params, _ = init("mlp")
-    mesh = mesh_of(4)
-
-    def naive(params, data):
-        grads = jax.grad(lambda p: loss_fn(p, data, apply_fn=apply_fn, model_state={}, rng=None,
-                                           mask=jnp.ones(4, bool))[0])(params)
-        return jax.lax.pmean(grads, "data")
-
-    got = sc.spmd(naive, mesh=mesh, in_specs=(sc.P(), sc.P("data")), out_specs=sc.P())(params, BATCHES["mlp"][0])
-    full = jax.grad(lambda p: loss_fn(p, BATCHES["mlp"][0], apply_fn=apply_fn, model_state={}, rng=None,
-                                      mask=jnp.ones(16, bool))[0])(params)
-    ratio = np.asarray(got["Dense_1"]["bias"]) / np.asarray(full["Dense_1"]["bias"])
-    np.testing.assert_allclose(ratio, 4.0, rtol=1e-4)
-
-
-def test_accumulation_equals_one_big_batch():
-    batches = [example_batch("mlp", 32, seed=s) for s in range(3)]
-    state, history = run_ddp("mlp", 2, "adam", batches=batches, accum_steps=4)
-    ref_params, _, ref_losses = run_reference("mlp", "adam", batches)
-    assert_trees_close(state.params, ref_params)
-    np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
-    assert int(state.step) == 3
-    assert int(state.opt_state[0].count) == 3  # one optimizer step per global step, not per micro-batch
 
 
 def test_accumulation_reduces_gradients_once():
@@ -123,33 +30,6 @@ def test_accumulation_reduces_gradients_once():
     assert len(all_reduce_lines(hlo)) == 1
 
 
-@pytest.mark.parametrize("n", [4, 8])
-def test_uneven_batch_equals_one_device_on_the_real_examples(n):
-    batches = [example_batch("mlp", 15, seed=s) for s in range(STEPS)]
-    state, history = run_ddp("mlp", n, "adam", batches=[sc.pad_batch(b, n) for b in batches])
-    ref_params, _, ref_losses = run_reference("mlp", "adam", batches)
-    assert_trees_close(state.params, ref_params)
-    np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
-    assert all(h["examples"] == 15 for h in history)
-
-
-def test_devices_without_real_examples_get_weight_zero():
-    # 3 real examples on 8 devices: 5 devices see only padding (their mean loss is 0/0 in a naive loss).
-    def nan_prone_loss(params, batch, *, apply_fn, model_state, rng, mask):
-        ce = optax.softmax_cross_entropy_with_integer_labels(apply_fn({"params": params}, batch["x"]), batch["y"])
-        return jnp.sum(ce * mask) / jnp.sum(mask)
-
-    batches = [example_batch("mlp", 3, seed=s) for s in range(3)]
-    apply_fn, params, _ = init("mlp")
-    mesh = mesh_of(8)
-    state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh)
-    state, history = sc.fit(sc.make_train_step(nan_prone_loss, mesh=mesh), state,
-                            [sc.pad_batch(b, 8) for b in batches])
-    ref_params, _, ref_losses = reference_train(loss_fn, apply_fn, params, {}, optax.adam(1e-2), batches)
-    assert_trees_close(state.params, ref_params)
-    np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
-
-
 def test_eval_step_gives_exact_masked_means():
     apply_fn, params, _ = init("mlp")
     mesh = mesh_of(4)
@@ -157,7 +37,9 @@ def test_eval_step_gives_exact_masked_means():
     batch = example_batch("mlp", 15, seed=3)
 
     def metric_fn(params, batch, *, apply_fn, model_state, mask):
-        loss, aux = loss_fn(params, batch, apply_fn=apply_fn, model_state=model_state, rng=None, mask=mask)
+        loss, aux = loss_fn(
+            params, batch, apply_fn=apply_fn, model_state=model_state, rng=None, mask=mask
+        )
         return {"loss": loss, "accuracy": aux["accuracy"]}
 
     got = sc.make_eval_step(metric_fn, mesh=mesh)(state, sc.pad_batch(batch, 4))
@@ -168,30 +50,11 @@ def test_eval_step_gives_exact_masked_means():
     assert float(got["examples"]) == 15
 
 
-@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
-def test_zero1_equals_replicated_and_shards_optimizer_state(opt):
-    replicated, _ = run_ddp("mlp", 4, opt, batches=BATCHES["mlp"])
-    sharded, _ = run_ddp("mlp", 4, opt, batches=BATCHES["mlp"], shard_optimizer=True)
-    assert_trees_close(sharded.params, replicated.params, rtol=1e-6)
-    full, part = sc.optimizer_state_bytes(replicated), sc.optimizer_state_bytes(sharded)
-    n_params = sum(x.size for x in jax.tree.leaves(replicated.params))
-    moments = 1 if opt == "sgd_momentum" else 2
-    # 1/4 of the (padded) moments, plus the replicated step counters.
-    assert part <= moments * 4 * -(-n_params // 4) + 8
-    assert part < full / 3.5
-    sc.assert_replicated(sharded.params)
-
-
-def test_zero1_with_uneven_batch_and_accumulation():
-    batches = [example_batch("mlp", 30, seed=s) for s in range(3)]
-    state, _ = run_ddp("mlp", 4, "adam", batches=[sc.pad_batch(b, 8) for b in batches],
-                       shard_optimizer=True, accum_steps=2)
-    ref_params, _, _ = run_reference("mlp", "adam", batches)
-    assert_trees_close(state.params, ref_params)
-
-
-@pytest.mark.parametrize("tx", [optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
-                                optax.adafactor(1e-3)], ids=["clip_by_global_norm", "adafactor"])
+@pytest.mark.parametrize(
+    "tx",
+    [optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), optax.adafactor(1e-3)],
+    ids=["clip_by_global_norm", "adafactor"],
+)
 def test_zero1_rejects_optimizers_that_are_not_elementwise(tx):
     _, params, _ = init("mlp")
     with pytest.raises(sc.SpmdError, match="shard_optimizer=True.*(independently|fails)") as err:
@@ -199,24 +62,10 @@ def test_zero1_rejects_optimizers_that_are_not_elementwise(tx):
     assert "shard_optimizer=False" in str(err.value)
 
 
-def test_bf16_reduction_is_close_and_reduces_in_bf16():
-    f32, _ = run_ddp("mlp", 4, "adam", batches=BATCHES["mlp"])
-    bf16, _ = run_ddp("mlp", 4, "adam", batches=BATCHES["mlp"], reduce_dtype=jnp.bfloat16)
-    assert_trees_close(bf16.params, f32.params, rtol=2e-2, atol=2e-3)
-    assert not np.array_equal(bf16.params["Dense_0"]["kernel"], f32.params["Dense_0"]["kernel"])
-    apply_fn, params, _ = init("mlp")
-    mesh = mesh_of(4)
-    state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh)
-    lowered = sc.make_train_step(loss_fn, mesh=mesh, reduce_dtype=jnp.bfloat16).lower(state, BATCHES["mlp"][0])
-    operands = re.findall(r'stablehlo\.all_reduce".*?\}\) : \(([^)]*)\)', lowered.as_text(), re.S)
-    # The f32 vector of metrics, and each gradient leaf in bf16 (XLA:CPU later promotes a bf16 all-reduce
-    # back to f32 for its kernel, so on CPU the rounding happens but the bytes moved do not shrink).
-    assert sorted(o.rsplit("x", 1)[-1] for o in operands) == ["bf16>"] * 4 + ["f32>"]
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(bf16.params))
-
-
 def all_reduce_lines(hlo):
-    return [line for line in hlo.splitlines() if " all-reduce(" in line or " all-reduce-start(" in line]
+    return [
+        line for line in hlo.splitlines() if " all-reduce(" in line or " all-reduce-start(" in line
+    ]
 
 
 def all_reduce_buffers(hlo):
@@ -240,7 +89,9 @@ def test_buckets_give_one_all_reduce_buffer_each(bucket_bytes):
     buckets = [min(per_bucket, 212 - start) for start in range(0, 212, per_bucket)]
     assert sorted(shapes) == sorted([f"f32[{size}]" for size in buckets] + [stats])
     state, _ = sc.fit(step, state, BATCHES["mlp"])
-    ref_params, _, _ = reference_train(loss_fn, apply_fn, params, {}, optax.sgd(0.1), BATCHES["mlp"])
+    ref_params, _, _ = reference_train(
+        loss_fn, apply_fn, params, {}, optax.sgd(0.1), BATCHES["mlp"]
+    )
     assert_trees_close(state.params, ref_params)
 
 
@@ -250,7 +101,9 @@ def test_default_reduction_is_one_fused_all_reduce_of_the_leaves():
     state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh)
     hlo = sc.make_train_step(loss_fn, mesh=mesh).lower(state, BATCHES["mlp"][0]).compile().as_text()
     assert len(all_reduce_lines(hlo)) == 1
-    assert sorted(all_reduce_buffers(hlo)) == sorted(["f32[3]", "f32[16]", "f32[8,16]", "f32[4]", "f32[16,4]"])
+    assert sorted(all_reduce_buffers(hlo)) == sorted(
+        ["f32[3]", "f32[16]", "f32[8,16]", "f32[4]", "f32[16,4]"]
+    )
 
 
 @pytest.mark.parametrize("zero", [False, True], ids=["replicated", "zero1"])
@@ -260,14 +113,19 @@ def test_skip_nonfinite_skips_on_every_replica(zero):
     bad = example_batch("mlp", 16, seed=9)
     bad["x"][13, 0] = np.inf  # only device 3 sees it
     batches = [BATCHES["mlp"][0], bad, BATCHES["mlp"][1]]
-    state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh,
-                                 shard_optimizer=zero)
-    state, history = sc.fit(sc.make_train_step(loss_fn, mesh=mesh, skip_nonfinite=True, shard_optimizer=zero),
-                            state, batches)
+    state = sc.TrainState.create(
+        params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, shard_optimizer=zero
+    )
+    state, history = sc.fit(
+        sc.make_train_step(loss_fn, mesh=mesh, skip_nonfinite=True, shard_optimizer=zero),
+        state,
+        batches,
+    )
     assert [h["skipped"] for h in history] == [0.0, 1.0, 0.0]
     sc.assert_replicated(state)
-    ref_params, _, _ = reference_train(loss_fn, apply_fn, params, {}, optax.adam(1e-2),
-                                       [BATCHES["mlp"][0], BATCHES["mlp"][1]])
+    ref_params, _, _ = reference_train(
+        loss_fn, apply_fn, params, {}, optax.adam(1e-2), [BATCHES["mlp"][0], BATCHES["mlp"][1]]
+    )
     assert_trees_close(state.params, ref_params)
     assert int(state.step) == 3
 
@@ -289,10 +147,17 @@ def test_assert_replicated_names_the_diverging_leaf_and_device():
     leaf = state.params["Dense_1"]["bias"]
     copies = [np.asarray(leaf) + (1e-7 if d.id == 2 else 0.0) for d in mesh.devices.flat]
     broken = jax.make_array_from_single_device_arrays(
-        leaf.shape, leaf.sharding, [jax.device_put(c, d) for c, d in zip(copies, mesh.devices.flat)])
-    state = state.replace(params={**state.params, "Dense_1": {**state.params["Dense_1"], "bias": broken}})
+        leaf.shape,
+        leaf.sharding,
+        [jax.device_put(c, d) for c, d in zip(copies, mesh.devices.flat, strict=True)],
+    )
+    state = state.replace(
+        params={**state.params, "Dense_1": {**state.params["Dense_1"], "bias": broken}}
+    )
     assert sc.check_replicas_in_sync(state) == [sc.Divergence(".params['Dense_1']['bias']", 2, 0)]
-    with pytest.raises(sc.ReplicaDivergenceError, match=r"leaf \.params\['Dense_1'\]\['bias'\].*device 2"):
+    with pytest.raises(
+        sc.ReplicaDivergenceError, match=r"leaf \.params\['Dense_1'\]\['bias'\].*device 2"
+    ):
         sc.assert_replicated(state)
 
 
@@ -300,56 +165,76 @@ def test_nnx_model_with_batchnorm_equals_one_device():
     from flax import nnx
 
     def make(axis_name):
-        return nnx.Sequential(nnx.Linear(8, 16, use_bias=False, rngs=nnx.Rngs(0)),
-                              nnx.BatchNorm(16, momentum=0.9, axis_name=axis_name, rngs=nnx.Rngs(0)),
-                              nnx.relu, nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
+        return nnx.Sequential(
+            nnx.Linear(8, 16, use_bias=False, rngs=nnx.Rngs(0)),
+            nnx.BatchNorm(16, momentum=0.9, axis_name=axis_name, rngs=nnx.Rngs(0)),
+            nnx.relu,
+            nnx.Linear(16, 4, rngs=nnx.Rngs(1)),
+        )
 
     def ce(model, batch, *, rng, mask):
         logits = model(batch["x"])
-        return sc.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
+        return sc.masked_mean(
+            optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask
+        )
 
     mesh = mesh_of(4)
     state = sc.TrainState.create_nnx(make("data"), tx=optax.adam(1e-2), mesh=mesh)
     state, _ = sc.fit(sc.make_train_step(sc.nnx_loss_fn(ce), mesh=mesh), state, BATCHES["mlp"])
     graphdef, params, rest = nnx.split(make(None), nnx.Param, ...)
-    ref_params, ref_rest, _ = reference_train(sc.nnx_loss_fn(ce), graphdef, params, rest, optax.adam(1e-2),
-                                              BATCHES["mlp"])
+    ref_params, ref_rest, _ = reference_train(
+        sc.nnx_loss_fn(ce), graphdef, params, rest, optax.adam(1e-2), BATCHES["mlp"]
+    )
     assert_trees_close(state.params, ref_params)
     assert_trees_close(state.model_state, ref_rest)
 
 
 def test_linen_batchnorm_state_is_averaged_over_devices():
-    # Per-device BatchNorm (no axis_name): the step still averages batch_stats, so replicas stay identical
-    # and the running mean equals the mean of the per-device running means.
+    # Per-device BatchNorm (no axis_name): the step still averages batch_stats, so replicas stay
+    # identical and the running mean equals the mean of the per-device running means.
     apply_fn, params, model_state = init("cnn", axis_name=None)
     mesh = mesh_of(4)
-    state = sc.TrainState.create(params=params, model_state=model_state, apply_fn=apply_fn,
-                                 tx=optax.sgd(0.0), mesh=mesh)
+    state = sc.TrainState.create(
+        params=params, model_state=model_state, apply_fn=apply_fn, tx=optax.sgd(0.0), mesh=mesh
+    )
     batch = BATCHES["cnn"][0]
     state, _ = sc.make_train_step(loss_fn, mesh=mesh)(state, batch)
     sc.assert_replicated(state)
     means = []
     for i in range(4):
-        block = {k: v[4 * i:4 * i + 4] for k, v in batch.items()}
+        block = {k: v[4 * i : 4 * i + 4] for k, v in batch.items()}
         _, upd = apply_fn({"params": params, **model_state}, block["x"], mutable=["batch_stats"])
         means.append(np.asarray(upd["batch_stats"]["BatchNorm_0"]["mean"]))
-    np.testing.assert_allclose(state.model_state["batch_stats"]["BatchNorm_0"]["mean"], np.mean(means, 0),
-                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        state.model_state["batch_stats"]["BatchNorm_0"]["mean"],
+        np.mean(means, 0),
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 @pytest.mark.parametrize("zero", [False, True], ids=["replicated", "zero1"])
 def test_checkpoint_resume_is_bitwise_identical(tmp_path, zero):
     def noisy_loss(params, batch, *, apply_fn, model_state, rng, mask):
         noisy = {**batch, "x": batch["x"] + 0.1 * jax.random.normal(rng, batch["x"].shape)}
-        return loss_fn(params, noisy, apply_fn=apply_fn, model_state=model_state, rng=rng, mask=mask)
+        return loss_fn(
+            params, noisy, apply_fn=apply_fn, model_state=model_state, rng=rng, mask=mask
+        )
 
     apply_fn, params, model_state = init("cnn", axis_name="data")
     mesh = mesh_of(4)
     batches = [example_batch("cnn", 8, seed=s) for s in range(6)]
 
     def fresh():
-        return sc.TrainState.create(params=params, model_state=model_state, apply_fn=apply_fn,
-                                    tx=optax.adam(1e-2), mesh=mesh, rng=7, shard_optimizer=zero)
+        return sc.TrainState.create(
+            params=params,
+            model_state=model_state,
+            apply_fn=apply_fn,
+            tx=optax.adam(1e-2),
+            mesh=mesh,
+            rng=7,
+            shard_optimizer=zero,
+        )
 
     step = sc.make_train_step(noisy_loss, mesh=mesh, shard_optimizer=zero)
     straight, _ = sc.fit(step, fresh(), batches)
@@ -357,10 +242,12 @@ def test_checkpoint_resume_is_bitwise_identical(tmp_path, zero):
     assert sc.save_checkpoint(tmp_path, first) == 3
     resumed = sc.restore_checkpoint(tmp_path, fresh())
     assert int(resumed.step) == 3
-    for a, b in zip(jax.tree.leaves(resumed.opt_state), jax.tree.leaves(first.opt_state)):
+    for a, b in zip(
+        jax.tree.leaves(resumed.opt_state), jax.tree.leaves(first.opt_state), strict=True
+    ):
         assert a.sharding == b.sharding
     resumed, _ = sc.fit(step, resumed, batches[3:])
-    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -405,17 +292,22 @@ def test_fit_runs_many_steps_without_deadlock():
     assert len(history) == 100 and int(state.step) == 100
 
 
-# --- bad input ------------------------------------------------------------------------------------------
+# --- bad input
+# ------------------------------------------------------------------------------------------
 
 
 def simple_state(mesh, **kwargs):
     apply_fn, params, model_state = init("mlp")
-    return sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh, **kwargs)
+    return sc.TrainState.create(
+        params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh, **kwargs
+    )
 
 
 def test_non_scalar_loss_is_rejected():
     def per_example(params, batch, *, apply_fn, model_state, rng, mask):
-        return optax.softmax_cross_entropy_with_integer_labels(apply_fn({"params": params}, batch["x"]), batch["y"])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            apply_fn({"params": params}, batch["x"]), batch["y"]
+        )
 
     mesh = mesh_of(4)
     with pytest.raises(sc.ShapeError, match=r"'loss' with shape \(4,\).*float scalar.*masked_mean"):
@@ -427,18 +319,23 @@ def test_batch_the_devices_cannot_split_needs_a_mask():
     with pytest.raises(sc.ShapeError, match=r"10 examples.*4 devices.*pad_batch\(batch, 4\)"):
         sc.make_train_step(loss_fn, mesh=mesh)(simple_state(mesh), example_batch("mlp", 10, seed=0))
     with pytest.raises(sc.ShapeError, match=r"accum_steps=2.*multiple of 8"):
-        sc.make_train_step(loss_fn, mesh=mesh, accum_steps=2)(simple_state(mesh), example_batch("mlp", 12, seed=0))
+        sc.make_train_step(loss_fn, mesh=mesh, accum_steps=2)(
+            simple_state(mesh), example_batch("mlp", 12, seed=0)
+        )
 
 
 def test_mismatched_model_state_tree_is_rejected():
     def drops_state(params, batch, *, apply_fn, model_state, rng, mask):
-        loss, aux = loss_fn(params, batch, apply_fn=apply_fn, model_state=model_state, rng=rng, mask=mask)
+        loss, aux = loss_fn(
+            params, batch, apply_fn=apply_fn, model_state=model_state, rng=rng, mask=mask
+        )
         return loss, {**aux, "model_state": {"other": jnp.zeros(3)}}
 
     apply_fn, params, model_state = init("cnn", axis_name="data")
     mesh = mesh_of(2)
-    state = sc.TrainState.create(params=params, model_state=model_state, apply_fn=apply_fn,
-                                 tx=optax.sgd(0.1), mesh=mesh)
+    state = sc.TrainState.create(
+        params=params, model_state=model_state, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh
+    )
     with pytest.raises(sc.SpmdError, match="model_state whose tree or shapes differ"):
         sc.make_train_step(drops_state, mesh=mesh)(state, BATCHES["cnn"][0])
 
@@ -455,22 +352,30 @@ def test_loss_fn_returning_a_bad_tuple_is_rejected():
 def test_state_and_step_must_agree_on_zero1():
     mesh = mesh_of(4)
     with pytest.raises(sc.SpmdError, match="not sharded.*shard_optimizer=True"):
-        sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=True)(simple_state(mesh), BATCHES["mlp"][0])
+        sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=True)(
+            simple_state(mesh), BATCHES["mlp"][0]
+        )
     with pytest.raises(sc.SpmdError, match="created with shard_optimizer=True"):
-        sc.make_train_step(loss_fn, mesh=mesh)(simple_state(mesh, shard_optimizer=True), BATCHES["mlp"][0])
+        sc.make_train_step(loss_fn, mesh=mesh)(
+            simple_state(mesh, shard_optimizer=True), BATCHES["mlp"][0]
+        )
     with pytest.raises(sc.SpmdError, match="sharded 4 ways.*size 2"):
         sc.make_train_step(loss_fn, mesh=mesh_of(2), shard_optimizer=True)(
-            simple_state(mesh, shard_optimizer=True), BATCHES["mlp"][0])
+            simple_state(mesh, shard_optimizer=True), BATCHES["mlp"][0]
+        )
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"accum_steps": 0}, "accum_steps=0"),
-    ({"bucket_bytes": -1}, "bucket_bytes=-1"),
-    ({"bucket_bytes": 1024, "shard_optimizer": True}, "bucket_bytes cannot be combined"),
-    ({"max_in_flight": 40}, r"max_in_flight=40.*\[1, 16\]"),
-    ({"backend": "xmap"}, "unknown backend"),
-    ({"axis": "model"}, "axis 'model' is not an axis of the mesh"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"accum_steps": 0}, "accum_steps=0"),
+        ({"bucket_bytes": -1}, "bucket_bytes=-1"),
+        ({"bucket_bytes": 1024, "shard_optimizer": True}, "bucket_bytes cannot be combined"),
+        ({"max_in_flight": 40}, r"max_in_flight=40.*\[1, 16\]"),
+        ({"backend": "xmap"}, "unknown backend"),
+        ({"axis": "model"}, "axis 'model' is not an axis of the mesh"),
+    ],
+)
 def test_bad_step_options(kwargs, match):
     with pytest.raises(sc.SpmdError, match=match):
         sc.make_train_step(loss_fn, **kwargs)
@@ -485,7 +390,8 @@ def test_step_rejects_a_state_that_is_not_a_trainstate():
         sc.make_train_step(loss_fn)(Other({}), BATCHES["mlp"][0])
 
 
-# --- multi-process ------------------------------------------------------------------------------------
+# --- multi-process
+# ------------------------------------------------------------------------------------
 
 
 @pytest.mark.multiprocess
@@ -497,8 +403,21 @@ def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--devices-per-process", "2", "--timeout", "240",
-           "--grace", "2", str(root / "tests" / "workers" / "mp_ddp.py"), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spmdcomm.launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "2",
+        "--timeout",
+        "240",
+        "--grace",
+        "2",
+        str(root / "tests" / "workers" / "mp_ddp.py"),
+        str(tmp_path),
+    ]
     env = {**os.environ, "PYTHONPATH": str(root)}
     env.pop("XLA_FLAGS", None)  # the launcher sets the device count
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -508,12 +427,21 @@ def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path):
     batches = [sc.pad_batch(example_batch("mlp", 15, seed=s), 4) for s in range(5)]
     mesh = mesh_of(4)
     for zero in (0, 1):
-        state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh,
-                                     shard_optimizer=bool(zero))
-        state, history = sc.fit(sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=bool(zero)), state,
-                                batches)
+        state = sc.TrainState.create(
+            params=params,
+            apply_fn=apply_fn,
+            tx=optax.adam(1e-2),
+            mesh=mesh,
+            shard_optimizer=bool(zero),
+        )
+        state, history = sc.fit(
+            sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=bool(zero)), state, batches
+        )
         got = np.load(tmp_path / f"params_zero{zero}.npz")
         for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]:
-            np.testing.assert_allclose(got[jax.tree_util.keystr(path)], np.asarray(x), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(np.load(tmp_path / f"losses_zero{zero}.npy"), [h["loss"] for h in history],
-                                   rtol=1e-5)
+            np.testing.assert_allclose(
+                got[jax.tree_util.keystr(path)], np.asarray(x), rtol=1e-5, atol=1e-6
+            )
+        np.testing.assert_allclose(
+            np.load(tmp_path / f"losses_zero{zero}.npy"), [h["loss"] for h in history], rtol=1e-5
+        )
