@@ -84,8 +84,7 @@ def init_params(model_name: str) -> dict:
     return jax.tree.map(np.asarray, dict(variables["params"]))
 
 
-# --- variants: each returns run(steps) -> seconds
-# ---------------------------------------------------
+# --- variants: each returns run(steps) -> seconds -------------------------------------------------
 
 
 def ours(model_name: str, mesh, **options):
@@ -176,8 +175,7 @@ def _loop(step, params, opt_state, batch):
     return run
 
 
-# --- driver
-# -----------------------------------------------------------------------------------------
+# --- driver ---------------------------------------------------------------------------------------
 
 
 def in_process(rounds: int, steps: int) -> dict[str, float]:

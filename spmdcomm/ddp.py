@@ -197,24 +197,23 @@ def make_train_step(
       mesh, axis: where the batch is split (default: every device, axis ``"data"``).
       backend: ``"shard_map"`` or ``"pmap"``; both compute the same step.
       accum_steps: split each device's block into this many micro-batches, run them in a
-      ``lax.scan`` and
-        reduce the summed gradient ONCE at the end (torch ``no_sync``); one optimizer step per call.
+        ``lax.scan`` and reduce the summed gradient ONCE at the end (torch ``no_sync``); one
+        optimizer step per call.
       reduce_dtype: e.g. ``jnp.bfloat16``: gradients are cast to it for the all-reduce and back
-      after. bucket_bytes: ``None`` all-reduces the gradient pytree leaf by leaf (XLA fuses them
-      into one variadic
-        all-reduce); an int flattens the gradients into dtype-homogeneous buffers of at most that
-        many bytes, one all-reduce buffer each (a huge value gives one flat buffer per dtype).
-      shard_optimizer: ZeRO-1: reduce-scatter the gradients, update this device's slice of the flat
-      parameters
-        and optimizer state, all-gather the parameters. The state must come from
+        after.
+      bucket_bytes: ``None`` all-reduces the gradient pytree leaf by leaf (XLA fuses them into one
+        variadic all-reduce); an int flattens the gradients into dtype-homogeneous buffers of at
+        most that many bytes, one all-reduce buffer each (a huge value gives one flat buffer per
+        dtype).
+      shard_optimizer: ZeRO-1: reduce-scatter the gradients, update this device's slice of the
+        flat parameters and optimizer state, all-gather the parameters. The state must come from
         ``TrainState.create(..., shard_optimizer=True)``.
       skip_nonfinite: if any gradient entry on any replica is NaN/Inf, every replica keeps its
-      parameters,
-        optimizer and model state (``metrics["skipped"]`` is 1.0 for that step).
+        parameters, optimizer and model state (``metrics["skipped"]`` is 1.0 for that step).
       donate: let the step reuse the input state's buffers (do not touch the old state after the
-      call). max_in_flight: before dispatching, wait for the result from this many calls back
-      (1..16) so XLA:CPU's
-        queue of collective executions never deadlocks.
+        call).
+      max_in_flight: before dispatching, wait for the result from this many calls back (1..16) so
+        XLA:CPU's queue of collective executions never deadlocks.
 
     ``batch`` is a pytree of arrays whose dimension 0 is the global batch (host NumPy, placed by the
     step; or ``jax.Array``), or a :class:`~spmdcomm.MaskedBatch`. With several processes, host
@@ -533,9 +532,12 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
         grad_sum, metric_sums, model_state, count = _accumulate(o, state, data, mask, varying)
         # The example count, the metrics and the model state travel in one f32 vector (XLA:CPU pays
         # per buffer); XLA fuses its all-reduce with the gradients' into one collective.
-        weighted_state = jax.tree.map(
-            lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)), _float_leaves(model_state)
-        )
+        masked = mask is not None
+        weighted_state = _float_leaves(model_state)
+        if masked:
+            weighted_state = jax.tree.map(
+                lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)), weighted_state
+            )
         vec, unravel = ravel_pytree((count, metric_sums, weighted_state))
         if o.shard_optimizer:
             vec = lax.psum(vec, axis)
@@ -546,7 +548,9 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
             vec, low = lax.psum((vec, _cast(grad_sum, o.reduce_dtype)), axis)
             grads = _cast_like(low, grad_sum)
         total, metric_sums, stats = unravel(vec)
-        denom = jnp.maximum(total, 1.0)
+        # Masked: sums of count-weighted means over the real-example count. Unmasked: sums of means
+        # over the number of (equal) blocks, which needs no per-gradient multiplication.
+        denom = jnp.maximum(total, 1.0) if masked else float(n * o.accum_steps)
         new_model_state = _merge_model_state(
             model_state, jax.tree.map(lambda v: v / denom, stats), axis
         )
@@ -585,9 +589,11 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
 def _accumulate(
     o: _StepOptions, state: TrainState, data: Any, mask: Any, varying: bool
 ) -> tuple[Any, ...]:
-    """Runs loss_fn over the micro-batches; returns count-weighted sums of gradients and metrics,
-    the last
-    model state and this device's real-example count."""
+    """Runs loss_fn over the micro-batches.
+
+    Returns the sums over micro-batches of gradients and metrics (weighted by real-example count
+    when the batch is masked), the last model state and this device's real-example count.
+    """
     axis, k, masked = o.axis, o.accum_steps, mask is not None
     mask = _full_mask(data) if mask is None else mask
     params = _vary(state.params, axis, varying)
@@ -607,11 +613,10 @@ def _accumulate(
         new_model_state = aux.pop("model_state", model_state)
         _check_same_tree(model_state, new_model_state)
         c = jnp.sum(m, dtype=jnp.float32)
-        # A block without real examples may give a NaN mean: its weight is zero, and so is its
-        # contribution.
-        weigh = (
-            (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: c * v)
-        )
+        # Masked, a block without real examples may give a NaN mean: its weight is zero, and so is
+        # its contribution. Unmasked, every block has the same count: plain sums, divided once by
+        # the number of blocks after the reduction.
+        weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v)
         metrics = jax.tree.map(lambda v: weigh(v.astype(jnp.float32)), {"loss": loss, **aux})
         return jax.tree.map(weigh, grads), metrics, new_model_state, c
 

@@ -292,8 +292,7 @@ def test_fit_runs_many_steps_without_deadlock():
     assert len(history) == 100 and int(state.step) == 100
 
 
-# --- bad input
-# ------------------------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------------------
 
 
 def simple_state(mesh, **kwargs):
@@ -390,8 +389,7 @@ def test_step_rejects_a_state_that_is_not_a_trainstate():
         sc.make_train_step(loss_fn)(Other({}), BATCHES["mlp"][0])
 
 
-# --- multi-process
-# ------------------------------------------------------------------------------------
+# --- multi-process --------------------------------------------------------------------------------
 
 
 @pytest.mark.multiprocess
