@@ -251,6 +251,93 @@ def multi_process(steps: int, rounds: int) -> dict[str, float]:
     return out
 
 
+def gloo_probe(steps: int, rounds: int) -> dict[str, float]:
+    """2 processes x 1 device: ms per all-reduce (tiny, flat, leaf by leaf) and per local step."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "spmdcomm.launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "1",
+        "--timeout",
+        "300",
+        __file__,
+        "--worker",
+        "--probe",
+        "--steps",
+        str(steps),
+        "--rounds",
+        str(rounds),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=360)
+    return {
+        f"gloo probe, {line.split('PROBE ')[1].rsplit(' ', 1)[0]} (ms)": float(line.split()[-1])
+        for line in res.stdout.splitlines()
+        if "PROBE" in line
+    }
+
+
+def probe_worker(steps: int, rounds: int) -> None:
+    """Times gloo all-reduces of the MLP's gradient bytes, and the step's compute alone."""
+    sc.initialize()
+    mesh = sc.data_mesh()
+    params = init_params("mlp")
+    shapes = [x.shape for x in jax.tree.leaves(params)]
+    sharded = sc.data_sharding(mesh)
+
+    def put(shape):
+        return jax.make_array_from_process_local_data(sharded, np.ones(shape, np.float32))
+
+    def psum_all(*xs):
+        return [jax.lax.psum(x, "data") for x in xs]
+
+    summed = jax.jit(
+        jax.shard_map(psum_all, mesh=mesh, in_specs=sc.P("data"), out_specs=sc.P("data"))
+    )
+    total = sum(int(np.prod(s)) for s in shapes)
+    cases = {
+        "all-reduce 16 bytes": [put((4,))],
+        f"all-reduce one flat buffer of {4 * total / 2**20:.1f} MiB": [put((total,))],
+        f"all-reduce {len(shapes)} leaves, same bytes": [put(s) for s in shapes],
+    }
+    times = {name: _time(summed, args, steps, rounds) for name, args in cases.items()}
+    device = jax.local_devices()[0]
+    local = jax.device_put(data(), device)
+    local = {k: v[: BATCH // 2] for k, v in local.items()}
+    apply_fn, tx = MODELS["mlp"].apply, optax.adam(1e-3)
+
+    def compute(p, o, batch):
+        grads = jax.grad(lambda q: plain_loss(apply_fn, q, batch))(p)
+        updates, o = tx.update(grads, o, p)
+        return optax.apply_updates(p, updates), o
+
+    p = jax.device_put(params, device)
+    times["local step without all-reduce, batch 128"] = _time(
+        jax.jit(compute), [p, tx.init(p), local], steps, rounds
+    )
+    if jax.process_index() == 0:
+        for name, ms in times.items():
+            print("PROBE", name, f"{ms:.2f}", flush=True)
+
+
+def _time(fn, args, steps: int, rounds: int) -> float:
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for i in range(steps):
+            out = fn(*args)
+            if i % WINDOW == WINDOW - 1:
+                jax.block_until_ready(out)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / steps * 1e3)
+    return float(np.median(samples))
+
+
 def worker(steps: int, rounds: int, flat: bool) -> None:
     sc.initialize()
     run = ours("mlp", sc.data_mesh(), **({"bucket_bytes": 2**40} if flat else {}))
@@ -268,14 +355,19 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--flat", action="store_true")
     parser.add_argument("--one-thread", action="store_true")
+    parser.add_argument("--probe", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.worker and args.probe:
+        probe_worker(args.steps, args.rounds)
+        return
     if args.worker:
         worker(args.steps, args.rounds, args.flat)
         return
     results = in_process(args.rounds, args.steps)
     if not args.skip_multiprocess:
         results.update(multi_process(args.steps, args.rounds))
+        results.update(gloo_probe(args.steps, args.rounds))
     try:
         import torch  # noqa: F401
 

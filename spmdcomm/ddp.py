@@ -204,7 +204,7 @@ def make_train_step(
       bucket_bytes: ``None`` all-reduces the gradient pytree leaf by leaf (XLA fuses them into one
         variadic all-reduce); an int flattens the gradients into dtype-homogeneous buffers of at
         most that many bytes, one all-reduce buffer each (a huge value gives one flat buffer per
-        dtype).
+        dtype, and with the metrics riding in it, one buffer per step: best across processes).
       shard_optimizer: ZeRO-1: reduce-scatter the gradients, update this device's slice of the
         flat parameters and optimizer state, all-gather the parameters. The state must come from
         ``TrainState.create(..., shard_optimizer=True)``.
@@ -542,8 +542,7 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
         if o.shard_optimizer:
             vec = lax.psum(vec, axis)
         elif flat is not None:
-            vec = lax.psum(vec, axis)
-            grads = _bucketed_psum(grad_sum, flat, o.bucket_bytes, o.reduce_dtype, axis)
+            vec, grads = _bucketed_psum(grad_sum, vec, flat, o.bucket_bytes, o.reduce_dtype, axis)
         else:
             vec, low = lax.psum((vec, _cast(grad_sum, o.reduce_dtype)), axis)
             grads = _cast_like(low, grad_sum)
@@ -753,20 +752,28 @@ def _merge_model_state(local: Any, averaged: Any, axis: str) -> Any:
 
 
 def _bucketed_psum(
-    grads: Any, flat: _FlatLayout, bucket_bytes: int, reduce_dtype: Any, axis: str
-) -> Any:
+    grads: Any, stats: jax.Array, flat: _FlatLayout, bucket_bytes: int, reduce_dtype: Any, axis: str
+) -> tuple[jax.Array, Any]:
+    """Sums ``stats`` and the gradients over ``axis`` in flat buckets; returns both sums.
+
+    Without ``reduce_dtype`` the f32 ``stats`` vector leads the float32 buffer, so a model whose
+    gradients fit one bucket needs ONE all-reduce buffer per step (each costs a round trip on gloo).
+    """
     vectors = flat.flatten(grads)
+    fused = reduce_dtype is None
+    if fused:
+        vectors["float32"] = jnp.concatenate([stats, vectors.get("float32", stats[:0])])
+    else:
+        stats = lax.psum(stats, axis)
     out = {}
     for name, vec in vectors.items():
         low = _cast(vec, reduce_dtype)
         step = max(1, bucket_bytes // low.dtype.itemsize)
         chunks = [lax.psum(low[i : i + step], axis) for i in range(0, low.shape[0], step)]
-        out[name] = (
-            jnp.concatenate(chunks).astype(vec.dtype)
-            if len(chunks) > 1
-            else chunks[0].astype(vec.dtype)
-        )
-    return flat.unflatten(out)
+        out[name] = (jnp.concatenate(chunks) if len(chunks) > 1 else chunks[0]).astype(vec.dtype)
+    if fused:
+        stats, out["float32"] = out["float32"][: stats.shape[0]], out["float32"][stats.shape[0] :]
+    return stats, flat.unflatten(out)
 
 
 def _zero_update(
