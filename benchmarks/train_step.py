@@ -387,7 +387,11 @@ def main() -> None:
         f"{BATCH}"
     )
     for name, value in results.items():
-        print(f"{name:64s} {value:12.3f}" if "ratio" in name else f"{name:64s} {value:12.0f}")
+        print(
+            f"{name:64s} {value:12.3f}"
+            if "ratio" in name or "(ms)" in name
+            else f"{name:64s} {value:12.0f}"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

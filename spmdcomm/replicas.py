@@ -39,12 +39,12 @@ class Divergence:
 
 
 def check_replicas_in_sync(tree: Any) -> list[Divergence]:
-    """Returns every (leaf, device) whose copy differs from the first device's; ``[]`` when all
-    agree.
+    """Returns every (leaf, device) whose copy differs from the first device's; ``[]`` if none.
 
-    Only fully replicated ``jax.Array`` leaves are compared (sharded leaves such as batches or
-    ZeRO-1 optimizer state have no copies to compare). With several processes every process must
-    call this with the same tree; the result is the same everywhere.
+    Compared are the fully replicated ``jax.Array`` leaves on the same devices as the first one
+    (sharded leaves such as batches or ZeRO-1 optimizer state have no copies to compare). With
+    several processes every process must call this with the same tree; the result is the same
+    everywhere.
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [
@@ -54,7 +54,8 @@ def check_replicas_in_sync(tree: Any) -> list[Divergence]:
     ]
     if not leaves:
         return []
-    devices = list(leaves[0][1].sharding.device_set)
+    devices = leaves[0][1].sharding.device_set
+    leaves = [(name, x) for name, x in leaves if x.sharding.device_set == devices]
     local = sorted(
         (d for d in devices if d.process_index == jax.process_index()), key=lambda d: d.id
     )
