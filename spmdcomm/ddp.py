@@ -813,6 +813,8 @@ def _spmd_compile(
     *,
     donate: bool,
 ) -> Callable[..., Any]:
+    # The spmd wrapper's compiled function without its per-call placement: the state is already
+    # placed by TrainState.create (and by the previous step), and batches by _place_batch.
     sf = SpmdFunction(
         body,
         in_specs=(state_specs, P(axis), P(axis)),
