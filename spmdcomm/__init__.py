@@ -2,6 +2,7 @@
 
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm.checkpoint import latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from spmdcomm.collectives import (
     REDUCE_OPS,
     all_gather,
@@ -30,6 +31,18 @@ from spmdcomm.data import (
     take_batches,
     unpad,
 )
+from spmdcomm.ddp import (
+    DEFAULT_MAX_IN_FLIGHT,
+    EvalStep,
+    TrainState,
+    TrainStep,
+    fit,
+    make_eval_step,
+    make_train_step,
+    masked_mean,
+    nnx_loss_fn,
+    optimizer_state_bytes,
+)
 from spmdcomm.debug import enabled as debug_enabled
 from spmdcomm.debug import set_debug
 from spmdcomm.errors import (
@@ -40,6 +53,7 @@ from spmdcomm.errors import (
     DistributedError,
     ProcessMismatchError,
     RemoteProcessError,
+    ReplicaDivergenceError,
     ReplicatedReductionWarning,
     ShapeError,
     SpmdError,
@@ -56,6 +70,7 @@ from spmdcomm.mesh import (
     replicated_sharding,
 )
 from spmdcomm.prefetch import Prefetcher, PrefetchStats, aligned_empty, prefetch_to_device
+from spmdcomm.replicas import Divergence, assert_replicated, check_replicas_in_sync
 from spmdcomm.runtime import (
     initialize,
     is_initialized,
@@ -110,9 +125,27 @@ __all__ = [
     "aligned_empty",
     "Prefetcher",
     "PrefetchStats",
+    # data-parallel training
+    "DEFAULT_MAX_IN_FLIGHT",
+    "EvalStep",
+    "TrainState",
+    "TrainStep",
+    "fit",
+    "make_eval_step",
+    "make_train_step",
+    "masked_mean",
+    "nnx_loss_fn",
+    "optimizer_state_bytes",
+    "Divergence",
+    "assert_replicated",
+    "check_replicas_in_sync",
+    "latest_checkpoint_step",
+    "restore_checkpoint",
+    "save_checkpoint",
     # errors
     "AxisError",
     "BackendError",
+    "ReplicaDivergenceError",
     "ReplicatedReductionWarning",
     "ShapeError",
     "SpmdError",

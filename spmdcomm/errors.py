@@ -13,6 +13,7 @@ __all__ = [
     "ShapeError",
     "BackendError",
     "ReplicatedReductionWarning",
+    "ReplicaDivergenceError",
     "DistributedError",
     "CoordinatorError",
     "BarrierTimeoutError",
@@ -67,6 +68,10 @@ class ProcessMismatchError(DistributedError):
 
 class RemoteProcessError(DistributedError):
     """Another process failed in a block this process was waiting for; the message has its error."""
+
+
+class ReplicaDivergenceError(SpmdError):
+    """A value that should be identical on every device (replicated parameters, optimizer state) is not."""
 
 
 def describe(fn: str, message: str, *, fix: str | None = None, leaf: str | None = None) -> str:

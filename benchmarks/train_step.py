@@ -1,0 +1,400 @@
+"""Samples/s of the DDP train step against hand-written and single-device baselines.
+
+Run: ``python benchmarks/train_step.py [--rounds 21] [--steps 12] [--skip-multiprocess]``.
+
+One process with 2 fake CPU devices runs, interleaved round by round (medians reported): our step
+(shard_map and pmap backends, accumulation, bf16 reduction, flat buffer, buckets, ZeRO-1), a
+hand-written shard_map + pmean + optax step on the same model, and the same model on a single device
+with the whole batch. Models: MLP 784-512-512-10 and a small CNN on MNIST-shaped data, global batch
+256, Adam. Then 2 processes x 1 device through the launcher (gloo), with the default leaf-by-leaf
+reduction and with one flat buffer, and PyTorch DDP (gloo, 2 workers) is not measured here: torch is
+not installed on the machine this was written on. Every loop bounds its in-flight steps (our steps
+do it themselves; baselines block every 8 steps).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--worker" not in sys.argv:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    )
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import spmdcomm as sc  # noqa: E402
+
+BATCH = 256
+WINDOW = 8  # baselines block on the result from this many steps back
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)
+        x = nn.relu(nn.Dense(512)(x))
+        x = nn.relu(nn.Dense(512)(x))
+        return nn.Dense(10)(x)
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(16, (3, 3), strides=2)(x))
+        x = nn.relu(nn.Conv(32, (3, 3), strides=2)(x))
+        return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+MODELS = {"mlp": MLP(), "cnn": CNN()}
+
+
+def data(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.standard_normal((BATCH, 28, 28, 1)).astype(np.float32),
+        "y": rng.integers(0, 10, BATCH).astype(np.int32),
+    }
+
+
+def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
+    logits = apply_fn({"params": params}, batch["x"])
+    return sc.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
+
+
+def plain_loss(apply_fn, params, batch):
+    logits = apply_fn({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def init_params(model_name: str) -> dict:
+    variables = MODELS[model_name].init(jax.random.PRNGKey(0), data()["x"][:2])
+    return jax.tree.map(np.asarray, dict(variables["params"]))
+
+
+# --- variants: each returns run(steps) -> seconds -------------------------------------------------
+
+
+def ours(model_name: str, mesh, **options):
+    apply_fn = MODELS[model_name].apply
+    state = sc.TrainState.create(
+        params=init_params(model_name),
+        apply_fn=apply_fn,
+        tx=optax.adam(1e-3),
+        mesh=mesh,
+        shard_optimizer=options.get("shard_optimizer", False),
+    )
+    step = sc.make_train_step(loss_fn, mesh=mesh, **options)
+    batch = jax.tree.map(lambda x: jax.device_put(x, sc.data_sharding(mesh)), data())
+    holder = {"state": state}
+
+    def run(steps: int) -> float:
+        s = holder["state"]
+        start = time.perf_counter()
+        for _ in range(steps):
+            s, metrics = step(s, batch)
+        jax.block_until_ready(metrics)
+        holder["state"] = s
+        return time.perf_counter() - start
+
+    run.state = holder  # for optimizer-state bytes
+    return run
+
+
+def handwritten(model_name: str, mesh):
+    """What a careful user writes by hand: shard_map, local grads (params cast to varying), pmean,
+    optax."""
+    apply_fn, tx = MODELS[model_name].apply, optax.adam(1e-3)
+
+    def body(params, opt_state, batch):
+        local = jax.lax.pcast(params, "data", to="varying")
+        loss, grads = jax.value_and_grad(lambda p: plain_loss(apply_fn, p, batch))(local)
+        loss, grads = jax.lax.pmean((loss, grads), "data")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(sc.P(), sc.P(), sc.P("data")), out_specs=sc.P()),
+        donate_argnums=(0, 1),
+    )
+    rep = sc.replicated_sharding(mesh)
+    params = jax.device_put(init_params(model_name), rep)
+    return _loop(
+        step,
+        params,
+        jax.jit(tx.init, out_shardings=rep)(params),
+        jax.tree.map(lambda x: jax.device_put(x, sc.data_sharding(mesh)), data()),
+    )
+
+
+def single_device(model_name: str):
+    apply_fn, tx = MODELS[model_name].apply, optax.adam(1e-3)
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(lambda p: plain_loss(apply_fn, p, batch))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    device = jax.devices()[0]
+    params = jax.device_put(init_params(model_name), device)
+    return _loop(
+        jax.jit(step, donate_argnums=(0, 1)),
+        params,
+        tx.init(params),
+        jax.device_put(data(), device),
+    )
+
+
+def _loop(step, params, opt_state, batch):
+    holder = {"p": params, "o": opt_state}
+
+    def run(steps: int) -> float:
+        p, o, pending = holder["p"], holder["o"], []
+        start = time.perf_counter()
+        for _ in range(steps):
+            p, o, loss = step(p, o, batch)
+            pending.append(loss)
+            if len(pending) > WINDOW:
+                pending.pop(0).block_until_ready()
+        jax.block_until_ready(loss)
+        holder["p"], holder["o"] = p, o
+        return time.perf_counter() - start
+
+    return run
+
+
+# --- driver ---------------------------------------------------------------------------------------
+
+
+def in_process(rounds: int, steps: int) -> dict[str, float]:
+    mesh = sc.data_mesh(devices=jax.devices()[:2])
+    flat = 2**40
+    variants = {}
+    for m in ("mlp", "cnn"):
+        variants[f"{m}/single device"] = single_device(m)
+        variants[f"{m}/hand-written shard_map"] = handwritten(m, mesh)
+        variants[f"{m}/ours"] = ours(m, mesh)
+        variants[f"{m}/ours flat buffer"] = ours(m, mesh, bucket_bytes=flat)
+    m = "mlp"
+    variants[f"{m}/ours pmap"] = ours(m, mesh, backend="pmap")
+    variants[f"{m}/ours accum_steps=4"] = ours(m, mesh, accum_steps=4)
+    variants[f"{m}/ours bf16 reduce"] = ours(m, mesh, reduce_dtype=jnp.bfloat16)
+    variants[f"{m}/ours buckets 256 KiB"] = ours(m, mesh, bucket_bytes=256 * 1024)
+    variants[f"{m}/ours ZeRO-1"] = ours(m, mesh, shard_optimizer=True)
+    for run in variants.values():  # compile and warm up
+        run(3)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            times[name].append(BATCH * steps / run(steps))
+    results = {k: float(np.median(v)) for k, v in times.items()}
+    # The machine is noisy: the median over rounds of the ratio within a round is the fairer ratio.
+    for m in ("mlp", "cnn"):
+        for base in ("hand-written shard_map", "single device"):
+            for name in ("ours", "ours flat buffer"):
+                ratio = np.array(times[f"{m}/{name}"]) / np.array(times[f"{m}/{base}"])
+                results[f"{m}/ratio {name} / {base} (paired median)"] = float(np.median(ratio))
+    for name in ("mlp/ours", "mlp/ours ZeRO-1"):
+        results[f"{name} optimizer-state bytes/device"] = sc.optimizer_state_bytes(
+            variants[name].state["state"]
+        )
+    return results
+
+
+def multi_process(steps: int, rounds: int) -> dict[str, float]:
+    """2 processes x 1 device through the launcher, for several settings; samples/s from process
+    0."""
+    out = {}
+    settings = {
+        "ours": [],
+        "ours flat buffer": ["--flat"],
+        "ours flat buffer, 1 XLA thread": ["--flat", "--one-thread"],
+    }
+    for name, extra in settings.items():
+        cmd = [
+            sys.executable,
+            "-m",
+            "spmdcomm.launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "1",
+            "--timeout",
+            "300",
+            __file__,
+            "--worker",
+            "--steps",
+            str(steps),
+            "--rounds",
+            str(rounds),
+            *extra,
+        ]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        env.pop("XLA_FLAGS", None)
+        if "--one-thread" in extra:
+            env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=360)
+        lines = [ln for ln in res.stdout.splitlines() if "RESULT" in ln]
+        if res.returncode or not lines:
+            print(
+                f"multi-process {name} failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}",
+                file=sys.stderr,
+            )
+            continue
+        out[f"mlp/2 processes x 1 device, {name}"] = float(lines[0].split()[-1])
+    return out
+
+
+def gloo_probe(steps: int, rounds: int) -> dict[str, float]:
+    """2 processes x 1 device: ms per all-reduce (tiny, flat, leaf by leaf) and per local step."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "spmdcomm.launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "1",
+        "--timeout",
+        "300",
+        __file__,
+        "--worker",
+        "--probe",
+        "--steps",
+        str(steps),
+        "--rounds",
+        str(rounds),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("XLA_FLAGS", None)
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=360)
+    return {
+        f"gloo probe, {line.split('PROBE ')[1].rsplit(' ', 1)[0]} (ms)": float(line.split()[-1])
+        for line in res.stdout.splitlines()
+        if "PROBE" in line
+    }
+
+
+def probe_worker(steps: int, rounds: int) -> None:
+    """Times gloo all-reduces of the MLP's gradient bytes, and the step's compute alone."""
+    sc.initialize()
+    mesh = sc.data_mesh()
+    params = init_params("mlp")
+    shapes = [x.shape for x in jax.tree.leaves(params)]
+    sharded = sc.data_sharding(mesh)
+
+    def put(shape):
+        return jax.make_array_from_process_local_data(sharded, np.ones(shape, np.float32))
+
+    def psum_all(*xs):
+        return [jax.lax.psum(x, "data") for x in xs]
+
+    summed = jax.jit(
+        jax.shard_map(psum_all, mesh=mesh, in_specs=sc.P("data"), out_specs=sc.P("data"))
+    )
+    total = sum(int(np.prod(s)) for s in shapes)
+    cases = {
+        "all-reduce 16 bytes": [put((4,))],
+        f"all-reduce one flat buffer of {4 * total / 2**20:.1f} MiB": [put((total,))],
+        f"all-reduce {len(shapes)} leaves, same bytes": [put(s) for s in shapes],
+    }
+    times = {name: _time(summed, args, steps, rounds) for name, args in cases.items()}
+    device = jax.local_devices()[0]
+    local = jax.device_put(data(), device)
+    local = {k: v[: BATCH // 2] for k, v in local.items()}
+    apply_fn, tx = MODELS["mlp"].apply, optax.adam(1e-3)
+
+    def compute(p, o, batch):
+        grads = jax.grad(lambda q: plain_loss(apply_fn, q, batch))(p)
+        updates, o = tx.update(grads, o, p)
+        return optax.apply_updates(p, updates), o
+
+    p = jax.device_put(params, device)
+    times["local step without all-reduce, batch 128"] = _time(
+        jax.jit(compute), [p, tx.init(p), local], steps, rounds
+    )
+    if jax.process_index() == 0:
+        for name, ms in times.items():
+            print("PROBE", name, f"{ms:.2f}", flush=True)
+
+
+def _time(fn, args, steps: int, rounds: int) -> float:
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for i in range(steps):
+            out = fn(*args)
+            if i % WINDOW == WINDOW - 1:
+                jax.block_until_ready(out)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / steps * 1e3)
+    return float(np.median(samples))
+
+
+def worker(steps: int, rounds: int, flat: bool) -> None:
+    sc.initialize()
+    run = ours("mlp", sc.data_mesh(), **({"bucket_bytes": 2**40} if flat else {}))
+    run(3)
+    rate = float(np.median([BATCH * steps / run(steps) for _ in range(rounds)]))
+    if jax.process_index() == 0:
+        print("RESULT", rate, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--skip-multiprocess", action="store_true")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--flat", action="store_true")
+    parser.add_argument("--one-thread", action="store_true")
+    parser.add_argument("--probe", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.worker and args.probe:
+        probe_worker(args.steps, args.rounds)
+        return
+    if args.worker:
+        worker(args.steps, args.rounds, args.flat)
+        return
+    results = in_process(args.rounds, args.steps)
+    if not args.skip_multiprocess:
+        results.update(multi_process(args.steps, args.rounds))
+        results.update(gloo_probe(args.steps, args.rounds))
+    try:
+        import torch  # noqa: F401
+
+        print(
+            "torch is importable, but this benchmark has no torch DDP variant yet", file=sys.stderr
+        )
+    except ImportError:
+        print("torch is not installed: torch DDP not measured", file=sys.stderr)
+    print(
+        f"jax {jax.__version__}, optax {optax.__version__}, {os.cpu_count()} cores, global batch "
+        f"{BATCH}"
+    )
+    for name, value in results.items():
+        print(
+            f"{name:64s} {value:12.3f}"
+            if "ratio" in name or "(ms)" in name
+            else f"{name:64s} {value:12.0f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Tiny models, data and a plain single-device reference trainer shared by the DDP tests and the
+multi-process test script. The reference uses only jax and optax (no spmdcomm), so it is an
+independent check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import spmdcomm as sc
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.relu(nn.Dense(16)(x))
+        return nn.Dense(4)(x)
+
+
+class CNN(nn.Module):
+    """Conv -> cross-replica BatchNorm -> relu -> mean pool -> Dense."""
+
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(4, (3, 3), use_bias=False)(
+            x
+        )  # a bias before BatchNorm has no gradient but noise
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name)(x)
+        x = nn.relu(x).mean(axis=(1, 2))
+        return nn.Dense(4)(x)
+
+
+def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
+    """Masked cross entropy following the spmdcomm contract; updates batch_stats when the model has
+    them."""
+    if model_state:
+        logits, new_state = apply_fn(
+            {"params": params, **model_state}, batch["x"], mutable=["batch_stats"]
+        )
+    else:
+        logits, new_state = apply_fn({"params": params}, batch["x"]), model_state
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    acc = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
+    return sc.masked_mean(ce, mask), {
+        "model_state": new_state,
+        "accuracy": sc.masked_mean(acc, mask),
+    }
+
+
+def init(kind: str, *, axis_name: str | None = None, seed: int = 0) -> tuple[Any, Any, Any]:
+    """(apply_fn, params, model_state) of an "mlp" or a "cnn" (whose BatchNorm syncs over
+    axis_name)."""
+    model = MLP() if kind == "mlp" else CNN(axis_name=axis_name)
+    variables = model.init(jax.random.PRNGKey(seed), example_batch(kind, 2, seed=0)["x"])
+    variables = jax.tree.map(np.asarray, dict(variables))
+    params = variables.pop("params")
+    return model.apply, params, variables
+
+
+def example_batch(kind: str, size: int, *, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = (size, 8) if kind == "mlp" else (size, 6, 6, 1)
+    return {
+        "x": rng.standard_normal(shape).astype(np.float32),
+        "y": rng.integers(0, 4, size).astype(np.int32),
+    }
+
+
+def optimizer(name: str) -> optax.GradientTransformation:
+    return {"sgd_momentum": optax.sgd(0.1, momentum=0.9), "adam": optax.adam(1e-2)}[name]
+
+
+def reference_train(
+    loss, apply_fn, params, model_state, tx, batches
+) -> tuple[Any, Any, list[float]]:
+    """One device, whole batches, plain jax.grad + optax: what N-device training must reproduce."""
+    opt_state = tx.init(params)
+    losses = []
+
+    @jax.jit
+    def step(params, opt_state, model_state, data):
+        mask = jnp.ones(jax.tree.leaves(data)[0].shape[0], bool)
+        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(
+            params,
+            data,
+            apply_fn=apply_fn,
+            model_state=model_state,
+            rng=jax.random.PRNGKey(0),
+            mask=mask,
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (
+            optax.apply_updates(params, updates),
+            opt_state,
+            aux.get("model_state", model_state),
+            value,
+        )
+
+    for data in batches:
+        params, opt_state, model_state, value = step(params, opt_state, model_state, data)
+        losses.append(float(value))
+    return params, model_state, losses
+
+
+STEPS = 5
+
+
+def mesh_of(n):
+    return sc.data_mesh(devices=jax.devices()[:n])
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
+    flat_a, tree_a = jax.tree_util.tree_flatten_with_path(actual)
+    flat_e, tree_e = jax.tree.flatten(expected)
+    assert tree_a == tree_e
+    for (path, a), e in zip(flat_a, flat_e, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(e), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+def run_ddp(kind, n, opt, *, backend="shard_map", batches, **step_kwargs):
+    apply_fn, params, model_state = init(kind, axis_name="data")
+    mesh = mesh_of(n)
+    state = sc.TrainState.create(
+        params=params,
+        model_state=model_state,
+        apply_fn=apply_fn,
+        tx=optimizer(opt),
+        mesh=mesh,
+        shard_optimizer=step_kwargs.get("shard_optimizer", False),
+    )
+    step = sc.make_train_step(loss_fn, mesh=mesh, backend=backend, **step_kwargs)
+    return sc.fit(step, state, batches)
+
+
+def run_reference(kind, opt, batches):
+    apply_fn, params, model_state = init(kind, axis_name=None)
+    return reference_train(loss_fn, apply_fn, params, model_state, optimizer(opt), batches)
+
+
+BATCHES = {kind: [example_batch(kind, 16, seed=s) for s in range(STEPS)] for kind in ("mlp", "cnn")}

@@ -1,0 +1,445 @@
+"""DDP step features: reduction layout in HLO, skipping, replica checks, NNX, checkpoints."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from ddp_models import (
+    BATCHES,
+    assert_trees_close,
+    example_batch,
+    init,
+    loss_fn,
+    mesh_of,
+    reference_train,
+)
+
+import spmdcomm as sc
+
+
+def test_accumulation_reduces_gradients_once():
+    apply_fn, params, model_state = init("mlp")
+    mesh = mesh_of(2)
+    state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh)
+    step = sc.make_train_step(loss_fn, mesh=mesh, accum_steps=4)
+    hlo = step.lower(state, BATCHES["mlp"][0]).compile().as_text()
+    assert len(all_reduce_lines(hlo)) == 1
+
+
+def test_eval_step_gives_exact_masked_means():
+    apply_fn, params, _ = init("mlp")
+    mesh = mesh_of(4)
+    state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh)
+    batch = example_batch("mlp", 15, seed=3)
+
+    def metric_fn(params, batch, *, apply_fn, model_state, mask):
+        loss, aux = loss_fn(
+            params, batch, apply_fn=apply_fn, model_state=model_state, rng=None, mask=mask
+        )
+        return {"loss": loss, "accuracy": aux["accuracy"]}
+
+    got = sc.make_eval_step(metric_fn, mesh=mesh)(state, sc.pad_batch(batch, 4))
+    logits = apply_fn({"params": params}, batch["x"])
+    ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
+    np.testing.assert_allclose(float(got["loss"]), ce.mean(), rtol=1e-6)
+    assert float(got["accuracy"]) == pytest.approx(np.mean(np.argmax(logits, -1) == batch["y"]))
+    assert float(got["examples"]) == 15
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), optax.adafactor(1e-3)],
+    ids=["clip_by_global_norm", "adafactor"],
+)
+def test_zero1_rejects_optimizers_that_are_not_elementwise(tx):
+    _, params, _ = init("mlp")
+    with pytest.raises(sc.SpmdError, match="shard_optimizer=True.*(independently|fails)") as err:
+        sc.TrainState.create(params=params, tx=tx, mesh=mesh_of(4), shard_optimizer=True)
+    assert "shard_optimizer=False" in str(err.value)
+
+
+def all_reduce_lines(hlo):
+    return [
+        line for line in hlo.splitlines() if " all-reduce(" in line or " all-reduce-start(" in line
+    ]
+
+
+def all_reduce_buffers(hlo):
+    """The operand shapes of every all-reduce in compiled HLO, e.g. ['f32[100]', 'f32[3]']."""
+    shapes = []
+    for line in all_reduce_lines(hlo):
+        result = line.split("=", 1)[1].split(" all-reduce", 1)[0]
+        shapes += re.findall(r"[a-z]+[0-9]*\[[0-9,]*\]", result)
+    return shapes
+
+
+@pytest.mark.parametrize("bucket_bytes", [10**9, 400, 100])
+def test_buckets_give_one_all_reduce_buffer_each(bucket_bytes):
+    apply_fn, params, _ = init("mlp")  # 8*16 + 16 + 16*4 + 4 = 212 float32 = 848 bytes
+    mesh = mesh_of(2)
+    state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh)
+    step = sc.make_train_step(loss_fn, mesh=mesh, bucket_bytes=bucket_bytes)
+    shapes = all_reduce_buffers(step.lower(state, BATCHES["mlp"][0]).compile().as_text())
+    # The example count, loss and accuracy (3 floats) lead the float32 gradients: 215 floats.
+    per_bucket = bucket_bytes // 4
+    buckets = [min(per_bucket, 215 - start) for start in range(0, 215, per_bucket)]
+    assert sorted(shapes) == sorted(f"f32[{size}]" for size in buckets)
+    state, _ = sc.fit(step, state, BATCHES["mlp"])
+    ref_params, _, _ = reference_train(
+        loss_fn, apply_fn, params, {}, optax.sgd(0.1), BATCHES["mlp"]
+    )
+    assert_trees_close(state.params, ref_params)
+
+
+def test_default_reduction_is_one_fused_all_reduce_of_the_leaves():
+    apply_fn, params, _ = init("mlp")
+    mesh = mesh_of(2)
+    state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh)
+    hlo = sc.make_train_step(loss_fn, mesh=mesh).lower(state, BATCHES["mlp"][0]).compile().as_text()
+    assert len(all_reduce_lines(hlo)) == 1
+    assert sorted(all_reduce_buffers(hlo)) == sorted(
+        ["f32[3]", "f32[16]", "f32[8,16]", "f32[4]", "f32[16,4]"]
+    )
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["replicated", "zero1"])
+def test_skip_nonfinite_skips_on_every_replica(zero):
+    apply_fn, params, _ = init("mlp")
+    mesh = mesh_of(4)
+    bad = example_batch("mlp", 16, seed=9)
+    bad["x"][13, 0] = np.inf  # only device 3 sees it
+    batches = [BATCHES["mlp"][0], bad, BATCHES["mlp"][1]]
+    state = sc.TrainState.create(
+        params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, shard_optimizer=zero
+    )
+    state, history = sc.fit(
+        sc.make_train_step(loss_fn, mesh=mesh, skip_nonfinite=True, shard_optimizer=zero),
+        state,
+        batches,
+    )
+    assert [h["skipped"] for h in history] == [0.0, 1.0, 0.0]
+    sc.assert_replicated(state)
+    ref_params, _, _ = reference_train(
+        loss_fn, apply_fn, params, {}, optax.adam(1e-2), [BATCHES["mlp"][0], BATCHES["mlp"][1]]
+    )
+    assert_trees_close(state.params, ref_params)
+    assert int(state.step) == 3
+
+
+def test_without_skip_nonfinite_a_bad_batch_poisons_the_params():
+    apply_fn, params, _ = init("mlp")
+    mesh = mesh_of(4)
+    bad = example_batch("mlp", 16, seed=9)
+    bad["x"][13, 0] = np.inf
+    state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh)
+    state, _ = sc.fit(sc.make_train_step(loss_fn, mesh=mesh), state, [bad])
+    assert not np.all(np.isfinite(np.asarray(state.params["Dense_0"]["kernel"])))
+
+
+def test_assert_replicated_names_the_diverging_leaf_and_device():
+    _, params, _ = init("mlp")
+    mesh = mesh_of(4)
+    state = sc.TrainState.create(params=params, tx=optax.sgd(0.1), mesh=mesh)
+    leaf = state.params["Dense_1"]["bias"]
+    copies = [np.asarray(leaf) + (1e-7 if d.id == 2 else 0.0) for d in mesh.devices.flat]
+    broken = jax.make_array_from_single_device_arrays(
+        leaf.shape,
+        leaf.sharding,
+        [jax.device_put(c, d) for c, d in zip(copies, mesh.devices.flat, strict=True)],
+    )
+    state = state.replace(
+        params={**state.params, "Dense_1": {**state.params["Dense_1"], "bias": broken}}
+    )
+    assert sc.check_replicas_in_sync(state) == [sc.Divergence(".params['Dense_1']['bias']", 2, 0)]
+    with pytest.raises(
+        sc.ReplicaDivergenceError, match=r"leaf \.params\['Dense_1'\]\['bias'\].*device 2"
+    ):
+        sc.assert_replicated(state)
+
+
+def test_nnx_model_with_batchnorm_equals_one_device():
+    from flax import nnx
+
+    def make(axis_name):
+        return nnx.Sequential(
+            nnx.Linear(8, 16, use_bias=False, rngs=nnx.Rngs(0)),
+            nnx.BatchNorm(16, momentum=0.9, axis_name=axis_name, rngs=nnx.Rngs(0)),
+            nnx.relu,
+            nnx.Linear(16, 4, rngs=nnx.Rngs(1)),
+        )
+
+    def ce(model, batch, *, rng, mask):
+        logits = model(batch["x"])
+        return sc.masked_mean(
+            optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask
+        )
+
+    mesh = mesh_of(4)
+    state = sc.TrainState.create_nnx(make("data"), tx=optax.adam(1e-2), mesh=mesh)
+    state, _ = sc.fit(sc.make_train_step(sc.nnx_loss_fn(ce), mesh=mesh), state, BATCHES["mlp"])
+    graphdef, params, rest = nnx.split(make(None), nnx.Param, ...)
+    ref_params, ref_rest, _ = reference_train(
+        sc.nnx_loss_fn(ce), graphdef, params, rest, optax.adam(1e-2), BATCHES["mlp"]
+    )
+    assert_trees_close(state.params, ref_params)
+    assert_trees_close(state.model_state, ref_rest)
+
+
+def test_linen_batchnorm_state_is_averaged_over_devices():
+    # Per-device BatchNorm (no axis_name): the step still averages batch_stats, so replicas stay
+    # identical and the running mean equals the mean of the per-device running means.
+    apply_fn, params, model_state = init("cnn", axis_name=None)
+    mesh = mesh_of(4)
+    state = sc.TrainState.create(
+        params=params, model_state=model_state, apply_fn=apply_fn, tx=optax.sgd(0.0), mesh=mesh
+    )
+    batch = BATCHES["cnn"][0]
+    state, _ = sc.make_train_step(loss_fn, mesh=mesh)(state, batch)
+    sc.assert_replicated(state)
+    means = []
+    for i in range(4):
+        block = {k: v[4 * i : 4 * i + 4] for k, v in batch.items()}
+        _, upd = apply_fn({"params": params, **model_state}, block["x"], mutable=["batch_stats"])
+        means.append(np.asarray(upd["batch_stats"]["BatchNorm_0"]["mean"]))
+    np.testing.assert_allclose(
+        state.model_state["batch_stats"]["BatchNorm_0"]["mean"],
+        np.mean(means, 0),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["replicated", "zero1"])
+def test_checkpoint_resume_is_bitwise_identical(tmp_path, zero):
+    def noisy_loss(params, batch, *, apply_fn, model_state, rng, mask):
+        noisy = {**batch, "x": batch["x"] + 0.1 * jax.random.normal(rng, batch["x"].shape)}
+        return loss_fn(
+            params, noisy, apply_fn=apply_fn, model_state=model_state, rng=rng, mask=mask
+        )
+
+    apply_fn, params, model_state = init("cnn", axis_name="data")
+    mesh = mesh_of(4)
+    batches = [example_batch("cnn", 8, seed=s) for s in range(6)]
+
+    def fresh():
+        return sc.TrainState.create(
+            params=params,
+            model_state=model_state,
+            apply_fn=apply_fn,
+            tx=optax.adam(1e-2),
+            mesh=mesh,
+            rng=7,
+            shard_optimizer=zero,
+        )
+
+    step = sc.make_train_step(noisy_loss, mesh=mesh, shard_optimizer=zero)
+    straight, _ = sc.fit(step, fresh(), batches)
+    first, _ = sc.fit(step, fresh(), batches[:3])
+    assert sc.save_checkpoint(tmp_path, first) == 3
+    resumed = sc.restore_checkpoint(tmp_path, fresh())
+    assert int(resumed.step) == 3
+    for a, b in zip(
+        jax.tree.leaves(resumed.opt_state), jax.tree.leaves(first.opt_state), strict=True
+    ):
+        assert a.sharding == b.sharding
+    resumed, _ = sc.fit(step, resumed, batches[3:])
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_failed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    from orbax.checkpoint._src.path import atomicity
+
+    _, params, _ = init("mlp")
+    state = sc.TrainState.create(params=params, tx=optax.sgd(0.1), mesh=mesh_of(2))
+    sc.save_checkpoint(tmp_path, state, step=1)
+    changed = state.replace(params=jax.tree.map(lambda x: x + 1, state.params))
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    for cls in vars(atomicity).values():
+        if isinstance(cls, type) and hasattr(cls, "finalize"):
+            monkeypatch.setattr(cls, "finalize", crash)
+    with pytest.raises(Exception, match="disk full"):
+        sc.save_checkpoint(tmp_path, changed, step=2)
+    monkeypatch.undo()
+    assert sc.latest_checkpoint_step(tmp_path) == 1
+    restored = sc.restore_checkpoint(tmp_path, changed)
+    assert_trees_close(restored.params, params, rtol=0, atol=0)
+
+
+def test_restore_without_checkpoint_says_so(tmp_path):
+    _, params, _ = init("mlp")
+    state = sc.TrainState.create(params=params, tx=optax.sgd(0.1), mesh=mesh_of(2))
+    with pytest.raises(sc.SpmdError, match="no checkpoint"):
+        sc.restore_checkpoint(tmp_path, state)
+
+
+def test_fit_runs_many_steps_without_deadlock():
+    _, params, _ = init("mlp")
+
+    def tiny_loss(params, batch, *, apply_fn, model_state, rng, mask):
+        return sc.masked_mean(batch["x"] @ params["Dense_0"]["kernel"], mask) ** 2
+
+    state = sc.TrainState.create(params=params, tx=optax.sgd(1e-3))
+    step = sc.make_train_step(tiny_loss, max_in_flight=16)
+    state, history = sc.fit(step, state, [BATCHES["mlp"][0]] * 100)
+    assert len(history) == 100 and int(state.step) == 100
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+def simple_state(mesh, **kwargs):
+    apply_fn, params, model_state = init("mlp")
+    return sc.TrainState.create(
+        params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh, **kwargs
+    )
+
+
+def test_non_scalar_loss_is_rejected():
+    def per_example(params, batch, *, apply_fn, model_state, rng, mask):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            apply_fn({"params": params}, batch["x"]), batch["y"]
+        )
+
+    mesh = mesh_of(4)
+    with pytest.raises(sc.ShapeError, match=r"'loss' with shape \(4,\).*float scalar.*masked_mean"):
+        sc.make_train_step(per_example, mesh=mesh)(simple_state(mesh), BATCHES["mlp"][0])
+
+
+def test_batch_the_devices_cannot_split_needs_a_mask():
+    mesh = mesh_of(4)
+    with pytest.raises(sc.ShapeError, match=r"10 examples.*4 devices.*pad_batch\(batch, 4\)"):
+        sc.make_train_step(loss_fn, mesh=mesh)(simple_state(mesh), example_batch("mlp", 10, seed=0))
+    with pytest.raises(sc.ShapeError, match=r"accum_steps=2.*multiple of 8"):
+        sc.make_train_step(loss_fn, mesh=mesh, accum_steps=2)(
+            simple_state(mesh), example_batch("mlp", 12, seed=0)
+        )
+
+
+def test_mismatched_model_state_tree_is_rejected():
+    def drops_state(params, batch, *, apply_fn, model_state, rng, mask):
+        loss, aux = loss_fn(
+            params, batch, apply_fn=apply_fn, model_state=model_state, rng=rng, mask=mask
+        )
+        return loss, {**aux, "model_state": {"other": jnp.zeros(3)}}
+
+    apply_fn, params, model_state = init("cnn", axis_name="data")
+    mesh = mesh_of(2)
+    state = sc.TrainState.create(
+        params=params, model_state=model_state, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh
+    )
+    with pytest.raises(sc.SpmdError, match="model_state whose tree or shapes differ"):
+        sc.make_train_step(drops_state, mesh=mesh)(state, BATCHES["cnn"][0])
+
+
+def test_loss_fn_returning_a_bad_tuple_is_rejected():
+    def three(params, batch, **kw):
+        return loss_fn(params, batch, **kw) + (1.0,)
+
+    mesh = mesh_of(2)
+    with pytest.raises(sc.SpmdError, match=r"tuple of 3 items.*\(loss, aux dict\)"):
+        sc.make_train_step(three, mesh=mesh)(simple_state(mesh), BATCHES["mlp"][0])
+
+
+def test_state_and_step_must_agree_on_zero1():
+    mesh = mesh_of(4)
+    with pytest.raises(sc.SpmdError, match="not sharded.*shard_optimizer=True"):
+        sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=True)(
+            simple_state(mesh), BATCHES["mlp"][0]
+        )
+    with pytest.raises(sc.SpmdError, match="created with shard_optimizer=True"):
+        sc.make_train_step(loss_fn, mesh=mesh)(
+            simple_state(mesh, shard_optimizer=True), BATCHES["mlp"][0]
+        )
+    with pytest.raises(sc.SpmdError, match="sharded 4 ways.*size 2"):
+        sc.make_train_step(loss_fn, mesh=mesh_of(2), shard_optimizer=True)(
+            simple_state(mesh, shard_optimizer=True), BATCHES["mlp"][0]
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"accum_steps": 0}, "accum_steps=0"),
+        ({"bucket_bytes": -1}, "bucket_bytes=-1"),
+        ({"bucket_bytes": 1024, "shard_optimizer": True}, "bucket_bytes cannot be combined"),
+        ({"max_in_flight": 40}, r"max_in_flight=40.*\[1, 16\]"),
+        ({"backend": "xmap"}, "unknown backend"),
+        ({"axis": "model"}, "axis 'model' is not an axis of the mesh"),
+    ],
+)
+def test_bad_step_options(kwargs, match):
+    with pytest.raises(sc.SpmdError, match=match):
+        sc.make_train_step(loss_fn, **kwargs)
+
+
+def test_step_rejects_a_state_that_is_not_a_trainstate():
+    @dataclasses.dataclass
+    class Other:
+        params: dict
+
+    with pytest.raises(sc.SpmdError, match="not a TrainState"):
+        sc.make_train_step(loss_fn)(Other({}), BATCHES["mlp"][0])
+
+
+# --- multi-process --------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spmdcomm.launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "2",
+        "--timeout",
+        "240",
+        "--grace",
+        "2",
+        str(root / "tests" / "workers" / "mp_ddp.py"),
+        str(tmp_path),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("XLA_FLAGS", None)  # the launcher sets the device count
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("DDP OK") == 4
+    apply_fn, params, _ = init("mlp", seed=0)
+    batches = [sc.pad_batch(example_batch("mlp", 15, seed=s), 4) for s in range(5)]
+    mesh = mesh_of(4)
+    for zero in (0, 1):
+        state = sc.TrainState.create(
+            params=params,
+            apply_fn=apply_fn,
+            tx=optax.adam(1e-2),
+            mesh=mesh,
+            shard_optimizer=bool(zero),
+        )
+        state, history = sc.fit(
+            sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=bool(zero)), state, batches
+        )
+        got = np.load(tmp_path / f"params_zero{zero}.npz")
+        for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+            np.testing.assert_allclose(
+                got[jax.tree_util.keystr(path)], np.asarray(x), rtol=1e-5, atol=1e-6
+            )
+        np.testing.assert_allclose(
+            np.load(tmp_path / f"losses_zero{zero}.npy"), [h["loss"] for h in history], rtol=1e-5
+        )
