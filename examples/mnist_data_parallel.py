@@ -22,7 +22,8 @@ _parser.add_argument("--dataset", choices=["auto", "mnist", "digits"], default="
 _parser.add_argument("--data-dir", help="folder with the four MNIST IDX files (default: a cache folder)")
 _parser.add_argument("--download", action="store_true", help="fetch MNIST if it is not there")
 _parser.add_argument("--epochs", type=int, default=3)
-_parser.add_argument("--batch-size", type=int, default=128, help="global batch size (all devices)")
+_parser.add_argument("--batch-size", type=int, default=None,
+                     help="global batch size, all devices (default: 128 for MNIST, 64 for the small digits set)")
 _parser.add_argument("--lr", type=float, default=2e-3)
 _parser.add_argument("--devices", type=int, default=None, help="fake CPU devices per process (CPU only)")
 _parser.add_argument("--backend", choices=["shard_map", "pmap"], default="shard_map")
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> dict:
     with sc.main_process_first():  # process 0 downloads/decompresses first; the others then read its files
         ds = mnist_data.load_dataset(args.dataset, args.data_dir, download=args.download)
     n_dev, n_proc = sc.device_count(), sc.process_count()
+    if args.batch_size is None:
+        args.batch_size = 128 if ds.name == "mnist" else 64  # digits has only 1,437 training images
     step_batch = args.batch_size // (n_dev * args.accum_steps) * n_dev * args.accum_steps
     if step_batch != args.batch_size and main_proc:
         print(f"batch size {args.batch_size} -> {step_batch}, a multiple of {n_dev} devices x {args.accum_steps}")
