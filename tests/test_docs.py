@@ -1,0 +1,75 @@
+"""Every code block of README.md is executed, and so are the Python blocks of docs/*.md.
+
+README's Python blocks are doctests (pytest collects README.md with --doctest-glob); its shell blocks are either
+the install/test commands, which must be exactly what .ci/run runs, or commands run here as written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+CI_COMMANDS = {"pip install -e '.[test]'", "python -m pytest"}
+
+
+def blocks(path: Path, lang: str) -> list[str]:
+    return [body for kind, body in FENCE.findall(path.read_text()) if kind == lang]
+
+
+def readme_commands() -> list[str]:
+    lines = [ln.split("  #")[0].strip() for b in blocks(ROOT / "README.md", "bash") for ln in b.splitlines()]
+    return [ln for ln in lines if ln and not ln.startswith("#")]
+
+
+def test_readme_python_blocks_are_doctests():
+    assert blocks(ROOT / "README.md", "python")
+    for body in blocks(ROOT / "README.md", "python"):
+        assert all(ln.startswith((">>>", "...")) or not ln.startswith(" ") for ln in body.splitlines())
+        assert body.lstrip().startswith(">>>"), body[:80]
+
+
+def test_readme_install_and_test_commands_are_what_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for cmd in CI_COMMANDS:
+        assert cmd in readme_commands(), cmd
+        assert cmd in ci, cmd
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [c for c in readme_commands() if c not in CI_COMMANDS])
+def test_readme_command_runs_as_written(command, tmp_path):
+    """The example commands, on a machine without MNIST (they fall back to the bundled digits)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(SPMDCOMM_DATA=str(tmp_path / "no-mnist-here"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    argv = shlex.split(command)
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    elif argv[0] == "spmdcomm-launch" and shutil.which("spmdcomm-launch") is None:
+        argv[:1] = [sys.executable, "-m", "spmdcomm.launch"]  # the same launcher, without the console script
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert '"final_test_accuracy"' in proc.stdout
+
+
+@pytest.mark.parametrize("doc", [d for d in sorted((ROOT / "docs").glob("*.md")) if blocks(d, "python")],
+                         ids=lambda p: p.name)
+def test_docs_python_blocks_run(doc, tmp_path):
+    """Each document's Python blocks, in order, as one script on 8 fake CPU devices."""
+    code = "\n\n".join(blocks(doc, "python"))
+    script = tmp_path / "doc.py"
+    script.write_text(code)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
