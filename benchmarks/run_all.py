@@ -19,11 +19,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# name -> arguments of the short setting
+# name -> arguments of the short setting, and of the smoke setting (seconds; only checks that all runs)
 BENCHMARKS = {
     "collectives": ["collectives.py", "--devices", "8", "--trials", "5", "--step", "16"],
     "prefetch": ["prefetch.py", "--reps", "5"],
     "train_step": ["train_step.py", "--rounds", "5"],
+}
+SMOKE = {
+    "collectives": ["collectives.py", "--devices", "8", "--trials", "1", "--max-bytes", "65536", "--step", "64",
+                    "--target-seconds", "0.001"],
+    "prefetch": ["prefetch.py", "--reps", "1", "--steps", "3"],
+    "train_step": ["train_step.py", "--rounds", "1", "--steps", "2", "--skip-multiprocess"],
 }
 
 
@@ -32,12 +38,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--only", help="comma-separated subset of " + ",".join(BENCHMARKS))
     parser.add_argument("--plot-only", action="store_true", help="redraw the plots from existing JSON")
+    parser.add_argument("--smoke", action="store_true", help="tiny settings: checks that everything runs")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     names = args.only.split(",") if args.only else list(BENCHMARKS)
     if not args.plot_only:
         for i, name in enumerate(names, 1):
-            script, *rest = BENCHMARKS[name]
+            script, *rest = (SMOKE if args.smoke else BENCHMARKS)[name]
             cmd = [sys.executable, str(HERE / script), *rest, "--json", str(args.out / f"{name}.json")]
             print(f"[{i}/{len(names)}] {name}: {' '.join(cmd[1:])}", flush=True)
             t0 = time.perf_counter()
@@ -117,12 +124,10 @@ def plot_train_step(result: dict, path: Path) -> Path:
 
 
 def train_step_rows(result: dict) -> list[tuple[str, float]]:
-    """(configuration, samples/s) pairs from benchmarks/train_step.py's JSON."""
-    out = []
-    for model, configs in result.get("models", {}).items():
-        for name, row in configs.items():
-            out.append((f"{model}: {name}", float(row["samples_per_s"])))
-    return out
+    """(configuration, samples/s) pairs from benchmarks/train_step.py's flat JSON (ratios and bytes left out)."""
+    skip = ("ratio", "bytes", "(ms)")
+    return [(name, float(v)) for name, v in result.items()
+            if isinstance(v, (int, float)) and not any(s in name for s in skip)]
 
 
 PLOTS = {"collectives": plot_collectives, "prefetch": plot_prefetch, "train_step": plot_train_step}

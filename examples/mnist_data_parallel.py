@@ -23,8 +23,8 @@ _parser.add_argument("--data-dir", help="folder with the four MNIST IDX files (d
 _parser.add_argument("--download", action="store_true", help="fetch MNIST if it is not there")
 _parser.add_argument("--epochs", type=int, default=3)
 _parser.add_argument("--batch-size", type=int, default=None,
-                     help="global batch size, all devices (default: 128 for MNIST, 64 for the small digits set)")
-_parser.add_argument("--lr", type=float, default=2e-3)
+                     help="global batch size, all devices (default: 128 for MNIST, 32 for the small digits set)")
+_parser.add_argument("--lr", type=float, default=2e-3, help="peak Adam learning rate (cosine decay to 0)")
 _parser.add_argument("--devices", type=int, default=None, help="fake CPU devices per process (CPU only)")
 _parser.add_argument("--backend", choices=["shard_map", "pmap"], default="shard_map")
 _parser.add_argument("--accum-steps", type=int, default=1)
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         ds = mnist_data.load_dataset(args.dataset, args.data_dir, download=args.download)
     n_dev, n_proc = sc.device_count(), sc.process_count()
     if args.batch_size is None:
-        args.batch_size = 128 if ds.name == "mnist" else 64  # digits has only 1,437 training images
+        args.batch_size = 128 if ds.name == "mnist" else 32  # digits has only 1,437 training images
     step_batch = args.batch_size // (n_dev * args.accum_steps) * n_dev * args.accum_steps
     if step_batch != args.batch_size and main_proc:
         print(f"batch size {args.batch_size} -> {step_batch}, a multiple of {n_dev} devices x {args.accum_steps}")
@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     model = CNN()
     params = model.init(jax.random.key(args.seed), np.zeros((1, 28, 28, 1), np.float32))["params"]
-    state = sc.TrainState.create(params=params, tx=optax.adam(args.lr), apply_fn=model.apply, rng=args.seed,
+    total_steps = args.epochs * _steps_per_epoch(len(ds.train_labels), local_batch, n_proc, args)
+    tx = optax.adam(optax.cosine_decay_schedule(args.lr, max(total_steps, 1)))  # decays to 0 by the last step
+    state = sc.TrainState.create(params=params, tx=tx, apply_fn=model.apply, rng=args.seed,
                                  shard_optimizer=args.shard_optimizer)
     step = sc.make_train_step(make_loss_fn(), backend=args.backend, accum_steps=args.accum_steps,
                               shard_optimizer=args.shard_optimizer)

@@ -73,3 +73,16 @@ def test_docs_python_blocks_run(doc, tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_benchmark_entry_point_runs_and_plots(tmp_path):
+    """benchmarks/run_all.py at its smoke setting: every benchmark runs, writes JSON, and each plot is drawn."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--smoke", "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("collectives", "prefetch", "train_step"):
+        assert (tmp_path / f"{name}.json").stat().st_size > 0
+        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
