@@ -58,11 +58,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def plot_collectives(result: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
     fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.6), squeeze=False)
     for ax, op in zip(axes[0], ops):
@@ -74,18 +70,11 @@ def plot_collectives(result: dict, path: Path) -> Path:
         ax.set(xscale="log", yscale="log", title=op, xlabel="message bytes", ylabel="busbw GB/s")
         ax.legend(fontsize=7)
     fig.suptitle(f"{result['devices']} {result['platform']} devices, jax {result['jax']}, {result['date']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_prefetch(result: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     lvs = result["loader_vs_step"]
     kinds = [k for k in ("io", "cpu") if k in lvs]
     fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False)
@@ -100,27 +89,17 @@ def plot_prefetch(result: dict, path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle(f"prefetch, {lvs.get('batch_mib', 0):.0f} MiB batches, S = {lvs.get('step_ms', 0):.1f} ms, "
                  f"{result.get('devices')} devices, {result.get('date')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_train_step(result: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     rows = train_step_rows(result)
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
     ax.barh([r[0] for r in rows], [r[1] for r in rows])
     ax.invert_yaxis()
     ax.set(xlabel="samples/s", title=f"train step, {result.get('date', '')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def train_step_rows(result: dict) -> list[tuple[str, float]]:
@@ -128,6 +107,22 @@ def train_step_rows(result: dict) -> list[tuple[str, float]]:
     skip = ("ratio", "bytes", "(ms)")
     return [(name, float(v)) for name, v in result.items()
             if isinstance(v, (int, float)) and not any(s in name for s in skip)]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 PLOTS = {"collectives": plot_collectives, "prefetch": plot_prefetch, "train_step": plot_train_step}
