@@ -318,3 +318,13 @@ def test_pmap_backend_matches_shard_map_on_2d_blocks():
                     backend=b)(x) for b in BACKENDS]
     for a, b in zip(*outs):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_large_broadcast_is_exact():
+    """At 4 MiB per device broadcast switches algorithm; the root's bits still arrive unchanged."""
+    rows = 2**20
+    x = np.full((8, rows), 7.0, np.float32)
+    x[2] = np.random.default_rng(0).standard_normal(rows).astype(np.float32)
+    x[2, :3] = [-0.0, 1e-45, np.nan]
+    out = sc.spmd(lambda v: sc.broadcast(v, "data", root=2), in_specs=P("data"), out_specs=P("data"))(x)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.tile(x[2].view(np.uint32), (8, 1)))

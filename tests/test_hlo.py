@@ -70,3 +70,8 @@ def test_auto_picks_native_for_small_leaves():
     assert collectives(lambda v: sc.psum(v, "data"), x) == {"all-reduce": 1}
     assert collectives(lambda v: sc.psum(jnp.asarray(v), "data", algorithm="rs_ag"), x) == {
         "reduce-scatter": 1, "all-gather": 1}
+
+
+def test_large_broadcast_uses_reduce_scatter_and_all_gather():
+    x = np.zeros((8 * 2**20,), np.float32)  # 4 MiB per device: the auto threshold
+    assert collectives(lambda v: sc.broadcast(v, "data", root=1), x) == {"reduce-scatter": 1, "all-gather": 1}
