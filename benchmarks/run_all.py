@@ -60,8 +60,12 @@ def main(argv: list[str] | None = None) -> None:
 def plot_collectives(result: dict, path: Path) -> Path:
     plt = _pyplot()
     ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
-    fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.6), squeeze=False)
-    for ax, op in zip(axes[0], ops):
+    cols = min(3, len(ops))
+    rows_n = -(-len(ops) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False)
+    for ax in axes.flat[len(ops):]:
+        ax.set_visible(False)
+    for ax, op in zip(axes.flat, ops):
         rows = [r for r in result["rows"] if r["op"] == op]
         for variant in dict.fromkeys(r["variant"] for r in rows):
             pts = [(r["bytes"], r["busbw_gbps"]) for r in rows if r["variant"] == variant]
