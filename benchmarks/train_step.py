@@ -226,6 +226,7 @@ def multi_process(steps: int, rounds: int, repeats: int) -> dict[str, float]:
         "mlp/2 processes x 1 device, ours flat buffer": ["--model", "mlp", "--flat"],
         "mlp/2 processes x 1 device, ours flat buffer, 1 XLA thread": ["--model", "mlp", "--flat", "--one-thread"],
         "cnn/2 processes x 1 device, ours": ["--model", "cnn"],
+        "cnn/2 processes x 1 device, ours flat buffer": ["--model", "cnn", "--flat"],
     }
     torch_names = {}
     try:
