@@ -1,15 +1,18 @@
 """Samples/s of the DDP train step against hand-written and single-device baselines.
 
-Run: ``python benchmarks/train_step.py [--rounds 21] [--steps 12] [--skip-multiprocess]``.
+Run: ``python benchmarks/train_step.py [--rounds 21] [--steps 12] [--repeats 3] [--skip-multiprocess]``.
 
 One process with 2 fake CPU devices runs, interleaved round by round (medians reported): our step
 (shard_map and pmap backends, accumulation, bf16 reduction, flat buffer, buckets, ZeRO-1), a
 hand-written shard_map + pmean + optax step on the same model, and the same model on a single device
 with the whole batch. Models: MLP 784-512-512-10 and a small CNN on MNIST-shaped data, global batch
 256, Adam. Then 2 processes x 1 device through the launcher (gloo), with the default leaf-by-leaf
-reduction and with one flat buffer, and PyTorch DDP (gloo, 2 workers) is not measured here: torch is
-not installed on the machine this was written on. Every loop bounds its in-flight steps (our steps
-do it themselves; baselines block every 8 steps).
+reduction and with one flat buffer, and, where torch is importable, torch DDP with the same 2 workers
+(gloo on loopback, CPU, same models, same global batch, Adam with the same hyper-parameters; one
+intra-op thread per worker, and torch's default thread count). The multi-process settings run
+``--repeats`` times in alternating order; samples/s are medians over the repeats of each run's
+median over rounds. Every loop bounds its in-flight steps (our steps do it themselves; baselines
+block every 8 steps; torch runs each step synchronously).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ if "--worker" not in sys.argv:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import datetime  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -36,6 +40,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import spmdcomm as sc  # noqa: E402
+from spmdcomm import runtime  # noqa: E402
 
 BATCH = 256
 WINDOW = 8  # baselines block on the result from this many steps back
@@ -213,73 +218,54 @@ def in_process(rounds: int, steps: int) -> dict[str, float]:
     return results
 
 
-def multi_process(steps: int, rounds: int) -> dict[str, float]:
-    """2 processes x 1 device through the launcher, for several settings; samples/s from process
-    0."""
-    out = {}
+def multi_process(steps: int, rounds: int, repeats: int) -> dict[str, float]:
+    """2 processes x 1 device through the launcher: our step in several settings and, where torch is
+    importable, torch DDP; samples/s from process 0, median over ``repeats`` alternating runs."""
     settings = {
-        "ours": [],
-        "ours flat buffer": ["--flat"],
-        "ours flat buffer, 1 XLA thread": ["--flat", "--one-thread"],
+        "mlp/2 processes x 1 device, ours": ["--model", "mlp"],
+        "mlp/2 processes x 1 device, ours flat buffer": ["--model", "mlp", "--flat"],
+        "mlp/2 processes x 1 device, ours flat buffer, 1 XLA thread": ["--model", "mlp", "--flat", "--one-thread"],
+        "cnn/2 processes x 1 device, ours": ["--model", "cnn"],
+        "cnn/2 processes x 1 device, ours flat buffer": ["--model", "cnn", "--flat"],
     }
-    for name, extra in settings.items():
-        cmd = [
-            sys.executable,
-            "-m",
-            "spmdcomm.launch",
-            "-n",
-            "2",
-            "--devices-per-process",
-            "1",
-            "--timeout",
-            "300",
-            __file__,
-            "--worker",
-            "--steps",
-            str(steps),
-            "--rounds",
-            str(rounds),
-            *extra,
-        ]
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-        env.pop("XLA_FLAGS", None)
-        if "--one-thread" in extra:
-            env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=360)
-        lines = [ln for ln in res.stdout.splitlines() if "RESULT" in ln]
-        if res.returncode or not lines:
-            print(
-                f"multi-process {name} failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}",
-                file=sys.stderr,
-            )
-            continue
-        out[f"mlp/2 processes x 1 device, {name}"] = float(lines[0].split()[-1])
+    torch_names = {}
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        print(f"torch DDP not measured: torch is not importable ({e})", file=sys.stderr)
+    else:
+        for m in ("mlp", "cnn"):
+            torch_names[m] = f"{m}/2 processes x 1 device, torch DDP, 1 thread each"
+            settings[torch_names[m]] = ["--model", m, "--torch", "--threads", "1"]
+        settings["mlp/2 processes x 1 device, torch DDP, default threads"] = ["--model", "mlp", "--torch"]
+    runs: list[dict[str, float]] = []
+    for r in range(repeats):
+        order = list(settings) if r % 2 == 0 else list(settings)[::-1]
+        runs.append({})
+        for name in order:
+            rate = _launch_rate(name, [*settings[name], "--steps", str(steps), "--rounds", str(rounds)])
+            if rate is not None:
+                runs[-1][name] = rate
+    out = {
+        name: float(np.median(rates))
+        for name in settings
+        if (rates := [run[name] for run in runs if name in run])
+    }
+    for m, torch_name in torch_names.items():
+        ours_names = [n for n in settings if n.startswith(f"{m}/") and "torch" not in n and "XLA thread" not in n]
+        for name in ours_names:
+            ratios = [run[name] / run[torch_name] for run in runs if name in run and torch_name in run]
+            if ratios:
+                label = name.split(", ", 1)[1]
+                out[f"{m}/ratio 2 processes {label} / torch DDP 1 thread (paired median)"] = float(
+                    np.median(ratios)
+                )
     return out
 
 
 def gloo_probe(steps: int, rounds: int) -> dict[str, float]:
     """2 processes x 1 device: ms per all-reduce (tiny, flat, leaf by leaf) and per local step."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "spmdcomm.launch",
-        "-n",
-        "2",
-        "--devices-per-process",
-        "1",
-        "--timeout",
-        "300",
-        __file__,
-        "--worker",
-        "--probe",
-        "--steps",
-        str(steps),
-        "--rounds",
-        str(rounds),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    env.pop("XLA_FLAGS", None)
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=360)
+    res = _launch(["--probe", "--steps", str(steps), "--rounds", str(rounds)])
     return {
         f"gloo probe, {line.split('PROBE ')[1].rsplit(' ', 1)[0]} (ms)": float(line.split()[-1])
         for line in res.stdout.splitlines()
@@ -344,44 +330,130 @@ def _time(fn, args, steps: int, rounds: int) -> float:
     return float(np.median(samples))
 
 
-def worker(steps: int, rounds: int, flat: bool) -> None:
+def worker(model_name: str, steps: int, rounds: int, flat: bool) -> None:
     sc.initialize()
-    run = ours("mlp", sc.data_mesh(), **({"bucket_bytes": 2**40} if flat else {}))
+    run = ours(model_name, sc.data_mesh(), **({"bucket_bytes": 2**40} if flat else {}))
     run(3)
     rate = float(np.median([BATCH * steps / run(steps) for _ in range(rounds)]))
     if jax.process_index() == 0:
         print("RESULT", rate, flush=True)
 
 
+def torch_worker(model_name: str, steps: int, rounds: int, threads: int | None) -> None:
+    """One torch DDP worker (gloo, CPU) training on its slice of the global batch. The launcher's
+    coordinator address, unused because JAX is not initialized here, serves as torch's rendezvous."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if threads:
+        torch.set_num_threads(threads)
+    rank, world = int(os.environ[runtime.ENV_PROCESS_ID]), int(os.environ[runtime.ENV_NUM_PROCESSES])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{os.environ[runtime.ENV_COORDINATOR]}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    torch.manual_seed(0)
+    net = _torch_model(model_name)
+    shapes = jax.eval_shape(lambda: MODELS[model_name].init(jax.random.PRNGKey(0), jnp.zeros((2, 28, 28, 1))))
+    n_params = sum(x.size for x in jax.tree.leaves(shapes))  # abstract: JAX starts no backend here
+    assert sum(p.numel() for p in net.parameters()) == n_params, "torch model differs from the flax one"
+    model = DistributedDataParallel(net)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # optax.adam(1e-3)'s betas and eps
+    per = BATCH // world
+    local = {k: torch.from_numpy(v[rank * per : (rank + 1) * per]) for k, v in data().items()}
+    x = local["x"].permute(0, 3, 1, 2).contiguous()  # NCHW
+    y = local["y"].long()
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return time.perf_counter() - start
+
+    run(3)
+    rate = float(np.median([BATCH * steps / run(steps) for _ in range(rounds)]))
+    if rank == 0:
+        print("RESULT", rate, f"(torch {torch.__version__}, {torch.get_num_threads()} threads)", flush=True)
+    dist.destroy_process_group()
+
+
+def _torch_model(model_name: str):
+    """The torch twin of ``MODELS[model_name]`` (same layers and parameter count; NCHW input)."""
+    from torch import nn as tnn
+
+    if model_name == "mlp":
+        return tnn.Sequential(
+            tnn.Flatten(), tnn.Linear(784, 512), tnn.ReLU(), tnn.Linear(512, 512), tnn.ReLU(), tnn.Linear(512, 10)
+        )
+    return tnn.Sequential(
+        tnn.Conv2d(1, 16, 3, stride=2, padding=1),
+        tnn.ReLU(),
+        tnn.Conv2d(16, 32, 3, stride=2, padding=1),
+        tnn.ReLU(),
+        tnn.AdaptiveAvgPool2d(1),
+        tnn.Flatten(),
+        tnn.Linear(32, 10),
+    )
+
+
+def _launch_rate(name: str, worker_args: list[str]) -> float | None:
+    """Samples/s that process 0 of a 2-process launch reports, or None (with a note) if it failed."""
+    res = _launch(worker_args)
+    lines = [ln.split("RESULT ", 1)[1] for ln in res.stdout.splitlines() if "RESULT" in ln]
+    if res.returncode or not lines:
+        print(f"multi-process {name} failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}", file=sys.stderr)
+        return None
+    print(f"  {name}: {lines[0]}", file=sys.stderr)
+    return float(lines[0].split()[0])
+
+
+def _launch(worker_args: list[str]) -> subprocess.CompletedProcess:
+    """Runs this file as 2 processes x 1 device through the launcher, bounded by its timeout."""
+    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--devices-per-process", "1", "--timeout", "300"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("XLA_FLAGS", None)
+    if "--one-thread" in worker_args:
+        env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    return subprocess.run(
+        [*cmd, __file__, "--worker", *worker_args], env=env, capture_output=True, text=True, timeout=360
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of the multi-process settings")
     parser.add_argument("--skip-multiprocess", action="store_true")
+    parser.add_argument("--skip-in-process", action="store_true")
     parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     parser.add_argument("--flat", action="store_true")
     parser.add_argument("--one-thread", action="store_true")
+    parser.add_argument("--torch", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads per worker (0: default)")
     parser.add_argument("--probe", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.worker and args.probe:
         probe_worker(args.steps, args.rounds)
         return
-    if args.worker:
-        worker(args.steps, args.rounds, args.flat)
+    if args.worker and args.torch:
+        torch_worker(args.model, args.steps, args.rounds, args.threads or None)
         return
-    results = in_process(args.rounds, args.steps)
+    if args.worker:
+        worker(args.model, args.steps, args.rounds, args.flat)
+        return
+    results = {} if args.skip_in_process else in_process(args.rounds, args.steps)
     if not args.skip_multiprocess:
-        results.update(multi_process(args.steps, args.rounds))
+        results.update(multi_process(args.steps, args.rounds, args.repeats))
         results.update(gloo_probe(args.steps, args.rounds))
-    try:
-        import torch  # noqa: F401
-
-        print(
-            "torch is importable, but this benchmark has no torch DDP variant yet", file=sys.stderr
-        )
-    except ImportError:
-        print("torch is not installed: torch DDP not measured", file=sys.stderr)
     print(
         f"jax {jax.__version__}, optax {optax.__version__}, {os.cpu_count()} cores, global batch "
         f"{BATCH}"
@@ -394,7 +466,6 @@ def main() -> None:
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
-
 
 if __name__ == "__main__":
     main()
