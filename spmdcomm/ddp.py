@@ -79,6 +79,7 @@ __all__ = [
 # XLA:CPU hangs when more than ~32 executions containing collectives are queued per device; the step
 # objects wait on the result from this many calls back before dispatching another.
 DEFAULT_MAX_IN_FLIGHT = 8
+_ONE_BUFFER = 2**40  # a bucket size no model reaches: one flat all-reduce buffer per dtype
 _MAX_IN_FLIGHT_LIMIT = 16
 
 
@@ -201,10 +202,12 @@ def make_train_step(
         optimizer step per call.
       reduce_dtype: e.g. ``jnp.bfloat16``: gradients are cast to it for the all-reduce and back
         after.
-      bucket_bytes: ``None`` all-reduces the gradient pytree leaf by leaf (XLA fuses them into one
-        variadic all-reduce); an int flattens the gradients into dtype-homogeneous buffers of at
-        most that many bytes, one all-reduce buffer each (a huge value gives one flat buffer per
-        dtype, and with the metrics riding in it, one buffer per step: best across processes).
+      bucket_bytes: an int flattens the gradients into dtype-homogeneous buffers of at most that
+        many bytes, one all-reduce buffer each (a huge value gives one flat buffer per dtype, and
+        with the metrics riding in it, one buffer per step). ``None`` chooses: one flat buffer when
+        the mesh spans several processes (each gloo/NCCL call has a fixed cost; measured 2x faster
+        for a small CNN over gloo), leaf by leaf within one process (XLA fuses the leaves into one
+        variadic all-reduce, and flattening costs more than it saves there).
       shard_optimizer: ZeRO-1: reduce-scatter the gradients, update this device's slice of the
         flat parameters and optimizer state, all-gather the parameters. The state must come from
         ``TrainState.create(..., shard_optimizer=True)``.
@@ -263,7 +266,7 @@ def make_train_step(
         backend=backend,
         accum_steps=int(accum_steps),
         reduce_dtype=None if reduce_dtype is None else jnp.dtype(reduce_dtype),
-        bucket_bytes=bucket_bytes,
+        bucket_bytes=_default_buckets(mesh) if bucket_bytes is None and not shard_optimizer else bucket_bytes,
         shard_optimizer=shard_optimizer,
         skip_nonfinite=skip_nonfinite,
         donate=donate,
@@ -1104,6 +1107,12 @@ def _check_same_structure_across_processes(fn: str, tree: Any) -> None:
                 fix="build the model and optimizer identically in every process.",
             )
         )
+
+
+def _default_buckets(mesh: Mesh) -> int | None:
+    """One flat buffer (per dtype) when the mesh spans processes; leaf by leaf within one process."""
+    processes = {d.process_index for d in mesh.devices.flat}
+    return _ONE_BUFFER if len(processes) > 1 else None
 
 
 def _check_in_flight(fn: str, k: int) -> int:

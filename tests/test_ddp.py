@@ -443,3 +443,9 @@ def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path):
         np.testing.assert_allclose(
             np.load(tmp_path / f"losses_zero{zero}.npy"), [h["loss"] for h in history], rtol=1e-5
         )
+
+
+def test_default_reduction_is_leaf_by_leaf_in_one_process():
+    """bucket_bytes=None: XLA fuses leaves in one process; across processes one flat buffer (tests/workers/mp_ddp)."""
+    step = sc.make_train_step(lambda p, b, **kw: jnp.mean(b * p["w"]))
+    assert step.options.bucket_bytes is None

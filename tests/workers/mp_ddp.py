@@ -40,6 +40,8 @@ def main(out_dir: Path) -> None:
             params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, shard_optimizer=zero
         )
         step = sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=zero)
+        # Across processes the default reduces one flat buffer (ZeRO-1 has its own flat layout).
+        assert step.options.bucket_bytes == (None if zero else 2**40), step.options.bucket_bytes
         local = [sc.MaskedBatch(*local_rows((b.data, b.mask), mesh)) for b in batches]
         state, history = sc.fit(step, state, local)
         sc.assert_replicated(state.params)
