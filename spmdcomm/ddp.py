@@ -59,9 +59,9 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm.collectives import all_gather, reduce_scatter
 from spmdcomm.data import MaskedBatch, leading_size
-from spmdcomm.errors import BackendError, ShapeError, SpmdError, describe
+from spmdcomm.errors import ShapeError, SpmdError, describe
 from spmdcomm.mesh import check_mesh_axes, default_mesh
-from spmdcomm.spmd import BACKENDS, SpmdFunction
+from spmdcomm.spmd import SpmdFunction, check_backend
 
 __all__ = [
     "TrainState",
@@ -224,14 +224,7 @@ def make_train_step(
     (real examples in the global batch) and, with ``skip_nonfinite``, ``"skipped"``; all are means
     over the real examples of the global batch.
     """
-    mesh = default_mesh() if mesh is None else mesh
-    check_mesh_axes("make_train_step", mesh, axis)
-    if backend not in BACKENDS:
-        raise BackendError(
-            describe(
-                "make_train_step", f"unknown backend {backend!r}.", fix=f"use one of {BACKENDS}."
-            )
-        )
+    mesh = _resolve_mesh("make_train_step", mesh, axis, backend)
     if not isinstance(accum_steps, (int, np.integer)) or accum_steps < 1:
         raise SpmdError(
             describe(
@@ -298,14 +291,7 @@ def make_eval_step(
     >>> float(evaluate(state, sc.pad_batch(np.arange(5.0, dtype=np.float32), 8))["mean_pred"])
     4.0
     """
-    mesh = default_mesh() if mesh is None else mesh
-    check_mesh_axes("make_eval_step", mesh, axis)
-    if backend not in BACKENDS:
-        raise BackendError(
-            describe(
-                "make_eval_step", f"unknown backend {backend!r}.", fix=f"use one of {BACKENDS}."
-            )
-        )
+    mesh = _resolve_mesh("make_eval_step", mesh, axis, backend)
     return EvalStep(
         metric_fn, mesh, axis, backend, _check_in_flight("make_eval_step", max_in_flight)
     )
@@ -1107,6 +1093,13 @@ def _check_same_structure_across_processes(fn: str, tree: Any) -> None:
                 fix="build the model and optimizer identically in every process.",
             )
         )
+
+
+def _resolve_mesh(fn: str, mesh: Mesh | None, axis: str, backend: str) -> Mesh:
+    mesh = default_mesh() if mesh is None else mesh
+    check_mesh_axes(fn, mesh, axis)
+    check_backend(fn, backend)
+    return mesh
 
 
 def _default_buckets(mesh: Mesh) -> int | None:

@@ -65,8 +65,7 @@ def spmd(
     Compiled functions are cached per (function, mesh, specs, backend, options) and per input shape, so
     repeated calls with same-shaped inputs neither re-trace nor re-compile.
     """
-    if backend not in BACKENDS:
-        raise BackendError(describe("spmd", f"unknown backend {backend!r}.", fix=f"use one of {BACKENDS}."))
+    check_backend("spmd", backend)
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
 
     def wrap(f: Callable[..., Any]) -> SpmdFunction:
@@ -74,6 +73,12 @@ def spmd(
                             check_vma=check_vma, donate_argnums=donate)
 
     return wrap if fn is None else wrap(fn)
+
+
+def check_backend(fn: str, backend: str) -> None:
+    """Raises :class:`BackendError` unless ``backend`` is one of :data:`BACKENDS`."""
+    if backend not in BACKENDS:
+        raise BackendError(describe(fn, f"unknown backend {backend!r}.", fix=f"use one of {BACKENDS}."))
 
 
 class SpmdFunction:
