@@ -7,10 +7,6 @@ import pytest
 import spmdcomm as sc
 
 
-def pytest_configure(config):
-    assert jax.device_count() >= 1
-
-
 @pytest.fixture(params=[1, 2, 4, 8], ids=lambda n: f"{n}dev")
 def mesh(request):
     """A 1-D "data" mesh over the first 1, 2, 4 or 8 devices."""
