@@ -98,9 +98,14 @@ class SpmdFunction:
 
     def __call__(self, *args: Any) -> Any:
         mesh = self.resolved_mesh()
+        leaves, treedef = jax.tree.flatten(args)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            # Called inside the user's jit / grad / vmap / checkpoint: the outer trace owns placement, so
+            # the call is exactly the raw shard_map (or pmap) program, with the same input checks.
+            self._check_traced(mesh, args)
+            return self._compiled(mesh)(*args)
         if debug.enabled():  # SPMDCOMM_DEBUG: processes compare the call before placing inputs
             debug.check_call(self.__name__, args, in_specs=self.in_specs, mesh=mesh)
-        leaves, treedef = jax.tree.flatten(args)
         hit = self._fast.get((treedef, mesh))
         # Fast path: every leaf already sits where the last call placed it (one == per leaf, no pytree walk).
         if hit is not None and all(getattr(x, "sharding", None) == s for x, s in zip(leaves, hit[1])):
@@ -122,9 +127,28 @@ class SpmdFunction:
     def place(self, args: Sequence[Any]) -> tuple[Any, ...]:
         """Puts every argument leaf on the mesh as ``in_specs`` say, checking that the split fits."""
         mesh = self.resolved_mesh()
+
+        def put(leaf: Any, spec: P) -> Any:
+            target = NamedSharding(mesh, spec)
+            if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(target, leaf.ndim):
+                return leaf
+            return jax.device_put(leaf, target)
+
+        return self._map_args(mesh, args, put)
+
+    def _check_traced(self, mesh: Mesh, args: Sequence[Any]) -> None:
+        if self.backend == "pmap" and jax.process_count() > 1:
+            raise BackendError(describe(
+                self.__name__, "backend='pmap' cannot run inside jax.jit, jax.grad or another traced function "
+                "when the job has several processes (JAX cannot stage pmap into jit across processes).",
+                fix="use backend='shard_map' (the default), or call the function outside the traced code."))
+        self._map_args(mesh, args, lambda leaf, spec: leaf)
+
+    def _map_args(self, mesh: Mesh, args: Sequence[Any], put: Callable[[Any, P], Any]) -> tuple[Any, ...]:
+        """Checks every argument leaf against its spec and the mesh, then maps ``put(leaf, spec)`` over them."""
         specs = _arg_specs(self.in_specs, args, "in_specs")
 
-        def put(path: Any, spec: P | None, leaf: Any) -> Any:
+        def one(path: Any, spec: P | None, leaf: Any) -> Any:
             name = "args" + jax.tree_util.keystr(path)
             spec = P() if spec is None else spec
             _check_spec(self.__name__, name, spec, mesh, self.backend)
@@ -135,14 +159,11 @@ class SpmdFunction:
                         fix="pass arrays or numbers, or close over other values."))
                 leaf = jnp.asarray(leaf)
             _check_divisible(self.__name__, name, spec, leaf.shape, mesh)
-            target = NamedSharding(mesh, spec)
-            if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(target, leaf.ndim):
-                return leaf
-            return jax.device_put(leaf, target)
+            return put(leaf, spec)
 
         return tuple(jax.tree_util.tree_map_with_path(
             lambda path, spec, sub: jax.tree_util.tree_map_with_path(
-                lambda p2, leaf: put(path + p2, spec, leaf), sub),
+                lambda p2, leaf: one(path + p2, spec, leaf), sub),
             specs, tuple(args), is_leaf=_is_spec))
 
     def _compiled(self, mesh: Mesh) -> Callable[..., Any]:
