@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm import debug
-from spmdcomm.errors import BackendError, ShapeError, SpmdError, describe
+from spmdcomm.errors import BackendError, ShapeError, SpmdError, check_not_deleted, describe
 from spmdcomm.mesh import check_mesh_axes, default_mesh
 
 __all__ = ["spmd", "SpmdFunction", "P"]
@@ -104,6 +104,8 @@ class SpmdFunction:
             # the call is exactly the raw shard_map (or pmap) program, with the same input checks.
             self._check_traced(mesh, args)
             return self._compiled(mesh)(*args)
+        # A deleted (donated) buffer handed to XLA can crash the process: raise first.
+        check_not_deleted(self.__name__, args, arg="args", fix=_DONATED_FIX)
         if debug.enabled():  # SPMDCOMM_DEBUG: processes compare the call before placing inputs
             debug.check_call(self.__name__, args, in_specs=self.in_specs, mesh=mesh)
         hit = self._fast.get((treedef, mesh))
@@ -314,6 +316,10 @@ def _check_spec(fn: str, name: str, spec: P, mesh: Mesh, backend: str) -> None:
     if backend == "pmap":
         _check_pmap_spec(fn, name, spec, mesh)
 
+
+_DONATED_FIX = (
+    "an argument listed in donate_argnums is consumed by the call; keep the call's output instead, pass a copy "
+    "(jnp.copy), or leave that argument out of donate_argnums.")
 
 _PMAP_FIX = "use backend='shard_map', which expresses any mesh and spec."
 

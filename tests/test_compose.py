@@ -16,6 +16,7 @@ import pytest
 
 import spmdcomm as sc
 from spmdcomm import P
+from spmdcomm.errors import DeletedArrayError
 
 
 def _body(w, x):
@@ -117,3 +118,12 @@ def test_spmd_inside_user_jit_training_loop():
         w, _ = update(w, x, y)
         w_ref = w_ref - 0.1 * (2.0 / len(x)) * x.T @ (x @ w_ref - y)
     np.testing.assert_allclose(np.asarray(w), w_ref, rtol=1e-5)
+
+
+def test_reusing_a_donated_argument_raises_instead_of_crashing():
+    f = sc.spmd(lambda x: x + 1, in_specs=P("data"), out_specs=P("data"), donate_argnums=0)
+    x = jax.device_put(np.zeros(8, np.float32), sc.data_sharding())
+    y = f(x)
+    np.testing.assert_array_equal(np.asarray(f(y)), np.full(8, 2.0))
+    with pytest.raises(DeletedArrayError, match=r"args\[0\].*donate_argnums"):
+        f(x)
