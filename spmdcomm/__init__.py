@@ -50,6 +50,7 @@ from spmdcomm.errors import (
     BackendError,
     BarrierTimeoutError,
     CoordinatorError,
+    DeletedArrayError,
     DistributedError,
     ProcessMismatchError,
     RemoteProcessError,
@@ -57,6 +58,7 @@ from spmdcomm.errors import (
     ReplicatedReductionWarning,
     ShapeError,
     SpmdError,
+    TracedCallError,
 )
 from spmdcomm.mesh import (
     data_mesh,
@@ -149,6 +151,8 @@ __all__ = [
     "ReplicatedReductionWarning",
     "ShapeError",
     "SpmdError",
+    "TracedCallError",
+    "DeletedArrayError",
     "DistributedError",
     "CoordinatorError",
     "BarrierTimeoutError",

@@ -17,6 +17,7 @@ __all__ = [
     "ShapeError",
     "BackendError",
     "DeletedArrayError",
+    "TracedCallError",
     "ReplicatedReductionWarning",
     "ReplicaDivergenceError",
     "DistributedError",
@@ -52,6 +53,11 @@ class DeletedArrayError(SpmdError, RuntimeError):
     stale value, and a ``RuntimeError`` so code written against JAX's own "Array has been deleted"
     error still catches it.
     """
+
+
+class TracedCallError(SpmdError):
+    """A host-side call (barrier, host collective, ...) made inside a traced function, where it would run once
+    at trace time and be missing from the compiled program."""
 
 
 class ReplicatedReductionWarning(UserWarning):

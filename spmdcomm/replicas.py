@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import multihost_utils
 
 from spmdcomm.errors import ReplicaDivergenceError, describe
+from spmdcomm.sync import refuse_in_trace
 
 __all__ = ["Divergence", "check_replicas_in_sync", "assert_replicated"]
 
@@ -46,6 +47,7 @@ def check_replicas_in_sync(tree: Any) -> list[Divergence]:
     several processes every process must call this with the same tree; the result is the same
     everywhere.
     """
+    refuse_in_trace("check_replicas_in_sync", tree)
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [
         (jax.tree_util.keystr(path) or "<root>", x)

@@ -41,6 +41,7 @@ from spmdcomm.errors import (
     ProcessMismatchError,
     RemoteProcessError,
     SpmdError,
+    TracedCallError,
     describe,
 )
 from spmdcomm.mesh import process_count, process_index
@@ -78,6 +79,7 @@ def barrier(name: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> Non
 
     >>> sc.barrier()
     """
+    refuse_in_trace("barrier")
     _wait_local_devices()
     if process_count() > 1:
         _sync_point("barrier", f"barrier {name!r}" if name else "barrier", timeout)
@@ -91,6 +93,7 @@ def sync_devices(*, timeout: float = DEFAULT_TIMEOUT) -> None:
 
     >>> sc.sync_devices()
     """
+    refuse_in_trace("sync_devices")
     _wait_local_devices()
     if process_count() > 1:
         _sync_point("sync_devices", "sync_devices", timeout)
@@ -109,6 +112,7 @@ def main_process_first(*, local: bool = False, timeout: float = DEFAULT_TIMEOUT)
     >>> with sc.main_process_first():
     ...     data = list(range(3))
     """
+    refuse_in_trace("main_process_first")
     if process_count() == 1:
         yield
         return
@@ -154,6 +158,7 @@ def host_all_reduce(tree: Any, op: str = "sum", *, timeout: float = DEFAULT_TIME
     >>> sc.host_all_reduce([np.arange(3), 2.0], "max")
     [array([0, 1, 2]), array(2.)]
     """
+    refuse_in_trace("host_all_reduce", tree)
     if op not in HOST_REDUCE_OPS:
         raise SpmdError(describe("host_all_reduce", f"unknown op {op!r}.",
                                  fix=f"use one of {HOST_REDUCE_OPS}."))
@@ -170,6 +175,7 @@ def host_all_gather(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> Any:
     >>> sc.host_all_gather({"step": 7})
     {'step': array([7])}
     """
+    refuse_in_trace("host_all_gather", tree)
     return _gather_tree("host_all_gather", tree, timeout)
 
 
@@ -181,6 +187,7 @@ def host_broadcast(tree: Any, root: int = 0, *, timeout: float = DEFAULT_TIMEOUT
     >>> sc.host_broadcast({"lr": 0.1})
     {'lr': array(0.1)}
     """
+    refuse_in_trace("host_broadcast", tree)
     return broadcast_object(_to_host("host_broadcast", tree), root, timeout=timeout)
 
 
@@ -193,6 +200,7 @@ def broadcast_object(obj: Any, root: int = 0, *, timeout: float = DEFAULT_TIMEOU
     >>> sc.broadcast_object({"seed": 42})
     {'seed': 42}
     """
+    refuse_in_trace("broadcast_object", obj)
     n = process_count()
     if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < n:
         raise SpmdError(describe(
@@ -214,6 +222,7 @@ def all_gather_object(obj: Any, *, timeout: float = DEFAULT_TIMEOUT) -> list[Any
     >>> sc.all_gather_object("ok")
     ['ok']
     """
+    refuse_in_trace("all_gather_object", obj)
     if process_count() == 1:
         return [obj]
     data = _sync_point("all_gather_object", "all_gather_object", timeout, pickle.dumps(obj))
@@ -230,6 +239,23 @@ def exchange(
     return _sync_point(fn, label, timeout, payload)
 
 
+def refuse_in_trace(fn: str, tree: Any = None) -> None:
+    """Raises :class:`~spmdcomm.errors.TracedCallError` when called while JAX traces a program.
+
+    Host-side synchronisation inside ``jax.jit``, ``shard_map``, ``lax.scan`` or ``jax.checkpoint`` would run
+    once, while tracing, and be absent from the compiled program: a silent no-op on every later call. Under
+    plain ``jax.grad`` or ``jax.vmap`` Python runs eagerly, so those calls are allowed.
+    """
+    if not (any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)) or _staging()):
+        return
+    raise TracedCallError(describe(
+        fn, "was called inside a traced function (jax.jit, shard_map, spmd, lax.scan, jax.checkpoint, ...). "
+        "It synchronises processes from the host, so it would run once while JAX traces the function and be "
+        "absent from the compiled program.",
+        fix="call it outside the traced function, e.g. between two calls of the compiled step; inside the "
+        "program use device collectives (spmdcomm.psum, all_gather, broadcast, ...), which are part of it."))
+
+
 # ------------------------------------------------------------------------------------------------
 
 
@@ -240,6 +266,12 @@ _HOST_REDUCERS: dict[str, Callable[[np.ndarray], Any]] = {
     "min": lambda x: np.min(x, axis=0),
     "prod": lambda x: np.prod(x, axis=0, dtype=x.dtype),
 }
+
+
+def _staging() -> bool:
+    # Only a staging trace (jit, shard_map, scan, checkpoint) turns a fresh constant computation into a tracer;
+    # the probe costs about 20 us eagerly, nothing next to a host synchronisation.
+    return isinstance(jax.lax.iota(np.int32, 1), jax.core.Tracer)
 
 
 def _wait_local_devices() -> None:
