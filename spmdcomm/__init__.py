@@ -19,6 +19,7 @@ from spmdcomm.collectives import (
     psum,
     reduce,
     reduce_scatter,
+    scan,
     scatter,
     shift,
 )
@@ -41,6 +42,7 @@ from spmdcomm.ddp import (
     make_train_step,
     masked_mean,
     nnx_loss_fn,
+    nnx_metric_fn,
     optimizer_state_bytes,
 )
 from spmdcomm.debug import enabled as debug_enabled
@@ -114,6 +116,7 @@ __all__ = [
     "reduce_scatter",
     "scatter",
     "shift",
+    "scan",
     # batches
     "MaskedBatch",
     "pad_batch",
@@ -137,6 +140,7 @@ __all__ = [
     "make_train_step",
     "masked_mean",
     "nnx_loss_fn",
+    "nnx_metric_fn",
     "optimizer_state_bytes",
     "Divergence",
     "assert_replicated",

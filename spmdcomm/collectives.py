@@ -10,9 +10,16 @@ not divide, a ``root`` out of range, an unknown op, a non-array leaf or a bad pe
 :class:`~spmdcomm.errors.SpmdError` subclass naming the function, the leaf path, the axis and the sizes.
 
 The rooted collectives (``broadcast``, ``reduce``, ``gather``, ``scatter``) have no CPU kernels in ``jax.lax``
-(``pbroadcast`` does not lower on CPU) or no ``lax`` counterpart at all; they are built from all-reduce,
-reduce-scatter and all-gather so that they run on every backend, and they move bit patterns, not sums, so
-the values they deliver are exact (NaN payloads and ``-0.0`` included).
+(``pbroadcast`` does not lower on CPU) or no ``lax`` counterpart at all; they are built from all-gather,
+all-to-all and all-reduce so that they run on every backend. They move values, never add them, so what
+they deliver is exact (``-0.0``, denormals, infinities and NaN payloads included, for every dtype).
+
+Derivatives: every collective differentiates (``jax.grad``, ``jax.jvp``, ``jax.vjp``, and
+``jax.linear_transpose`` where it is linear) like the ``jax.lax`` program it replaces, under ``jax.jit``,
+``jax.vmap``, ``jax.checkpoint`` and to any order; each docstring states its derivative. As in ``jax.lax``, a
+derivative taken *inside* the mapped function follows the backend's rules: under ``shard_map`` with
+``check_vma=True`` the cotangent of an output that is identical on every device is not summed over devices,
+under ``pmap`` (and ``check_vma=False``) it is.
 
 >>> import jax, jax.numpy as jnp, numpy as np
 >>> import spmdcomm as sc
@@ -23,6 +30,7 @@ Array([28.], dtype=float32)
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -50,10 +58,13 @@ __all__ = [
     "scatter",
     "permute",
     "shift",
+    "scan",
     "axis_index",
     "axis_size",
     "REDUCE_OPS",
+    "SCAN_OPS",
     "RS_AG_MIN_BYTES",
+    "BROADCAST_SPLIT_MIN_BYTES",
 ]
 
 AxisName = str | tuple[str, ...]
@@ -61,11 +72,18 @@ ReduceOp = Literal["sum", "mean", "max", "min", "prod"]
 Algorithm = Literal["auto", "native", "rs_ag"]
 
 REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod")
+SCAN_OPS: tuple[str, ...] = ("sum", "max", "min", "prod")
 
 # all_reduce(algorithm="auto") switches a leaf to reduce-scatter + all-gather from this many bytes per device
 # on, on CPU only (benchmarks/collectives.py measured it faster than XLA:CPU's all-reduce there; on GPU and
 # TPU the native all-reduce is already a ring/tree algorithm, so "auto" keeps it).
 RS_AG_MIN_BYTES = 4 * 2**20
+
+# broadcast switches a leaf from one all-gather (every device receives all n blocks and keeps the root's) to
+# all-to-all + all-gather (2(n-1)/n of the leaf per device, like an all-reduce) from this many bytes per device
+# on, per platform, when the axis has more than 2 devices (with 2 both move the same bytes). On GPU/TPU the
+# value is the size where one collective's latency (~10-20 us) equals the bandwidth saved at 8 devices.
+BROADCAST_SPLIT_MIN_BYTES: dict[str, int] = {"cpu": 2**20, "gpu": 2**20, "tpu": 2**20}
 
 
 def psum(x: Any, axis: AxisName, *, algorithm: Algorithm = "auto") -> Any:
@@ -79,6 +97,9 @@ def psum(x: Any, axis: AxisName, *, algorithm: Algorithm = "auto") -> Any:
     A value that is already identical on every device of ``axis`` is multiplied by ``n``. Inside
     ``shard_map`` with ``check_vma=True`` (the default), spmdcomm sees this and warns with
     :class:`~spmdcomm.errors.ReplicatedReductionWarning`; ``psum(1, axis)`` (counting devices) never warns.
+
+    Derivative: that of ``jax.lax.psum`` (linear; its transpose is ``psum`` under ``pmap`` and a
+    no-communication ``pvary`` of an invariant cotangent under ``shard_map``), for every ``algorithm``.
 
     >>> f = sc.spmd(lambda x: sc.psum({"a": x, "b": 2 * x}, "data"),
     ...             in_specs=sc.P("data"), out_specs=sc.P())
@@ -95,6 +116,8 @@ def pmean(x: Any, axis: AxisName, *, algorithm: Algorithm = "auto") -> Any:
     the value is already replicated over ``axis``, where a mean is a no-op (see the gradient trap in
     :class:`~spmdcomm.errors.ReplicatedReductionWarning`).
 
+    Derivative: that of ``jax.lax.pmean`` (linear: :func:`psum`'s, divided by ``n``).
+
     >>> sc.spmd(lambda x: sc.pmean(x, "data"), in_specs=sc.P("data"), out_specs=sc.P())(np.arange(8.0))
     Array([3.5], dtype=float32)
     """
@@ -104,6 +127,10 @@ def pmean(x: Any, axis: AxisName, *, algorithm: Algorithm = "auto") -> Any:
 def pmax(x: Any, axis: AxisName) -> Any:
     """Element-wise maximum of ``x`` over the devices of ``axis``; every device receives it.
 
+    Compiles to ``jax.lax.pmax`` (NaNs follow XLA's all-reduce: ignored on CPU). Derivative (``jax.lax.pmax``
+    has none): ``jnp.max``'s convention, the tangent of the device holding the maximum, split evenly between
+    devices that tie: ``psum(where(x == out, t, 0)) / psum(x == out)``.
+
     >>> sc.spmd(lambda x: sc.pmax(x, "data"), in_specs=sc.P("data"), out_specs=sc.P())(np.arange(8.0))
     Array([7.], dtype=float32)
     """
@@ -112,6 +139,9 @@ def pmax(x: Any, axis: AxisName) -> Any:
 
 def pmin(x: Any, axis: AxisName) -> Any:
     """Element-wise minimum of ``x`` over the devices of ``axis``; every device receives it.
+
+    Compiles to ``jax.lax.pmin``. Derivative: as :func:`pmax`, the tangent of the device holding the minimum,
+    split evenly between ties.
 
     >>> sc.spmd(lambda x: sc.pmin(x, "data"), in_specs=sc.P("data"), out_specs=sc.P())(np.arange(8.0))
     Array([0.], dtype=float32)
@@ -128,6 +158,9 @@ def all_reduce(
     ``"prod"`` has no ``jax.lax`` primitive: each device gathers the ``n`` blocks and multiplies them in device
     order, which is exact for integers, zeros and negative numbers and bitwise identical on every device
     (booleans give their logical AND). ``algorithm`` applies to ``"sum"`` and ``"mean"`` (see :func:`psum`).
+
+    Derivative: that of :func:`psum`, :func:`pmean`, :func:`pmax` or :func:`pmin` for those ops; for
+    ``"prod"`` that of ``jnp.prod`` over the gathered blocks (correct with zeros).
 
     >>> f = sc.spmd(lambda x: sc.all_reduce(x, "data", "prod"), in_specs=sc.P("data"), out_specs=sc.P())
     >>> f(np.array([1, -2, 3, 1, 1, -1, 2, 1]))
@@ -151,13 +184,10 @@ def all_reduce(
             out.append(lax.psum(leaf, axis))
         elif op == "mean":
             out.append(lax.pmean(leaf, axis))
-        elif op == "max":
-            out.append(lax.pmax(leaf, axis))
-        elif op == "min":
-            out.append(lax.pmin(leaf, axis))
+        elif op in ("max", "min"):
+            out.append(_pextreme(jnp.asarray(leaf), axis, op))
         else:
-            out.append(_prod(lax.all_gather(jnp.asarray(leaf), axis, axis=0, tiled=False,
-                                            to="invarying"), axis=0))
+            out.append(_prod(_gather_blocks(jnp.asarray(leaf), axis, 0, tiled=False), axis=0))
     return jax.tree.unflatten(treedef, out)
 
 
@@ -166,20 +196,19 @@ def all_gather(x: Any, axis: AxisName, *, dim: int = 0, tiled: bool = True) -> A
 
     With ``tiled=True`` the blocks are concatenated along ``dim`` (output dimension ``dim`` is ``n`` times
     larger, as ``torch.distributed.all_gather_into_tensor``); with ``tiled=False`` they are stacked along a new
-    dimension ``dim`` of size ``n``.
+    dimension ``dim`` of size ``n``. The output is identical on every device (``out_specs=P()`` type-checks),
+    and values arrive exactly.
+
+    Derivative: linear; the cotangent of block ``i`` goes back to device ``i``. Under ``pmap`` (and
+    ``check_vma=False``) the cotangents of all devices are summed first (a reduce-scatter, like the transpose
+    of ``jax.lax.all_gather``); under ``shard_map`` with ``check_vma=True`` an identical cotangent is sliced
+    without communication (like ``all_gather(..., to="invarying")``).
 
     >>> f = sc.spmd(lambda x: sc.all_gather(x, "data"), in_specs=sc.P("data"), out_specs=sc.P())
     >>> f(np.arange(8)).tolist()
     [0, 1, 2, 3, 4, 5, 6, 7]
     """
-    _axis_size("all_gather", axis)
-
-    def one(path: str, leaf: Any) -> jax.Array:
-        leaf = jnp.asarray(leaf)
-        d = _dim("all_gather", path, leaf, dim, extra=0 if tiled else 1)
-        return lax.all_gather(leaf, axis, axis=d, tiled=tiled, to="invarying")
-
-    return _map("all_gather", one, x)
+    return _all_gather("all_gather", x, axis, dim, tiled)
 
 
 def reduce_scatter(
@@ -192,6 +221,9 @@ def reduce_scatter(
     ``tiled=False`` input dimension ``dim`` must equal ``n`` and is removed. Booleans are summed as ``int32``
     counts, as in :func:`psum`. ``"sum"`` and ``"mean"`` compile to
     one reduce-scatter; ``"max"``, ``"min"`` and ``"prod"`` to one all-to-all plus a local reduction.
+
+    Derivative: that of ``jax.lax.psum_scatter`` for ``"sum"``/``"mean"`` (linear, transpose an all-gather);
+    for the others that of the all-to-all followed by ``jnp.max``/``jnp.min``/``jnp.prod`` (ties split evenly).
 
     Four devices each holding ``[0, 1, 2, 3]`` give device ``r`` the value ``4 * r``:
 
@@ -207,7 +239,7 @@ def reduce_scatter(
 
     def one(path: str, leaf: Any) -> jax.Array:
         leaf = jnp.asarray(leaf)
-        d = _dim("reduce_scatter", path, leaf, dim)
+        d = _dim("reduce_scatter", path, leaf, dim, axis=axis, n=n)
         _check_split("reduce_scatter", path, leaf, d, axis, n, exact=not tiled)
         if op in ("sum", "mean"):
             if leaf.dtype == jnp.bool_:
@@ -229,7 +261,8 @@ def all_to_all(x: Any, axis: AxisName, *, split_dim: int, concat_dim: int) -> An
 
     Device ``i`` concatenates the chunks it receives, in source-device order, along ``concat_dim``
     (``torch.distributed.all_to_all_single``). Output dimension ``split_dim`` is ``n`` times smaller and
-    ``concat_dim`` ``n`` times larger (equal dims keep the shape).
+    ``concat_dim`` ``n`` times larger (equal dims keep the shape). Derivative: that of ``jax.lax.all_to_all``
+    (linear; the transpose is the inverse all-to-all).
 
     >>> f = sc.spmd(lambda x: sc.all_to_all(x, "data", split_dim=1, concat_dim=0),
     ...             in_specs=sc.P("data"), out_specs=sc.P("data"))
@@ -241,8 +274,8 @@ def all_to_all(x: Any, axis: AxisName, *, split_dim: int, concat_dim: int) -> An
 
     def one(path: str, leaf: Any) -> jax.Array:
         leaf = jnp.asarray(leaf)
-        s = _dim("all_to_all", path, leaf, split_dim, arg="split_dim")
-        c = _dim("all_to_all", path, leaf, concat_dim, arg="concat_dim")
+        s = _dim("all_to_all", path, leaf, split_dim, arg="split_dim", axis=axis, n=n)
+        c = _dim("all_to_all", path, leaf, concat_dim, arg="concat_dim", axis=axis, n=n)
         _check_split("all_to_all", path, leaf, s, axis, n, arg="split_dim")
         return lax.all_to_all(leaf, axis, s, c, tiled=True)
 
@@ -252,9 +285,15 @@ def all_to_all(x: Any, axis: AxisName, *, split_dim: int, concat_dim: int) -> An
 def broadcast(x: Any, axis: AxisName, *, root: int = 0) -> Any:
     """``torch.distributed.broadcast``: every device of ``axis`` receives device ``root``'s block, bit for bit.
 
-    Output shape: the input shape (every device must pass the same shape). Built as an all-reduce of the bit
-    pattern with zeros from the other devices, because ``jax.lax.pbroadcast`` has no CPU lowering; leaves of
-    at least :data:`RS_AG_MIN_BYTES` on CPU use reduce-scatter + all-gather, as ``psum(algorithm="auto")``.
+    Output shape: the input shape (every device must pass the same shape); the output is identical on every
+    device. ``jax.lax.pbroadcast`` has no CPU lowering, so this is built from data movement only: small leaves
+    take one all-gather (every device keeps the root's block); leaves of at least
+    :data:`BROADCAST_SPLIT_MIN_BYTES` on an axis of more than 2 devices take an all-to-all (device ``j``
+    receives chunk ``j`` of every block and keeps the root's) and an all-gather of those chunks, moving
+    ``2(n-1)/n`` of the leaf per device like an all-reduce.
+
+    Derivative: that of ``psum(where(axis_index(axis) == root, x, 0), axis)``: linear, the root receives
+    the cotangent (summed over devices under ``pmap``), the other devices zero.
 
     >>> f = sc.spmd(lambda x: sc.broadcast(x, "data", root=3), in_specs=sc.P("data"), out_specs=sc.P())
     >>> f(np.arange(8.0))
@@ -262,14 +301,17 @@ def broadcast(x: Any, axis: AxisName, *, root: int = 0) -> Any:
     """
     n = _axis_size("broadcast", axis)
     _check_root("broadcast", root, axis, n)
-    is_root = lax.axis_index(axis) == root
-    return _map("broadcast", lambda _, leaf: _exact_psum_from_root(jnp.asarray(leaf), axis, is_root, n), x)
+    return _map("broadcast", lambda _, leaf: _broadcast_leaf(jnp.asarray(leaf), axis, int(root), n), x)
 
 
 def reduce(x: Any, axis: AxisName, *, root: int = 0, op: ReduceOp = "sum") -> Any:
     """``torch.distributed.reduce``: device ``root`` receives the element-wise ``op`` over all devices.
 
-    Every other device receives its own input unchanged. Output shape: the input shape.
+    Every other device receives its own input unchanged (bit for bit; cast to the result dtype where ``op``
+    changes it, as ``"mean"`` of integers). Output shape: the input shape.
+
+    Derivative: that of ``where(axis_index(axis) == root, all_reduce(x, axis, op), x)``, with
+    :func:`all_reduce`'s derivative for ``op``.
 
     >>> f = sc.spmd(lambda x: sc.reduce(x, "data", root=0), in_specs=sc.P("data"), out_specs=sc.P("data"))
     >>> f(np.arange(8.0)).tolist()
@@ -279,14 +321,22 @@ def reduce(x: Any, axis: AxisName, *, root: int = 0, op: ReduceOp = "sum") -> An
     _check_root("reduce", root, axis, n)
     total = all_reduce(x, axis, op, _fn="reduce")
     is_root = lax.axis_index(axis) == root
-    return jax.tree.map(lambda t, leaf: jnp.where(is_root, t, jnp.asarray(leaf).astype(t.dtype)), total, x)
+
+    def pick(t: Any, leaf: Any) -> jax.Array:
+        t, leaf = jnp.asarray(t), jnp.asarray(leaf)  # Python numbers stay numbers through lax.psum
+        return jnp.where(is_root, t, leaf.astype(t.dtype))
+
+    return jax.tree.map(pick, total, x)
 
 
 def gather(x: Any, axis: AxisName, *, root: int = 0, dim: int = 0) -> Any:
     """``torch.distributed.gather``: device ``root`` receives every device's block concatenated along ``dim``.
 
     Every other device receives zeros of the same shape (SPMD programs need one shape on all devices). Output
-    dimension ``dim`` is ``n`` times larger.
+    dimension ``dim`` is ``n`` times larger. Compiles to one all-gather; values arrive exactly.
+
+    Derivative: linear, that of ``where(axis_index(axis) == root, all_gather(x, axis, dim=dim), 0)``: block
+    ``i`` of the root's cotangent goes back to device ``i``.
 
     >>> f = sc.spmd(lambda x: sc.gather(x, "data", root=1), in_specs=sc.P("data"), out_specs=sc.P("data"))
     >>> f(np.arange(8)).reshape(8, 8)[:3].tolist()[1]
@@ -295,7 +345,7 @@ def gather(x: Any, axis: AxisName, *, root: int = 0, dim: int = 0) -> Any:
     n = _axis_size("gather", axis)
     _check_root("gather", root, axis, n)
     is_root = lax.axis_index(axis) == root
-    gathered = all_gather(x, axis, dim=dim, tiled=True)
+    gathered = _all_gather("gather", x, axis, dim, True)
     return jax.tree.map(lambda g: jnp.where(is_root, g, jnp.zeros_like(g)), gathered)
 
 
@@ -303,7 +353,11 @@ def scatter(x: Any, axis: AxisName, *, root: int = 0, dim: int = 0) -> Any:
     """``torch.distributed.scatter``: device ``root``'s block is split along ``dim``; device ``i`` gets chunk ``i``.
 
     The other devices' inputs are ignored (they must have the same shape). Output dimension ``dim`` is ``n``
-    times smaller. Compiles to one reduce-scatter of the root's bit pattern, so values arrive exactly.
+    times smaller. Compiles to one all-to-all (device ``i`` receives chunk ``i`` of every block and keeps the
+    root's: the bytes of a reduce-scatter), so values arrive exactly.
+
+    Derivative: linear, that of slicing chunk ``i`` out of :func:`broadcast`: device ``i``'s cotangent becomes
+    chunk ``i`` of the root's, the other devices get zero.
 
     >>> f = sc.spmd(lambda x: sc.scatter(x, "data", root=0), in_specs=sc.P(), out_specs=sc.P("data"))
     >>> f(np.arange(8.0)).tolist()
@@ -311,14 +365,15 @@ def scatter(x: Any, axis: AxisName, *, root: int = 0, dim: int = 0) -> Any:
     """
     n = _axis_size("scatter", axis)
     _check_root("scatter", root, axis, n)
-    is_root = lax.axis_index(axis) == root
 
     def one(path: str, leaf: Any) -> jax.Array:
         leaf = jnp.asarray(leaf)
-        d = _dim("scatter", path, leaf, dim)
+        d = _dim("scatter", path, leaf, dim, axis=axis, n=n)
         _check_split("scatter", path, leaf, d, axis, n)
-        return _on_bits(leaf, lambda bits: lax.psum_scatter(
-            jnp.where(is_root, bits, jnp.zeros_like(bits)), axis, scatter_dimension=d, tiled=True))
+        moved = _widen(leaf)
+        mixed = lax.all_to_all(moved, axis, d, d, tiled=True)  # [chunk i of device 0, of device 1, ...]
+        chunk = leaf.shape[d] // n
+        return _narrow(lax.slice_in_dim(mixed, int(root) * chunk, (int(root) + 1) * chunk, axis=d), leaf.dtype)
 
     return _map("scatter", one, x)
 
@@ -327,7 +382,8 @@ def permute(x: Any, axis: AxisName, perm: Sequence[tuple[int, int]]) -> Any:
     """Point-to-point send: for each ``(source, destination)`` pair, ``source``'s block goes to ``destination``.
 
     Sources must be distinct, and so must destinations (``jax.lax.ppermute``). A device that is no pair's
-    destination receives zeros. Output shape: the input shape.
+    destination receives zeros. Output shape: the input shape. Derivative: that of ``jax.lax.ppermute``
+    (linear; the transpose sends cotangents back along the inverted pairs).
 
     >>> f = sc.spmd(lambda x: sc.permute(x, "data", [(0, 1), (1, 0)]),
     ...             in_specs=sc.P("data"), out_specs=sc.P("data"))
@@ -342,6 +398,8 @@ def permute(x: Any, axis: AxisName, perm: Sequence[tuple[int, int]]) -> Any:
 def shift(x: Any, axis: AxisName, offset: int = 1) -> Any:
     """Ring shift: device ``i`` sends its block to device ``(i + offset) % n``, like ``jnp.roll`` over devices.
 
+    Derivative: that of ``jax.lax.ppermute`` (linear; the transpose shifts by ``-offset``).
+
     >>> f = sc.spmd(lambda x: sc.shift(x, "data", 1), in_specs=sc.P("data"), out_specs=sc.P("data"))
     >>> f(np.arange(8)).tolist()
     [7, 0, 1, 2, 3, 4, 5, 6]
@@ -354,6 +412,57 @@ def shift(x: Any, axis: AxisName, offset: int = 1) -> Any:
         return _map("shift", lambda _, leaf: jnp.asarray(leaf), x)
     pairs = [(i, (i + int(offset)) % n) for i in range(n)]
     return _map("shift", lambda _, leaf: lax.ppermute(jnp.asarray(leaf), axis, pairs), x)
+
+
+def scan(x: Any, axis: AxisName, op: str = "sum", *, inclusive: bool = True) -> Any:
+    """Prefix reduction over the devices of ``axis`` (``MPI_Scan``): device ``i`` receives ``op`` over devices 0..i.
+
+    ``op`` is one of ``"sum"``, ``"max"``, ``"min"``, ``"prod"``. With ``inclusive=False`` (``MPI_Exscan``)
+    device ``i`` receives ``op`` over devices ``0..i-1``, and device 0 the identity of ``op``: 0 for sum, 1 for
+    prod, ``-inf`` (or the dtype's minimum, ``False`` for booleans) for max, ``+inf`` (the maximum, ``True``)
+    for min. Output shape: the input shape. Booleans are summed as ``int32`` counts, as in :func:`psum`; their
+    max/min/prod are any/all/all. Runs in ``ceil(log2(n))`` rounds of ``jax.lax.ppermute`` (Hillis-Steele:
+    round ``k`` combines the value from ``2**k`` devices back; one more round shifts for the exclusive scan).
+
+    Derivative: that of the same ``ppermute``/``where`` program (for max/min the ties of each pairwise
+    ``jnp.maximum``/``jnp.minimum`` split evenly).
+
+    >>> f = sc.spmd(lambda x: sc.scan(x, "data"), in_specs=sc.P("data"), out_specs=sc.P("data"))
+    >>> f(np.arange(1, 9)).tolist()
+    [1, 3, 6, 10, 15, 21, 28, 36]
+    >>> g = sc.spmd(lambda x: sc.scan(x, "data", "max", inclusive=False), in_specs=sc.P("data"),
+    ...             out_specs=sc.P("data"))
+    >>> g(np.array([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0])).tolist()
+    [-inf, 3.0, 3.0, 4.0, 4.0, 5.0, 9.0, 9.0]
+    """
+    if op not in SCAN_OPS:
+        raise SpmdError(describe("scan", f"unknown op {op!r}.", fix=f"use one of {SCAN_OPS}."))
+    if not isinstance(inclusive, (bool, np.bool_)):
+        raise SpmdError(describe("scan", f"inclusive must be True or False, got {inclusive!r}.",
+                                 fix="pass inclusive=True (MPI_Scan) or inclusive=False (MPI_Exscan)."))
+    n = _axis_size("scan", axis)
+    idx = lax.axis_index(axis)
+
+    def one(path: str, leaf: Any) -> jax.Array:
+        leaf = jnp.asarray(leaf)
+        if op == "sum" and leaf.dtype == jnp.bool_:
+            leaf = leaf.astype(jnp.int32)  # count, as psum does
+        if jnp.issubdtype(leaf.dtype, jnp.complexfloating) and op in ("max", "min"):
+            raise SpmdError(describe("scan", f"op {op!r} has no order on complex dtype {leaf.dtype}.", leaf=path,
+                                     fix='use op="sum" or "prod", or scan the real and imaginary parts.'))
+        combine = _SCAN_COMBINE[op]
+        y = leaf
+        if not inclusive:
+            moved = lax.ppermute(y, axis, [(i, i + 1) for i in range(n - 1)]) if n > 1 else y
+            y = jnp.where(idx >= 1, moved, _identity(op, leaf.dtype))
+        step = 1
+        while step < n:
+            moved = lax.ppermute(y, axis, [(i, i + step) for i in range(n - step)])
+            y = jnp.where(idx >= step, combine(moved, y), y)  # devices < step already hold their prefix
+            step *= 2
+        return y
+
+    return _map("scan", one, x)
 
 
 def axis_index(axis: AxisName) -> jax.Array:
@@ -420,8 +529,14 @@ def _is_array_like(leaf: Any) -> bool:
         hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
 
 
-def _dim(fn: str, path: str, leaf: jax.Array, dim: int, *, extra: int = 0, arg: str = "dim") -> int:
+def _dim(fn: str, path: str, leaf: jax.Array, dim: int, *, extra: int = 0, arg: str = "dim",
+         axis: AxisName | None = None, n: int | None = None) -> int:
     rank = leaf.ndim + extra
+    if rank == 0:
+        over = f" over axis {axis!r} of size {n}" if axis is not None else ""
+        raise ShapeError(describe(
+            fn, f"the block is 0-d (shape ()), so it has no dimension to split or concatenate{over}.",
+            leaf=path, fix="give the value at least one dimension, e.g. x[None] (shape (1,))."))
     if not isinstance(dim, (int, np.integer)) or not -rank <= dim < rank:
         raise ShapeError(describe(
             fn, f"{arg}={dim!r} is out of range for a block of shape {tuple(leaf.shape)} (rank {leaf.ndim}).",
@@ -515,7 +630,7 @@ def _rs_ag_sum(leaf: Any, axis: AxisName, n: int) -> jax.Array:
     if pad:
         flat = jnp.pad(flat, (0, pad))
     part = lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
-    full = lax.all_gather(part, axis, axis=0, tiled=True, to="invarying")
+    full = _gather_blocks(part, axis, 0, tiled=True)
     return full[: leaf.size].reshape(leaf.shape)
 
 
@@ -529,26 +644,124 @@ def _prod(x: jax.Array, axis: int) -> jax.Array:
     return jnp.prod(x, axis=axis, dtype=x.dtype)
 
 
-_BIT_TYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+_SCAN_COMBINE: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+    "sum": jnp.add,
+    "prod": lambda a, b: jnp.logical_and(a, b) if a.dtype == jnp.bool_ else a * b,
+    "max": jnp.maximum,  # on booleans: logical or
+    "min": jnp.minimum,  # on booleans: logical and
+}
 
 
-def _on_bits(x: jax.Array, move: Callable[[jax.Array], jax.Array]) -> jax.Array:
-    """Applies a sum-based data movement to ``x``'s bit pattern, so that the values arrive exactly."""
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        return lax.complex(_on_bits(jnp.real(x), move), _on_bits(jnp.imag(x), move))
-    if x.dtype == jnp.bool_:
-        return move(x.astype(jnp.uint8)).astype(jnp.bool_)
-    if jnp.issubdtype(x.dtype, jnp.integer):
-        return move(x)
-    bits = lax.bitcast_convert_type(x, _BIT_TYPES[x.dtype.itemsize])
-    return lax.bitcast_convert_type(move(bits), x.dtype)
+def _identity(op: str, dtype: Any) -> Any:
+    """The identity element of ``op`` in ``dtype`` (what device 0 receives from an exclusive scan)."""
+    dtype = np.dtype(dtype)
+    if op == "sum":
+        return np.zeros((), dtype)
+    if op == "prod":
+        return np.ones((), dtype)
+    if dtype == np.bool_:
+        return np.bool_(op == "min")
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return np.array(-np.inf if op == "max" else np.inf, dtype)
+    info = jnp.iinfo(dtype)
+    return np.array(info.min if op == "max" else info.max, dtype)
 
 
-def _exact_psum_from_root(x: jax.Array, axis: AxisName, is_root: jax.Array, n: int) -> jax.Array:
-    # Integer all-reduces are about 2x slower than float ones on XLA:CPU, but a float sum is not exact (-0.0
-    # and denormals are lost); large messages therefore take the reduce-scatter + all-gather route.
-    def move(bits: jax.Array) -> jax.Array:
-        masked = jnp.where(is_root, bits, jnp.zeros_like(bits))
-        return _rs_ag_sum(masked, axis, n) if _use_rs_ag(masked, "auto", n) else lax.psum(masked, axis)
+def _vma_checked() -> bool:
+    """True inside ``shard_map(check_vma=True)``, False under ``pmap``, ``check_vma=False`` and ``vmap``."""
+    from jax._src import config as jax_config  # the only place check_vma is visible from inside a trace
 
-    return _on_bits(x, move)
+    return bool(jax_config._check_vma.value)
+
+
+def _platform() -> str:
+    """The platform of the devices this trace is mapped over (the default backend outside a mesh)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
+
+
+def _gather_blocks(x: jax.Array, axis: AxisName, d: int, *, tiled: bool) -> jax.Array:
+    """All-gather whose output is identical on every device and whose transpose is right on every backend.
+
+    ``all_gather(to="invarying")`` transposes to a local slice of the cotangent, which is right only when the
+    cotangent is identical on every device, as the type system guarantees under ``check_vma=True``. Under
+    ``pmap`` and ``check_vma=False`` nothing guarantees it (each device may have its own cotangent), and that
+    transpose silently drops the other devices' contributions; the plain all-gather, whose transpose sums them
+    (a reduce-scatter), is the right one there. Both compile to the same all-gather.
+    """
+    return lax.all_gather(x, axis, axis=d, tiled=tiled, to="invarying" if _vma_checked() else "varying")
+
+
+def _widen(x: jax.Array) -> jax.Array:
+    # XLA:CPU's all-gather, all-to-all and collective-permute canonicalise bfloat16 NaN payloads (0x7FC1 ->
+    # 0x7FC0) while they keep float32 ones; bf16 -> f32 -> bf16 is exact (payload included) and, unlike a bit
+    # cast, differentiable and transposable. So bf16 moves as f32 on CPU (other platforms keep 2 bytes).
+    if x.dtype == jnp.bfloat16 and _platform() == "cpu":
+        return x.astype(jnp.float32)
+    return x
+
+
+def _narrow(y: jax.Array, dtype: Any) -> jax.Array:
+    return y if y.dtype == dtype else y.astype(dtype)
+
+
+def _all_gather(fn: str, x: Any, axis: AxisName, dim: int, tiled: bool) -> Any:
+    n = _axis_size(fn, axis)
+
+    def one(path: str, leaf: Any) -> jax.Array:
+        leaf = jnp.asarray(leaf)
+        if tiled and leaf.ndim == 0:
+            also = "pass tiled=False to stack the blocks into a new dimension of size " \
+                f"{n}, or " if fn == "all_gather" else ""
+            raise ShapeError(describe(
+                fn, f"the block is 0-d (shape ()), so the {n} blocks of axis {axis!r} cannot be concatenated "
+                f"along dim={dim!r}.", leaf=path,
+                fix=f"{also}give the value a dimension, e.g. x[None] (shape (1,)), to receive shape ({n},)."))
+        d = _dim(fn, path, leaf, dim, extra=0 if tiled else 1, axis=axis, n=n)
+        return _narrow(_gather_blocks(_widen(leaf), axis, d, tiled=tiled), leaf.dtype)
+
+    return _map(fn, one, x)
+
+
+def _broadcast_leaf(x: jax.Array, axis: AxisName, root: int, n: int, *, split: bool | None = None) -> jax.Array:
+    """Device ``root``'s ``x`` on every device, by data movement only (exact, differentiable, transposable)."""
+    moved = _widen(x)
+    if split is None:
+        nbytes = moved.size * moved.dtype.itemsize
+        split = n > 2 and nbytes >= BROADCAST_SPLIT_MIN_BYTES.get(_platform(), 2**20)
+    if not split or n == 1:
+        return _narrow(_gather_blocks(moved, axis, 0, tiled=False)[root], x.dtype)
+    flat = moved.reshape(-1)
+    pad = (-flat.size) % n
+    if pad:
+        flat = jnp.pad(flat, (0, pad))
+    rows = flat.reshape(n, -1)
+    # Device j receives chunk j of every device's leaf (row i from device i) and keeps the root's row; the
+    # all-gather then assembles the root's chunks everywhere.
+    mixed = lax.all_to_all(rows, axis, 0, 0, tiled=True)
+    full = _gather_blocks(mixed[root], axis, 0, tiled=True)
+    return _narrow(full[: x.size].reshape(x.shape), x.dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _pextreme_diff(x: jax.Array, axis: AxisName, op: str) -> jax.Array:
+    return lax.pmax(x, axis) if op == "max" else lax.pmin(x, axis)
+
+
+@_pextreme_diff.defjvp
+def _pextreme_jvp(axis: AxisName, op: str, primals: tuple[jax.Array], tangents: tuple[jax.Array]):
+    # jnp.max's rule: the tangent of the device(s) holding the extreme value, ties split evenly. The primal is
+    # computed through the custom_jvp function itself so that derivatives of this rule (jacfwd of grad) use it
+    # again instead of reaching lax.pmax, which has no derivative. The tangent is linear in t: transposable.
+    (x,), (t,) = primals, tangents
+    out = _pextreme_diff(x, axis, op)
+    hit = x == out
+    count = lax.psum(hit.astype(t.dtype), axis)
+    share = lax.psum(jnp.where(hit, t, jnp.zeros_like(t)), axis)
+    return out, share / jnp.maximum(count, jnp.ones_like(count))
+
+
+def _pextreme(x: jax.Array, axis: AxisName, op: str) -> jax.Array:
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return _pextreme_diff(x, axis, op)
+    return lax.pmax(x, axis) if op == "max" else lax.pmin(x, axis)  # integers and booleans have no tangent

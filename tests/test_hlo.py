@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import math
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -55,8 +57,8 @@ def test_reduce_scatter_moves_no_gathered_data():
 
 
 @pytest.mark.parametrize("fn, want", [
-    (lambda x: sc.broadcast(x, "data", root=3), {"all-reduce": 1}),
-    (lambda x: sc.scatter(x, "data", root=3), {"reduce-scatter": 1}),
+    (lambda x: sc.broadcast(x, "data", root=3), {"all-gather": 1}),
+    (lambda x: sc.scatter(x, "data", root=3), {"all-to-all": 1}),
     (lambda x: sc.gather(x, "data", root=3), {"all-gather": 1}),
     (lambda x: sc.reduce_scatter(x, "data", op="max"), {"all-to-all": 1}),
     (lambda x: sc.all_reduce(x, "data", "prod"), {"all-gather": 1}),
@@ -72,6 +74,41 @@ def test_auto_picks_native_for_small_leaves():
         "reduce-scatter": 1, "all-gather": 1}
 
 
-def test_large_broadcast_uses_reduce_scatter_and_all_gather():
-    x = np.zeros((8 * 2**20,), np.float32)  # 4 MiB per device: the auto threshold
-    assert collectives(lambda v: sc.broadcast(v, "data", root=1), x) == {"reduce-scatter": 1, "all-gather": 1}
+def test_large_broadcast_uses_all_to_all_and_all_gather():
+    x = np.zeros((8 * sc.collectives.BROADCAST_SPLIT_MIN_BYTES["cpu"] // 4,), np.float32)  # the CPU threshold
+    assert collectives(lambda v: sc.broadcast(v, "data", root=1), x) == {"all-to-all": 1, "all-gather": 1}
+    small = np.zeros((8 * (sc.collectives.BROADCAST_SPLIT_MIN_BYTES["cpu"] // 4 - 8),), np.float32)
+    assert collectives(lambda v: sc.broadcast(v, "data", root=1), small) == {"all-gather": 1}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("inclusive", [True, False])
+def test_scan_uses_log2_collective_permutes(n, inclusive):
+    """Hillis-Steele: ceil(log2 n) rounds of collective-permute, one more to shift for the exclusive scan."""
+    mesh = sc.data_mesh(devices=jax.devices()[:n])
+    text = sc.spmd(lambda v: sc.scan(v, "data", inclusive=inclusive), mesh=mesh, in_specs=P("data"),
+                   out_specs=P("data")).lower(np.ones((n, 4), np.float32)).compile().as_text()
+    want = math.ceil(math.log2(n)) + (0 if inclusive or n == 1 else 1)
+    assert collections.Counter(_COLLECTIVE.findall(text)) == ({"collective-permute": want} if want else {})
+
+
+@pytest.mark.parametrize("fn, want", [
+    # pmax keeps lax.pmax's forward; its gradient adds one all-reduce (the tie count): under check_vma the
+    # transpose of the tangent's psum over an invariant cotangent needs no communication.
+    (lambda x: sc.pmax(x, "data"), {"all-reduce": 1}),
+    (lambda x: jax.grad(lambda v: (sc.pmax(v, "data") ** 2).sum())(x), {"all-reduce": 2}),
+    # broadcast's gradient: the forward all-gather, then the one all-reduce that the gradient of the lax
+    # reference psum(where(i == root, x, 0)) also does (summing the varying cotangent of the invariant output).
+    (lambda x: jax.grad(lambda v: (sc.broadcast(v, "data", root=3) * v).sum())(x),
+     {"all-gather": 1, "all-reduce": 1}),
+])
+def test_derivative_collectives(fn, want):
+    assert collectives(fn, np.ones((8 * 16, 32), np.float32)) == want
+
+
+def test_pmax_forward_is_lax_pmax():
+    x = np.ones((8 * 16, 32), np.float32)
+    ours = sc.spmd(lambda v: sc.pmax(v, "data"), in_specs=P("data"), out_specs=P()).lower(x).as_text()
+    theirs = sc.spmd(lambda v: lax.pmax(v, "data"), in_specs=P("data"), out_specs=P()).lower(x).as_text()
+    body = lambda t: [ln for ln in t.splitlines() if "all_reduce" in ln or "maximum" in ln]  # noqa: E731
+    assert body(ours) == body(theirs)
