@@ -105,20 +105,29 @@ def describe(fn: str, message: str, *, fix: str | None = None, leaf: str | None 
     return text
 
 
-def check_not_deleted(fn: str, tree: Any, *, arg: str, fix: str) -> None:
+def check_not_deleted(fn: str, tree: Any, *, arg: str, fix: str, leaves: list[Any] | None = None) -> None:
     """Raises :class:`DeletedArrayError` if any ``jax.Array`` leaf of ``tree`` has been deleted.
 
     Call it on donated arguments before dispatching a compiled function. The message names ``arg``,
     the first deleted leaf's path and how many leaves are gone; ``fix`` says how to keep the value
     (e.g. ``"pass donate=False, or copy the state first"``). Tracers and non-array leaves are
-    skipped, so it is safe inside a trace. Cost: one tree flatten plus ``is_deleted()`` per leaf;
-    paths are only computed once something is found.
+    skipped, so it is safe inside a trace. Cost: one tree flatten plus ``is_deleted()`` per leaf
+    (pass ``leaves=jax.tree.leaves(tree)`` when the caller flattens ``tree`` anyway); paths are only
+    computed once something is found.
     """
-    leaves = jax.tree.leaves(tree)
-    if not any(_deleted(x) for x in leaves):
+    leaves = jax.tree.leaves(tree) if leaves is None else leaves
+    # An inlined loop: this runs on every train step, over every leaf of the state.
+    concrete = _CONCRETE_ARRAY
+    for x in leaves:
+        known = concrete.get(type(x))
+        if known is None:
+            known = _has_buffers(type(x))
+        if known and x.is_deleted():
+            break
+    else:
         return
     with_paths = jax.tree_util.tree_flatten_with_path(tree)[0]
-    gone = [jax.tree_util.keystr(path) for path, x in with_paths if _deleted(x)]
+    gone = [jax.tree_util.keystr(path) for path, x in with_paths if _has_buffers(type(x)) and x.is_deleted()]
     raise DeletedArrayError(
         describe(
             fn,
@@ -131,15 +140,14 @@ def check_not_deleted(fn: str, tree: Any, *, arg: str, fix: str) -> None:
     )
 
 
-def _deleted(x: Any) -> bool:
+def _has_buffers(t: type) -> bool:
     # Only concrete arrays have buffers (``is_deleted()`` on a tracer raises instead of answering).
-    # The answer per leaf type is cached: ``isinstance`` against ``jax.Array`` is an ABC check that
-    # would cost more than ``is_deleted()`` itself on a hot path.
-    t = type(x)
-    concrete = _CONCRETE_ARRAY.get(t)
-    if concrete is None:
-        concrete = _CONCRETE_ARRAY[t] = issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
-    return concrete and x.is_deleted()
+    # The answer per type is cached: ``isinstance`` against ``jax.Array`` is an ABC check that costs
+    # more than ``is_deleted()`` itself.
+    known = _CONCRETE_ARRAY.get(t)
+    if known is None:
+        known = _CONCRETE_ARRAY[t] = issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
+    return known
 
 
 _CONCRETE_ARRAY: dict[type, bool] = {}
