@@ -5,7 +5,11 @@ so a save that fails (or a process that dies) part-way never damages the last go
 Restoring needs a template state (e.g. a freshly created one, also ZeRO-1 sharded): it supplies the
 tree structure, the static fields and the sharding of every leaf. Resuming from a checkpoint
 reproduces the uninterrupted run bit for bit on CPU (the per-step RNG is derived from ``state.rng``
-and ``state.step``).
+and ``state.step``). Typed PRNG key leaves (Flax NNX ``RngKey``) are saved as keys and restored
+with the template's key implementation; NNX ``RngCount`` counters are plain integers. The template
+may live on another mesh than the saved state (e.g. 4 devices instead of 2); with
+``make_train_step(..., rng="per_example")`` the resumed run then draws the same random bits as
+the uninterrupted one.
 
 >>> import optax, tempfile
 >>> params = {"w": np.arange(3.0, dtype=np.float32)}
@@ -26,7 +30,7 @@ from typing import Any
 import jax
 
 from spmdcomm.ddp import TrainState
-from spmdcomm.errors import SpmdError, describe
+from spmdcomm.errors import SpmdError, check_not_deleted, describe
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "latest_checkpoint_step"]
 
@@ -47,6 +51,14 @@ def save_checkpoint(
     import orbax.checkpoint as ocp
 
     _check_state("save_checkpoint", state)
+    # Checked before orbax touches the arrays: a consumed state would fail half-way (or crash).
+    check_not_deleted(
+        "save_checkpoint",
+        state,
+        arg="state",
+        fix="save the state the step returned, not the one passed to it (a step with donate=True, the "
+        "default, consumes its input), or build the step with make_train_step(..., donate=False).",
+    )
     step = int(jax.device_get(state.step)) if step is None else int(step)
     with _manager(directory, max_to_keep=max_to_keep) as mgr:
         mgr.save(step, args=ocp.args.StandardSave(_arrays(state)), force=True)

@@ -18,7 +18,14 @@ The ``loss_fn`` contract (keyword arguments after the first two)::
 * ``aux`` is a dict of scalar metrics (means over the block's real examples, averaged like the
   loss) and, under the key ``"model_state"``, the new mutable model state (e.g. Flax
   ``batch_stats``), which the step averages over the data axis.
-* ``rng`` is a raw ``uint32[2]`` key, different per step, device and micro-batch.
+* ``rng`` depends on ``make_train_step(..., rng=...)``. ``"per_device"`` (default): a raw
+  ``uint32[2]`` threefry key, ``fold_in(fold_in(fold_in(state.rng, step), device), micro_batch)``,
+  different per step, device and micro-batch (the bits an example sees depend on the device count,
+  as with torch DDP). ``"per_example"``: a typed key (:func:`spmdcomm.rng.per_example_key`) whose
+  draws give each example bits that depend only on ``state.rng``, the step and the example's global
+  index in the batch, so results do not depend on the device count or ``accum_steps``; every draw
+  from it must have the block's examples in dimension 0 (other shapes raise ``ShapeError`` when the
+  step compiles). Use it as any key (``fold_in``, ``split``, Flax ``rngs={"dropout": rng}``).
 
 >>> import optax
 >>> def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
@@ -59,8 +66,17 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm.collectives import all_gather, reduce_scatter
 from spmdcomm.data import MaskedBatch, leading_size
-from spmdcomm.errors import ShapeError, SpmdError, describe
+from spmdcomm.errors import ShapeError, SpmdError, check_not_deleted, describe
 from spmdcomm.mesh import check_mesh_axes, default_mesh
+from spmdcomm.rng import (
+    RNG_MODES,
+    data_to_keys,
+    is_key_leaf,
+    is_per_example_key,
+    keys_to_data,
+    per_example_key,
+    stream_key_for_call,
+)
 from spmdcomm.spmd import SpmdFunction, check_backend
 
 __all__ = [
@@ -72,6 +88,7 @@ __all__ = [
     "fit",
     "masked_mean",
     "nnx_loss_fn",
+    "nnx_metric_fn",
     "optimizer_state_bytes",
     "DEFAULT_MAX_IN_FLIGHT",
 ]
@@ -88,8 +105,8 @@ class TrainState:
     """Everything one training step reads and writes, replicated on the mesh (a pytree).
 
     ``step`` counts global steps, ``params`` are the trained parameters, ``opt_state`` the optax
-    state, ``model_state`` the mutable model state (Flax ``batch_stats``, NNX ``BatchStat`` ...;
-    ``{}`` when none) and ``rng`` a raw ``uint32[2]`` base key. ``apply_fn`` (a Flax
+    state, ``model_state`` the mutable model state (Flax ``batch_stats``, NNX ``BatchStat``,
+    NNX RNG stream keys and counts ...; ``{}`` when none) and ``rng`` a raw ``uint32[2]`` base key. ``apply_fn`` (a Flax
     ``Module.apply``, an NNX ``GraphDef`` or any callable handed to ``loss_fn``) and ``tx`` are
     static. With ``shard_optimizer=True`` at creation, ``opt_state`` holds flat optimizer-state
     vectors split across the data axis (ZeRO-1) and ``zero`` describes that layout.
@@ -124,7 +141,8 @@ class TrainState:
         With several processes, process 0's ``params``, ``model_state`` and ``rng`` are broadcast so
         every replica starts identical (DDP's init-time broadcast); ``verify`` first checks that
         every process passed the same tree structure, shapes and dtypes and raises naming the
-        process that differs. ``rng`` is an int seed, a key, or ``None`` (seed 0).
+        process that differs. ``rng`` is an int seed, a key, or ``None`` (seed 0). Typed key
+        leaves (``jax.random.key``, NNX ``RngKey``) stay typed keys; they travel as their key data.
 
         >>> import optax
         >>> s = sc.TrainState.create(params={"w": np.ones(3, np.float32)}, tx=optax.adam(1e-3))
@@ -135,12 +153,14 @@ class TrainState:
         check_mesh_axes("TrainState.create", mesh, axis)
         model_state = {} if model_state is None else model_state
         rng = _raw_key(rng)
-        host = jax.tree.map(np.asarray, (params, model_state, rng))
+        # Typed key leaves (Flax NNX RngKey) cross the host as their uint32 key data: NumPy and the
+        # multi-process broadcast only move plain arrays.
+        host, key_impls = keys_to_data((params, model_state, rng))
         if jax.process_count() > 1:
             if verify:
                 _check_same_structure_across_processes("TrainState.create", host)
             host = multihost_utils.broadcast_one_to_all(host)
-        params, model_state, rng = _place_replicated(host, mesh)
+        params, model_state, rng = data_to_keys(_place_replicated(host, mesh), key_impls)
         zero = _ZeroLayout.build(params, tx, axis, mesh.shape[axis]) if shard_optimizer else None
         opt_state = _init_opt_state(tx, params, zero, mesh)
         step = jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, P()))
@@ -163,7 +183,9 @@ class TrainState:
         rest.
 
         ``apply_fn`` becomes the ``GraphDef``, ``model_state`` every non-``Param`` variable (e.g.
-        ``BatchStat``). Pair it with :func:`nnx_loss_fn`. ``kwargs`` go to :meth:`create`.
+        ``BatchStat``, and the ``RngKey``/``RngCount`` of ``nnx.Rngs`` streams such as
+        ``nnx.Dropout(rate, rngs=rngs)``'s). Pair it with :func:`nnx_loss_fn` and
+        :func:`nnx_metric_fn`. ``kwargs`` go to :meth:`create`.
 
         >>> from flax import nnx
         >>> import optax
@@ -190,6 +212,7 @@ def make_train_step(
     skip_nonfinite: bool = False,
     donate: bool = True,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    rng: Literal["per_device", "per_example"] = "per_device",
 ) -> TrainStep:
     """Returns ``step(state, batch) -> (state, metrics)``: one data-parallel optimizer step.
 
@@ -217,6 +240,12 @@ def make_train_step(
         call).
       max_in_flight: before dispatching, wait for the result from this many calls back (1..16) so
         XLA:CPU's queue of collective executions never deadlocks.
+      rng: the key ``loss_fn`` gets. ``"per_device"`` (default): a raw ``uint32[2]`` key that
+        differs on every device and micro-batch (like torch DDP's per-rank generators; the bits an
+        example sees depend on the device count). ``"per_example"``: a
+        :func:`~spmdcomm.rng.per_example_key` whose draws give each example bits that depend only
+        on the seed, the step and its global index in the batch, so training does not depend on the
+        device count or ``accum_steps``; every draw must have the block's examples in dimension 0.
 
     ``batch`` is a pytree of arrays whose dimension 0 is the global batch (host NumPy, placed by the
     step; or ``jax.Array``), or a :class:`~spmdcomm.MaskedBatch`. With several processes, host
@@ -243,6 +272,14 @@ def make_train_step(
                 fix="pass None (leaf by leaf) or a bucket size in bytes, e.g. 25 * 2**20.",
             )
         )
+    if rng not in RNG_MODES:
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"rng={rng!r} is not one of {RNG_MODES}.",
+                fix='pass rng="per_device" (default) or rng="per_example" (device-count independent).',
+            )
+        )
     if shard_optimizer and bucket_bytes is not None:
         raise SpmdError(
             describe(
@@ -263,6 +300,7 @@ def make_train_step(
         shard_optimizer=shard_optimizer,
         skip_nonfinite=skip_nonfinite,
         donate=donate,
+        rng=rng,
     )
     return TrainStep(options, _check_in_flight("make_train_step", max_in_flight))
 
@@ -340,17 +378,23 @@ def fit(
 
 
 def masked_mean(values: Any, mask: Any) -> jax.Array:
-    """Mean of ``values`` over the rows where ``mask`` is True (0.0 when there are none, never NaN).
+    """Mean of ``values`` over the rows where ``mask`` is True (0.0 when there are none).
 
-    ``values`` has ``mask``'s length in dimension 0; extra dimensions are averaged too.
+    ``values`` has ``mask``'s length in dimension 0; extra dimensions are averaged too. Masked-out
+    rows never reach the result or its gradient, even when they hold NaN or Inf. (A value computed
+    from a NaN input still has a NaN gradient path upstream; the train and eval steps therefore
+    zero the masked-out rows of the batch before calling ``loss_fn``.)
 
     >>> float(sc.masked_mean(jnp.array([1.0, 2.0, 9.0]), jnp.array([True, True, False])))
     1.5
     """
     values = jnp.asarray(values)
-    mask = jnp.asarray(mask, dtype=values.dtype).reshape(mask.shape + (1,) * (values.ndim - 1))
+    mask = jnp.asarray(mask, dtype=bool)
+    # Select, never multiply: NaN * 0 is NaN. The select also zeroes the gradient of masked-out rows
+    # exactly (its cotangent there is a literal 0, whatever the value was).
+    kept = jnp.where(mask.reshape(mask.shape + (1,) * (values.ndim - 1)), values, jnp.zeros_like(values))
     per_row = math.prod(values.shape[1:])
-    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask) * per_row, 1)
+    return jnp.sum(kept) / jnp.maximum(jnp.sum(mask) * per_row, 1)
 
 
 def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -358,8 +402,19 @@ def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
     the contract.
 
     The model is rebuilt with ``nnx.merge(apply_fn, params, model_state)``; variables the call
-    changed (e.g. ``BatchStat``) come back as the new model state. Use with
+    changed (e.g. ``BatchStat``, ``RngCount``) come back as the new model state. Use with
     :meth:`TrainState.create_nnx`.
+
+    RNG streams (``nnx.Rngs``, ``nnx.Dropout(rate, rngs=...)``): for the duration of the call,
+    every stream's key is replaced by :func:`~spmdcomm.rng.stream_key_for_call` of its stored key and
+    the step's ``rng``, so with the default per-device ``rng`` the dropout masks differ between
+    devices, micro-batches and steps (like torch DDP's per-rank generators), and with
+    ``rng="per_example"`` they depend only on the seed, the step and each example's global index.
+    Afterwards the stored keys are put back and the counts keep their increments, so keys and
+    counts stay identical on every replica. With ``rng="per_example"`` each call draws from count 0
+    (the row offset already tells micro-batches apart), so the bits do not depend on
+    ``accum_steps`` either. The model runs in whatever mode it was created in (``nnx.Dropout`` is
+    active by default); :func:`nnx_metric_fn` switches to evaluation mode.
 
     >>> from flax import nnx
     >>> import optax
@@ -377,11 +432,53 @@ def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
         params: Any, batch: Any, *, apply_fn: Any, model_state: Any, rng: Any, mask: Any
     ) -> Any:
         model = nnx.merge(apply_fn, params, model_state, copy=True)
+        streams = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.RngStream)]
+        stored = [(s.key.get_value(), s.count.get_value()) for s in streams]
+        per_example = rng is not None and is_per_example_key(rng)
+        if rng is not None:
+            for s, (key, count) in zip(streams, stored, strict=True):
+                s.key.set_value(stream_key_for_call(key, rng))
+                if per_example:
+                    s.count.set_value(jnp.zeros_like(count))
         loss, aux = _split_loss_output(fn(model, batch, rng=rng, mask=mask), "nnx_loss_fn")
+        for s, (key, count) in zip(streams, stored, strict=True):
+            s.key.set_value(key)
+            if per_example:
+                s.count.set_value(count + s.count.get_value())
         _, _, new_state = nnx.split(model, nnx.Param, ...)
         return loss, {**aux, "model_state": new_state}
 
     return loss_fn
+
+
+def nnx_metric_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Adapts ``fn(model, batch, *, mask) -> metrics dict | scalar`` on a Flax NNX model to the
+    :func:`make_eval_step` contract.
+
+    The model is rebuilt with ``nnx.merge(apply_fn, params, model_state)`` and switched to
+    evaluation mode (``model.eval()``: ``nnx.Dropout`` off, ``nnx.BatchNorm`` on its running
+    statistics); the state is not changed. Use with :meth:`TrainState.create_nnx`.
+
+    >>> from flax import nnx
+    >>> import optax
+    >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Dropout(0.9, rngs=nnx.Rngs(1)))
+    >>> state = sc.TrainState.create_nnx(model, tx=optax.sgd(0.1))
+    >>> def mean_out(model, batch, *, mask):
+    ...     return {"out": sc.masked_mean(model(batch).sum(-1), mask)}
+    >>> evaluate = sc.make_eval_step(sc.nnx_metric_fn(mean_out))
+    >>> x = np.ones((8, 2), np.float32)
+    >>> model.eval()  # the same model without dropout, for comparison
+    >>> bool(np.isclose(evaluate(state, x)["out"], model(x[:1]).sum()))
+    True
+    """
+    from flax import nnx
+
+    def metric_fn(params: Any, batch: Any, *, apply_fn: Any, model_state: Any, mask: Any) -> Any:
+        model = nnx.merge(apply_fn, params, model_state, copy=True)
+        model.eval()
+        return fn(model, batch, mask=mask)
+
+    return metric_fn
 
 
 def optimizer_state_bytes(state: TrainState) -> int:
@@ -408,10 +505,20 @@ class TrainStep:
         self.max_in_flight = max_in_flight
         self._window: collections.deque[Any] = collections.deque()
         self._compiled: dict[Any, Callable[..., Any]] = {}
+        self._placements_ok: set[Any] = set()
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        # A consumed state would reach XLA as deleted buffers, which kills the process on CPU.
+        leaves, treedef = jax.tree.flatten(state)  # once: the deleted check and the cache key share it
+        check_not_deleted("make_train_step", state, arg="state", fix=_CONSUMED_STATE_FIX, leaves=leaves)
+        fn = self._function(state, treedef)
         _wait_for_window(self._window, self.max_in_flight)
-        new_state, metrics = self._function(state)(state, *self.place(batch))
+        data, mask = self.place(batch)
+        try:
+            new_state, metrics = fn(state, data, mask)
+        except ValueError as e:
+            _raise_if_misplaced("make_train_step", state, self.options.mesh, e)
+            raise
         self._window.append(metrics["examples"])
         return new_state, metrics
 
@@ -425,7 +532,7 @@ class TrainStep:
         o = self.options
         return _place_batch("make_train_step", batch, o.mesh, o.axis, o.accum_steps)
 
-    def _function(self, state: TrainState) -> Callable[..., Any]:
+    def _function(self, state: TrainState, treedef: Any = None) -> Callable[..., Any]:
         if not isinstance(state, TrainState):
             raise SpmdError(
                 describe(
@@ -435,7 +542,8 @@ class TrainStep:
                 )
             )
         _check_zero_matches(self.options, state)
-        key = (jax.tree.structure(state), self.options.backend)
+        _check_state_mesh("make_train_step", state, self.options.mesh, self._placements_ok)
+        key = (jax.tree.structure(state) if treedef is None else treedef, self.options.backend)
         hit = self._compiled.get(key)
         if hit is None:
             hit = self._compiled[key] = _compile_train_step(self.options, state)
@@ -456,15 +564,22 @@ class EvalStep:
         self.max_in_flight = max_in_flight
         self._window: collections.deque[Any] = collections.deque()
         self._compiled: dict[Any, Callable[..., Any]] = {}
+        self._placements_ok: set[Any] = set()
 
     def __call__(self, state: TrainState, batch: Any) -> dict[str, jax.Array]:
+        leaves, key = jax.tree.flatten(state)  # once: the deleted check and the cache key share it
+        check_not_deleted("make_eval_step", state, arg="state", fix=_CONSUMED_STATE_FIX, leaves=leaves)
+        _check_state_mesh("make_eval_step", state, self.mesh, self._placements_ok)
         _wait_for_window(self._window, self.max_in_flight)
         data, mask = _place_batch("make_eval_step", batch, self.mesh, self.axis, 1)
-        key = jax.tree.structure(state)
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compiled[key] = self._compile(state)
-        metrics = fn(state, data, mask)
+        try:
+            metrics = fn(state, data, mask)
+        except ValueError as e:
+            _raise_if_misplaced("make_eval_step", state, self.mesh, e)
+            raise
         self._window.append(metrics["examples"])
         return metrics
 
@@ -472,6 +587,7 @@ class EvalStep:
         axis = self.axis
 
         def body(state: TrainState, data: Any, mask: Any) -> dict[str, jax.Array]:
+            data = data if mask is None else _zero_masked_rows(data, mask)
             mask = _full_mask(data) if mask is None else mask
             out = self.metric_fn(
                 state.params,
@@ -484,7 +600,7 @@ class EvalStep:
             _check_scalars("make_eval_step", metrics, "metric_fn")
             count = jnp.sum(mask, dtype=jnp.float32)
             sums = {
-                k: jnp.where(count > 0, count * v.astype(jnp.float32), 0.0)
+                k: jnp.where(count > 0, count * v.astype(_sum_dtype(v.dtype)), 0.0)
                 for k, v in metrics.items()
             }
             total, sums = lax.psum((count, sums), axis)
@@ -511,6 +627,7 @@ class _StepOptions:
     shard_optimizer: bool
     skip_nonfinite: bool
     donate: bool
+    rng: str = "per_device"
 
 
 def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any]:
@@ -518,6 +635,7 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
     flat = None if o.bucket_bytes is None else _FlatLayout.build(state.params)
 
     def body(state: TrainState, data: Any, mask: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        data = data if mask is None else _zero_masked_rows(data, mask)
         grad_sum, metric_sums, model_state, count = _accumulate(o, state, data, mask, varying)
         # The example count, the metrics and the model state travel in one f32 vector (XLA:CPU pays
         # per buffer); XLA fuses its all-reduce with the gradients' into one collective.
@@ -540,7 +658,7 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
         # over the number of (equal) blocks, which needs no per-gradient multiplication.
         denom = jnp.maximum(total, 1.0) if masked else float(n * o.accum_steps)
         new_model_state = _merge_model_state(
-            model_state, jax.tree.map(lambda v: v / denom, stats), axis
+            model_state, jax.tree.map(lambda v: v / denom, stats), axis, state.model_state
         )
         if o.shard_optimizer:
             params, opt_state, finite = _zero_update(o, state, grad_sum, denom, n)
@@ -585,8 +703,8 @@ def _accumulate(
     axis, k, masked = o.axis, o.accum_steps, mask is not None
     mask = _full_mask(data) if mask is None else mask
     params = _vary(state.params, axis, varying)
-    step_rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(axis))
     micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), (data, mask))
+    micro_rng = _micro_rng(o, state, mask.shape[0] // k)
     grad_fn = jax.value_and_grad(_loss_with_aux(o.loss_fn), has_aux=True)
 
     def one(model_state: Any, batch: Any, m: jax.Array, j: Any) -> tuple[Any, ...]:
@@ -595,7 +713,7 @@ def _accumulate(
             batch,
             apply_fn=state.apply_fn,
             model_state=model_state,
-            rng=jax.random.fold_in(step_rng, j),
+            rng=micro_rng(j),
             mask=m,
         )
         new_model_state = aux.pop("model_state", model_state)
@@ -605,7 +723,7 @@ def _accumulate(
         # its contribution. Unmasked, every block has the same count: plain sums, divided once by
         # the number of blocks after the reduction.
         weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v)
-        metrics = jax.tree.map(lambda v: weigh(v.astype(jnp.float32)), {"loss": loss, **aux})
+        metrics = jax.tree.map(lambda v: weigh(v.astype(_sum_dtype(v.dtype))), {"loss": loss, **aux})
         return jax.tree.map(weigh, grads), metrics, new_model_state, c
 
     first = one(_vary(state.model_state, axis, varying), *jax.tree.map(lambda x: x[0], micro), 0)
@@ -622,6 +740,19 @@ def _accumulate(
     rest = jax.tree.map(lambda x: x[1:], micro)
     carry, _ = lax.scan(body, _vary(first, axis, varying), (rest, jnp.arange(1, k)))
     return carry
+
+
+def _micro_rng(o: _StepOptions, state: TrainState, rows: int) -> Callable[[Any], jax.Array]:
+    """The ``rng`` of micro-batch ``j`` (``rows`` examples) on this device."""
+    step_rng = jax.random.fold_in(state.rng, state.step)
+    device = lax.axis_index(o.axis)
+    if o.rng == "per_example":
+        # Device d's block holds global rows [d * k * rows, (d + 1) * k * rows); micro-batch j of it
+        # starts j * rows further. Every device shares step_rng: only the row offset differs.
+        first = device * (o.accum_steps * rows)
+        return lambda j: per_example_key(step_rng, offset=first + j * rows, rows=rows)
+    device_rng = jax.random.fold_in(step_rng, device)
+    return lambda j: jax.random.fold_in(device_rng, j)
 
 
 def _loss_with_aux(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -718,9 +849,10 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 def _float_leaves(tree: Any) -> Any:
+    # The float leaves in the dtype they are summed in; other leaves become empty (not averaged).
     return jax.tree.map(
         lambda x: (
-            x.astype(jnp.float32)
+            x.astype(_sum_dtype(x.dtype))
             if jnp.issubdtype(x.dtype, jnp.floating)
             else jnp.zeros((0,), jnp.float32)
         ),
@@ -728,16 +860,35 @@ def _float_leaves(tree: Any) -> Any:
     )
 
 
-def _merge_model_state(local: Any, averaged: Any, axis: str) -> Any:
-    # Float leaves take their weighted average over the axis; integer leaves (counters) must agree
-    # on every replica and take the maximum.
-    return jax.tree.map(
-        lambda x, avg: (
-            avg.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else lax.pmax(x, axis)
-        ),
-        local,
-        averaged,
-    )
+def _sum_dtype(dtype: Any) -> Any:
+    # Means of model state and metrics are summed in float32 at least (a bfloat16 sum over devices
+    # loses the small terms) and in float64 when the value is float64 (x64): never narrower.
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _zero_masked_rows(data: Any, mask: jax.Array) -> Any:
+    # Masked-out rows reach loss_fn as zeros whatever they held. A NaN/Inf there would otherwise
+    # flow through the model although masked_mean drops its loss: into BatchNorm statistics, and
+    # into gradients as NaN * 0 (a Dense layer's weight gradient is x.T @ cotangent).
+    def one(x: jax.Array) -> jax.Array:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):  # typed PRNG keys: no zeros to select
+            return x
+        keep = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+        return jnp.where(keep, x, jnp.zeros_like(x))
+
+    return jax.tree.map(one, data)
+
+
+def _merge_model_state(local: Any, averaged: Any, axis: str, stored: Any) -> Any:
+    # Float leaves take their weighted average over the axis; integer leaves (counters, e.g. NNX
+    # RngCount) must agree on every replica and take the maximum. RNG keys are never averaged: the
+    # stored key stays (a model's streams only advance their counts), identical on every replica.
+    def merge(x: jax.Array, avg: jax.Array, old: jax.Array) -> jax.Array:
+        if is_key_leaf(x):
+            return old
+        return avg.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else lax.pmax(x, axis)
+
+    return jax.tree.map(merge, local, averaged, stored)
 
 
 def _bucketed_psum(
@@ -750,8 +901,9 @@ def _bucketed_psum(
     """
     vectors = flat.flatten(grads)
     fused = reduce_dtype is None
+    stats_key = jnp.dtype(stats.dtype).name  # float64 under x64 when model state or metrics are float64
     if fused:
-        vectors["float32"] = jnp.concatenate([stats, vectors.get("float32", stats[:0])])
+        vectors[stats_key] = jnp.concatenate([stats, vectors.get(stats_key, stats[:0])])
     else:
         stats = lax.psum(stats, axis)
     out = {}
@@ -761,7 +913,7 @@ def _bucketed_psum(
         chunks = [lax.psum(low[i : i + step], axis) for i in range(0, low.shape[0], step)]
         out[name] = (jnp.concatenate(chunks) if len(chunks) > 1 else chunks[0]).astype(vec.dtype)
     if fused:
-        stats, out["float32"] = out["float32"][: stats.shape[0]], out["float32"][stats.shape[0] :]
+        stats, out[stats_key] = out[stats_key][: stats.shape[0]], out[stats_key][stats.shape[0] :]
     return stats, flat.unflatten(out)
 
 
@@ -1004,6 +1156,83 @@ def _check_zero_matches(o: _StepOptions, state: TrainState) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Placement and multi-process helpers
+
+
+_CONSUMED_STATE_FIX = (
+    "a train step with donate=True (the default) consumes the state it is given; use the state it "
+    "returned. To keep the old state usable, build the step with make_train_step(..., donate=False), "
+    "or copy the state first: jax.tree.map(jnp.copy, state)."
+)
+
+
+def _check_state_mesh(fn: str, state: Any, mesh: Mesh, accepted: set[Any]) -> None:
+    """Raises unless every array of ``state`` is on ``mesh``'s devices, in ``mesh``'s order.
+
+    Cheap on the hot path: the state a step returns is on the step's mesh object itself, so one
+    identity comparison on ``state.step`` settles it; other placements of ``state.step`` that
+    passed the full check once are remembered in ``accepted``. A single other leaf placed
+    elsewhere is caught when JAX refuses the call (:func:`_raise_if_misplaced`).
+    """
+    sharding = getattr(state.step, "sharding", None) if isinstance(state, TrainState) else None
+    where = getattr(sharding, "mesh", sharding)
+    if where is mesh or (where is not None and where in accepted):
+        return
+    message = _misplaced(state, mesh)
+    if message:
+        raise SpmdError(describe(fn, message[1], leaf=message[0], fix=_MISPLACED_FIX))
+    if where is not None:
+        accepted.add(where)
+
+
+def _raise_if_misplaced(fn: str, state: Any, mesh: Mesh, error: ValueError) -> None:
+    # JAX's own message ("Received incompatible devices ... _compile_train_step.<locals>.body")
+    # names neither mesh nor the fix; replace it when a state leaf is the cause.
+    message = _misplaced(state, mesh)
+    if message:
+        raise SpmdError(describe(fn, message[1], leaf=message[0], fix=_MISPLACED_FIX)) from error
+
+
+_MISPLACED_FIX = (
+    "create the state with the step's mesh (TrainState.create(..., mesh=step_mesh)), or move a "
+    "replicated state there: jax.device_put(state, jax.NamedSharding(step_mesh, jax.P())); a ZeRO-1 "
+    "state (shard_optimizer=True) must be re-created on the step's mesh (restore a checkpoint into it)."
+)
+
+
+def _misplaced(state: Any, mesh: Mesh) -> tuple[str, str] | None:
+    """``(leaf path, message)`` for the first array of ``state`` that the step's mesh cannot take."""
+    want = tuple(mesh.devices.flat)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+            continue
+        sharding = leaf.sharding
+        other = getattr(sharding, "mesh", None)
+        if other is mesh:
+            continue
+        devices = getattr(other, "devices", None)
+        same = (
+            tuple(devices.flat) == want  # same devices in the same order: JAX accepts any axis names
+            if devices is not None
+            else sharding.device_set == set(want)
+        )
+        if not same:
+            return (
+                f"state{jax.tree_util.keystr(path)}",
+                f"the state lives on {_describe_placement(sharding)}, but the step runs on "
+                f"{_describe_mesh(mesh)}.",
+            )
+    return None
+
+
+def _describe_mesh(mesh: Mesh) -> str:
+    return f"mesh {dict(mesh.shape)} over devices {[d.id for d in mesh.devices.flat]}"
+
+
+def _describe_placement(sharding: Any) -> str:
+    other = getattr(sharding, "mesh", None)
+    if getattr(other, "devices", None) is not None:
+        return _describe_mesh(other)
+    return f"devices {sorted(d.id for d in sharding.device_set)} ({type(sharding).__name__})"
 
 
 def _place_batch(fn: str, batch: Any, mesh: Mesh, axis: str, accum_steps: int) -> tuple[Any, Any]:
