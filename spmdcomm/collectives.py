@@ -451,13 +451,15 @@ def scan(x: Any, axis: AxisName, op: str = "sum", *, inclusive: bool = True) -> 
             raise SpmdError(describe("scan", f"op {op!r} has no order on complex dtype {leaf.dtype}.", leaf=path,
                                      fix='use op="sum" or "prod", or scan the real and imaginary parts.'))
         combine = _SCAN_COMBINE[op]
+        # Each round is a full ring shift (the wrapped-around values are masked out): jax.vmap's rule for
+        # ppermute accepts only full permutations, and the collective-permute costs the same.
         y = leaf
         if not inclusive:
-            moved = lax.ppermute(y, axis, [(i, i + 1) for i in range(n - 1)]) if n > 1 else y
+            moved = lax.ppermute(y, axis, _ring(n, 1)) if n > 1 else y
             y = jnp.where(idx >= 1, moved, _identity(op, leaf.dtype))
         step = 1
         while step < n:
-            moved = lax.ppermute(y, axis, [(i, i + step) for i in range(n - step)])
+            moved = lax.ppermute(y, axis, _ring(n, step))
             y = jnp.where(idx >= step, combine(moved, y), y)  # devices < step already hold their prefix
             step *= 2
         return y
@@ -650,6 +652,10 @@ _SCAN_COMBINE: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
     "max": jnp.maximum,  # on booleans: logical or
     "min": jnp.minimum,  # on booleans: logical and
 }
+
+
+def _ring(n: int, step: int) -> list[tuple[int, int]]:
+    return [(i, (i + step) % n) for i in range(n)]
 
 
 def _identity(op: str, dtype: Any) -> Any:
