@@ -169,10 +169,11 @@ def test_loss_fn_gets_a_per_example_key_with_global_offsets():
 
     data = np.ones(GLOBAL, np.float32)
     out = []
-    for n, k in [(1, 1), (4, 1), (2, 2), (8, 2)]:
+    for n, k, backend in [(1, 1, "shard_map"), (4, 1, "shard_map"), (2, 2, "shard_map"), (8, 2, "pmap")]:
         mesh = mesh_of(n)
         state = sc.TrainState.create(params={"w": np.float32(1.0)}, tx=optax.sgd(1.0), rng=3, mesh=mesh)
-        _, metrics = sc.make_train_step(probe, mesh=mesh, accum_steps=k, rng="per_example")(state, data)
+        step = sc.make_train_step(probe, mesh=mesh, accum_steps=k, rng="per_example", backend=backend)
+        _, metrics = step(state, data)
         out.append(float(metrics["loss"]))
     assert seen["per_example"]
     np.testing.assert_allclose(out, out[0], rtol=1e-6)
