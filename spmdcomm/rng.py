@@ -79,7 +79,7 @@ def stream_key_for_call(stream_key: jax.Array, rng: Any) -> jax.Array:
     data = jax.random.key_data(rng) if rows is not None else jnp.asarray(rng, jnp.uint32)
     if rows is None:
         return _map_keys(lambda k: jax.random.fold_in(jax.random.fold_in(k, data[0]), data[1]), stream_key)
-    if jax.random.key_impl(stream_key) != jax.random.key_impl(jax.random.key(0)):
+    if not _is_threefry(stream_key):
         raise SpmdError(
             describe(
                 "make_train_step",
@@ -132,6 +132,11 @@ def _is_key(x: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def _is_threefry(key: jax.Array) -> bool:
+    # key_impl gives the built-in implementations by name and custom ones as a spec.
+    return str(jax.random.key_impl(key)) == _FRY.name
+
+
 def _wrap_placed(x: jax.Array, impl: Any) -> jax.Array:
     # wrap_key_data is a jitted op: with an explicit output sharding the key keeps the data's
     # placement (also for arrays spanning several processes).
@@ -143,7 +148,7 @@ def _wrap_placed(x: jax.Array, impl: Any) -> jax.Array:
 
 def _threefry_data(fn: str, key: Any) -> jax.Array:
     if _is_key(key):
-        if jax.random.key_impl(key) != jax.random.key_impl(jax.random.key(0)):
+        if not _is_threefry(key):
             raise SpmdError(
                 describe(fn, f"expected a threefry key, got a {key.dtype} key.", fix="use jax.random.key(seed).")
             )
