@@ -93,8 +93,10 @@ __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
 ]
 
-# XLA:CPU hangs when more than ~32 executions containing collectives are queued per device; the step
-# objects wait on the result from this many calls back before dispatching another.
+#: How many calls back a train/eval step waits for before dispatching another. XLA:CPU allows about 32
+#: queued executions containing collectives per device; beyond that the collectives stall and XLA
+#: aborts the whole process after about 40 s (SIGABRT, no Python exception). The window lives in the
+#: step object: a step compiled by hand (``step.lower(...).compile()``) bypasses it.
 DEFAULT_MAX_IN_FLIGHT = 8
 _ONE_BUFFER = 2**40  # a bucket size no model reaches: one flat all-reduce buffer per dtype
 _MAX_IN_FLIGHT_LIMIT = 16
@@ -236,10 +238,15 @@ def make_train_step(
         ``TrainState.create(..., shard_optimizer=True)``.
       skip_nonfinite: if any gradient entry on any replica is NaN/Inf, every replica keeps its
         parameters, optimizer and model state (``metrics["skipped"]`` is 1.0 for that step).
-      donate: let the step reuse the input state's buffers (do not touch the old state after the
-        call).
-      max_in_flight: before dispatching, wait for the result from this many calls back (1..16) so
-        XLA:CPU's queue of collective executions never deadlocks.
+      donate: ``True`` (default): the new state reuses the input state's buffers, so the state
+        passed in is consumed; passing it again (to a step, an eval step or ``save_checkpoint``)
+        raises :class:`~spmdcomm.errors.DeletedArrayError`. ``False`` keeps the old state usable
+        (or copy it first: ``jax.tree.map(jnp.copy, state)``).
+      max_in_flight: before dispatching, wait for the result from this many calls back (1..16).
+        XLA:CPU allows about 32 queued executions containing collectives per device; more stall
+        and abort the process after about 40 s (SIGABRT, not a Python exception). A step compiled
+        by hand with ``step.lower(state, batch).compile()`` bypasses this window (and the state
+        checks): a loop over it must wait on earlier results itself.
       rng: the key ``loss_fn`` gets. ``"per_device"`` (default): a raw ``uint32[2]`` key that
         differs on every device and micro-batch (like torch DDP's per-rank generators; the bits an
         example sees depend on the device count). ``"per_example"``: a
@@ -247,8 +254,13 @@ def make_train_step(
         on the seed, the step and its global index in the batch, so training does not depend on the
         device count or ``accum_steps``; every draw must have the block's examples in dimension 0.
 
+    ``state`` must live on ``mesh`` (a state from another mesh raises :class:`SpmdError` naming
+    both). Float64 model state and metrics (``jax_enable_x64``) are averaged in float64; narrower
+    floats in float32, cast back.
+
     ``batch`` is a pytree of arrays whose dimension 0 is the global batch (host NumPy, placed by the
-    step; or ``jax.Array``), or a :class:`~spmdcomm.MaskedBatch`. With several processes, host
+    step; or ``jax.Array``), or a :class:`~spmdcomm.MaskedBatch`, whose masked-out rows reach
+    ``loss_fn`` as zeros (a NaN there changes nothing). With several processes, host
     arrays are this process's part. ``metrics`` holds the loss, ``aux`` metrics, ``"examples"``
     (real examples in the global batch) and, with ``skip_nonfinite``, ``"skipped"``; all are means
     over the real examples of the global batch.
