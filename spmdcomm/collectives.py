@@ -324,7 +324,7 @@ def reduce(x: Any, axis: AxisName, *, root: int = 0, op: ReduceOp = "sum") -> An
 
     def pick(t: Any, leaf: Any) -> jax.Array:
         t, leaf = jnp.asarray(t), jnp.asarray(leaf)  # Python numbers stay numbers through lax.psum
-        return jnp.where(is_root, t, leaf.astype(t.dtype))
+        return _select_exact(is_root, t, leaf.astype(t.dtype))
 
     return jax.tree.map(pick, total, x)
 
@@ -344,9 +344,7 @@ def gather(x: Any, axis: AxisName, *, root: int = 0, dim: int = 0) -> Any:
     """
     n = _axis_size("gather", axis)
     _check_root("gather", root, axis, n)
-    is_root = lax.axis_index(axis) == root
-    gathered = _all_gather("gather", x, axis, dim, True)
-    return jax.tree.map(lambda g: jnp.where(is_root, g, jnp.zeros_like(g)), gathered)
+    return _all_gather("gather", x, axis, dim, True, root=int(root))
 
 
 def scatter(x: Any, axis: AxisName, *, root: int = 0, dim: int = 0) -> Any:
@@ -370,10 +368,13 @@ def scatter(x: Any, axis: AxisName, *, root: int = 0, dim: int = 0) -> Any:
         leaf = jnp.asarray(leaf)
         d = _dim("scatter", path, leaf, dim, axis=axis, n=n)
         _check_split("scatter", path, leaf, d, axis, n)
-        moved = _widen(leaf)
-        mixed = lax.all_to_all(moved, axis, d, d, tiled=True)  # [chunk i of device 0, of device 1, ...]
         chunk = leaf.shape[d] // n
-        return _narrow(lax.slice_in_dim(mixed, int(root) * chunk, (int(root) + 1) * chunk, axis=d), leaf.dtype)
+
+        def move(v: jax.Array) -> jax.Array:
+            mixed = lax.all_to_all(v, axis, d, d, tiled=True)  # [chunk i of device 0, of device 1, ...]
+            return lax.slice_in_dim(mixed, int(root) * chunk, (int(root) + 1) * chunk, axis=d)
+
+        return _exact(move, leaf)
 
     return _map("scatter", one, x)
 
@@ -698,20 +699,53 @@ def _gather_blocks(x: jax.Array, axis: AxisName, d: int, *, tiled: bool) -> jax.
     return lax.all_gather(x, axis, axis=d, tiled=tiled, to="invarying" if _vma_checked() else "varying")
 
 
-def _widen(x: jax.Array) -> jax.Array:
-    # XLA:CPU's all-gather, all-to-all and collective-permute canonicalise bfloat16 NaN payloads (0x7FC1 ->
-    # 0x7FC0) while they keep float32 ones; bf16 -> f32 -> bf16 is exact (payload included) and, unlike a bit
-    # cast, differentiable and transposable. So bf16 moves as f32 on CPU (other platforms keep 2 bytes).
-    if x.dtype == jnp.bfloat16 and _platform() == "cpu":
-        return x.astype(jnp.float32)
-    return x
+def _exact(move: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """``move(x)`` for a dtype-agnostic data movement ``move``, delivering the bits of ``x`` unchanged."""
+    if x.dtype in _HALF_FLOATS and _platform() == "cpu":
+        return _move_bits(move, x)
+    return move(x)
 
 
-def _narrow(y: jax.Array, dtype: Any) -> jax.Array:
-    return y if y.dtype == dtype else y.astype(dtype)
+# XLA:CPU computes on 2-byte floats through float32 (its float-normalisation pass): their all-gather,
+# all-to-all, permute and select canonicalise NaN payloads (bf16 0x7FC1 -> 0x7FC0), and so does the f32 ->
+# bf16 convert, so neither the values nor a float32 detour arrive exactly. Their bit patterns move instead
+# (uint16: exact), with a custom_jvp that moves the tangent the same way. The one cost: jax.linear_transpose
+# (which ignores custom_jvp rules) is not available for bf16/f16 leaves of the rooted collectives on CPU.
+_HALF_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _all_gather(fn: str, x: Any, axis: AxisName, dim: int, tiled: bool) -> Any:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _move_bits(move: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(move(lax.bitcast_convert_type(x, jnp.uint16)), x.dtype)
+
+
+@_move_bits.defjvp
+def _move_bits_jvp(move: Callable[[jax.Array], jax.Array], primals: tuple[jax.Array], tangents: tuple[jax.Array]):
+    (x,), (t,) = primals, tangents
+    return _move_bits(move, x), move(t)  # the movement is linear: the tangent moves like the value
+
+
+def _select_exact(pred: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``where(pred, a, b)`` that keeps the bits of 2-byte floats on CPU (see :func:`_exact`)."""
+    if a.dtype in _HALF_FLOATS and _platform() == "cpu":
+        return _select_bits(pred, a, b)
+    return jnp.where(pred, a, b)
+
+
+@jax.custom_jvp
+def _select_bits(pred: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    bits = jnp.where(pred, lax.bitcast_convert_type(a, jnp.uint16), lax.bitcast_convert_type(b, jnp.uint16))
+    return lax.bitcast_convert_type(bits, a.dtype)
+
+
+@_select_bits.defjvp
+def _select_bits_jvp(primals: tuple[jax.Array, ...], tangents: tuple[Any, ...]):
+    (pred, a, b), (_, ta, tb) = primals, tangents
+    return _select_bits(pred, a, b), jnp.where(pred, ta, tb)
+
+
+def _all_gather(fn: str, x: Any, axis: AxisName, dim: int, tiled: bool, root: int | None = None) -> Any:
+    """all_gather (``root=None``) or gather: zeros on the devices other than ``root``."""
     n = _axis_size(fn, axis)
 
     def one(path: str, leaf: Any) -> jax.Array:
@@ -724,29 +758,35 @@ def _all_gather(fn: str, x: Any, axis: AxisName, dim: int, tiled: bool) -> Any:
                 f"along dim={dim!r}.", leaf=path,
                 fix=f"{also}give the value a dimension, e.g. x[None] (shape (1,)), to receive shape ({n},)."))
         d = _dim(fn, path, leaf, dim, extra=0 if tiled else 1, axis=axis, n=n)
-        return _narrow(_gather_blocks(_widen(leaf), axis, d, tiled=tiled), leaf.dtype)
+        if root is None:
+            return _exact(lambda v: _gather_blocks(v, axis, d, tiled=tiled), leaf)
+        is_root = lax.axis_index(axis) == root
+        return _exact(lambda v: jnp.where(is_root, _gather_blocks(v, axis, d, tiled=tiled), jnp.zeros((), v.dtype)),
+                      leaf)
 
     return _map(fn, one, x)
 
 
 def _broadcast_leaf(x: jax.Array, axis: AxisName, root: int, n: int, *, split: bool | None = None) -> jax.Array:
     """Device ``root``'s ``x`` on every device, by data movement only (exact, differentiable, transposable)."""
-    moved = _widen(x)
     if split is None:
-        nbytes = moved.size * moved.dtype.itemsize
+        nbytes = x.size * x.dtype.itemsize
         split = n > 2 and nbytes >= BROADCAST_SPLIT_MIN_BYTES.get(_platform(), 2**20)
     if not split or n == 1:
-        return _narrow(_gather_blocks(moved, axis, 0, tiled=False)[root], x.dtype)
-    flat = moved.reshape(-1)
-    pad = (-flat.size) % n
-    if pad:
-        flat = jnp.pad(flat, (0, pad))
-    rows = flat.reshape(n, -1)
-    # Device j receives chunk j of every device's leaf (row i from device i) and keeps the root's row; the
-    # all-gather then assembles the root's chunks everywhere.
-    mixed = lax.all_to_all(rows, axis, 0, 0, tiled=True)
-    full = _gather_blocks(mixed[root], axis, 0, tiled=True)
-    return _narrow(full[: x.size].reshape(x.shape), x.dtype)
+        return _exact(lambda v: _gather_blocks(v, axis, 0, tiled=False)[root], x)
+
+    def move(v: jax.Array) -> jax.Array:
+        flat = v.reshape(-1)
+        pad = (-flat.size) % n
+        if pad:
+            flat = jnp.pad(flat, (0, pad))
+        # Device j receives chunk j of every device's leaf (row i from device i) and keeps the root's row;
+        # the all-gather then assembles the root's chunks everywhere.
+        mixed = lax.all_to_all(flat.reshape(n, -1), axis, 0, 0, tiled=True)
+        full = _gather_blocks(mixed[root], axis, 0, tiled=True)
+        return full[: v.size].reshape(v.shape)
+
+    return _exact(move, x)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))

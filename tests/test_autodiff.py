@@ -298,3 +298,25 @@ def test_pmin_jvp_of_integers_has_no_tangent(backend):
     m = mapped(lambda b: sc.pmin(b, AX), mesh=mesh, backend=backend)
     out = jax.jit(m)(np.array([[3], [1]], np.int32))
     assert np.asarray(out).tolist() == [[1], [1]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2-byte floats on CPU move as bit patterns with a custom_jvp: grad and jvp still follow the reference
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_float_rooted_collectives_differentiate(dtype):
+    mesh = sc.data_mesh(devices=jax.devices()[:4])
+    x, t = (a.astype(dtype) for a in block_input(4))
+    for case in [c for c in CASES if c.name in ("broadcast", "broadcast_split", "gather", "scatter", "reduce_sum")]:
+        m_ours = mapped(case.ours, mesh=mesh, backend="shard_map")
+        m_ref = mapped(case.ref, mesh=mesh, backend="shard_map")
+        got = jax.jit(lambda v, u, m=m_ours: jax.jvp(m, (v,), (u,)))(x, t)
+        want = jax.jit(lambda v, u, m=m_ref: jax.jvp(m, (v,), (u,)))(x, t)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2,
+                                       err_msg=case.name)
+        grad = jax.jit(jax.grad(lambda v, m=m_ours: (m(v).astype(jnp.float32) ** 2).sum()))(x)
+        grad_ref = jax.jit(jax.grad(lambda v, m=m_ref: (m(v).astype(jnp.float32) ** 2).sum()))(x)
+        np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(grad_ref, np.float32), rtol=2e-2,
+                                   atol=2e-2, err_msg=case.name)

@@ -328,3 +328,106 @@ def test_large_broadcast_is_exact():
     x[2, :3] = [-0.0, 1e-45, np.nan]
     out = sc.spmd(lambda v: sc.broadcast(v, "data", root=2), in_specs=P("data"), out_specs=P("data"))(x)
     np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.tile(x[2].view(np.uint32), (8, 1)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rooted collectives deliver every dtype bit for bit
+
+
+def special_bits(dtype, n: int, width: int = 8) -> np.ndarray:
+    """(n, width) blocks: row 0 holds -0.0, denormals, infinities and NaNs with payloads; others random bits."""
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(7)
+    if dt.kind == "b":
+        return rng.random((n, width)) > 0.5
+    if dt.kind in "iu":
+        return rng.integers(np.iinfo(dt).min, np.iinfo(dt).max, size=(n, width), dtype=dt, endpoint=True)
+    bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[dt.itemsize]
+    raw = rng.integers(0, np.iinfo(bits).max, size=(n, width), dtype=bits, endpoint=True)
+    exp_bits = {"bfloat16": 8, "float16": 5, "float32": 8, "float64": 11}[dt.name]
+    mant = 8 * dt.itemsize - 1 - exp_bits
+    sign, exp_all = bits(1) << bits(8 * dt.itemsize - 1), ((bits(1) << bits(exp_bits)) - bits(1)) << bits(mant)
+    quiet = bits(1) << bits(mant - 1)
+    row = [sign,                                  # -0.0
+           bits(1), bits(3) | sign,               # denormals
+           exp_all, exp_all | sign,               # +-inf
+           exp_all | quiet | bits(1),             # quiet NaN with payload 1
+           exp_all | quiet | bits(5) | sign,      # negative NaN with a payload
+           bits(0)]
+    raw[0, : len(row)] = row
+    return raw.view(dt)
+
+
+EXACT_DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.int32, np.int8, np.uint8, np.bool_]
+ROOTED = [
+    ("broadcast", lambda v, r: sc.broadcast(v, "data", root=r), lambda xs, r, i: xs[r]),
+    ("broadcast_split", lambda v, r: sc.collectives._broadcast_leaf(v, "data", r, sc.axis_size("data"), split=True),
+     lambda xs, r, i: xs[r]),
+    ("scatter", lambda v, r: sc.scatter(v, "data", root=r, dim=1),
+     lambda xs, r, i: np.split(xs[r], len(xs), axis=1)[i]),
+    ("gather", lambda v, r: sc.gather(v, "data", root=r, dim=1),
+     lambda xs, r, i: np.concatenate(xs, 1) if i == r else np.zeros_like(np.concatenate(xs, 1))),
+    ("all_gather", lambda v, r: sc.all_gather(v, "data", dim=1), lambda xs, r, i: np.concatenate(xs, 1)),
+    ("reduce_max_nonroot", lambda v, r: sc.reduce(v, "data", root=r, op="max"),
+     lambda xs, r, i: np.max(np.stack(xs), 0) if i == r else xs[i]),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", EXACT_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_rooted_collectives_are_bitwise_exact(dtype, backend):
+    mesh = sc.data_mesh(devices=jax.devices()[:4])
+    blocks = np.stack([special_bits(dtype, 4)[(i + 2) % 4] for i in range(4)])  # the specials live on device 2
+    # The float max over random bit patterns (NaNs included) is not the point: reduce is checked on integers.
+    floating = jnp.issubdtype(dtype, jnp.floating)
+    ids = [name for name, *_ in ROOTED if not (name == "reduce_max_nonroot" and floating)]
+    fns = {name: fn for name, fn, _ in ROOTED if name in ids}
+    out = sc.spmd(lambda v: {k: f(v, 2) for k, f in fns.items()}, mesh=mesh, in_specs=P("data"),
+                  out_specs=P("data"), backend=backend)(blocks)
+    raw = (lambda a: np.asarray(a).view(np.uint8)) if np.dtype(dtype).kind != "b" else np.asarray  # noqa: E731
+    xs = [b[None] for b in blocks]  # device i's block, shape (1, 8)
+    for name, _, ref in ROOTED:
+        if name not in fns:
+            continue
+        want = np.concatenate([ref(xs, 2, i) for i in range(4)])
+        assert np.asarray(out[name]).dtype == want.dtype, name
+        np.testing.assert_array_equal(raw(out[name]), raw(want), err_msg=f"{name} {np.dtype(dtype).name}")
+
+
+def test_float64_rooted_collectives_are_bitwise_exact():
+    with jax.enable_x64(True):
+        mesh = sc.data_mesh(devices=jax.devices()[:2])
+        blocks = special_bits(np.float64, 2)[::-1].copy()  # specials on device 1
+        out = sc.spmd(lambda v: (sc.broadcast(v, "data", root=1), sc.gather(v, "data", root=1)), mesh=mesh,
+                      in_specs=P("data"), out_specs=P("data"))(blocks)
+        assert out[0].dtype == np.float64
+        np.testing.assert_array_equal(np.asarray(out[0]).view(np.uint64), np.tile(blocks[1:].view(np.uint64), (2, 1)))
+        np.testing.assert_array_equal(np.asarray(out[1])[2:].view(np.uint64), blocks.view(np.uint64))  # root: 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Python scalars
+
+
+SCALAR_CASES = [
+    ("psum", lambda: sc.psum(3, "data"), lambda n, i: 3 * n),
+    ("pmean", lambda: sc.pmean(2.5, "data"), lambda n, i: 2.5),
+    ("pmax", lambda: sc.pmax(3.5, "data"), lambda n, i: 3.5),
+    ("pmin", lambda: sc.pmin(-1, "data"), lambda n, i: -1),
+    ("all_reduce_prod", lambda: sc.all_reduce(2, "data", "prod"), lambda n, i: 2**n),
+    ("all_gather_untiled", lambda: sc.all_gather(1.5, "data", tiled=False), lambda n, i: [1.5] * n),
+    ("broadcast", lambda: sc.broadcast(3, "data", root=1), lambda n, i: 3),
+    ("reduce", lambda: sc.reduce(3, "data", root=0), lambda n, i: 3 * n if i == 0 else 3),
+    ("reduce_max", lambda: sc.reduce(True, "data", root=1, op="max"), lambda n, i: True),
+    ("permute", lambda: sc.permute(3.0, "data", [(0, 1)]), lambda n, i: 3.0 if i == 1 else 0.0),
+    ("shift", lambda: sc.shift(7, "data", 1), lambda n, i: 7),
+    ("scan", lambda: sc.scan(2, "data"), lambda n, i: 2 * (i + 1)),
+]
+
+
+@pytest.mark.parametrize("name, fn, want", SCALAR_CASES, ids=[c[0] for c in SCALAR_CASES])
+def test_python_scalars(name, fn, want):
+    mesh = sc.data_mesh(devices=jax.devices()[:4])
+    out = sc.spmd(lambda _: jnp.asarray(fn())[None], mesh=mesh, in_specs=P("data"), out_specs=P("data"))(
+        np.zeros(4))
+    np.testing.assert_allclose(np.asarray(out).tolist(), [want(4, i) for i in range(4)])

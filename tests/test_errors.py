@@ -157,3 +157,34 @@ def test_make_mesh_bad_sizes(axes, match):
 
 def test_errors_are_value_errors():
     assert issubclass(sc.AxisError, ValueError) and issubclass(sc.ShapeError, sc.SpmdError)
+
+
+@pytest.mark.parametrize("fn_name, fn, fix", [
+    ("all_gather", lambda x: sc.all_gather({"s": x.sum()}, "data"), "pass tiled=False"),
+    ("gather", lambda x: sc.gather({"s": x.sum()}, "data"), "x[None]"),
+])
+def test_gather_of_a_scalar_says_how_to_fix(fn_name, fn, fix):
+    with pytest.raises(sc.ShapeError) as err:
+        call(fn)
+    msg = str(err.value)
+    assert msg.startswith(f"spmdcomm.{fn_name}: leaf ['s']: the block is 0-d"), msg
+    assert "8 blocks of axis 'data'" in msg and fix in msg and "to receive shape (8,)" in msg
+    assert "[0, 0)" not in msg
+
+
+def test_scatter_of_a_scalar_says_it_has_no_dimension():
+    with pytest.raises(sc.ShapeError, match=r"spmdcomm.scatter: leaf <root>: the block is 0-d .* over axis 'data' "
+                       r"of size 8\. Fix: give the value at least one dimension"):
+        call(lambda x: sc.scatter(x.sum(), "data"))
+
+
+@pytest.mark.parametrize("fn, err, match", [
+    (lambda x: sc.scan(x, "dat"), sc.AxisError, r"spmdcomm.scan: unknown axis name 'dat'"),
+    (lambda x: sc.scan(x, "data", "mean"), sc.SpmdError,
+     r"spmdcomm.scan: unknown op 'mean'.*use one of \('sum', 'max', 'min', 'prod'\)"),
+    (lambda x: sc.scan(x, "data", inclusive="yes"), sc.SpmdError, r"spmdcomm.scan: inclusive must be True or False"),
+    (lambda x: sc.scan(x.astype("complex64"), "data", "max"), sc.SpmdError, r"spmdcomm.scan: leaf <root>: op 'max'"),
+])
+def test_scan_validates_its_input(fn, err, match):
+    with pytest.raises(err, match=match):
+        call(fn)
