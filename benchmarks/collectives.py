@@ -98,13 +98,20 @@ def variants(op: str, n: int, jax, sc) -> dict[str, tuple[Callable, Callable]]:
         },
         "broadcast": {
             # jax.lax.pbroadcast has no CPU lowering. The hand-written baseline is the exact idiom spmdcomm uses
-            # for small messages (a masked psum of the bit pattern); "lax_f32" is the common float idiom, which
-            # is faster on XLA:CPU but loses -0.0 and denormals.
-            "lax": lambda x: lax.bitcast_convert_type(lax.psum(jax.numpy.where(
+            # for small messages (one all-gather, keep the root's block; from BROADCAST_SPLIT_MIN_BYTES on it
+            # switches to all-to-all + all-gather). "lax_bits_psum" and "lax_bits_rs_ag" are the exact idioms
+            # spmdcomm used before (masked psum / reduce-scatter + all-gather of the bit pattern: not
+            # differentiable); "lax_f32" is the common float idiom, which loses -0.0 and denormals.
+            "lax": lambda x: lax.all_gather(x, "data", tiled=False)[0],
+            "lax_bits_psum": lambda x: lax.bitcast_convert_type(lax.psum(jax.numpy.where(
                 lax.axis_index("data") == 0, lax.bitcast_convert_type(x, jax.numpy.uint32), 0), "data"),
                 jax.numpy.float32),
+            "lax_bits_rs_ag": lambda x: lax.bitcast_convert_type(lax.all_gather(lax.psum_scatter(jax.numpy.where(
+                lax.axis_index("data") == 0, lax.bitcast_convert_type(x, jax.numpy.uint32), 0), "data",
+                tiled=True), "data", tiled=True), jax.numpy.float32),
             "lax_f32": lambda x: lax.psum(jax.numpy.where(lax.axis_index("data") == 0, x, 0), "data"),
             "spmdcomm": lambda x: sc.broadcast(x, "data", root=0),
+            "spmdcomm_split": lambda x: sc.collectives._broadcast_leaf(x, "data", 0, n, split=True),
         },
     }
     return ring_free[op]

@@ -19,7 +19,9 @@ Derivatives: every collective differentiates (``jax.grad``, ``jax.jvp``, ``jax.v
 ``jax.vmap``, ``jax.checkpoint`` and to any order; each docstring states its derivative. As in ``jax.lax``, a
 derivative taken *inside* the mapped function follows the backend's rules: under ``shard_map`` with
 ``check_vma=True`` the cotangent of an output that is identical on every device is not summed over devices,
-under ``pmap`` (and ``check_vma=False``) it is.
+under ``pmap`` (and ``check_vma=False``) it is. One exception: on CPU, bfloat16/float16 leaves of the rooted
+collectives and ``all_gather`` move as bit patterns (XLA:CPU changes their NaN payloads otherwise) with a
+custom JVP, so ``jax.linear_transpose`` raises ``NotImplementedError`` for them (``grad``/``vjp`` work).
 
 >>> import jax, jax.numpy as jnp, numpy as np
 >>> import spmdcomm as sc
@@ -81,9 +83,10 @@ RS_AG_MIN_BYTES = 4 * 2**20
 
 # broadcast switches a leaf from one all-gather (every device receives all n blocks and keeps the root's) to
 # all-to-all + all-gather (2(n-1)/n of the leaf per device, like an all-reduce) from this many bytes per device
-# on, per platform, when the axis has more than 2 devices (with 2 both move the same bytes). On GPU/TPU the
-# value is the size where one collective's latency (~10-20 us) equals the bandwidth saved at 8 devices.
-BROADCAST_SPLIT_MIN_BYTES: dict[str, int] = {"cpu": 2**20, "gpu": 2**20, "tpu": 2**20}
+# on, per platform, when the axis has more than 2 devices (with 2 both move the same bytes). CPU: measured by
+# benchmarks/collectives.py on 8 devices (equal at 64 KiB, the split 3x faster at 256 KiB). GPU/TPU (not
+# measured): the size where one more collective's latency (~10-20 us) equals the bandwidth saved at 8 devices.
+BROADCAST_SPLIT_MIN_BYTES: dict[str, int] = {"cpu": 2**16, "gpu": 2**20, "tpu": 2**20}
 
 
 def psum(x: Any, axis: AxisName, *, algorithm: Algorithm = "auto") -> Any:
