@@ -196,7 +196,11 @@ def table_results(backend: str, n: int) -> dict[str, tuple[dict[str, Any], dict[
     return jax.device_get(compiled(x, t, ws))
 
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# XLA:CPU options; other backends compile with their defaults.
+FAST_COMPILE = (
+    {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    if jax.default_backend() == "cpu" else {}
+)
 
 
 def compare(ours: dict[str, Any], ref: dict[str, Any], what: str) -> None:
@@ -212,6 +216,8 @@ def compare(ours: dict[str, Any], ref: dict[str, Any], what: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_derivatives_match_lax_reference(case, backend, n):
     """1 and 4 devices are marked slow: 2 and 8 cover the same code paths (n == 1 skips communication)."""
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices")
     ours, ref = table_results(backend, n)[case.name]
     compare(ours, ref, f"{case.name} {backend} n={n}")
     assert np.all(np.isfinite(ours["vjp"]))
