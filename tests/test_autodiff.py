@@ -72,12 +72,14 @@ def reduce_ref(op: str, v: jax.Array) -> jax.Array:
 
 
 def scan_ref(op: str, inclusive: bool, v: jax.Array) -> jax.Array:
+    # A masked reduction over the stacked blocks rather than jnp.cumprod / lax.cummax: the derivatives of those
+    # crash XLA:CPU's compiler in jax 0.11.2 (segfault), while the masked form is the same function.
     s = stack(v)
-    cum = {"sum": jnp.cumsum, "prod": jnp.cumprod, "max": lax.cummax, "min": lax.cummin}[op](s, axis=0)
-    if not inclusive:
-        ident = {"sum": 0.0, "prod": 1.0, "max": -jnp.inf, "min": jnp.inf}[op]
-        cum = jnp.concatenate([jnp.full_like(s[:1], ident), cum[:-1]], axis=0)
-    return lax.dynamic_index_in_dim(cum, idx(), 0, keepdims=False)
+    devices = jnp.arange(s.shape[0]).reshape((-1,) + (1,) * (s.ndim - 1))
+    upto = devices <= idx() if inclusive else devices < idx()
+    ident = {"sum": 0.0, "prod": 1.0, "max": -jnp.inf, "min": jnp.inf}[op]
+    reduce = {"sum": jnp.sum, "prod": jnp.prod, "max": jnp.max, "min": jnp.min}[op]
+    return reduce(jnp.where(upto, s, ident), axis=0)
 
 
 def ring(offset: int) -> list[tuple[int, int]]:
