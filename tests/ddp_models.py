@@ -147,3 +147,13 @@ def run_reference(kind, opt, batches):
 
 
 BATCHES = {kind: [example_batch(kind, 16, seed=s) for s in range(STEPS)] for kind in ("mlp", "cnn")}
+
+
+def local_rows(batch, mesh):
+    """This process's rows of a global host batch (its devices' blocks are contiguous), as
+    ``jax.make_array_from_process_local_data`` and the train step expect host input with several processes."""
+    size = len(jax.tree.leaves(batch)[0])
+    index_map = sc.data_sharding(mesh).addressable_devices_indices_map((size,))
+    start = min(idx[0].start or 0 for idx in index_map.values())
+    stop = max(idx[0].stop or size for idx in index_map.values())
+    return jax.tree.map(lambda x: x[start:stop], batch)

@@ -18,17 +18,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_models import example_batch, init, loss_fn  # noqa: E402
-
-
-def local_rows(batch, mesh):
-    """This process's rows of a global host batch (as make_array_from_process_local_data
-    expects)."""
-    size = len(jax.tree.leaves(batch)[0])
-    index_map = sc.data_sharding(mesh).addressable_devices_indices_map((size,))
-    start = min(idx[0].start or 0 for idx in index_map.values())
-    stop = max(idx[0].stop or size for idx in index_map.values())
-    return jax.tree.map(lambda x: x[start:stop], batch)
+from ddp_models import example_batch, init, local_rows, loss_fn  # noqa: E402
 
 
 def main(out_dir: Path) -> None:

@@ -19,16 +19,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddp_models import local_rows  # noqa: E402
 from test_rng import GLOBAL, NnxDropout, batches, nnx_mse  # noqa: E402
-
-
-def local_rows(batch, mesh):
-    """This process's rows of a global host batch (its devices' blocks are contiguous)."""
-    size = len(jax.tree.leaves(batch)[0])
-    index_map = sc.data_sharding(mesh).addressable_devices_indices_map((size,))
-    start = min(idx[0].start or 0 for idx in index_map.values())
-    stop = max(idx[0].stop or size for idx in index_map.values())
-    return jax.tree.map(lambda x: x[start:stop], batch)
 
 
 def main(out_dir: Path) -> None:
