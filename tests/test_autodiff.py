@@ -272,9 +272,11 @@ def composed_results(backend: str, n: int) -> dict[str, tuple[dict[str, Any], di
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", COMPOSED)
 def test_composes_with_vmap_jit_checkpoint_and_higher_order(name, backend):
-    ours, ref = composed_results(backend, 4)[name]
+    n = min(4, jax.device_count())
+    ours, ref = composed_results(backend, n)[name]
     compare(ours, ref, f"{name} {backend} composed")
-    assert np.any(ours["jacfwd_of_grad"] != 0)
+    if not (name.endswith("_exclusive") and n == 1):  # device 0 gets a constant: zero is right
+        assert np.any(ours["jacfwd_of_grad"] != 0)
 
 
 def test_vmap_with_the_collective_axis():
@@ -290,6 +292,7 @@ def test_vmap_with_the_collective_axis():
 # pmax/pmin: jnp.max's convention
 
 
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pmax_ties_split_evenly_like_jnp_max(backend):
     mesh = sc.data_mesh(devices=jax.devices()[:4])
@@ -300,18 +303,22 @@ def test_pmax_ties_split_evenly_like_jnp_max(backend):
     np.testing.assert_allclose(got[:, 0], [0.0, 2.0, 2.0, 0.0])
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pmin_jvp_of_integers_has_no_tangent(backend):
     mesh = sc.data_mesh(devices=jax.devices()[:2])
     m = mapped(lambda b: sc.pmin(b, AX), mesh=mesh, backend=backend)
-    out = jax.jit(m)(np.array([[3], [1]], np.int32))
+    x = np.array([[3], [1]], np.int32)
+    out, tangent = jax.jvp(m, (x,), (np.zeros(x.shape, jax.dtypes.float0),))
     assert np.asarray(out).tolist() == [[1], [1]]
+    assert tangent.dtype == jax.dtypes.float0
 
 
 # ---------------------------------------------------------------------------------------------------------
 # 2-byte floats on CPU move as bit patterns with a custom_jvp: grad and jvp still follow the reference
 
 
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_float_rooted_collectives_differentiate(dtype):
     mesh = sc.data_mesh(devices=jax.devices()[:4])

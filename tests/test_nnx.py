@@ -101,6 +101,7 @@ def cnn_batches(steps, seed=0):
     ]
 
 
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
 def test_create_nnx_with_several_rng_streams():
     model = NnxDropout(nnx.Rngs(params=0, dropout=1, noise=2))
     _, _, rest = nnx.split(model, nnx.Param, ...)

@@ -191,6 +191,7 @@ def test_same_parameters_on_1_2_4_8_devices_and_with_accumulation(kind):
     assert ref_history[0]["loss"] != pytest.approx(ref_history[1]["loss"])
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_default_per_device_keys_depend_on_the_device_count(kind):
     data = batches(2)
@@ -199,6 +200,7 @@ def test_default_per_device_keys_depend_on_the_device_count(kind):
     assert not all(np.allclose(a, b, rtol=1e-3) for a, b in zip(host(one.params), host(two.params), strict=True))
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
 def test_a_draw_broadcast_over_the_batch_raises_when_the_step_compiles():
     class Broadcast(nn.Module):
         @nn.compact

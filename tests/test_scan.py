@@ -67,6 +67,7 @@ def test_exclusive_identities():
 
 
 @pytest.mark.parametrize("axes", [("a", "b"), "b", "a"], ids=["ab", "b", "a"])
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs a 4 x 2 mesh")
 def test_scan_on_a_2d_mesh(axes):
     mesh = sc.make_mesh({"a": 4, "b": 2})
     blocks = np.arange(1, 9, dtype=np.int32).reshape(4, 2, 1)  # block of device (a, b)
@@ -83,6 +84,7 @@ def test_scan_on_a_2d_mesh(axes):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
 def test_scan_of_a_python_scalar_and_a_pytree():
     mesh = sc.data_mesh(devices=jax.devices()[:4])
     def f(x):
@@ -95,9 +97,10 @@ def test_scan_of_a_python_scalar_and_a_pytree():
 
 
 def test_scan_gradient_is_the_reverse_cumulative_sum():
-    mesh = sc.data_mesh(devices=jax.devices()[:8])
+    n = jax.device_count()
+    mesh = sc.data_mesh()
     m = jax.shard_map(lambda b: sc.scan(b, "data"), mesh=mesh, in_specs=P("data"), out_specs=P("data"))
-    w = np.arange(1.0, 9.0, dtype=np.float32)
-    grad = jax.jit(jax.grad(lambda v: (m(v) * w).sum()))(np.ones(8, np.float32))
+    w = np.arange(1.0, n + 1.0, dtype=np.float32)
+    grad = jax.jit(jax.grad(lambda v: (m(v) * w).sum()))(np.ones(n, np.float32))
     np.testing.assert_allclose(grad, np.cumsum(w[::-1])[::-1])
     assert jnp.asarray(grad).dtype == jnp.float32
