@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from spmdcomm._jax_compat import check_vma_enabled, varying_axes
 from spmdcomm.errors import AxisError, ReplicatedReductionWarning, ShapeError, SpmdError, describe
 
 __all__ = [
@@ -594,16 +595,13 @@ def _check_perm(perm: Sequence[tuple[int, int]], axis: AxisName, n: int) -> list
 
 
 def _warn_if_replicated(fn: str, leaves: list[tuple[str, Any]], axis: AxisName, op: str) -> None:
-    from jax._src import config as jax_config  # the only place check_vma is visible from inside a trace
-
-    if not jax_config._check_vma.value:
+    if not check_vma_enabled():
         return
     names = set(axis if isinstance(axis, tuple) else (axis,))
     for path, leaf in leaves:
         if not isinstance(leaf, jax.core.Tracer):
             continue  # Python numbers and constants: psum(1, axis) counts devices on purpose
-        varying = getattr(getattr(jax.typeof(leaf), "mat", None), "varying", None)
-        if varying is not None and not names & set(varying):
+        if not names & varying_axes(leaf):
             effect = "multiplies it by the axis size" if op == "sum" else "is a no-op"
             warnings.warn(describe(
                 fn, f"the value is already identical on every device of axis {axis!r}, so a {op} {effect}. "
@@ -679,9 +677,7 @@ def _identity(op: str, dtype: Any) -> Any:
 
 def _vma_checked() -> bool:
     """True inside ``shard_map(check_vma=True)``, False under ``pmap``, ``check_vma=False`` and ``vmap``."""
-    from jax._src import config as jax_config  # the only place check_vma is visible from inside a trace
-
-    return bool(jax_config._check_vma.value)
+    return check_vma_enabled()
 
 
 def _platform() -> str:

@@ -64,6 +64,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm._jax_compat import varying_axes
 from spmdcomm.collectives import all_gather, reduce_scatter
 from spmdcomm.data import MaskedBatch, leading_size
 from spmdcomm.errors import ShapeError, SpmdError, check_not_deleted, describe
@@ -839,7 +840,7 @@ def _vary(tree: Any, axis: str, varying: bool) -> Any:
     if not varying:
         return tree
     return jax.tree.map(
-        lambda x: x if axis in jax.typeof(x).mat.varying else lax.pcast(x, axis, to="varying"), tree
+        lambda x: x if axis in varying_axes(x) else lax.pcast(x, axis, to="varying"), tree
     )
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import jax
 
+from spmdcomm._jax_compat import auto_detect_cluster, backends_initialized
+from spmdcomm._jax_compat import coordination_client as jax_coordination_client
 from spmdcomm.errors import CoordinatorError, DistributedError, SpmdError, describe
 from spmdcomm.mesh import process_count, process_index
 
@@ -94,9 +96,7 @@ def initialize(
             fix=f"pass them, set {ENV_COORDINATOR} and {ENV_PROCESS_ID}, or start the script with "
             "spmdcomm-launch."))
     host, port = _split_address(address)
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if backends_initialized():
         raise DistributedError(describe(
             "initialize", "JAX's backend is already running in this process (something called "
             "jax.devices(), created an array or ran a computation), so it can no longer join a "
@@ -171,14 +171,13 @@ def coordination_client(fn: str) -> Any:
 
     ``fn`` names the caller for the error raised when the process has not joined a job.
     """
-    from jax._src.distributed import global_state
-
-    if global_state.client is None:
+    client = jax_coordination_client()
+    if client is None:
         raise DistributedError(describe(
             fn, "this process has not joined a multi-process job.",
             fix="call spmdcomm.initialize() at the top of the script (under spmdcomm-launch, "
             "SLURM, Open MPI or Kubernetes it finds its settings)."))
-    return global_state.client
+    return client
 
 
 # ------------------------------------------------------------------------------------------------
@@ -202,10 +201,7 @@ def _auto_detect(
     address: str | None, count: int | None, pid: int | None, device_ids: Sequence[int] | None,
     timeout: float,
 ) -> tuple[str | None, int | None, int | None, Sequence[int] | None]:
-    from jax._src.clusters import ClusterEnv
-
-    return ClusterEnv.auto_detect_unset_distributed_params(
-        address, count, pid, device_ids, None, max(1, math.ceil(timeout)))
+    return auto_detect_cluster(address, count, pid, device_ids, timeout=max(1, math.ceil(timeout)))
 
 
 def _env_int(var: str) -> int | None:

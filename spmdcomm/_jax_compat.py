@@ -1,0 +1,179 @@
+"""Every access spmdcomm makes to JAX internals, behind one small function each.
+
+JAX has no public API for a few things spmdcomm needs: whether the current ``shard_map`` trace checks
+varying manual axes, the coordination-service client of a multi-process job, whether the backends have
+started, and cluster auto-detection. Those accesses live here and nowhere else in spmdcomm, so a JAX
+upgrade that moves one of them breaks exactly one function, which then raises a clear error naming the
+installed JAX version and the supported range instead of an ``AttributeError`` deep inside a trace.
+Where a public API exists it is used instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from spmdcomm.errors import DistributedError, SpmdError
+
+__all__ = [
+    "JAX_MAX_VERSION",
+    "JAX_MIN_VERSION",
+    "SUPPORTED_JAX",
+    "auto_detect_cluster",
+    "backends_initialized",
+    "check_vma_enabled",
+    "coordination_client",
+    "jax_version",
+    "jax_version_supported",
+    "varying_axes",
+]
+
+# The JAX releases spmdcomm is tested on: JAX_MIN_VERSION inclusive, JAX_MAX_VERSION exclusive. This is
+# the one place in the code that states them; the jax and jaxlib bounds in pyproject.toml must match
+# (tests/test_jax_compat.py checks that they do).
+JAX_MIN_VERSION: tuple[int, int] = (0, 10)
+JAX_MAX_VERSION: tuple[int, int] = (0, 12)
+SUPPORTED_JAX = f"jax>={'.'.join(map(str, JAX_MIN_VERSION))},<{'.'.join(map(str, JAX_MAX_VERSION))}"
+
+
+def jax_version() -> tuple[int, ...]:
+    """The installed JAX version as integers, e.g. ``(0, 10, 2)``."""
+    info = getattr(jax, "__version_info__", None)
+    if info is not None:
+        return tuple(info)
+    return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+def jax_version_supported(version: Sequence[int] | None = None) -> bool:
+    """Whether ``version`` (default: the installed JAX) lies in the supported range."""
+    v = tuple(jax_version() if version is None else version)
+    return JAX_MIN_VERSION <= v[:2] < JAX_MAX_VERSION
+
+
+def check_vma_enabled() -> bool:
+    """True inside ``shard_map(check_vma=True)``; False under ``pmap``, ``check_vma=False`` and outside.
+
+    The flag is part of the trace context, so it is read on every call; only the lookup of the flag
+    object is cached (this runs on every collective trace).
+    """
+    flag = _check_vma_flag
+    if flag is None:
+        flag = _resolve_check_vma_flag()
+    return bool(flag.value)
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The manual mesh axes over which ``x`` may differ between devices (its type under ``check_vma=True``).
+
+    Values whose type is not an array type (tokens, references) vary over no axis, as JAX itself treats them.
+    """
+    aval = jax.typeof(x)
+    # JAX 0.10 and 0.11 keep the varying axes in the type's manual-axis record; earlier releases had
+    # them as the type's `vma` attribute, read second in case that name comes back.
+    varying = getattr(getattr(aval, "mat", None), "varying", None)
+    if varying is not None:
+        return varying
+    vma = getattr(aval, "vma", None)
+    if vma is not None:
+        return frozenset(vma)
+    if isinstance(aval, jax.core.ShapedArray):
+        raise SpmdError(_unsupported(
+            "jax.typeof(x).mat.varying (nor jax.typeof(x).vma)",
+            "find the mesh axes a value varies over inside shard_map"))
+    return frozenset()
+
+
+def coordination_client() -> Any | None:
+    """JAX's coordination-service client of this job (barriers, a key-value store); None before joining."""
+    try:
+        from jax._src.distributed import global_state
+    except ImportError:
+        global_state = None
+    if global_state is None or not hasattr(global_state, "client"):
+        raise DistributedError(_unsupported(
+            "jax._src.distributed.global_state.client",
+            "run barriers and exchange values between the processes of a job"))
+    return global_state.client
+
+
+def backends_initialized() -> bool:
+    """Whether JAX's backends have started in this process (after which it can no longer join a job)."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError:
+        xla_bridge = None
+    check = getattr(xla_bridge, "backends_are_initialized", None)
+    if check is None:
+        raise DistributedError(_unsupported(
+            "jax._src.xla_bridge.backends_are_initialized",
+            "tell whether this process can still join a multi-process job"))
+    return bool(check())
+
+
+def auto_detect_cluster(
+    coordinator_address: str | None, num_processes: int | None, process_id: int | None,
+    local_device_ids: Sequence[int] | None, *, timeout: int,
+) -> tuple[str | None, int | None, int | None, Sequence[int] | None]:
+    """Fills the settings left as None from the cluster environment (SLURM, Open MPI, Kubernetes, ...).
+
+    Returns ``(coordinator_address, num_processes, process_id, local_device_ids)``, as
+    ``jax.distributed.initialize()`` would find them; ``timeout`` is in whole seconds.
+    """
+    detect = _cluster_detector()
+    return detect(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
+        local_device_ids=local_device_ids, cluster_detection_method=None, initialization_timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------------
+
+_check_vma_flag: Any = None  # JAX's check_vma config state, found on first use
+
+_DETECT_PARAMS = frozenset({"coordinator_address", "num_processes", "process_id", "local_device_ids",
+                            "cluster_detection_method", "initialization_timeout"})
+
+
+def _resolve_check_vma_flag() -> Any:
+    global _check_vma_flag
+    try:
+        from jax._src import config as jax_config
+    except ImportError:
+        jax_config = None
+    flag = getattr(jax_config, "_check_vma", None)
+    if flag is None or not hasattr(flag, "value"):
+        raise SpmdError(_unsupported(
+            "jax._src.config._check_vma", "tell shard_map(check_vma=True) from pmap and check_vma=False"))
+    _check_vma_flag = flag
+    return flag
+
+
+def _cluster_detector() -> Any:
+    try:
+        from jax._src.clusters import ClusterEnv
+    except ImportError:
+        ClusterEnv = None
+    detect = getattr(ClusterEnv, "auto_detect_unset_distributed_params", None)
+    # Checked before the call, so that a changed signature is reported as such rather than as a
+    # TypeError that could also come from inside the detection.
+    try:
+        params = set(inspect.signature(detect).parameters) if detect is not None else set()
+    except (TypeError, ValueError):
+        params = set()
+    if not _DETECT_PARAMS <= params:
+        raise DistributedError(_unsupported(
+            "jax._src.clusters.ClusterEnv.auto_detect_unset_distributed_params(coordinator_address, "
+            "num_processes, process_id, local_device_ids, cluster_detection_method, initialization_timeout)",
+            "detect the cluster's job settings",
+            fix="pass coordinator_address, num_processes and process_id to spmdcomm.initialize() (or "
+            "start the script with spmdcomm-launch), or install a supported JAX"))
+    return detect
+
+
+def _unsupported(missing: str, purpose: str, *, fix: str | None = None) -> str:
+    versions = SUPPORTED_JAX.removeprefix("jax")
+    fix = fix or f"install a supported JAX: pip install 'jax{versions}' 'jaxlib{versions}'"
+    return (f"spmdcomm supports {SUPPORTED_JAX}; jax {jax.__version__} has no {missing}, which spmdcomm "
+            f"needs to {purpose}. Fix: {fix}.")
