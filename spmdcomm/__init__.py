@@ -2,6 +2,7 @@
 
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm._version import __version__ as __version__  # written in _version.py only
 from spmdcomm.checkpoint import latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from spmdcomm.collectives import (
     REDUCE_OPS,
@@ -93,8 +94,6 @@ from spmdcomm.sync import (
     main_process_first,
     sync_devices,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "P",

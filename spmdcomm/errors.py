@@ -2,7 +2,9 @@
 
 Every error says which function and argument were wrong, which pytree leaf and mesh axis were involved, the
 sizes that did not fit, and how to fix it. All input errors derive from :class:`SpmdError`, itself a
-``ValueError``, so code that already catches ``ValueError`` keeps working.
+``ValueError``, so code that already catches ``ValueError`` keeps working. Failures of a run whose input
+was fine (processes that do not cooperate, replicas that drift apart) derive from
+:class:`DistributedError`, a ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -70,9 +72,10 @@ class ReplicatedReductionWarning(UserWarning):
 
 
 class DistributedError(RuntimeError):
-    """A multi-process operation failed at run time (base class of the errors below).
+    """A distributed run failed at run time (base class of the errors below).
 
-    Not a :class:`SpmdError`: the input was fine, but the processes of the job did not cooperate.
+    Not a :class:`SpmdError`: the input was fine, but the processes of the job did not cooperate, or
+    the devices' copies of a replicated value drifted apart.
     """
 
 
@@ -92,8 +95,13 @@ class RemoteProcessError(DistributedError):
     """Another process failed in a block this process was waiting for; the message has its error."""
 
 
-class ReplicaDivergenceError(SpmdError):
-    """A value that should be identical on every device (replicated parameters, optimizer state) is not."""
+class ReplicaDivergenceError(DistributedError):
+    """A value that should be identical on every device (replicated parameters, optimizer state) is not.
+
+    A :class:`DistributedError` (so a ``RuntimeError``), not an input error: the state was consistent
+    once and the run made it diverge, e.g. through non-deterministic or process-dependent code.
+    (Before 0.2.0 it derived from :class:`SpmdError`, a ``ValueError``.)
+    """
 
 
 def describe(fn: str, message: str, *, fix: str | None = None, leaf: str | None = None) -> str:

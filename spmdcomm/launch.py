@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from spmdcomm.errors import SpmdError, describe
 from spmdcomm.runtime import (
     ENV_COORDINATOR,
     ENV_LOCAL_DEVICE_IDS,
@@ -64,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.module is None and not args.command:
         _parser().error("give a script to run (script.py [args...]) or -m module [args...]")
     target = ["-m", args.module, *args.command] if args.module else list(args.command)
+    try:
+        _check_counts(args.nprocs, args.devices_per_process, args.gpus_per_process)
+    except SpmdError as e:  # on the command line, a usage error (exit status 2), not a traceback
+        _parser().error(str(e))
     return launch(target, args.nprocs, devices_per_process=args.devices_per_process,
                   gpus_per_process=args.gpus_per_process, coordinator=args.coordinator, timeout=args.timeout,
                   grace=args.grace)
@@ -90,9 +95,11 @@ def launch(
     ``local_device_ids``). ``coordinator`` is ``HOST:PORT`` (default: ``127.0.0.1`` and a free port).
     ``timeout`` ends the whole job after that many seconds (status 124). ``env`` replaces
     ``os.environ`` as the base environment.
+
+    A count below 1 (``nprocs``, ``devices_per_process``, ``gpus_per_process``) raises
+    :class:`~spmdcomm.errors.SpmdError` before any process starts.
     """
-    if nprocs < 1:
-        raise ValueError(f"spmdcomm-launch: -n must be at least 1, got {nprocs}.")
+    _check_counts(nprocs, devices_per_process, gpus_per_process)
     address = coordinator or f"127.0.0.1:{free_port()}"
     base = dict(os.environ if env is None else env)
     base.setdefault("PYTHONUNBUFFERED", "1")
@@ -145,6 +152,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="script.py [args...], or the module's args")
     return p
+
+
+def _check_counts(nprocs: int, devices_per_process: int | None, gpus_per_process: int | None) -> None:
+    # Checked up front: a zero device count would only fail later, inside every child's XLA start-up.
+    for flag, name, value, fix in [
+        ("-n", "nprocs", nprocs, "pass -n N with N >= 1, the number of processes to start"),
+        ("--devices-per-process", "devices_per_process", devices_per_process,
+         "pass --devices-per-process K with K >= 1, or leave it out to keep the device count"),
+        ("--gpus-per-process", "gpus_per_process", gpus_per_process,
+         "pass --gpus-per-process K with K >= 1, or leave it out to let every process see all GPUs"),
+    ]:
+        if value is not None and value < 1:
+            raise SpmdError(describe("launch", f"{flag} ({name}) must be at least 1, got {value}.", fix=fix + "."))
 
 
 def _with_device_count(flags: str, count: int) -> str:

@@ -159,6 +159,13 @@ def test_errors_are_value_errors():
     assert issubclass(sc.AxisError, ValueError) and issubclass(sc.ShapeError, sc.SpmdError)
 
 
+def test_run_time_errors_are_not_input_errors():
+    # Replicas drifting apart is a failure of the run, like a barrier timeout, not a bad argument.
+    for cls in (sc.ReplicaDivergenceError, sc.BarrierTimeoutError, sc.ProcessMismatchError):
+        assert issubclass(cls, sc.DistributedError) and issubclass(cls, RuntimeError)
+        assert not issubclass(cls, (sc.SpmdError, ValueError))
+
+
 @pytest.mark.parametrize("fn_name, fn, fix", [
     ("all_gather", lambda x: sc.all_gather({"s": x.sum()}, "data"), "pass tiled=False"),
     ("gather", lambda x: sc.gather({"s": x.sum()}, "data"), "x[None]"),

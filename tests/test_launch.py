@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from spmdcomm import launch
+from spmdcomm.errors import SpmdError
 
 # The children are forked from this (JAX-using) test process; they exec Python at once.
 pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
@@ -63,8 +64,15 @@ def test_module_form_and_argument_errors(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.count("module ['x']") == 2
     with pytest.raises(SystemExit):
         launch.main(["-n", "2"])
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(SpmdError, match=r"^spmdcomm.launch: -n \(nprocs\) must be at least 1, got 0\. Fix: pass -n N"):
         launch.launch(["x.py"], 0)
+    with pytest.raises(SpmdError, match=r"--devices-per-process \(devices_per_process\) must be at least 1"):
+        launch.launch(["x.py"], 2, devices_per_process=0)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:  # the command line reports a usage error, no traceback
+        launch.main(["-n", "2", "--gpus-per-process", "0", "x.py"])
+    assert exit_.value.code == 2
+    assert "--gpus-per-process (gpus_per_process) must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_failure_stops_the_others_and_names_the_rank(tmp_path, capsys):
