@@ -36,8 +36,9 @@ _parser.add_argument("--json", help="write the results to this JSON file")
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parser.parse_args(argv)
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={args.devices}")
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+        )
     import jax
     import numpy as np
 
@@ -47,8 +48,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     n = len(devices)
     mesh = sc.data_mesh(devices=devices)
     memcpy = memcpy_gbps(np)
-    print(f"# spmdcomm collectives benchmark: {n} x {devices[0].platform} devices, backend={args.backend}, "
-          f"jax {jax.__version__}")
+    print(
+        f"# spmdcomm collectives benchmark: {n} x {devices[0].platform} devices, backend={args.backend}, "
+        f"jax {jax.__version__}"
+    )
     print(f"# NumPy memcpy reference: {memcpy:.2f} GB/s   (times are medians of {args.trials} interleaved trials)")
     rows = []
     for op in args.ops.split(","):
@@ -58,9 +61,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         while size <= args.max_bytes:
             rows.extend(bench_size(op, size, n, mesh, args, jax, np, sc))
             size *= args.step
-    result = {"devices": n, "platform": devices[0].platform, "backend": args.backend,
-              "jax": jax.__version__, "memcpy_gbps": memcpy, "rows": rows,
-              "date": time.strftime("%Y-%m-%d")}
+    result = {
+        "devices": n,
+        "platform": devices[0].platform,
+        "backend": args.backend,
+        "jax": jax.__version__,
+        "memcpy_gbps": memcpy,
+        "rows": rows,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -68,9 +77,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-              "broadcast": lambda n: 1.0}
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
 
 
 def variants(op: str, n: int, jax, sc) -> dict[str, tuple[Callable, Callable]]:
@@ -103,12 +116,25 @@ def variants(op: str, n: int, jax, sc) -> dict[str, tuple[Callable, Callable]]:
             # spmdcomm used before (masked psum / reduce-scatter + all-gather of the bit pattern: not
             # differentiable); "lax_f32" is the common float idiom, which loses -0.0 and denormals.
             "lax": lambda x: lax.all_gather(x, "data", tiled=False)[0],
-            "lax_bits_psum": lambda x: lax.bitcast_convert_type(lax.psum(jax.numpy.where(
-                lax.axis_index("data") == 0, lax.bitcast_convert_type(x, jax.numpy.uint32), 0), "data"),
-                jax.numpy.float32),
-            "lax_bits_rs_ag": lambda x: lax.bitcast_convert_type(lax.all_gather(lax.psum_scatter(jax.numpy.where(
-                lax.axis_index("data") == 0, lax.bitcast_convert_type(x, jax.numpy.uint32), 0), "data",
-                tiled=True), "data", tiled=True), jax.numpy.float32),
+            "lax_bits_psum": lambda x: lax.bitcast_convert_type(
+                lax.psum(
+                    jax.numpy.where(lax.axis_index("data") == 0, lax.bitcast_convert_type(x, jax.numpy.uint32), 0),
+                    "data",
+                ),
+                jax.numpy.float32,
+            ),
+            "lax_bits_rs_ag": lambda x: lax.bitcast_convert_type(
+                lax.all_gather(
+                    lax.psum_scatter(
+                        jax.numpy.where(lax.axis_index("data") == 0, lax.bitcast_convert_type(x, jax.numpy.uint32), 0),
+                        "data",
+                        tiled=True,
+                    ),
+                    "data",
+                    tiled=True,
+                ),
+                jax.numpy.float32,
+            ),
             "lax_f32": lambda x: lax.psum(jax.numpy.where(lax.axis_index("data") == 0, x, 0), "data"),
             "spmdcomm": lambda x: sc.broadcast(x, "data", root=0),
             "spmdcomm_split": lambda x: sc.collectives._broadcast_leaf(x, "data", 0, n, split=True),
@@ -137,14 +163,27 @@ def bench_size(op, size, n, mesh, args, jax, np, sc) -> list[dict[str, Any]]:
     fns = {}
     for name, body in variants(op, n, jax, sc).items():
         if not name.startswith("lax"):
-            fns[name] = (sc.spmd(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), backend=args.backend,
-                                 donate_argnums=donate), flat)
+            fns[name] = (
+                sc.spmd(
+                    body,
+                    mesh=mesh,
+                    in_specs=P("data"),
+                    out_specs=P("data"),
+                    backend=args.backend,
+                    donate_argnums=donate,
+                ),
+                flat,
+            )
         elif args.backend == "pmap":
-            fns[name] = (jax.jit(jax.pmap(body, axis_name="data", devices=list(mesh.devices.flat)),
-                                 donate_argnums=donate), stacked)
+            fns[name] = (
+                jax.jit(jax.pmap(body, axis_name="data", devices=list(mesh.devices.flat)), donate_argnums=donate),
+                stacked,
+            )
         else:
-            fns[name] = (jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")),
-                                 donate_argnums=donate), flat)
+            fns[name] = (
+                jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")), donate_argnums=donate),
+                flat,
+            )
 
     # Warm up (compile) and pick an iteration count that fills the target time.
     for f, make in fns.values():
@@ -166,11 +205,20 @@ def bench_size(op, size, n, mesh, args, jax, np, sc) -> list[dict[str, Any]]:
     for name in fns:
         t = statistics.median(times[name])
         algbw = size / t / 1e9
-        row = {"op": op, "bytes": size, "variant": name, "time_us": t * 1e6, "algbw_gbps": algbw,
-               "busbw_gbps": algbw * BUS_FACTOR[op](n), "ratio_vs_lax": t / base}
+        row = {
+            "op": op,
+            "bytes": size,
+            "variant": name,
+            "time_us": t * 1e6,
+            "algbw_gbps": algbw,
+            "busbw_gbps": algbw * BUS_FACTOR[op](n),
+            "ratio_vs_lax": t / base,
+        }
         out.append(row)
-        print(f"{size:>10} {name:>16} {t * 1e6:>10.1f} {algbw:>8.2f} {row['busbw_gbps']:>8.2f} "
-              f"{t / base:>7.3f}", flush=True)
+        print(
+            f"{size:>10} {name:>16} {t * 1e6:>10.1f} {algbw:>8.2f} {row['busbw_gbps']:>8.2f} {t / base:>7.3f}",
+            flush=True,
+        )
     return out
 
 

@@ -31,8 +31,9 @@ import time
 
 def main() -> None:
     args = _parser().parse_args()
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={args.devices}").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    ).strip()
     import flax
     import jax
     import numpy as np
@@ -41,10 +42,18 @@ def main() -> None:
 
     bench = _Bench(args, jax, np, sc)
     results = {
-        "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "flax": flax.__version__,
-        "numpy": np.__version__, "python": sys.version.split()[0], "backend": jax.default_backend(),
-        "devices": jax.device_count(), "cpus": os.cpu_count(), "reps": args.reps, "steps": args.steps,
-        "loader_vs_step": bench.loader_vs_step(), "hidden_transfer": bench.hidden_transfer(),
+        "date": time.strftime("%Y-%m-%d"),
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "numpy": np.__version__,
+        "python": sys.version.split()[0],
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "cpus": os.cpu_count(),
+        "reps": args.reps,
+        "steps": args.steps,
+        "loader_vs_step": bench.loader_vs_step(),
+        "hidden_transfer": bench.hidden_transfer(),
     }
     if args.json:
         with open(args.json, "w") as f:
@@ -79,8 +88,10 @@ class _Bench:
         step = self._calibrated_step(host, s_ms)
         burn = _calibrate_cpu_work(np)
         out = {"batch_mib": host.nbytes / 2**20, "step_ms": self._measure_step(step, host) * 1e3}
-        print(f"\n== loader vs step: batch {out['batch_mib']:.0f} MiB, S = {out['step_ms']:.1f} ms "
-              f"(target {s_ms}), {self.ndev} devices ==")
+        print(
+            f"\n== loader vs step: batch {out['batch_mib']:.0f} MiB, S = {out['step_ms']:.1f} ms "
+            f"(target {s_ms}), {self.ndev} devices =="
+        )
         for kind in ("io", "cpu"):
             rows = {}
             for ratio in (0, 0.5, 1, 2):
@@ -93,8 +104,7 @@ class _Bench:
             print(f"-- {'I/O-like' if kind == 'io' else 'CPU-bound'} loader: steps/s (x of the same mode at L=0)")
             print(f"{'L/S':>5} " + " ".join(f"{m:>16}" for m in MODES))
             for ratio, row in rows.items():
-                print(f"{ratio:>5} " + " ".join(f"{row[m]:8.1f} ({row[m + '_vs_zero_cost']:.2f}x)"
-                                                for m in MODES))
+                print(f"{ratio:>5} " + " ".join(f"{row[m]:8.1f} ({row[m + '_vs_zero_cost']:.2f}x)" for m in MODES))
         return out
 
     # ---- part 2 -----------------------------------------------------------------------------------------
@@ -112,14 +122,23 @@ class _Bench:
         variants["preplaced"] = lambda: self._run("preplaced", lambda: placed, step)
         times = {m: statistics.median(t) for m, t in self._interleaved(variants).items()}
         span = times["none"] - times["preplaced"]
-        hidden = {m: (times["none"] - t) / span if span > 0 else float("nan")
-                  for m, t in times.items() if m not in ("none", "preplaced")}
-        out = {"batch_mib": host.nbytes / 2**20, "step_ms": self._measure_step(step, host) * 1e3,
-               "plain_mod_64": host.ctypes.data % 64, "ms_per_step": {m: t * 1e3 for m, t in times.items()},
-               "hidden": hidden}
-        print(f"\n== hidden transfer: {out['batch_mib']:.0f} MiB batch, step {out['step_ms']:.1f} ms; plain batch "
-              f"at 64n+{out['plain_mod_64']}, aligned batch at 64n; hidden vs synchronous device_put of the plain "
-              "batch ==")
+        hidden = {
+            m: (times["none"] - t) / span if span > 0 else float("nan")
+            for m, t in times.items()
+            if m not in ("none", "preplaced")
+        }
+        out = {
+            "batch_mib": host.nbytes / 2**20,
+            "step_ms": self._measure_step(step, host) * 1e3,
+            "plain_mod_64": host.ctypes.data % 64,
+            "ms_per_step": {m: t * 1e3 for m, t in times.items()},
+            "hidden": hidden,
+        }
+        print(
+            f"\n== hidden transfer: {out['batch_mib']:.0f} MiB batch, step {out['step_ms']:.1f} ms; plain batch "
+            f"at 64n+{out['plain_mod_64']}, aligned batch at 64n; hidden vs synchronous device_put of the plain "
+            "batch =="
+        )
         for m, t in out["ms_per_step"].items():
             extra = f"   hidden = {hidden[m]:.2f}" if m in hidden else ""
             print(f"{m:>13}: {t:7.2f} ms/step{extra}")
@@ -137,8 +156,8 @@ class _Bench:
             batches = (jax.device_put(b, self.sharding) for b in source)
         elif mode == "flax":
             from flax import jax_utils
-            batches = jax_utils.prefetch_to_device(
-                (b.reshape(self.ndev, -1, *b.shape[1:]) for b in source), 2)
+
+            batches = jax_utils.prefetch_to_device((b.reshape(self.ndev, -1, *b.shape[1:]) for b in source), 2)
         else:
             batches = sc.prefetch_to_device(source, 2)
         pending = []
@@ -175,6 +194,7 @@ class _Bench:
                 for _ in range(k):
                     h = jnp.tanh(h @ w)
                 return h.sum()
+
             return step
 
         k = 1
@@ -201,21 +221,24 @@ def _loader(kind: str, host, seconds: float, burn, np):
     if seconds <= 0:
         return lambda: host
     if kind == "io":
+
         def io():
             time.sleep(seconds)
             return host
+
         return io
 
     def cpu():
         burn(seconds)
         return host
+
     return cpu
 
 
 def _unaligned(a, sc):
     """A copy of ``a`` whose data starts 16 bytes past a 64-byte boundary."""
     raw = sc.aligned_empty(a.nbytes + 16, "uint8")
-    out = raw[16:16 + a.nbytes].view(a.dtype).reshape(a.shape)
+    out = raw[16 : 16 + a.nbytes].view(a.dtype).reshape(a.shape)
     out[...] = a
     return out
 
@@ -237,6 +260,7 @@ def _calibrate_cpu_work(np):
     def burn(seconds):
         for _ in range(max(1, round(seconds / per))):
             chunk()
+
     return burn
 
 

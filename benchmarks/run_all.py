@@ -26,8 +26,19 @@ BENCHMARKS = {
     "train_step": ["train_step.py", "--rounds", "5"],
 }
 SMOKE = {
-    "collectives": ["collectives.py", "--devices", "8", "--trials", "1", "--max-bytes", "65536", "--step", "64",
-                    "--target-seconds", "0.001"],
+    "collectives": [
+        "collectives.py",
+        "--devices",
+        "8",
+        "--trials",
+        "1",
+        "--max-bytes",
+        "65536",
+        "--step",
+        "64",
+        "--target-seconds",
+        "0.001",
+    ],
     "prefetch": ["prefetch.py", "--reps", "1", "--steps", "3"],
     "train_step": ["train_step.py", "--rounds", "1", "--steps", "2", "--skip-multiprocess"],
 }
@@ -63,7 +74,7 @@ def plot_collectives(result: dict, path: Path) -> Path:
     cols = min(3, len(ops))
     rows_n = -(-len(ops) // cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False)
-    for ax in axes.flat[len(ops):]:
+    for ax in axes.flat[len(ops) :]:
         ax.set_visible(False)
     for ax, op in zip(axes.flat, ops):
         rows = [r for r in result["rows"] if r["op"] == op]
@@ -88,11 +99,16 @@ def plot_prefetch(result: dict, path: Path) -> Path:
         modes = [m for m in rows[ratios[0]] if not m.endswith("_vs_zero_cost")]
         for mode in modes:
             ax.plot([float(r) for r in ratios], [rows[r][mode] for r in ratios], marker="o", label=mode)
-        ax.set(title=f"{'I/O-like' if kind == 'io' else 'CPU-bound'} loader", xlabel="loader time / step time",
-               ylabel="steps/s")
+        ax.set(
+            title=f"{'I/O-like' if kind == 'io' else 'CPU-bound'} loader",
+            xlabel="loader time / step time",
+            ylabel="steps/s",
+        )
         ax.legend(fontsize=8)
-    fig.suptitle(f"prefetch, {lvs.get('batch_mib', 0):.0f} MiB batches, S = {lvs.get('step_ms', 0):.1f} ms, "
-                 f"{result.get('devices')} devices, {result.get('date')}")
+    fig.suptitle(
+        f"prefetch, {lvs.get('batch_mib', 0):.0f} MiB batches, S = {lvs.get('step_ms', 0):.1f} ms, "
+        f"{result.get('devices')} devices, {result.get('date')}"
+    )
     return _save(plt, fig, path)
 
 
@@ -109,8 +125,11 @@ def plot_train_step(result: dict, path: Path) -> Path:
 def train_step_rows(result: dict) -> list[tuple[str, float]]:
     """(configuration, samples/s) pairs from benchmarks/train_step.py's flat JSON (ratios and bytes left out)."""
     skip = ("ratio", "bytes", "(ms)")
-    return [(name, float(v)) for name, v in result.items()
-            if isinstance(v, (int, float)) and not any(s in name for s in skip)]
+    return [
+        (name, float(v))
+        for name, v in result.items()
+        if isinstance(v, (int, float)) and not any(s in name for s in skip)
+    ]
 
 
 def _pyplot():

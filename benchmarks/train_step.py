@@ -21,9 +21,7 @@ import os
 import sys
 
 if "--worker" not in sys.argv:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    )
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
@@ -212,9 +210,7 @@ def in_process(rounds: int, steps: int) -> dict[str, float]:
                 ratio = np.array(times[f"{m}/{name}"]) / np.array(times[f"{m}/{base}"])
                 results[f"{m}/ratio {name} / {base} (paired median)"] = float(np.median(ratio))
     for name in ("mlp/ours", "mlp/ours ZeRO-1"):
-        results[f"{name} optimizer-state bytes/device"] = sc.optimizer_state_bytes(
-            variants[name].state["state"]
-        )
+        results[f"{name} optimizer-state bytes/device"] = sc.optimizer_state_bytes(variants[name].state["state"])
     return results
 
 
@@ -246,20 +242,14 @@ def multi_process(steps: int, rounds: int, repeats: int) -> dict[str, float]:
             rate = _launch_rate(name, [*settings[name], "--steps", str(steps), "--rounds", str(rounds)])
             if rate is not None:
                 runs[-1][name] = rate
-    out = {
-        name: float(np.median(rates))
-        for name in settings
-        if (rates := [run[name] for run in runs if name in run])
-    }
+    out = {name: float(np.median(rates)) for name in settings if (rates := [run[name] for run in runs if name in run])}
     for m, torch_name in torch_names.items():
         ours_names = [n for n in settings if n.startswith(f"{m}/") and "torch" not in n and "XLA thread" not in n]
         for name in ours_names:
             ratios = [run[name] / run[torch_name] for run in runs if name in run and torch_name in run]
             if ratios:
                 label = name.split(", ", 1)[1]
-                out[f"{m}/ratio 2 processes {label} / torch DDP 1 thread (paired median)"] = float(
-                    np.median(ratios)
-                )
+                out[f"{m}/ratio 2 processes {label} / torch DDP 1 thread (paired median)"] = float(np.median(ratios))
     return out
 
 
@@ -287,9 +277,7 @@ def probe_worker(steps: int, rounds: int) -> None:
     def psum_all(*xs):
         return [jax.lax.psum(x, "data") for x in xs]
 
-    summed = jax.jit(
-        jax.shard_map(psum_all, mesh=mesh, in_specs=sc.P("data"), out_specs=sc.P("data"))
-    )
+    summed = jax.jit(jax.shard_map(psum_all, mesh=mesh, in_specs=sc.P("data"), out_specs=sc.P("data")))
     total = sum(int(np.prod(s)) for s in shapes)
     cases = {
         "all-reduce 16 bytes": [put((4,))],
@@ -308,9 +296,7 @@ def probe_worker(steps: int, rounds: int) -> None:
         return optax.apply_updates(p, updates), o
 
     p = jax.device_put(params, device)
-    times["local step without all-reduce, batch 128"] = _time(
-        jax.jit(compute), [p, tx.init(p), local], steps, rounds
-    )
+    times["local step without all-reduce, batch 128"] = _time(jax.jit(compute), [p, tx.init(p), local], steps, rounds)
     if jax.process_index() == 0:
         for name, ms in times.items():
             print("PROBE", name, f"{ms:.2f}", flush=True)
@@ -454,18 +440,12 @@ def main() -> None:
     if not args.skip_multiprocess:
         results.update(multi_process(args.steps, args.rounds, args.repeats))
         results.update(gloo_probe(args.steps, args.rounds))
-    print(
-        f"jax {jax.__version__}, optax {optax.__version__}, {os.cpu_count()} cores, global batch "
-        f"{BATCH}"
-    )
+    print(f"jax {jax.__version__}, optax {optax.__version__}, {os.cpu_count()} cores, global batch {BATCH}")
     for name, value in results.items():
-        print(
-            f"{name:64s} {value:12.3f}"
-            if "ratio" in name or "(ms)" in name
-            else f"{name:64s} {value:12.0f}"
-        )
+        print(f"{name:64s} {value:12.3f}" if "ratio" in name or "(ms)" in name else f"{name:64s} {value:12.0f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+
 
 if __name__ == "__main__":
     main()

@@ -30,8 +30,14 @@ FILES = {  # role -> (gzipped file name on the mirrors, md5 of that file)
     "test_images": ("t10k-images-idx3-ubyte.gz", "9fb629c4189551a2d022fa330f9573f3"),
     "test_labels": ("t10k-labels-idx1-ubyte.gz", "ec29112dd5afa0611ce80d1b7f02629c"),
 }
-IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-              0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+IDX_DTYPES = {
+    0x08: np.uint8,
+    0x09: np.int8,
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
 DEFAULT_CACHE = Path(os.environ.get("SPMDCOMM_DATA", Path.home() / ".cache" / "spmdcomm" / "mnist"))
 
 
@@ -92,8 +98,10 @@ def load_mnist(data_dir: str | Path) -> Dataset:
     """Loads MNIST from ``data_dir``; raises :class:`DatasetError` naming what is missing or malformed."""
     paths = find_mnist(data_dir)
     if paths is None:
-        raise DatasetError(f"MNIST not found in {data_dir} (need the four IDX files, e.g. "
-                           "train-images-idx3-ubyte.gz); pass --download or --data-dir.")
+        raise DatasetError(
+            f"MNIST not found in {data_dir} (need the four IDX files, e.g. "
+            "train-images-idx3-ubyte.gz); pass --download or --data-dir."
+        )
     arrays = {role: read_idx(p) for role, p in paths.items()}
     for split in ("train", "test"):
         images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
@@ -162,8 +170,10 @@ def load_dataset(name: str, data_dir: str | Path | None = None, *, download: boo
                 raise
             print(f"MNIST download failed ({e}).")
     if find_mnist(data_dir) is None and name == "auto":
-        print(f"MNIST not found in {data_dir}: training on scikit-learn's bundled digits instead "
-              "(pass --download, or --data-dir with the IDX files, for MNIST).")
+        print(
+            f"MNIST not found in {data_dir}: training on scikit-learn's bundled digits instead "
+            "(pass --download, or --data-dir with the IDX files, for MNIST)."
+        )
         return load_digits_28()
     return load_mnist(data_dir)
 
@@ -182,8 +192,10 @@ def _prepare(images: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 def _unpack(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
-    return (*_prepare(arrays["train_images"], arrays["train_labels"]),
-            *_prepare(arrays["test_images"], arrays["test_labels"]))
+    return (
+        *_prepare(arrays["train_images"], arrays["train_labels"]),
+        *_prepare(arrays["test_images"], arrays["test_labels"]),
+    )
 
 
 def _md5(payload: bytes) -> str:

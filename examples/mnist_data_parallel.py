@@ -22,8 +22,12 @@ _parser.add_argument("--dataset", choices=["auto", "mnist", "digits"], default="
 _parser.add_argument("--data-dir", help="folder with the four MNIST IDX files (default: a cache folder)")
 _parser.add_argument("--download", action="store_true", help="fetch MNIST if it is not there")
 _parser.add_argument("--epochs", type=int, default=3)
-_parser.add_argument("--batch-size", type=int, default=None,
-                     help="global batch size, all devices (default: 128 for MNIST, 32 for the small digits set)")
+_parser.add_argument(
+    "--batch-size",
+    type=int,
+    default=None,
+    help="global batch size, all devices (default: 128 for MNIST, 32 for the small digits set)",
+)
 _parser.add_argument("--lr", type=float, default=2e-3, help="peak Adam learning rate (cosine decay to 0)")
 _parser.add_argument("--devices", type=int, default=None, help="fake CPU devices per process (CPU only)")
 _parser.add_argument("--backend", choices=["shard_map", "pmap"], default="shard_map")
@@ -39,8 +43,9 @@ _parser.add_argument("--no-progress", action="store_true", help="no progress bar
 def main(argv: list[str] | None = None) -> dict:
     args = _parser.parse_args(argv)
     if args.devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={args.devices}")
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+        )
     import spmdcomm as sc
 
     sc.initialize()  # a no-op for one process; joins the job under spmdcomm-launch, SLURM, Kubernetes...
@@ -68,10 +73,12 @@ def main(argv: list[str] | None = None) -> dict:
     params = model.init(jax.random.key(args.seed), np.zeros((1, 28, 28, 1), np.float32))["params"]
     total_steps = args.epochs * _steps_per_epoch(len(ds.train_labels), local_batch, n_proc, args)
     tx = optax.adam(optax.cosine_decay_schedule(args.lr, max(total_steps, 1)))  # decays to 0 by the last step
-    state = sc.TrainState.create(params=params, tx=tx, apply_fn=model.apply, rng=args.seed,
-                                 shard_optimizer=args.shard_optimizer)
-    step = sc.make_train_step(make_loss_fn(), backend=args.backend, accum_steps=args.accum_steps,
-                              shard_optimizer=args.shard_optimizer)
+    state = sc.TrainState.create(
+        params=params, tx=tx, apply_fn=model.apply, rng=args.seed, shard_optimizer=args.shard_optimizer
+    )
+    step = sc.make_train_step(
+        make_loss_fn(), backend=args.backend, accum_steps=args.accum_steps, shard_optimizer=args.shard_optimizer
+    )
     evaluate = sc.make_eval_step(make_metric_fn(), backend=args.backend)
     first_epoch = 0
     if args.checkpoint_dir and sc.latest_checkpoint_step(args.checkpoint_dir) is not None:
@@ -82,18 +89,25 @@ def main(argv: list[str] | None = None) -> dict:
 
     train = {"image": ds.train_images, "label": ds.train_labels}
     test = {"image": ds.test_images, "label": ds.test_labels}
-    sampler = sc.ShardedSampler(len(ds.train_labels), shard_index=sc.process_index(), num_shards=n_proc,
-                                seed=args.seed)
-    test_sampler = sc.ShardedSampler(len(ds.test_labels), shard_index=sc.process_index(), num_shards=n_proc,
-                                     shuffle=False)
+    sampler = sc.ShardedSampler(len(ds.train_labels), shard_index=sc.process_index(), num_shards=n_proc, seed=args.seed)
+    test_sampler = sc.ShardedSampler(
+        len(ds.test_labels), shard_index=sc.process_index(), num_shards=n_proc, shuffle=False
+    )
     history = []
     if main_proc:
-        print(f"{ds.name}: {len(ds.train_labels)} train / {len(ds.test_labels)} test images, {n_proc} process(es) "
-              f"x {sc.local_device_count()} {jax.devices()[0].platform} device(s), global batch {step_batch}")
+        print(
+            f"{ds.name}: {len(ds.train_labels)} train / {len(ds.test_labels)} test images, {n_proc} process(es) "
+            f"x {sc.local_device_count()} {jax.devices()[0].platform} device(s), global batch {step_batch}"
+        )
     for epoch in range(first_epoch, args.epochs):
         index_batches = list(sampler.batches(local_batch, epoch=epoch))[: args.max_steps]
-        bar = tqdm(total=len(index_batches), desc=f"epoch {epoch + 1}/{args.epochs}", unit="step",
-                   disable=args.no_progress or not main_proc, file=sys.stdout)
+        bar = tqdm(
+            total=len(index_batches),
+            desc=f"epoch {epoch + 1}/{args.epochs}",
+            unit="step",
+            disable=args.no_progress or not main_proc,
+            file=sys.stdout,
+        )
         t0 = time.perf_counter()
         with sc.prefetch_to_device(sc.take_batches(train, index_batches)) as batches:
             state, steps = sc.fit(step, state, batches, callback=lambda i, m, bar=bar: bar.update(1))
@@ -106,18 +120,36 @@ def main(argv: list[str] | None = None) -> dict:
         sc.barrier(f"end of epoch {epoch}")
         if args.checkpoint_dir:
             sc.save_checkpoint(args.checkpoint_dir, state)
-        row = {"epoch": epoch + 1, "train_loss": train_loss, "test_loss": test_metrics["loss"],
-               "test_accuracy": test_metrics["accuracy"], "samples_per_s": examples / seconds,
-               "seconds": seconds, "data_wait_s": waited, "steps": len(steps)}
+        row = {
+            "epoch": epoch + 1,
+            "train_loss": train_loss,
+            "test_loss": test_metrics["loss"],
+            "test_accuracy": test_metrics["accuracy"],
+            "samples_per_s": examples / seconds,
+            "seconds": seconds,
+            "data_wait_s": waited,
+            "steps": len(steps),
+        }
         history.append(row)
         if main_proc:
-            print(f"epoch {epoch + 1}: train loss {train_loss:.4f}, test loss {test_metrics['loss']:.4f}, "
-                  f"test accuracy {100 * test_metrics['accuracy']:.2f}%, {row['samples_per_s']:.0f} samples/s, "
-                  f"waited {1e3 * waited:.0f} ms for data", flush=True)
-    summary = {"dataset": ds.name, "processes": n_proc, "devices": n_dev, "platform": jax.devices()[0].platform,
-               "backend": args.backend, "global_batch": step_batch, "accum_steps": args.accum_steps,
-               "shard_optimizer": args.shard_optimizer, "epochs": history,
-               "final_test_accuracy": history[-1]["test_accuracy"] if history else None}
+            print(
+                f"epoch {epoch + 1}: train loss {train_loss:.4f}, test loss {test_metrics['loss']:.4f}, "
+                f"test accuracy {100 * test_metrics['accuracy']:.2f}%, {row['samples_per_s']:.0f} samples/s, "
+                f"waited {1e3 * waited:.0f} ms for data",
+                flush=True,
+            )
+    summary = {
+        "dataset": ds.name,
+        "processes": n_proc,
+        "devices": n_dev,
+        "platform": jax.devices()[0].platform,
+        "backend": args.backend,
+        "global_batch": step_batch,
+        "accum_steps": args.accum_steps,
+        "shard_optimizer": args.shard_optimizer,
+        "epochs": history,
+        "final_test_accuracy": history[-1]["test_accuracy"] if history else None,
+    }
     if main_proc:
         print(json.dumps(summary))
         if args.json:

@@ -80,9 +80,12 @@ def varying_axes(x: Any) -> frozenset[str]:
     if vma is not None:
         return frozenset(vma)
     if isinstance(aval, jax.core.ShapedArray):
-        raise SpmdError(_unsupported(
-            "jax.typeof(x).mat.varying (nor jax.typeof(x).vma)",
-            "find the mesh axes a value varies over inside shard_map"))
+        raise SpmdError(
+            _unsupported(
+                "jax.typeof(x).mat.varying (nor jax.typeof(x).vma)",
+                "find the mesh axes a value varies over inside shard_map",
+            )
+        )
     return frozenset()
 
 
@@ -93,9 +96,12 @@ def coordination_client() -> Any | None:
     except ImportError:
         global_state = None
     if global_state is None or not hasattr(global_state, "client"):
-        raise DistributedError(_unsupported(
-            "jax._src.distributed.global_state.client",
-            "run barriers and exchange values between the processes of a job"))
+        raise DistributedError(
+            _unsupported(
+                "jax._src.distributed.global_state.client",
+                "run barriers and exchange values between the processes of a job",
+            )
+        )
     return global_state.client
 
 
@@ -107,15 +113,22 @@ def backends_initialized() -> bool:
         xla_bridge = None
     check = getattr(xla_bridge, "backends_are_initialized", None)
     if check is None:
-        raise DistributedError(_unsupported(
-            "jax._src.xla_bridge.backends_are_initialized",
-            "tell whether this process can still join a multi-process job"))
+        raise DistributedError(
+            _unsupported(
+                "jax._src.xla_bridge.backends_are_initialized",
+                "tell whether this process can still join a multi-process job",
+            )
+        )
     return bool(check())
 
 
 def auto_detect_cluster(
-    coordinator_address: str | None, num_processes: int | None, process_id: int | None,
-    local_device_ids: Sequence[int] | None, *, timeout: int,
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    local_device_ids: Sequence[int] | None,
+    *,
+    timeout: int,
 ) -> tuple[str | None, int | None, int | None, Sequence[int] | None]:
     """Fills the settings left as None from the cluster environment (SLURM, Open MPI, Kubernetes, ...).
 
@@ -124,16 +137,29 @@ def auto_detect_cluster(
     """
     detect = _cluster_detector()
     return detect(
-        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
-        local_device_ids=local_device_ids, cluster_detection_method=None, initialization_timeout=timeout)
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+        cluster_detection_method=None,
+        initialization_timeout=timeout,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 
 _check_vma_flag: Any = None  # JAX's check_vma config state, found on first use
 
-_DETECT_PARAMS = frozenset({"coordinator_address", "num_processes", "process_id", "local_device_ids",
-                            "cluster_detection_method", "initialization_timeout"})
+_DETECT_PARAMS = frozenset(
+    {
+        "coordinator_address",
+        "num_processes",
+        "process_id",
+        "local_device_ids",
+        "cluster_detection_method",
+        "initialization_timeout",
+    }
+)
 
 
 def _resolve_check_vma_flag() -> Any:
@@ -144,8 +170,9 @@ def _resolve_check_vma_flag() -> Any:
         jax_config = None
     flag = getattr(jax_config, "_check_vma", None)
     if flag is None or not hasattr(flag, "value"):
-        raise SpmdError(_unsupported(
-            "jax._src.config._check_vma", "tell shard_map(check_vma=True) from pmap and check_vma=False"))
+        raise SpmdError(
+            _unsupported("jax._src.config._check_vma", "tell shard_map(check_vma=True) from pmap and check_vma=False")
+        )
     _check_vma_flag = flag
     return flag
 
@@ -163,17 +190,22 @@ def _cluster_detector() -> Any:
     except (TypeError, ValueError):
         params = set()
     if not _DETECT_PARAMS <= params:
-        raise DistributedError(_unsupported(
-            "jax._src.clusters.ClusterEnv.auto_detect_unset_distributed_params(coordinator_address, "
-            "num_processes, process_id, local_device_ids, cluster_detection_method, initialization_timeout)",
-            "detect the cluster's job settings",
-            fix="pass coordinator_address, num_processes and process_id to spmdcomm.initialize() (or "
-            "start the script with spmdcomm-launch), or install a supported JAX"))
+        raise DistributedError(
+            _unsupported(
+                "jax._src.clusters.ClusterEnv.auto_detect_unset_distributed_params(coordinator_address, "
+                "num_processes, process_id, local_device_ids, cluster_detection_method, initialization_timeout)",
+                "detect the cluster's job settings",
+                fix="pass coordinator_address, num_processes and process_id to spmdcomm.initialize() (or "
+                "start the script with spmdcomm-launch), or install a supported JAX",
+            )
+        )
     return detect
 
 
 def _unsupported(missing: str, purpose: str, *, fix: str | None = None) -> str:
     versions = SUPPORTED_JAX.removeprefix("jax")
     fix = fix or f"install a supported JAX: pip install 'jax{versions}' 'jaxlib{versions}'"
-    return (f"spmdcomm supports {SUPPORTED_JAX}; jax {jax.__version__} has no {missing}, which spmdcomm "
-            f"needs to {purpose}. Fix: {fix}.")
+    return (
+        f"spmdcomm supports {SUPPORTED_JAX}; jax {jax.__version__} has no {missing}, which spmdcomm "
+        f"needs to {purpose}. Fix: {fix}."
+    )

@@ -66,9 +66,7 @@ def save_checkpoint(
     return step
 
 
-def restore_checkpoint(
-    directory: str | os.PathLike[str], state: TrainState, *, step: int | None = None
-) -> TrainState:
+def restore_checkpoint(directory: str | os.PathLike[str], state: TrainState, *, step: int | None = None) -> TrainState:
     """Returns ``state`` with every array replaced by checkpoint ``step``'s (default: the latest).
 
     ``state`` is the template: the restored arrays get its shapes, dtypes and shardings, and its
@@ -88,9 +86,7 @@ def restore_checkpoint(
                     fix="check the directory, or save first with spmdcomm.save_checkpoint.",
                 )
             )
-        target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _arrays(state)
-        )
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _arrays(state))
         values = mgr.restore(step, args=ocp.args.StandardRestore(target))
     return state.replace(**values)
 

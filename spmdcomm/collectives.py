@@ -173,8 +173,7 @@ def all_reduce(
     if op not in REDUCE_OPS:
         raise SpmdError(describe(_fn, f"unknown op {op!r}.", fix=f"use one of {REDUCE_OPS}."))
     if algorithm not in ("auto", "native", "rs_ag"):
-        raise SpmdError(describe(
-            _fn, f"unknown algorithm {algorithm!r}.", fix='use "auto", "native" or "rs_ag".'))
+        raise SpmdError(describe(_fn, f"unknown algorithm {algorithm!r}.", fix='use "auto", "native" or "rs_ag".'))
     n = _axis_size(_fn, axis)
     leaves, treedef = _leaves(_fn, x)
     if op in ("sum", "mean"):
@@ -215,9 +214,7 @@ def all_gather(x: Any, axis: AxisName, *, dim: int = 0, tiled: bool = True) -> A
     return _all_gather("all_gather", x, axis, dim, tiled)
 
 
-def reduce_scatter(
-    x: Any, axis: AxisName, *, dim: int = 0, op: ReduceOp = "sum", tiled: bool = True
-) -> Any:
+def reduce_scatter(x: Any, axis: AxisName, *, dim: int = 0, op: ReduceOp = "sum", tiled: bool = True) -> Any:
     """``torch.distributed.reduce_scatter``: reduce every device's input element-wise, then split it.
 
     The reduction over all devices of ``axis`` is split along ``dim`` into ``n`` equal chunks, and device ``i``
@@ -253,7 +250,7 @@ def reduce_scatter(
         # Chunk i of every device arrives at device i, stacked along d, then is reduced locally.
         mixed = lax.all_to_all(leaf, axis, d, d, tiled=True)
         chunk = leaf.shape[d] // n
-        stacked = mixed.reshape(leaf.shape[:d] + (n, chunk) + leaf.shape[d + 1:])
+        stacked = mixed.reshape(leaf.shape[:d] + (n, chunk) + leaf.shape[d + 1 :])
         reduced = {"max": jnp.max, "min": jnp.min, "prod": _prod}[op](stacked, axis=d)
         return reduced if tiled else jnp.squeeze(reduced, d)
 
@@ -411,8 +408,9 @@ def shift(x: Any, axis: AxisName, offset: int = 1) -> Any:
     """
     n = _axis_size("shift", axis)
     if not isinstance(offset, (int, np.integer)):
-        raise SpmdError(describe("shift", f"offset must be an int, got {type(offset).__name__}.",
-                                 fix="pass an integer offset."))
+        raise SpmdError(
+            describe("shift", f"offset must be an int, got {type(offset).__name__}.", fix="pass an integer offset.")
+        )
     if offset % n == 0:
         return _map("shift", lambda _, leaf: jnp.asarray(leaf), x)
     pairs = [(i, (i + int(offset)) % n) for i in range(n)]
@@ -443,8 +441,13 @@ def scan(x: Any, axis: AxisName, op: str = "sum", *, inclusive: bool = True) -> 
     if op not in SCAN_OPS:
         raise SpmdError(describe("scan", f"unknown op {op!r}.", fix=f"use one of {SCAN_OPS}."))
     if not isinstance(inclusive, (bool, np.bool_)):
-        raise SpmdError(describe("scan", f"inclusive must be True or False, got {inclusive!r}.",
-                                 fix="pass inclusive=True (MPI_Scan) or inclusive=False (MPI_Exscan)."))
+        raise SpmdError(
+            describe(
+                "scan",
+                f"inclusive must be True or False, got {inclusive!r}.",
+                fix="pass inclusive=True (MPI_Scan) or inclusive=False (MPI_Exscan).",
+            )
+        )
     n = _axis_size("scan", axis)
     idx = lax.axis_index(axis)
 
@@ -453,8 +456,14 @@ def scan(x: Any, axis: AxisName, op: str = "sum", *, inclusive: bool = True) -> 
         if op == "sum" and leaf.dtype == jnp.bool_:
             leaf = leaf.astype(jnp.int32)  # count, as psum does
         if jnp.issubdtype(leaf.dtype, jnp.complexfloating) and op in ("max", "min"):
-            raise SpmdError(describe("scan", f"op {op!r} has no order on complex dtype {leaf.dtype}.", leaf=path,
-                                     fix='use op="sum" or "prod", or scan the real and imaginary parts.'))
+            raise SpmdError(
+                describe(
+                    "scan",
+                    f"op {op!r} has no order on complex dtype {leaf.dtype}.",
+                    leaf=path,
+                    fix='use op="sum" or "prod", or scan the real and imaginary parts.',
+                )
+            )
         combine = _SCAN_COMBINE[op]
         # Each round is a full ring shift (the wrapped-around values are masked out): jax.vmap's rule for
         # ppermute accepts only full permutations, and the collective-permute costs the same.
@@ -504,11 +513,17 @@ def _axis_size(fn: str, axis: AxisName) -> int:
             size *= lax.axis_size(name)
         except NameError:
             bound = _bound_axes()
-            where = (f"the axes bound here are {bound}" if bound else
-                     "no axis is bound here (not inside spmd, jax.shard_map or jax.pmap)")
-            raise AxisError(describe(
-                fn, f"unknown axis name {name!r}: {where}.",
-                fix="pass one of the bound axis names, and call collectives only inside spmd/shard_map/pmap."),
+            where = (
+                f"the axes bound here are {bound}"
+                if bound
+                else "no axis is bound here (not inside spmd, jax.shard_map or jax.pmap)"
+            )
+            raise AxisError(
+                describe(
+                    fn,
+                    f"unknown axis name {name!r}: {where}.",
+                    fix="pass one of the bound axis names, and call collectives only inside spmd/shard_map/pmap.",
+                ),
             ) from None
     return size
 
@@ -519,9 +534,14 @@ def _leaves(fn: str, tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     for path, leaf in flat:
         name = jax.tree_util.keystr(path) or "<root>"
         if not _is_array_like(leaf):
-            raise SpmdError(describe(
-                fn, f"is a {type(leaf).__name__}, not an array.", leaf=name,
-                fix="pass arrays or numbers; keep other values out of the pytree (e.g. close over them)."))
+            raise SpmdError(
+                describe(
+                    fn,
+                    f"is a {type(leaf).__name__}, not an array.",
+                    leaf=name,
+                    fix="pass arrays or numbers; keep other values out of the pytree (e.g. close over them).",
+                )
+            )
         out.append((name, leaf))
     return out, treedef
 
@@ -533,64 +553,112 @@ def _map(fn: str, one: Callable[[str, Any], Any], tree: Any) -> Any:
 
 def _is_array_like(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)) or (
-        hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+        hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+    )
 
 
-def _dim(fn: str, path: str, leaf: jax.Array, dim: int, *, extra: int = 0, arg: str = "dim",
-         axis: AxisName | None = None, n: int | None = None) -> int:
+def _dim(
+    fn: str,
+    path: str,
+    leaf: jax.Array,
+    dim: int,
+    *,
+    extra: int = 0,
+    arg: str = "dim",
+    axis: AxisName | None = None,
+    n: int | None = None,
+) -> int:
     rank = leaf.ndim + extra
     if rank == 0:
         over = f" over axis {axis!r} of size {n}" if axis is not None else ""
-        raise ShapeError(describe(
-            fn, f"the block is 0-d (shape ()), so it has no dimension to split or concatenate{over}.",
-            leaf=path, fix="give the value at least one dimension, e.g. x[None] (shape (1,))."))
+        raise ShapeError(
+            describe(
+                fn,
+                f"the block is 0-d (shape ()), so it has no dimension to split or concatenate{over}.",
+                leaf=path,
+                fix="give the value at least one dimension, e.g. x[None] (shape (1,)).",
+            )
+        )
     if not isinstance(dim, (int, np.integer)) or not -rank <= dim < rank:
-        raise ShapeError(describe(
-            fn, f"{arg}={dim!r} is out of range for a block of shape {tuple(leaf.shape)} (rank {leaf.ndim}).",
-            leaf=path, fix=f"use a {arg} in [{-rank}, {rank})."))
+        raise ShapeError(
+            describe(
+                fn,
+                f"{arg}={dim!r} is out of range for a block of shape {tuple(leaf.shape)} (rank {leaf.ndim}).",
+                leaf=path,
+                fix=f"use a {arg} in [{-rank}, {rank}).",
+            )
+        )
     return int(dim) % rank
 
 
-def _check_split(fn: str, path: str, leaf: jax.Array, d: int, axis: AxisName, n: int, *,
-                 exact: bool = False, arg: str = "dim") -> None:
+def _check_split(
+    fn: str, path: str, leaf: jax.Array, d: int, axis: AxisName, n: int, *, exact: bool = False, arg: str = "dim"
+) -> None:
     size = leaf.shape[d]
     if exact and size != n:
-        raise ShapeError(describe(
-            fn, f"with tiled=False dimension {d} must equal the size {n} of axis {axis!r}, but the block "
-            f"shape is {tuple(leaf.shape)}.", leaf=path, fix=f"give dimension {d} size {n}, or use tiled=True."))
+        raise ShapeError(
+            describe(
+                fn,
+                f"with tiled=False dimension {d} must equal the size {n} of axis {axis!r}, but the block "
+                f"shape is {tuple(leaf.shape)}.",
+                leaf=path,
+                fix=f"give dimension {d} size {n}, or use tiled=True.",
+            )
+        )
     if size % n:
-        raise ShapeError(describe(
-            fn, f"{arg} {d} of size {size} (block shape {tuple(leaf.shape)}) does not divide by the size {n} "
-            f"of axis {axis!r}.", leaf=path,
-            fix=f"pad dimension {d} to a multiple of {n} (e.g. spmdcomm.pad_batch), or split another dimension."))
+        raise ShapeError(
+            describe(
+                fn,
+                f"{arg} {d} of size {size} (block shape {tuple(leaf.shape)}) does not divide by the size {n} "
+                f"of axis {axis!r}.",
+                leaf=path,
+                fix=f"pad dimension {d} to a multiple of {n} (e.g. spmdcomm.pad_batch), or split another dimension.",
+            )
+        )
 
 
 def _check_root(fn: str, root: int, axis: AxisName, n: int) -> None:
     if not isinstance(root, (int, np.integer)) or isinstance(root, bool) or not 0 <= root < n:
-        raise AxisError(describe(
-            fn, f"root={root!r} is out of range for axis {axis!r} of size {n}.",
-            fix=f"pass a device index in [0, {n})."))
+        raise AxisError(
+            describe(
+                fn,
+                f"root={root!r} is out of range for axis {axis!r} of size {n}.",
+                fix=f"pass a device index in [0, {n}).",
+            )
+        )
 
 
 def _check_perm(perm: Sequence[tuple[int, int]], axis: AxisName, n: int) -> list[tuple[int, int]]:
     try:
         pairs = [(int(s), int(d)) for s, d in perm]
     except (TypeError, ValueError):
-        raise AxisError(describe(
-            "permute", f"perm={perm!r} is not a sequence of (source, destination) pairs.",
-            fix="pass e.g. [(0, 1), (1, 0)].")) from None
+        raise AxisError(
+            describe(
+                "permute",
+                f"perm={perm!r} is not a sequence of (source, destination) pairs.",
+                fix="pass e.g. [(0, 1), (1, 0)].",
+            )
+        ) from None
     bad = [p for p in pairs if not (0 <= p[0] < n and 0 <= p[1] < n)]
     if bad:
-        raise AxisError(describe(
-            "permute", f"pairs {bad} name devices outside axis {axis!r} of size {n}.",
-            fix=f"use device indices in [0, {n})."))
+        raise AxisError(
+            describe(
+                "permute",
+                f"pairs {bad} name devices outside axis {axis!r} of size {n}.",
+                fix=f"use device indices in [0, {n}).",
+            )
+        )
     for role, idx in (("source", 0), ("destination", 1)):
         seen = [p[idx] for p in pairs]
         dups = sorted({v for v in seen if seen.count(v) > 1})
         if dups:
-            raise AxisError(describe(
-                "permute", f"perm is not a permutation: {role} device(s) {dups} appear more than once in {pairs}.",
-                fix=f"give each device at most one pair as {role}."))
+            raise AxisError(
+                describe(
+                    "permute",
+                    f"perm is not a permutation: {role} device(s) {dups} appear more than once in {pairs}.",
+                    fix=f"give each device at most one pair as {role}.",
+                )
+            )
     return pairs
 
 
@@ -603,12 +671,18 @@ def _warn_if_replicated(fn: str, leaves: list[tuple[str, Any]], axis: AxisName, 
             continue  # Python numbers and constants: psum(1, axis) counts devices on purpose
         if not names & varying_axes(leaf):
             effect = "multiplies it by the axis size" if op == "sum" else "is a no-op"
-            warnings.warn(describe(
-                fn, f"the value is already identical on every device of axis {axis!r}, so a {op} {effect}. "
-                "Gradients of replicated parameters taken inside shard_map (check_vma=True) are already "
-                "summed over the axis.", leaf=path,
-                fix="reduce the per-device value before it became replicated, or drop this reduction."),
-                ReplicatedReductionWarning, stacklevel=4)
+            warnings.warn(
+                describe(
+                    fn,
+                    f"the value is already identical on every device of axis {axis!r}, so a {op} {effect}. "
+                    "Gradients of replicated parameters taken inside shard_map (check_vma=True) are already "
+                    "summed over the axis.",
+                    leaf=path,
+                    fix="reduce the per-device value before it became replicated, or drop this reduction.",
+                ),
+                ReplicatedReductionWarning,
+                stacklevel=4,
+            )
             return
 
 
@@ -750,18 +824,27 @@ def _all_gather(fn: str, x: Any, axis: AxisName, dim: int, tiled: bool, root: in
     def one(path: str, leaf: Any) -> jax.Array:
         leaf = jnp.asarray(leaf)
         if tiled and leaf.ndim == 0:
-            also = "pass tiled=False to stack the blocks into a new dimension of size " \
-                f"{n}, or " if fn == "all_gather" else ""
-            raise ShapeError(describe(
-                fn, f"the block is 0-d (shape ()), so the {n} blocks of axis {axis!r} cannot be concatenated "
-                f"along dim={dim!r}.", leaf=path,
-                fix=f"{also}give the value a dimension, e.g. x[None] (shape (1,)), to receive shape ({n},)."))
+            also = (
+                f"pass tiled=False to stack the blocks into a new dimension of size {n}, or "
+                if fn == "all_gather"
+                else ""
+            )
+            raise ShapeError(
+                describe(
+                    fn,
+                    f"the block is 0-d (shape ()), so the {n} blocks of axis {axis!r} cannot be concatenated "
+                    f"along dim={dim!r}.",
+                    leaf=path,
+                    fix=f"{also}give the value a dimension, e.g. x[None] (shape (1,)), to receive shape ({n},).",
+                )
+            )
         d = _dim(fn, path, leaf, dim, extra=0 if tiled else 1, axis=axis, n=n)
         if root is None:
             return _exact(lambda v: _gather_blocks(v, axis, d, tiled=tiled), leaf)
         is_root = lax.axis_index(axis) == root
-        return _exact(lambda v: jnp.where(is_root, _gather_blocks(v, axis, d, tiled=tiled), jnp.zeros((), v.dtype)),
-                      leaf)
+        return _exact(
+            lambda v: jnp.where(is_root, _gather_blocks(v, axis, d, tiled=tiled), jnp.zeros((), v.dtype)), leaf
+        )
 
     return _map(fn, one, x)
 

@@ -57,8 +57,13 @@ def pad_batch(batch: Any, multiple: int) -> MaskedBatch:
     common leading size.
     """
     if not isinstance(multiple, (int, np.integer)) or multiple < 1:
-        raise SpmdError(describe("pad_batch", f"multiple={multiple!r} must be a positive int.",
-                                 fix="pass the number of devices along the data axis (or a multiple)."))
+        raise SpmdError(
+            describe(
+                "pad_batch",
+                f"multiple={multiple!r} must be a positive int.",
+                fix="pass the number of devices along the data axis (or a multiple).",
+            )
+        )
     if isinstance(batch, MaskedBatch):
         data, mask = batch.data, np.asarray(batch.mask, dtype=bool)
     else:
@@ -85,8 +90,9 @@ def unpad(batch: MaskedBatch | Any, mask: Any = None) -> Any:
     if isinstance(batch, MaskedBatch):
         batch, mask = batch.data, batch.mask
     if mask is None:
-        raise SpmdError(describe("unpad", "no mask given.",
-                                 fix="pass a MaskedBatch, or the mask as the second argument."))
+        raise SpmdError(
+            describe("unpad", "no mask given.", fix="pass a MaskedBatch, or the mask as the second argument.")
+        )
     keep = np.asarray(mask, dtype=bool)
     return jax.tree.map(lambda leaf: np.asarray(leaf)[keep], batch)
 
@@ -138,15 +144,27 @@ class ShardedSampler:
     [([3, 4, 5], [True, True, True]), ([8, 9, 0], [True, True, False])]
     """
 
-    def __init__(self, num_examples: int, *, shard_index: int, num_shards: int, shuffle: bool = True,
-                 seed: int = 0, drop_remainder: bool = False):
+    def __init__(
+        self,
+        num_examples: int,
+        *,
+        shard_index: int,
+        num_shards: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_remainder: bool = False,
+    ):
         for name, value, low in (("num_examples", num_examples, 0), ("num_shards", num_shards, 1)):
             if not isinstance(value, (int, np.integer)) or value < low:
                 raise SpmdError(describe("ShardedSampler", f"{name}={value!r} must be an int >= {low}."))
         if not isinstance(shard_index, (int, np.integer)) or not 0 <= shard_index < num_shards:
-            raise SpmdError(describe(
-                "ShardedSampler", f"shard_index={shard_index!r} is not in [0, num_shards={num_shards}).",
-                fix="pass e.g. shard_index=sc.process_index(), num_shards=sc.process_count()."))
+            raise SpmdError(
+                describe(
+                    "ShardedSampler",
+                    f"shard_index={shard_index!r} is not in [0, num_shards={num_shards}).",
+                    fix="pass e.g. shard_index=sc.process_index(), num_shards=sc.process_count().",
+                )
+            )
         self.num_examples = int(num_examples)
         self.shard_index = int(shard_index)
         self.num_shards = int(num_shards)
@@ -182,11 +200,14 @@ class ShardedSampler:
         full = order[: (n if self.drop_remainder else self.num_examples // step) * step]
         mine = full.reshape(-1, self.num_shards, batch_size)[:, self.shard_index]
         out = [MaskedBatch(row, np.ones(batch_size, dtype=bool)) for row in mine]
-        rest = order[len(full):]
+        rest = order[len(full) :]
         if not self.drop_remainder and len(rest):
             part = np.array_split(rest, self.num_shards)[self.shard_index]
-            out.append(pad_batch(part, batch_size) if len(part) else
-                       MaskedBatch(np.zeros(batch_size, order.dtype), np.zeros(batch_size, bool)))
+            out.append(
+                pad_batch(part, batch_size)
+                if len(part)
+                else MaskedBatch(np.zeros(batch_size, order.dtype), np.zeros(batch_size, bool))
+            )
         return iter(out)
 
 
@@ -240,10 +261,14 @@ def join_batches(
         if exchange is None:
             return
         if template is None:
-            raise SpmdError(describe(
-                "join_batches", f"process {process_index()} had no batches at all, so it cannot shape "
-                "the empty batches it must feed while the other processes finish.",
-                fix="pass like=<one example batch> to join_batches."))
+            raise SpmdError(
+                describe(
+                    "join_batches",
+                    f"process {process_index()} had no batches at all, so it cannot shape "
+                    "the empty batches it must feed while the other processes finish.",
+                    fix="pass like=<one example batch> to join_batches.",
+                )
+            )
         yield _empty_like(template)
 
 
@@ -256,16 +281,32 @@ def leading_size(fn: str, tree: Any) -> int:
     for path, leaf in flat:
         name = jax.tree_util.keystr(path) or "<root>"
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            raise SpmdError(describe(fn, f"is a {type(leaf).__name__}, not an array.", leaf=name,
-                                     fix="keep only arrays in a batch (NumPy or jax.Array)."))
+            raise SpmdError(
+                describe(
+                    fn,
+                    f"is a {type(leaf).__name__}, not an array.",
+                    leaf=name,
+                    fix="keep only arrays in a batch (NumPy or jax.Array).",
+                )
+            )
         if len(leaf.shape) == 0:
-            raise ShapeError(describe(fn, "is a scalar; batch leaves need a leading example dimension.",
-                                      leaf=name, fix="give every leaf shape (batch, ...)."))
+            raise ShapeError(
+                describe(
+                    fn,
+                    "is a scalar; batch leaves need a leading example dimension.",
+                    leaf=name,
+                    fix="give every leaf shape (batch, ...).",
+                )
+            )
         sizes[name] = int(leaf.shape[0])
     if len(set(sizes.values())) > 1:
-        raise ShapeError(describe(
-            fn, f"leaves have different leading sizes: {sizes}.",
-            fix="give every leaf the same number of examples in dimension 0."))
+        raise ShapeError(
+            describe(
+                fn,
+                f"leaves have different leading sizes: {sizes}.",
+                fix="give every leaf the same number of examples in dimension 0.",
+            )
+        )
     return next(iter(sizes.values()))
 
 
@@ -283,19 +324,30 @@ def process_layout(
     order. Raises :class:`ShapeError` (saying how to pad) when the local size does not divide.
     """
     if not local_shape:
-        raise ShapeError(describe(fn, "is a scalar; batch leaves need a leading example dimension.",
-                                  leaf=leaf or "<root>", fix="give every leaf shape (batch, ...)."))
+        raise ShapeError(
+            describe(
+                fn,
+                "is a scalar; batch leaves need a leading example dimension.",
+                leaf=leaf or "<root>",
+                fix="give every leaf shape (batch, ...).",
+            )
+        )
     probe = (len(sharding.device_set),) + tuple(local_shape[1:])
     starts = {i[0].indices(probe[0])[0] for i in sharding.devices_indices_map(probe).values()}
     mine = sorted({i[0].indices(probe[0])[0] for i in sharding.addressable_devices_indices_map(probe).values()})
     rows = local_shape[0]
     if rows % len(mine):
-        raise ShapeError(describe(
-            fn, f"dimension 0 has {rows} examples on process {process_index()}, which do not divide "
-            f"into this process's {len(mine)} blocks (shape {tuple(local_shape)}, sharding "
-            f"{getattr(sharding, 'spec', sharding)}).", leaf=leaf or "<root>",
-            fix=f"pad the batch: spmdcomm.pad_batch(batch, {len(mine)}) pads with zeros and returns a "
-            "MaskedBatch whose mask marks the real examples (or use pad_to_multiple= when prefetching)."))
+        raise ShapeError(
+            describe(
+                fn,
+                f"dimension 0 has {rows} examples on process {process_index()}, which do not divide "
+                f"into this process's {len(mine)} blocks (shape {tuple(local_shape)}, sharding "
+                f"{getattr(sharding, 'spec', sharding)}).",
+                leaf=leaf or "<root>",
+                fix=f"pad the batch: spmdcomm.pad_batch(batch, {len(mine)}) pads with zeros and returns a "
+                "MaskedBatch whose mask marks the real examples (or use pad_to_multiple= when prefetching).",
+            )
+        )
     per = rows // len(mine)
     shape = (per * len(starts),) + tuple(local_shape[1:])
     rank = {start * per * len(starts) // probe[0]: r for r, start in enumerate(mine)}
@@ -329,8 +381,7 @@ def _zero_masked(rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
 def _empty_like(template: Any) -> MaskedBatch:
     data = template.data if isinstance(template, MaskedBatch) else template
     size = leading_size("join_batches", data)
-    return MaskedBatch(jax.tree.map(lambda a: np.zeros(np.shape(a), np.asarray(a).dtype), data),
-                       np.zeros(size, bool))
+    return MaskedBatch(jax.tree.map(lambda a: np.zeros(np.shape(a), np.asarray(a).dtype), data), np.zeros(size, bool))
 
 
 class _FlagExchange:
@@ -357,11 +408,15 @@ class _FlagExchange:
             try:
                 flags.append(self.client.blocking_key_value_get(f"{self.prefix}{step}/{p}", self.timeout_ms))
             except jax.errors.JaxRuntimeError:
-                raise BarrierTimeoutError(describe(
-                    "join_batches", f"process {p} did not report whether it has data for step {step} "
-                    f"within {self.timeout:g} s (process {me} waited).",
-                    fix="check that every process iterates its join_batches to the end, and that none "
-                    "died or is stuck; raise `timeout` for slow loaders.")) from None
+                raise BarrierTimeoutError(
+                    describe(
+                        "join_batches",
+                        f"process {p} did not report whether it has data for step {step} "
+                        f"within {self.timeout:g} s (process {me} waited).",
+                        fix="check that every process iterates its join_batches to the end, and that none "
+                        "died or is stuck; raise `timeout` for slow loaders.",
+                    )
+                ) from None
         if step > 0:  # every process has read step - 1 before writing step
             try:
                 self.client.key_value_delete(f"{self.prefix}{step - 1}/{me}")

@@ -179,9 +179,7 @@ class TrainState:
         )
 
     @classmethod
-    def create_nnx(
-        cls, model: Any, *, tx: optax.GradientTransformation, **kwargs: Any
-    ) -> TrainState:
+    def create_nnx(cls, model: Any, *, tx: optax.GradientTransformation, **kwargs: Any) -> TrainState:
         """Builds the state of a Flax NNX ``model``: ``nnx.split`` into graph, ``nnx.Param`` and the
         rest.
 
@@ -275,9 +273,7 @@ def make_train_step(
                 fix="pass 1 (no accumulation) or the number of micro-batches.",
             )
         )
-    if bucket_bytes is not None and (
-        not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1
-    ):
+    if bucket_bytes is not None and (not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1):
         raise SpmdError(
             describe(
                 "make_train_step",
@@ -343,9 +339,7 @@ def make_eval_step(
     4.0
     """
     mesh = _resolve_mesh("make_eval_step", mesh, axis, backend)
-    return EvalStep(
-        metric_fn, mesh, axis, backend, _check_in_flight("make_eval_step", max_in_flight)
-    )
+    return EvalStep(metric_fn, mesh, axis, backend, _check_in_flight("make_eval_step", max_in_flight))
 
 
 def fit(
@@ -441,9 +435,7 @@ def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
     from flax import nnx
 
-    def loss_fn(
-        params: Any, batch: Any, *, apply_fn: Any, model_state: Any, rng: Any, mask: Any
-    ) -> Any:
+    def loss_fn(params: Any, batch: Any, *, apply_fn: Any, model_state: Any, rng: Any, mask: Any) -> Any:
         model = nnx.merge(apply_fn, params, model_state, copy=True)
         streams = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.RngStream)]
         stored = [(s.key.get_value(), s.count.get_value()) for s in streams]
@@ -567,9 +559,7 @@ class EvalStep:
     """A compiled evaluation step (see :func:`make_eval_step`). Call it as ``evaluate(state,
     batch)``."""
 
-    def __init__(
-        self, metric_fn: Callable[..., Any], mesh: Mesh, axis: str, backend: str, max_in_flight: int
-    ):
+    def __init__(self, metric_fn: Callable[..., Any], mesh: Mesh, axis: str, backend: str, max_in_flight: int):
         self.metric_fn = metric_fn
         self.mesh = mesh
         self.axis = axis
@@ -612,16 +602,11 @@ class EvalStep:
             metrics = out if isinstance(out, dict) else {"loss": out}
             _check_scalars("make_eval_step", metrics, "metric_fn")
             count = jnp.sum(mask, dtype=jnp.float32)
-            sums = {
-                k: jnp.where(count > 0, count * v.astype(_sum_dtype(v.dtype)), 0.0)
-                for k, v in metrics.items()
-            }
+            sums = {k: jnp.where(count > 0, count * v.astype(_sum_dtype(v.dtype)), 0.0) for k, v in metrics.items()}
             total, sums = lax.psum((count, sums), axis)
             return {**{k: v / jnp.maximum(total, 1.0) for k, v in sums.items()}, "examples": total}
 
-        return _spmd_compile(
-            body, self.mesh, self.axis, self.backend, _state_specs(state), P(), donate=False
-        )
+        return _spmd_compile(body, self.mesh, self.axis, self.backend, _state_specs(state), P(), donate=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -655,9 +640,7 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
         masked = mask is not None
         weighted_state = _float_leaves(model_state)
         if masked:
-            weighted_state = jax.tree.map(
-                lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)), weighted_state
-            )
+            weighted_state = jax.tree.map(lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)), weighted_state)
         vec, unravel = ravel_pytree((count, metric_sums, weighted_state))
         if o.shard_optimizer:
             vec = lax.psum(vec, axis)
@@ -705,9 +688,7 @@ def _compile_train_step(o: _StepOptions, state: TrainState) -> Callable[..., Any
     return _spmd_compile(body, o.mesh, axis, o.backend, specs, (specs, P()), donate=o.donate)
 
 
-def _accumulate(
-    o: _StepOptions, state: TrainState, data: Any, mask: Any, varying: bool
-) -> tuple[Any, ...]:
+def _accumulate(o: _StepOptions, state: TrainState, data: Any, mask: Any, varying: bool) -> tuple[Any, ...]:
     """Runs loss_fn over the micro-batches.
 
     Returns the sums over micro-batches of gradients and metrics (weighted by real-example count
@@ -787,10 +768,8 @@ def _split_loss_output(out: Any, fn: str) -> tuple[Any, dict[str, Any]]:
             raise SpmdError(
                 describe(
                     fn,
-                    f"loss_fn returned a tuple of {len(out)} items; expected loss or (loss, aux "
-                    f"dict).",
-                    fix="return the scalar mean loss, or (loss, "
-                    '{"metric": value, "model_state": new_state}).',
+                    f"loss_fn returned a tuple of {len(out)} items; expected loss or (loss, aux dict).",
+                    fix='return the scalar mean loss, or (loss, {"metric": value, "model_state": new_state}).',
                 )
             )
         return out[0], dict(out[1])
@@ -823,8 +802,7 @@ def _check_same_tree(old: Any, new: Any) -> None:
                 "make_train_step",
                 f"loss_fn returned a model_state whose tree or shapes differ from "
                 f"state.model_state: expected {old_def} {old_shapes}, got {new_def} {new_shapes}.",
-                fix="return the updated model state with the same structure (or leave "
-                "'model_state' out of aux).",
+                fix="return the updated model state with the same structure (or leave 'model_state' out of aux).",
             )
         )
 
@@ -839,17 +817,13 @@ def _vary(tree: Any, axis: str, varying: bool) -> Any:
     # no such typing.
     if not varying:
         return tree
-    return jax.tree.map(
-        lambda x: x if axis in varying_axes(x) else lax.pcast(x, axis, to="varying"), tree
-    )
+    return jax.tree.map(lambda x: x if axis in varying_axes(x) else lax.pcast(x, axis, to="varying"), tree)
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
     if dtype is None:
         return tree
-    return jax.tree.map(
-        lambda g: g.astype(dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g, tree
-    )
+    return jax.tree.map(lambda g: g.astype(dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g, tree)
 
 
 def _cast_like(tree: Any, like: Any) -> Any:
@@ -865,9 +839,7 @@ def _float_leaves(tree: Any) -> Any:
     # The float leaves in the dtype they are summed in; other leaves become empty (not averaged).
     return jax.tree.map(
         lambda x: (
-            x.astype(_sum_dtype(x.dtype))
-            if jnp.issubdtype(x.dtype, jnp.floating)
-            else jnp.zeros((0,), jnp.float32)
+            x.astype(_sum_dtype(x.dtype)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros((0,), jnp.float32)
         ),
         tree,
     )
@@ -930,18 +902,14 @@ def _bucketed_psum(
     return stats, flat.unflatten(out)
 
 
-def _zero_update(
-    o: _StepOptions, state: TrainState, grad_sum: Any, denom: jax.Array, n: int
-) -> tuple[Any, ...]:
+def _zero_update(o: _StepOptions, state: TrainState, grad_sum: Any, denom: jax.Array, n: int) -> tuple[Any, ...]:
     layout = state.zero
     me = lax.axis_index(o.axis)
     grad_vecs = layout.flat.flatten(grad_sum, pad_to=n)
     grad_shards = {}
     for name, vec in grad_vecs.items():
         low = _cast(vec, o.reduce_dtype)
-        grad_shards[name] = (reduce_scatter(low, o.axis).astype(vec.dtype) / denom).astype(
-            vec.dtype
-        )
+        grad_shards[name] = (reduce_scatter(low, o.axis).astype(vec.dtype) / denom).astype(vec.dtype)
     param_vecs = layout.flat.flatten(state.params, pad_to=n)
     param_shards = {
         name: lax.dynamic_slice_in_dim(vec, me * (vec.shape[0] // n), vec.shape[0] // n)
@@ -1055,9 +1023,7 @@ class _ZeroLayout:
     def build(cls, params: Any, tx: optax.GradientTransformation, axis: str, n: int) -> _ZeroLayout:
         flat = _FlatLayout.build(params)
         _check_elementwise(tx, flat, n)
-        shard = {
-            dt: jax.ShapeDtypeStruct((size // n,), dt) for dt, size in flat.sizes(pad_to=n).items()
-        }
+        shard = {dt: jax.ShapeDtypeStruct((size // n,), dt) for dt, size in flat.sizes(pad_to=n).items()}
         abstract = jax.eval_shape(tx.init, shard)
         shard_shapes = {s.shape for s in shard.values()}
         leaves, treedef = jax.tree.flatten(abstract)
@@ -1119,14 +1085,10 @@ def _check_elementwise(tx: optax.GradientTransformation, flat: _FlatLayout, n: i
             )
 
 
-def _init_opt_state(
-    tx: optax.GradientTransformation, params: Any, zero: _ZeroLayout | None, mesh: Mesh
-) -> Any:
+def _init_opt_state(tx: optax.GradientTransformation, params: Any, zero: _ZeroLayout | None, mesh: Mesh) -> Any:
     if zero is None:
         return jax.jit(tx.init, out_shardings=NamedSharding(mesh, P()))(params)
-    shardings = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), zero.opt_specs, is_leaf=lambda x: isinstance(x, P)
-    )
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), zero.opt_specs, is_leaf=lambda x: isinstance(x, P))
     n = zero.shards
 
     def init(params: Any) -> Any:
@@ -1153,9 +1115,7 @@ def _check_zero_matches(o: _StepOptions, state: TrainState) -> None:
                 fix="pass shard_optimizer=True to make_train_step.",
             )
         )
-    if state.zero is not None and (
-        state.zero.axis != o.axis or state.zero.shards != o.mesh.shape[o.axis]
-    ):
+    if state.zero is not None and (state.zero.axis != o.axis or state.zero.shards != o.mesh.shape[o.axis]):
         raise SpmdError(
             describe(
                 "make_train_step",
@@ -1231,8 +1191,7 @@ def _misplaced(state: Any, mesh: Mesh) -> tuple[str, str] | None:
         if not same:
             return (
                 f"state{jax.tree_util.keystr(path)}",
-                f"the state lives on {_describe_placement(sharding)}, but the step runs on "
-                f"{_describe_mesh(mesh)}.",
+                f"the state lives on {_describe_placement(sharding)}, but the step runs on {_describe_mesh(mesh)}.",
             )
     return None
 
@@ -1263,8 +1222,7 @@ def _place_batch(fn: str, batch: Any, mesh: Mesh, axis: str, accum_steps: int) -
                 f"the batch has {local} "
                 f"examples{' in this process' if jax.process_count() > 1 else ''}, "
                 f"which does not split evenly over {what} (needs a multiple of {need}).",
-                fix=f"pad it with spmdcomm.pad_batch(batch, {need}); the step then averages over "
-                f"real examples only.",
+                fix=f"pad it with spmdcomm.pad_batch(batch, {need}); the step then averages over real examples only.",
             )
         )
     if mask is not None:
@@ -1285,9 +1243,7 @@ def _place_batch(fn: str, batch: Any, mesh: Mesh, axis: str, accum_steps: int) -
 def _put(tree: Any, sharding: NamedSharding) -> Any:
     def one(x: Any) -> Any:
         if isinstance(x, jax.Array):
-            return (
-                x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
-            )
+            return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
         if jax.process_count() > 1:
             return jax.make_array_from_process_local_data(sharding, np.asarray(x))
         return x
@@ -1303,9 +1259,7 @@ def _put(tree: Any, sharding: NamedSharding) -> Any:
 def _place_replicated(tree: Any, mesh: Mesh) -> Any:
     sharding = NamedSharding(mesh, P())
     if jax.process_count() > 1:
-        return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(sharding, x, x.shape), tree
-        )
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x, x.shape), tree)
     return jax.device_put(tree, sharding)
 
 
@@ -1356,8 +1310,7 @@ def _check_in_flight(fn: str, k: int) -> int:
             describe(
                 fn,
                 f"max_in_flight={k!r} must be an int in [1, {_MAX_IN_FLIGHT_LIMIT}].",
-                fix="XLA:CPU deadlocks with ~32 queued collective executions; keep the window at "
-                "16 or below.",
+                fix="XLA:CPU deadlocks with ~32 queued collective executions; keep the window at 16 or below.",
             )
         )
     return int(k)

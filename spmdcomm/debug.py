@@ -52,8 +52,7 @@ def enabled() -> bool:
     return os.environ.get(ENV_DEBUG, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def check_call(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Mesh | None = None
-               ) -> None:
+def check_call(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Mesh | None = None) -> None:
     """Raises :class:`~spmdcomm.errors.ProcessMismatchError` on every process unless all processes
     call function ``name`` with the same input structure, shapes, dtypes, shardings, specs and mesh.
 
@@ -69,18 +68,20 @@ def check_call(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Me
     diffs = {p: _diff(fp, prints[0]) for p, fp in enumerate(prints) if fp != prints[0]}
     if not diffs:
         return
-    text = " ".join(f"Process {p} differs from process 0: {'; '.join(d)}."
-                    for p, d in diffs.items())
-    raise ProcessMismatchError(describe(
-        name, f"debug check on process {process_index()}: the processes called it with different "
-        f"inputs, which would hang, abort or compute garbage. {text}",
-        fix="give every process inputs of the same global shape, dtype and sharding (pad the "
-        "last batch, e.g. with spmdcomm.pad_batch), and call the same functions in the same "
-        "order."))
+    text = " ".join(f"Process {p} differs from process 0: {'; '.join(d)}." for p, d in diffs.items())
+    raise ProcessMismatchError(
+        describe(
+            name,
+            f"debug check on process {process_index()}: the processes called it with different "
+            f"inputs, which would hang, abort or compute garbage. {text}",
+            fix="give every process inputs of the same global shape, dtype and sharding (pad the "
+            "last batch, e.g. with spmdcomm.pad_batch), and call the same functions in the same "
+            "order.",
+        )
+    )
 
 
-def fingerprint(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Mesh | None = None
-                ) -> dict[str, Any]:
+def fingerprint(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Mesh | None = None) -> dict[str, Any]:
     """What :func:`check_call` compares: name, specs, mesh, ``path -> (shape, dtype, sharding)``.
 
     >>> fingerprint("f", (np.zeros((2, 3), np.float32),))["leaves"]
@@ -109,13 +110,17 @@ def _leaf(x: Any) -> tuple[tuple[int, ...], str, str | None]:
 
 
 def _diff(fp: dict[str, Any], ref: dict[str, Any]) -> list[str]:
-    out = [f"{key} {fp[key]} vs {ref[key]} on process 0"
-           for key in ("function", "in_specs", "mesh") if fp[key] != ref[key]]
+    out = [
+        f"{key} {fp[key]} vs {ref[key]} on process 0" for key in ("function", "in_specs", "mesh") if fp[key] != ref[key]
+    ]
     for path in sorted(set(fp["leaves"]) | set(ref["leaves"])):
         a, b = fp["leaves"].get(path), ref["leaves"].get(path)
         if a is None or b is None:
             out.append(f"args{path} is {'missing' if a is None else 'extra'} (not on both)")
             continue
-        out += [f"args{path}: {k} {x} vs {y} on process 0"
-                for k, x, y in zip(("shape", "dtype", "sharding"), a, b, strict=True) if x != y]
+        out += [
+            f"args{path}: {k} {x} vs {y} on process 0"
+            for k, x, y in zip(("shape", "dtype", "sharding"), a, b, strict=True)
+            if x != y
+        ]
     return out

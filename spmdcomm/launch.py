@@ -69,9 +69,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_counts(args.nprocs, args.devices_per_process, args.gpus_per_process)
     except SpmdError as e:  # on the command line, a usage error (exit status 2), not a traceback
         _parser().error(str(e))
-    return launch(target, args.nprocs, devices_per_process=args.devices_per_process,
-                  gpus_per_process=args.gpus_per_process, coordinator=args.coordinator, timeout=args.timeout,
-                  grace=args.grace)
+    return launch(
+        target,
+        args.nprocs,
+        devices_per_process=args.devices_per_process,
+        gpus_per_process=args.gpus_per_process,
+        coordinator=args.coordinator,
+        timeout=args.timeout,
+        grace=args.grace,
+    )
 
 
 def launch(
@@ -110,9 +116,15 @@ def launch(
     with _forward_signals(job):
         for rank in range(nprocs):
             child_env = dict(base)
-            child_env.update({ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(nprocs),
-                              ENV_PROCESS_ID: str(rank), ENV_LOCAL_RANK: str(rank),
-                              ENV_LOCAL_WORLD_SIZE: str(nprocs)})
+            child_env.update(
+                {
+                    ENV_COORDINATOR: address,
+                    ENV_NUM_PROCESSES: str(nprocs),
+                    ENV_PROCESS_ID: str(rank),
+                    ENV_LOCAL_RANK: str(rank),
+                    ENV_LOCAL_WORLD_SIZE: str(nprocs),
+                }
+            )
             if gpus_per_process:
                 ids = range(rank * gpus_per_process, (rank + 1) * gpus_per_process)
                 child_env[ENV_LOCAL_DEVICE_IDS] = ",".join(map(str, ids))
@@ -136,21 +148,41 @@ def _parser() -> argparse.ArgumentParser:
         prog="spmdcomm-launch",
         description="Run a script as N cooperating JAX processes on this machine.",
         usage="spmdcomm-launch -n N [--devices-per-process K] [--coordinator HOST:PORT] "
-              "(script.py | -m module) [args...]")
+        "(script.py | -m module) [args...]",
+    )
     p.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
-    p.add_argument("--devices-per-process", type=int, default=None, metavar="K",
-                   help="give each process K fake CPU devices")
-    p.add_argument("--gpus-per-process", type=int, default=None, metavar="K",
-                   help="give each process K of this host's GPUs (rank r gets GPUs r*K .. r*K+K-1)")
-    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="coordinator address (default: 127.0.0.1 and a free port)")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="end the whole job after this many seconds (exit status 124)")
-    p.add_argument("--grace", type=float, default=GRACE_SECONDS, metavar="SECONDS",
-                   help=f"seconds between SIGTERM and SIGKILL (default {GRACE_SECONDS})")
+    p.add_argument(
+        "--devices-per-process", type=int, default=None, metavar="K", help="give each process K fake CPU devices"
+    )
+    p.add_argument(
+        "--gpus-per-process",
+        type=int,
+        default=None,
+        metavar="K",
+        help="give each process K of this host's GPUs (rank r gets GPUs r*K .. r*K+K-1)",
+    )
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="coordinator address (default: 127.0.0.1 and a free port)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="end the whole job after this many seconds (exit status 124)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=GRACE_SECONDS,
+        metavar="SECONDS",
+        help=f"seconds between SIGTERM and SIGKILL (default {GRACE_SECONDS})",
+    )
     p.add_argument("-m", dest="module", default=None, help="run a module, like python -m")
-    p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="script.py [args...], or the module's args")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...], or the module's args")
     return p
 
 
@@ -158,10 +190,18 @@ def _check_counts(nprocs: int, devices_per_process: int | None, gpus_per_process
     # Checked up front: a zero device count would only fail later, inside every child's XLA start-up.
     for flag, name, value, fix in [
         ("-n", "nprocs", nprocs, "pass -n N with N >= 1, the number of processes to start"),
-        ("--devices-per-process", "devices_per_process", devices_per_process,
-         "pass --devices-per-process K with K >= 1, or leave it out to keep the device count"),
-        ("--gpus-per-process", "gpus_per_process", gpus_per_process,
-         "pass --gpus-per-process K with K >= 1, or leave it out to let every process see all GPUs"),
+        (
+            "--devices-per-process",
+            "devices_per_process",
+            devices_per_process,
+            "pass --devices-per-process K with K >= 1, or leave it out to keep the device count",
+        ),
+        (
+            "--gpus-per-process",
+            "gpus_per_process",
+            gpus_per_process,
+            "pass --gpus-per-process K with K >= 1, or leave it out to let every process see all GPUs",
+        ),
     ]:
         if value is not None and value < 1:
             raise SpmdError(describe("launch", f"{flag} ({name}) must be at least 1, got {value}.", fix=fix + "."))
@@ -205,8 +245,14 @@ class _Job:
 
     def start(self, rank: int, cmd: list[str], env: dict[str, str]) -> None:
         self.procs[rank] = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent())
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )
 
     def forward_output(self) -> None:
         """Starts the threads that copy each process's output, prefixed with its rank."""
@@ -229,8 +275,10 @@ class _Job:
             if failed:
                 rank, code = failed[0]
                 running = sum(c is None for c in codes.values())
-                self._say(f"rank {rank} (pid {self.procs[rank].pid}) {_describe_status(code)}; "
-                          f"stopping the other {running} running process(es).")
+                self._say(
+                    f"rank {rank} (pid {self.procs[rank].pid}) {_describe_status(code)}; "
+                    f"stopping the other {running} running process(es)."
+                )
                 self.stop()
                 return _exit_status(code)
             if all(c == 0 for c in codes.values()):

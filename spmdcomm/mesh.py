@@ -55,20 +55,33 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
     names = tuple(axes)
     sizes = [int(s) for s in axes.values()]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise SpmdError(describe(
-            "make_mesh", f"axis sizes {dict(axes)} are invalid: each must be positive, at most one -1.",
-            fix="give positive sizes, or -1 for the one axis that takes the remaining devices."))
+        raise SpmdError(
+            describe(
+                "make_mesh",
+                f"axis sizes {dict(axes)} are invalid: each must be positive, at most one -1.",
+                fix="give positive sizes, or -1 for the one axis that takes the remaining devices.",
+            )
+        )
     if -1 in sizes:
         rest = math.prod(s for s in sizes if s != -1)
         if len(devs) % rest:
-            raise SpmdError(describe(
-                "make_mesh", f"{len(devs)} devices do not divide by the fixed axis sizes {dict(axes)} "
-                f"(product {rest}).", fix="choose sizes whose product divides the device count."))
+            raise SpmdError(
+                describe(
+                    "make_mesh",
+                    f"{len(devs)} devices do not divide by the fixed axis sizes {dict(axes)} (product {rest}).",
+                    fix="choose sizes whose product divides the device count.",
+                )
+            )
         sizes[sizes.index(-1)] = len(devs) // rest
     if math.prod(sizes) != len(devs):
-        raise SpmdError(describe(
-            "make_mesh", f"axis sizes {dict(zip(names, sizes))} multiply to {math.prod(sizes)}, but there "
-            f"are {len(devs)} devices.", fix="make the sizes multiply to the device count, or use -1 for one."))
+        raise SpmdError(
+            describe(
+                "make_mesh",
+                f"axis sizes {dict(zip(names, sizes))} multiply to {math.prod(sizes)}, but there "
+                f"are {len(devs)} devices.",
+                fix="make the sizes multiply to the device count, or use -1 for one.",
+            )
+        )
     return _cached_mesh(tuple(zip(names, sizes)), devs, devices is not None)
 
 
@@ -114,15 +127,18 @@ def check_mesh_axes(fn: str, mesh: Mesh, axis: str | tuple[str, ...] | None) -> 
     names = axis if isinstance(axis, tuple) else (axis,)
     for name in names:
         if name is not None and name not in mesh.axis_names:
-            raise AxisError(describe(
-                fn, f"axis {name!r} is not an axis of the mesh; its axes are {tuple(mesh.axis_names)} "
-                f"with sizes {dict(mesh.shape)}.", fix="use one of the mesh's axis names."))
+            raise AxisError(
+                describe(
+                    fn,
+                    f"axis {name!r} is not an axis of the mesh; its axes are {tuple(mesh.axis_names)} "
+                    f"with sizes {dict(mesh.shape)}.",
+                    fix="use one of the mesh's axis names.",
+                )
+            )
 
 
 @functools.cache
-def _cached_mesh(
-    axes: tuple[tuple[str, int], ...], devices: tuple[jax.Device, ...], keep_order: bool
-) -> Mesh:
+def _cached_mesh(axes: tuple[tuple[str, int], ...], devices: tuple[jax.Device, ...], keep_order: bool) -> Mesh:
     # One Mesh object per layout, so that caches keyed on the mesh hit. Devices the caller listed keep
     # their order; otherwise jax.make_mesh picks a topology-aware layout.
     names = tuple(n for n, _ in axes)

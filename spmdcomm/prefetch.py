@@ -89,11 +89,21 @@ def prefetch_to_device(
     """
     size = int(size)
     if size < 1:
-        raise SpmdError(describe("prefetch_to_device", f"size={size} must be at least 1.",
-                                 fix="use 2 (double buffering) unless measurements say otherwise."))
+        raise SpmdError(
+            describe(
+                "prefetch_to_device",
+                f"size={size} must be at least 1.",
+                fix="use 2 (double buffering) unless measurements say otherwise.",
+            )
+        )
     if pad_to_multiple is not None and (not isinstance(pad_to_multiple, int) or pad_to_multiple < 1):
-        raise SpmdError(describe("prefetch_to_device", f"pad_to_multiple={pad_to_multiple!r} must be a "
-                                 "positive int.", fix="pass the number of devices along the data axis."))
+        raise SpmdError(
+            describe(
+                "prefetch_to_device",
+                f"pad_to_multiple={pad_to_multiple!r} must be a positive int.",
+                fix="pass the number of devices along the data axis.",
+            )
+        )
     if sharding is None:
         sharding = data_sharding(default_mesh() if mesh is None else mesh, axis)
     return Prefetcher(iter(iterable), size, sharding, pad_to_multiple)
@@ -130,8 +140,7 @@ class PrefetchStats:
     total_wait: float = 0.0
     last_wait: float = 0.0
     max_wait: float = 0.0
-    waits: collections.deque[float] = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=WAIT_HISTORY))
+    waits: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=WAIT_HISTORY))
 
     @property
     def mean_wait(self) -> float:
@@ -249,8 +258,10 @@ class _State:
 def _start_threads(state: _State) -> None:
     # One thread waits on the source while the other places the previous batch, so a loader that
     # waits (on storage, on the network) overlaps with the placement.
-    state.threads = tuple(threading.Thread(target=target, args=(state,), daemon=True, name="spmdcomm-prefetch")
-                          for target in (_fetch, _place_all))
+    state.threads = tuple(
+        threading.Thread(target=target, args=(state,), daemon=True, name="spmdcomm-prefetch")
+        for target in (_fetch, _place_all)
+    )
     for thread in state.threads:
         thread.start()
 
@@ -341,8 +352,9 @@ def _place(state: _State, batch: Any, *, stage: bool) -> Any:
     if state.sharding.is_fully_addressable:
         placed = jax.device_put(hosts, state.sharding)
     else:
-        placed = [jax.make_array_from_process_local_data(state.sharding, host, shape)
-                  for host, shape in zip(hosts, shapes)]
+        placed = [
+            jax.make_array_from_process_local_data(state.sharding, host, shape) for host, shape in zip(hosts, shapes)
+        ]
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 

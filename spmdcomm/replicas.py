@@ -58,21 +58,15 @@ def check_replicas_in_sync(tree: Any) -> list[Divergence]:
         return []
     devices = leaves[0][1].sharding.device_set
     leaves = [(name, x) for name, x in leaves if x.sharding.device_set == devices]
-    local = sorted(
-        (d for d in devices if d.process_index == jax.process_index()), key=lambda d: d.id
-    )
+    local = sorted((d for d in devices if d.process_index == jax.process_index()), key=lambda d: d.id)
     sums = []
     for device in local:
-        shards = [
-            next(s.data for s in x.addressable_shards if s.device == device) for _, x in leaves
-        ]
+        shards = [next(s.data for s in x.addressable_shards if s.device == device) for _, x in leaves]
         sums.append(np.asarray(_checksums(shards)))
     ids = np.array([[d.id, d.process_index] for d in local], dtype=np.int64)
     table = np.asarray(sums, dtype=np.uint32)  # (local devices, leaves, 2)
     if jax.process_count() > 1:
-        table = np.asarray(multihost_utils.process_allgather(table)).reshape(
-            (-1,) + table.shape[1:]
-        )
+        table = np.asarray(multihost_utils.process_allgather(table)).reshape((-1,) + table.shape[1:])
         ids = np.asarray(multihost_utils.process_allgather(ids)).reshape(-1, 2)
     order = np.argsort(ids[:, 0])
     table, ids = table[order], ids[order]
@@ -116,9 +110,7 @@ def _checksums(leaves: list[jax.Array]) -> jax.Array:
     for x in leaves:
         bits = _as_uint32(x).reshape(-1)
         weights = lax.iota(jnp.uint32, bits.shape[0]) * jnp.uint32(2654435761) + jnp.uint32(1)
-        rows.append(
-            jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weights, dtype=jnp.uint32)])
-        )
+        rows.append(jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weights, dtype=jnp.uint32)]))
     return jnp.stack(rows)
 
 

@@ -83,10 +83,8 @@ def stream_key_for_call(stream_key: jax.Array, rng: Any) -> jax.Array:
         raise SpmdError(
             describe(
                 "make_train_step",
-                f"rng='per_example' needs threefry stream keys, but a model RNG stream holds a "
-                f"{stream_key.dtype} key.",
-                fix="create the model's nnx.Rngs with the default (threefry) implementation, or use "
-                "rng='per_device'.",
+                f"rng='per_example' needs threefry stream keys, but a model RNG stream holds a {stream_key.dtype} key.",
+                fix="create the model's nnx.Rngs with the default (threefry) implementation, or use rng='per_device'.",
             )
         )
     folded = _map_keys(lambda k: jax.random.fold_in(jax.random.fold_in(k, data[0]), data[1]), stream_key)

@@ -86,22 +86,30 @@ def initialize(
         _check_same_job(num_processes, process_id)
         return
     address, count, pid, device_ids = _settings(
-        coordinator_address, num_processes, process_id, local_device_ids, timeout)
+        coordinator_address, num_processes, process_id, local_device_ids, timeout
+    )
     if count is None or count == 1:
         return
     if address is None or pid is None:
-        raise DistributedError(describe(
-            "initialize", f"a job of {count} processes needs a coordinator address and this "
-            f"process's id, but got coordinator_address={address!r}, process_id={pid!r}.",
-            fix=f"pass them, set {ENV_COORDINATOR} and {ENV_PROCESS_ID}, or start the script with "
-            "spmdcomm-launch."))
+        raise DistributedError(
+            describe(
+                "initialize",
+                f"a job of {count} processes needs a coordinator address and this "
+                f"process's id, but got coordinator_address={address!r}, process_id={pid!r}.",
+                fix=f"pass them, set {ENV_COORDINATOR} and {ENV_PROCESS_ID}, or start the script with spmdcomm-launch.",
+            )
+        )
     host, port = _split_address(address)
     if backends_initialized():
-        raise DistributedError(describe(
-            "initialize", "JAX's backend is already running in this process (something called "
-            "jax.devices(), created an array or ran a computation), so it can no longer join a "
-            "job.",
-            fix="call spmdcomm.initialize() at the top of the script, before any other JAX call."))
+        raise DistributedError(
+            describe(
+                "initialize",
+                "JAX's backend is already running in this process (something called "
+                "jax.devices(), created an array or ran a computation), so it can no longer join a "
+                "job.",
+                fix="call spmdcomm.initialize() at the top of the script, before any other JAX call.",
+            )
+        )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     deadline = time.monotonic() + timeout
     if pid == 0:
@@ -109,9 +117,14 @@ def initialize(
     else:
         _wait_reachable(address, host, port, pid, timeout, deadline)
     jax.distributed.initialize(
-        address, count, pid, local_device_ids=device_ids, cluster_detection_method="deactivate",
+        address,
+        count,
+        pid,
+        local_device_ids=device_ids,
+        cluster_detection_method="deactivate",
         initialization_timeout=max(1, math.ceil(deadline - time.monotonic())),
-        coordinator_bind_address=f"{host}:{port}" if _is_loopback(host) else None)
+        coordinator_bind_address=f"{host}:{port}" if _is_loopback(host) else None,
+    )
     _publish_host(pid, timeout)
 
 
@@ -143,11 +156,13 @@ def local_rank() -> int:
             return int(os.environ[var])
     if process_count() == 1:
         return 0
-    raise DistributedError(describe(
-        "local_rank", "this process joined the job without spmdcomm.initialize() and no launcher "
-        "variable gives its local rank.",
-        fix="call spmdcomm.initialize() instead of jax.distributed.initialize(), or set "
-        f"{ENV_LOCAL_RANK}."))
+    raise DistributedError(
+        describe(
+            "local_rank",
+            "this process joined the job without spmdcomm.initialize() and no launcher variable gives its local rank.",
+            fix=f"call spmdcomm.initialize() instead of jax.distributed.initialize(), or set {ENV_LOCAL_RANK}.",
+        )
+    )
 
 
 def process_devices(process: int | None = None) -> list[jax.Device]:
@@ -160,9 +175,13 @@ def process_devices(process: int | None = None) -> list[jax.Device]:
     if process is None:
         return list(jax.local_devices())
     if not isinstance(process, int) or not 0 <= process < n:
-        raise SpmdError(describe(
-            "process_devices", f"process={process!r} is out of range for a job of {n} process(es).",
-            fix=f"pass a process index in [0, {n})."))
+        raise SpmdError(
+            describe(
+                "process_devices",
+                f"process={process!r} is out of range for a job of {n} process(es).",
+                fix=f"pass a process index in [0, {n}).",
+            )
+        )
     return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
 
 
@@ -173,10 +192,14 @@ def coordination_client(fn: str) -> Any:
     """
     client = jax_coordination_client()
     if client is None:
-        raise DistributedError(describe(
-            fn, "this process has not joined a multi-process job.",
-            fix="call spmdcomm.initialize() at the top of the script (under spmdcomm-launch, "
-            "SLURM, Open MPI or Kubernetes it finds its settings)."))
+        raise DistributedError(
+            describe(
+                fn,
+                "this process has not joined a multi-process job.",
+                fix="call spmdcomm.initialize() at the top of the script (under spmdcomm-launch, "
+                "SLURM, Open MPI or Kubernetes it finds its settings).",
+            )
+        )
     return client
 
 
@@ -184,7 +207,10 @@ def coordination_client(fn: str) -> Any:
 
 
 def _settings(
-    address: str | None, count: int | None, pid: int | None, device_ids: Sequence[int] | None,
+    address: str | None,
+    count: int | None,
+    pid: int | None,
+    device_ids: Sequence[int] | None,
     timeout: float,
 ) -> tuple[str | None, int | None, int | None, Sequence[int] | None]:
     address = address or os.environ.get(ENV_COORDINATOR) or None
@@ -198,7 +224,10 @@ def _settings(
 
 
 def _auto_detect(
-    address: str | None, count: int | None, pid: int | None, device_ids: Sequence[int] | None,
+    address: str | None,
+    count: int | None,
+    pid: int | None,
+    device_ids: Sequence[int] | None,
     timeout: float,
 ) -> tuple[str | None, int | None, int | None, Sequence[int] | None]:
     return auto_detect_cluster(address, count, pid, device_ids, timeout=max(1, math.ceil(timeout)))
@@ -211,25 +240,37 @@ def _env_int(var: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise DistributedError(describe(
-            "initialize", f"environment variable {var}={text!r} is not an integer.",
-            fix=f"set {var} to an integer or unset it.")) from None
+        raise DistributedError(
+            describe(
+                "initialize",
+                f"environment variable {var}={text!r} is not an integer.",
+                fix=f"set {var} to an integer or unset it.",
+            )
+        ) from None
 
 
 def _check_same_job(count: int | None, pid: int | None) -> None:
     if (count not in (None, process_count())) or (pid not in (None, process_index())):
-        raise DistributedError(describe(
-            "initialize", f"already joined as process {process_index()} of {process_count()}, but "
-            f"called again with num_processes={count}, process_id={pid}.",
-            fix="call initialize() once per process (later calls without arguments are no-ops)."))
+        raise DistributedError(
+            describe(
+                "initialize",
+                f"already joined as process {process_index()} of {process_count()}, but "
+                f"called again with num_processes={count}, process_id={pid}.",
+                fix="call initialize() once per process (later calls without arguments are no-ops).",
+            )
+        )
 
 
 def _split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise DistributedError(describe(
-            "initialize", f"coordinator address {address!r} is not HOST:PORT.",
-            fix="pass e.g. '10.0.0.1:1234' (an IPv6 host goes in brackets: '[::1]:1234')."))
+        raise DistributedError(
+            describe(
+                "initialize",
+                f"coordinator address {address!r} is not HOST:PORT.",
+                fix="pass e.g. '10.0.0.1:1234' (an IPv6 host goes in brackets: '[::1]:1234').",
+            )
+        )
     return host.strip("[]"), int(port)
 
 
@@ -237,9 +278,7 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _wait_reachable(
-    address: str, host: str, port: int, pid: int, timeout: float, deadline: float
-) -> None:
+def _wait_reachable(address: str, host: str, port: int, pid: int, timeout: float, deadline: float) -> None:
     last: OSError | None = None
     while True:
         left = deadline - time.monotonic()
@@ -251,12 +290,15 @@ def _wait_reachable(
         except OSError as e:
             last = e
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-    raise CoordinatorError(describe(
-        "initialize", f"process {pid} could not reach the coordinator at {address} within "
-        f"{timeout:g} s (last error: {last}).",
-        fix=f"check that process 0 is running and was given the same address, that {host} resolves "
-        f"to the machine running process 0 and port {port} is open between the machines "
-        "(firewall), or raise `timeout` if process 0 starts late."))
+    raise CoordinatorError(
+        describe(
+            "initialize",
+            f"process {pid} could not reach the coordinator at {address} within {timeout:g} s (last error: {last}).",
+            fix=f"check that process 0 is running and was given the same address, that {host} resolves "
+            f"to the machine running process 0 and port {port} is open between the machines "
+            "(firewall), or raise `timeout` if process 0 starts late.",
+        )
+    )
 
 
 def _check_port_free(address: str, host: str, port: int) -> None:
@@ -267,11 +309,14 @@ def _check_port_free(address: str, host: str, port: int) -> None:
         try:
             s.bind((bind_host, port))
         except OSError as e:
-            raise CoordinatorError(describe(
-                "initialize", f"process 0 cannot serve as coordinator at {address}: port {port} "
-                f"is not available ({e}).",
-                fix="choose a free port (spmdcomm-launch picks one when --coordinator is not "
-                "given), or stop what listens on it.")) from None
+            raise CoordinatorError(
+                describe(
+                    "initialize",
+                    f"process 0 cannot serve as coordinator at {address}: port {port} is not available ({e}).",
+                    fix="choose a free port (spmdcomm-launch picks one when --coordinator is not "
+                    "given), or stop what listens on it.",
+                )
+            ) from None
 
 
 def _publish_host(pid: int, timeout: float) -> None:

@@ -69,8 +69,15 @@ def spmd(
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
 
     def wrap(f: Callable[..., Any]) -> SpmdFunction:
-        return SpmdFunction(f, in_specs=in_specs, out_specs=out_specs, mesh=mesh, backend=backend,
-                            check_vma=check_vma, donate_argnums=donate)
+        return SpmdFunction(
+            f,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            mesh=mesh,
+            backend=backend,
+            check_vma=check_vma,
+            donate_argnums=donate,
+        )
 
     return wrap if fn is None else wrap(fn)
 
@@ -84,8 +91,17 @@ def check_backend(fn: str, backend: str) -> None:
 class SpmdFunction:
     """A function compiled by :func:`spmd`. Call it like the original; ``lower(...)`` shows what XLA gets."""
 
-    def __init__(self, fn: Callable[..., Any], *, in_specs: Any, out_specs: Any, mesh: Mesh | None,
-                 backend: str, check_vma: bool, donate_argnums: tuple[int, ...]):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        in_specs: Any,
+        out_specs: Any,
+        mesh: Mesh | None,
+        backend: str,
+        check_vma: bool,
+        donate_argnums: tuple[int, ...],
+    ):
         self.fn = fn
         self.in_specs = in_specs
         self.out_specs = out_specs
@@ -140,10 +156,14 @@ class SpmdFunction:
 
     def _check_traced(self, mesh: Mesh, args: Sequence[Any]) -> None:
         if self.backend == "pmap" and jax.process_count() > 1:
-            raise BackendError(describe(
-                self.__name__, "backend='pmap' cannot run inside jax.jit, jax.grad or another traced function "
-                "when the job has several processes (JAX cannot stage pmap into jit across processes).",
-                fix="use backend='shard_map' (the default), or call the function outside the traced code."))
+            raise BackendError(
+                describe(
+                    self.__name__,
+                    "backend='pmap' cannot run inside jax.jit, jax.grad or another traced function "
+                    "when the job has several processes (JAX cannot stage pmap into jit across processes).",
+                    fix="use backend='shard_map' (the default), or call the function outside the traced code.",
+                )
+            )
         self._map_args(mesh, args, lambda leaf, spec: leaf)
 
     def _map_args(self, mesh: Mesh, args: Sequence[Any], put: Callable[[Any, P], Any]) -> tuple[Any, ...]:
@@ -156,21 +176,39 @@ class SpmdFunction:
             _check_spec(self.__name__, name, spec, mesh, self.backend)
             if not hasattr(leaf, "shape"):
                 if not isinstance(leaf, (int, float, bool, complex)):
-                    raise SpmdError(describe(
-                        self.__name__, f"argument is a {type(leaf).__name__}, not an array.", leaf=name,
-                        fix="pass arrays or numbers, or close over other values."))
+                    raise SpmdError(
+                        describe(
+                            self.__name__,
+                            f"argument is a {type(leaf).__name__}, not an array.",
+                            leaf=name,
+                            fix="pass arrays or numbers, or close over other values.",
+                        )
+                    )
                 leaf = jnp.asarray(leaf)
             _check_divisible(self.__name__, name, spec, leaf.shape, mesh)
             return put(leaf, spec)
 
-        return tuple(jax.tree_util.tree_map_with_path(
-            lambda path, spec, sub: jax.tree_util.tree_map_with_path(
-                lambda p2, leaf: one(path + p2, spec, leaf), sub),
-            specs, tuple(args), is_leaf=_is_spec))
+        return tuple(
+            jax.tree_util.tree_map_with_path(
+                lambda path, spec, sub: jax.tree_util.tree_map_with_path(
+                    lambda p2, leaf: one(path + p2, spec, leaf), sub
+                ),
+                specs,
+                tuple(args),
+                is_leaf=_is_spec,
+            )
+        )
 
     def _compiled(self, mesh: Mesh) -> Callable[..., Any]:
-        key = (self.fn, mesh, _hashable(self.in_specs), _hashable(self.out_specs), self.backend,
-               self.check_vma, self.donate_argnums)
+        key = (
+            self.fn,
+            mesh,
+            _hashable(self.in_specs),
+            _hashable(self.out_specs),
+            self.backend,
+            self.check_vma,
+            self.donate_argnums,
+        )
         return _build(key, self)
 
 
@@ -186,9 +224,13 @@ def _arg_specs(in_specs: Any, args: Sequence[Any], what: str) -> tuple[Any, ...]
         return (in_specs,) * len(args)
     specs = tuple(in_specs)
     if len(specs) != len(args):
-        raise SpmdError(describe(
-            "spmd", f"{what} has {len(specs)} entries but the function got {len(args)} arguments.",
-            fix="give one spec per argument, or a single PartitionSpec for all of them."))
+        raise SpmdError(
+            describe(
+                "spmd",
+                f"{what} has {len(specs)} entries but the function got {len(args)} arguments.",
+                fix="give one spec per argument, or a single PartitionSpec for all of them.",
+            )
+        )
     return specs
 
 
@@ -215,8 +257,9 @@ def _build(key: Hashable, sf: SpmdFunction) -> Callable[..., Any]:
 
 def _make(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
     if sf.backend == "shard_map":
-        mapped = jax.shard_map(sf.fn, mesh=mesh, in_specs=_as_tuple_specs(sf.in_specs), out_specs=sf.out_specs,
-                               check_vma=sf.check_vma)
+        mapped = jax.shard_map(
+            sf.fn, mesh=mesh, in_specs=_as_tuple_specs(sf.in_specs), out_specs=sf.out_specs, check_vma=sf.check_vma
+        )
         return jax.jit(mapped, donate_argnums=sf.donate_argnums)
     return _make_pmap(sf, mesh)
 
@@ -236,29 +279,41 @@ def _make_pmap(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
 
     def in_axes_of(args: tuple[Any, ...]) -> Any:
         specs = _arg_specs(sf.in_specs, args, "in_specs")
-        return tuple(jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: _pmap_axis(spec), sub),
-                                  specs, args, is_leaf=_is_spec))
+        return tuple(
+            jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: _pmap_axis(spec), sub), specs, args, is_leaf=_is_spec)
+        )
 
     def split(*args: Any) -> tuple[Any, ...]:
         specs = _arg_specs(sf.in_specs, args, "in_specs")
-        return tuple(jax.tree.map(lambda spec, sub: jax.tree.map(lambda x: _to_leading(x, spec, n), sub),
-                                  specs, args, is_leaf=_is_spec))
+        return tuple(
+            jax.tree.map(
+                lambda spec, sub: jax.tree.map(lambda x: _to_leading(x, spec, n), sub), specs, args, is_leaf=_is_spec
+            )
+        )
 
     def merge(out: Any) -> Any:
-        return jax.tree.map(lambda spec, sub: jax.tree.map(lambda y: _from_leading(y, spec), sub),
-                            sf.out_specs, out, is_leaf=_is_spec)
+        return jax.tree.map(
+            lambda spec, sub: jax.tree.map(lambda y: _from_leading(y, spec), sub), sf.out_specs, out, is_leaf=_is_spec
+        )
 
     def run(in_axes: Any, dummy: Any, parts: tuple[Any, ...]) -> Any:
         # pmap needs one mapped argument to know its size; a dummy one serves when every input is replicated.
         key = _hashable(in_axes)
         if key not in pmapped:
-            pmapped[key] = jax.pmap(lambda _, *a: sf.fn(*a), axis_name=axis, in_axes=(0, *in_axes),
-                                    out_axes=out_axes, devices=list(mesh.devices.flat))
+            pmapped[key] = jax.pmap(
+                lambda _, *a: sf.fn(*a),
+                axis_name=axis,
+                in_axes=(0, *in_axes),
+                out_axes=out_axes,
+                devices=list(mesh.devices.flat),
+            )
         return pmapped[key](dummy, *parts)
 
     if jax.process_count() == 1:
-        return jax.jit(lambda *args: merge(run(in_axes_of(args), jnp.zeros((n,), jnp.int8), split(*args))),
-                       donate_argnums=sf.donate_argnums)
+        return jax.jit(
+            lambda *args: merge(run(in_axes_of(args), jnp.zeros((n,), jnp.int8), split(*args))),
+            donate_argnums=sf.donate_argnums,
+        )
     # With several processes pmap cannot run inside jit: it takes global arrays split on the leading axis and
     # returns process-local ones (leading axis = this process's devices), which are reassembled as global arrays.
     split_jit, merge_jit = jax.jit(split), jax.jit(merge)
@@ -273,8 +328,12 @@ def _make_pmap(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
 
     def call(*args: Any) -> Any:
         out = run(in_axes_of(args), dummy, split_jit(*args))
-        out = jax.tree.map(lambda a, sub: jax.tree.map(lambda y: globalise(a, y), sub), out_axes, out,
-                           is_leaf=lambda v: v is None or isinstance(v, int))
+        out = jax.tree.map(
+            lambda a, sub: jax.tree.map(lambda y: globalise(a, y), sub),
+            out_axes,
+            out,
+            is_leaf=lambda v: v is None or isinstance(v, int),
+        )
         return merge_jit(out)
 
     return call
@@ -296,7 +355,7 @@ def _to_leading(x: Any, spec: P | None, n: int) -> Any:
     if d is None:
         return x
     x = jnp.asarray(x)
-    return jnp.moveaxis(x.reshape(x.shape[:d] + (n, x.shape[d] // n) + x.shape[d + 1:]), d, 0)
+    return jnp.moveaxis(x.reshape(x.shape[:d] + (n, x.shape[d] // n) + x.shape[d + 1 :]), d, 0)
 
 
 def _from_leading(y: Any, spec: P | None) -> Any:
@@ -304,13 +363,19 @@ def _from_leading(y: Any, spec: P | None) -> Any:
     if d is None:
         return y
     y = jnp.moveaxis(y, 0, d)
-    return y.reshape(y.shape[:d] + (y.shape[d] * y.shape[d + 1],) + y.shape[d + 2:])
+    return y.reshape(y.shape[:d] + (y.shape[d] * y.shape[d + 1],) + y.shape[d + 2 :])
 
 
 def _check_spec(fn: str, name: str, spec: P, mesh: Mesh, backend: str) -> None:
     if not isinstance(spec, P):
-        raise SpmdError(describe(fn, f"spec {spec!r} is not a PartitionSpec.", leaf=name,
-                                 fix="use spmdcomm.P(...), e.g. P('data') or P()."))
+        raise SpmdError(
+            describe(
+                fn,
+                f"spec {spec!r} is not a PartitionSpec.",
+                leaf=name,
+                fix="use spmdcomm.P(...), e.g. P('data') or P().",
+            )
+        )
     for entry in spec:
         check_mesh_axes(fn, mesh, entry if isinstance(entry, tuple) else entry)
     if backend == "pmap":
@@ -319,39 +384,56 @@ def _check_spec(fn: str, name: str, spec: P, mesh: Mesh, backend: str) -> None:
 
 _DONATED_FIX = (
     "an argument listed in donate_argnums is consumed by the call; keep the call's output instead, pass a copy "
-    "(jnp.copy), or leave that argument out of donate_argnums.")
+    "(jnp.copy), or leave that argument out of donate_argnums."
+)
 
 _PMAP_FIX = "use backend='shard_map', which expresses any mesh and spec."
 
 
 def _check_pmap_mesh(fn: str, mesh: Mesh) -> None:
     if len(mesh.axis_names) != 1:
-        raise BackendError(describe(
-            fn, f"backend='pmap' needs a 1-D mesh, but the mesh has axes {dict(mesh.shape)}.", fix=_PMAP_FIX))
+        raise BackendError(
+            describe(fn, f"backend='pmap' needs a 1-D mesh, but the mesh has axes {dict(mesh.shape)}.", fix=_PMAP_FIX)
+        )
 
 
 def _check_pmap_spec(fn: str, name: str, spec: P, mesh: Mesh) -> None:
     _check_pmap_mesh(fn, mesh)
     used = [entry for entry in spec if entry is not None and entry != ()]
     if len(used) > 1:
-        raise BackendError(describe(
-            fn, f"backend='pmap' can split one dimension per argument, but spec {spec} splits {len(used)}.",
-            leaf=name, fix=_PMAP_FIX))
+        raise BackendError(
+            describe(
+                fn,
+                f"backend='pmap' can split one dimension per argument, but spec {spec} splits {len(used)}.",
+                leaf=name,
+                fix=_PMAP_FIX,
+            )
+        )
 
 
 def _check_divisible(fn: str, name: str, spec: P, shape: tuple[int, ...], mesh: Mesh) -> None:
     if len(spec) > len(shape):
-        raise ShapeError(describe(
-            fn, f"spec {spec} has {len(spec)} entries but the value has shape {tuple(shape)} "
-            f"(rank {len(shape)}).", leaf=name, fix="give the spec at most one entry per dimension."))
+        raise ShapeError(
+            describe(
+                fn,
+                f"spec {spec} has {len(spec)} entries but the value has shape {tuple(shape)} (rank {len(shape)}).",
+                leaf=name,
+                fix="give the spec at most one entry per dimension.",
+            )
+        )
     for d, entry in enumerate(spec):
         if entry is None:
             continue
         axes = entry if isinstance(entry, tuple) else (entry,)
         n = math.prod(mesh.shape[a] for a in axes)
         if shape[d] % n:
-            raise ShapeError(describe(
-                fn, f"dimension {d} of size {shape[d]} (shape {tuple(shape)}) does not divide across mesh "
-                f"axis {entry!r} of size {n}.", leaf=name,
-                fix=f"pad dimension {d} to a multiple of {n} (spmdcomm.pad_batch pads and masks), "
-                "or choose a mesh whose axis size divides it."))
+            raise ShapeError(
+                describe(
+                    fn,
+                    f"dimension {d} of size {shape[d]} (shape {tuple(shape)}) does not divide across mesh "
+                    f"axis {entry!r} of size {n}.",
+                    leaf=name,
+                    fix=f"pad dimension {d} to a multiple of {n} (spmdcomm.pad_batch pads and masks), "
+                    "or choose a mesh whose axis size divides it.",
+                )
+            )

@@ -133,17 +133,25 @@ def main_process_first(*, local: bool = False, timeout: float = DEFAULT_TIMEOUT)
     try:
         done = json.loads(client.blocking_key_value_get(key, _ms(timeout)))
     except jax.errors.JaxRuntimeError:
-        raise BarrierTimeoutError(describe(
-            "main_process_first", f"process {process_index()} waited {timeout:g} s for {who} to "
-            f"finish the block (main_process_first #{_counters['first']}, entered at "
-            f"{_call_site()}), but it did not.",
-            fix="make sure every process enters main_process_first the same number of times, or "
-            "raise `timeout` if the main process's work is slow.")) from None
+        raise BarrierTimeoutError(
+            describe(
+                "main_process_first",
+                f"process {process_index()} waited {timeout:g} s for {who} to "
+                f"finish the block (main_process_first #{_counters['first']}, entered at "
+                f"{_call_site()}), but it did not.",
+                fix="make sure every process enters main_process_first the same number of times, or "
+                "raise `timeout` if the main process's work is slow.",
+            )
+        ) from None
     if done["error"]:
-        raise RemoteProcessError(describe(
-            "main_process_first", f"{who} (process {done['process']}) raised inside the block, "
-            f"so process {process_index()} does not run it: {done['error']}",
-            fix="see the main process's traceback for the cause."))
+        raise RemoteProcessError(
+            describe(
+                "main_process_first",
+                f"{who} (process {done['process']}) raised inside the block, "
+                f"so process {process_index()} does not run it: {done['error']}",
+                fix="see the main process's traceback for the cause.",
+            )
+        )
     yield
 
 
@@ -160,8 +168,7 @@ def host_all_reduce(tree: Any, op: str = "sum", *, timeout: float = DEFAULT_TIME
     """
     refuse_in_trace("host_all_reduce", tree)
     if op not in HOST_REDUCE_OPS:
-        raise SpmdError(describe("host_all_reduce", f"unknown op {op!r}.",
-                                 fix=f"use one of {HOST_REDUCE_OPS}."))
+        raise SpmdError(describe("host_all_reduce", f"unknown op {op!r}.", fix=f"use one of {HOST_REDUCE_OPS}."))
     reduce = _HOST_REDUCERS[op]
     stacked = _gather_tree("host_all_reduce", tree, timeout)
     return jax.tree.map(lambda x: np.asarray(reduce(x)), stacked)
@@ -203,9 +210,13 @@ def broadcast_object(obj: Any, root: int = 0, *, timeout: float = DEFAULT_TIMEOU
     refuse_in_trace("broadcast_object", obj)
     n = process_count()
     if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < n:
-        raise SpmdError(describe(
-            "broadcast_object", f"root={root!r} is out of range for a job of {n} process(es).",
-            fix=f"pass a process index in [0, {n})."))
+        raise SpmdError(
+            describe(
+                "broadcast_object",
+                f"root={root!r} is out of range for a job of {n} process(es).",
+                fix=f"pass a process index in [0, {n}).",
+            )
+        )
     if n == 1:
         return obj
     payload = pickle.dumps(obj) if process_index() == root else b""
@@ -229,9 +240,7 @@ def all_gather_object(obj: Any, *, timeout: float = DEFAULT_TIMEOUT) -> list[Any
     return [pickle.loads(b) for b in data]
 
 
-def exchange(
-    fn: str, label: str, payload: bytes, *, timeout: float = DEFAULT_TIMEOUT
-) -> list[bytes]:
+def exchange(fn: str, label: str, payload: bytes, *, timeout: float = DEFAULT_TIMEOUT) -> list[bytes]:
     """A sync point named ``label`` that gathers every process's ``payload``, in process order.
 
     The building block of this module, also used by :mod:`spmdcomm.debug`. Multi-process jobs only.
@@ -248,12 +257,16 @@ def refuse_in_trace(fn: str, tree: Any = None) -> None:
     """
     if not (any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)) or _staging()):
         return
-    raise TracedCallError(describe(
-        fn, "was called inside a traced function (jax.jit, shard_map, spmd, lax.scan, jax.checkpoint, ...). "
-        "It synchronises processes from the host, so it would run once while JAX traces the function and be "
-        "absent from the compiled program.",
-        fix="call it outside the traced function, e.g. between two calls of the compiled step; inside the "
-        "program use device collectives (spmdcomm.psum, all_gather, broadcast, ...), which are part of it."))
+    raise TracedCallError(
+        describe(
+            fn,
+            "was called inside a traced function (jax.jit, shard_map, spmd, lax.scan, jax.checkpoint, ...). "
+            "It synchronises processes from the host, so it would run once while JAX traces the function and be "
+            "absent from the compiled program.",
+            fix="call it outside the traced function, e.g. between two calls of the compiled step; inside the "
+            "program use device collectives (spmdcomm.psum, all_gather, broadcast, ...), which are part of it.",
+        )
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,10 +352,14 @@ def _check_labels(fn: str, mine: dict[str, Any], records: dict[int, dict[str, An
     if len({r["label"] for r in records.values()}) == 1:
         return
     lines = "; ".join(f"process {p}: {_where(r)}" for p, r in sorted(records.items()))
-    raise ProcessMismatchError(describe(
-        fn, f"the processes reached different sync points as their #{mine['seq']}: {lines}.",
-        fix="make every process call the same barriers and host collectives in the same order (a "
-        "call inside a branch that only some processes take is the usual cause)."))
+    raise ProcessMismatchError(
+        describe(
+            fn,
+            f"the processes reached different sync points as their #{mine['seq']}: {lines}.",
+            fix="make every process call the same barriers and host collectives in the same order (a "
+            "call inside a branch that only some processes take is the usual cause).",
+        )
+    )
 
 
 def _timeout_error(
@@ -359,13 +376,19 @@ def _timeout_error(
     if missing:
         what = f"process(es) {missing} did not arrive within {timeout:g} s"
     else:
-        what = (f"every process arrived, but not within {timeout:g} s of the first (or the barrier "
-                f"failed: {str(cause).splitlines()[0]})")
-    return BarrierTimeoutError(describe(
-        fn, f"{_where(mine)} on process {process_index()}: {what}. Last sync point of each "
-        "process: " + "; ".join(last) + ".",
-        fix="make every process call the same barriers and host collectives in the same order, "
-        "check that no process has died or is stuck, or raise `timeout` if a process is slow."))
+        what = (
+            f"every process arrived, but not within {timeout:g} s of the first (or the barrier "
+            f"failed: {str(cause).splitlines()[0]})"
+        )
+    return BarrierTimeoutError(
+        describe(
+            fn,
+            f"{_where(mine)} on process {process_index()}: {what}. Last sync point of each "
+            "process: " + "; ".join(last) + ".",
+            fix="make every process call the same barriers and host collectives in the same order, "
+            "check that no process has died or is stuck, or raise `timeout` if a process is slow.",
+        )
+    )
 
 
 def _try(get: Callable[[], Any], default: Any) -> Any:
@@ -378,11 +401,16 @@ def _try(get: Callable[[], Any], default: Any) -> Any:
 def _to_host(fn: str, tree: Any) -> Any:
     def one(path: Any, leaf: Any) -> np.ndarray:
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            raise SpmdError(describe(
-                fn, f"is a global jax.Array of shape {leaf.shape} spread over several processes; "
-                "host collectives take this process's own values.", leaf=jax.tree_util.keystr(path),
-                fix="pass a host value, e.g. np.asarray(x.addressable_data(0)), or use the device "
-                "collectives inside spmd."))
+            raise SpmdError(
+                describe(
+                    fn,
+                    f"is a global jax.Array of shape {leaf.shape} spread over several processes; "
+                    "host collectives take this process's own values.",
+                    leaf=jax.tree_util.keystr(path),
+                    fix="pass a host value, e.g. np.asarray(x.addressable_data(0)), or use the device "
+                    "collectives inside spmd.",
+                )
+            )
         return np.asarray(leaf)
 
     return jax.tree_util.tree_map_with_path(one, tree)
@@ -390,8 +418,9 @@ def _to_host(fn: str, tree: Any) -> Any:
 
 def _gather_tree(fn: str, tree: Any, timeout: float) -> Any:
     host = _to_host(fn, tree)
-    trees = [host] if process_count() == 1 else [
-        pickle.loads(b) for b in _sync_point(fn, fn, timeout, pickle.dumps(host))]
+    trees = (
+        [host] if process_count() == 1 else [pickle.loads(b) for b in _sync_point(fn, fn, timeout, pickle.dumps(host))]
+    )
     flat = [jax.tree_util.tree_flatten_with_path(t) for t in trees]
     _check_same_leaves(fn, flat)
     leaves = [[leaf for _, leaf in f[0]] for f in flat]
@@ -402,12 +431,21 @@ def _check_same_leaves(fn: str, flat: list[tuple[list[tuple[Any, np.ndarray]], A
     (ref, ref_def) = flat[0]
     for p, (leaves, treedef) in enumerate(flat[1:], start=1):
         if treedef != ref_def:
-            raise ProcessMismatchError(describe(
-                fn, f"process {p} passed a tree of structure {treedef}, process 0 {ref_def}.",
-                fix="pass the same pytree structure on every process."))
+            raise ProcessMismatchError(
+                describe(
+                    fn,
+                    f"process {p} passed a tree of structure {treedef}, process 0 {ref_def}.",
+                    fix="pass the same pytree structure on every process.",
+                )
+            )
         for (path, a), (_, b) in zip(leaves, ref, strict=True):
             if a.shape != b.shape or a.dtype != b.dtype:
-                raise ProcessMismatchError(describe(
-                    fn, f"process {p} passed shape {a.shape} dtype {a.dtype}, process 0 shape "
-                    f"{b.shape} dtype {b.dtype}.", leaf=jax.tree_util.keystr(path),
-                    fix="pass the same shapes and dtypes on every process."))
+                raise ProcessMismatchError(
+                    describe(
+                        fn,
+                        f"process {p} passed shape {a.shape} dtype {a.dtype}, process 0 shape "
+                        f"{b.shape} dtype {b.dtype}.",
+                        leaf=jax.tree_util.keystr(path),
+                        fix="pass the same shapes and dtypes on every process.",
+                    )
+                )

@@ -29,9 +29,7 @@ class CNN(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        x = nn.Conv(4, (3, 3), use_bias=False)(
-            x
-        )  # a bias before BatchNorm has no gradient but noise
+        x = nn.Conv(4, (3, 3), use_bias=False)(x)  # a bias before BatchNorm has no gradient but noise
         x = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name)(x)
         x = nn.relu(x).mean(axis=(1, 2))
         return nn.Dense(4)(x)
@@ -41,9 +39,7 @@ def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
     """Masked cross entropy following the spmdcomm contract; updates batch_stats when the model has
     them."""
     if model_state:
-        logits, new_state = apply_fn(
-            {"params": params, **model_state}, batch["x"], mutable=["batch_stats"]
-        )
+        logits, new_state = apply_fn({"params": params, **model_state}, batch["x"], mutable=["batch_stats"])
     else:
         logits, new_state = apply_fn({"params": params}, batch["x"]), model_state
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
@@ -77,9 +73,7 @@ def optimizer(name: str) -> optax.GradientTransformation:
     return {"sgd_momentum": optax.sgd(0.1, momentum=0.9), "adam": optax.adam(1e-2)}[name]
 
 
-def reference_train(
-    loss, apply_fn, params, model_state, tx, batches
-) -> tuple[Any, Any, list[float]]:
+def reference_train(loss, apply_fn, params, model_state, tx, batches) -> tuple[Any, Any, list[float]]:
     """One device, whole batches, plain jax.grad + optax: what N-device training must reproduce."""
     opt_state = tx.init(params)
     losses = []

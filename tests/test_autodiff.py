@@ -103,34 +103,73 @@ def _cases() -> list[Case]:
         Case("pmax", lambda v: sc.pmax(v, AX), functools.partial(reduce_ref, "max"), False),
         Case("pmin", lambda v: sc.pmin(v, AX), functools.partial(reduce_ref, "min"), False),
         Case("all_gather", lambda v: sc.all_gather(v, AX), lambda v: stack(v).reshape((-1,) + v.shape[1:]), True),
-        Case("all_gather_untiled_dim1", lambda v: sc.all_gather(v, AX, dim=1, tiled=False),
-             lambda v: jnp.moveaxis(stack(v), 0, 1), True),
-        Case("all_to_all", lambda v: sc.all_to_all(v, AX, split_dim=0, concat_dim=1),
-             lambda v: lax.all_to_all(v, AX, 0, 1, tiled=True), True),
+        Case(
+            "all_gather_untiled_dim1",
+            lambda v: sc.all_gather(v, AX, dim=1, tiled=False),
+            lambda v: jnp.moveaxis(stack(v), 0, 1),
+            True,
+        ),
+        Case(
+            "all_to_all",
+            lambda v: sc.all_to_all(v, AX, split_dim=0, concat_dim=1),
+            lambda v: lax.all_to_all(v, AX, 0, 1, tiled=True),
+            True,
+        ),
         Case("broadcast", lambda v: sc.broadcast(v, AX, root=nax() - 1), lambda v: bcast_ref(v, nax() - 1), True),
-        Case("broadcast_split", lambda v: _broadcast_leaf(v, AX, nax() - 1, nax(), split=True),
-             lambda v: bcast_ref(v, nax() - 1), True),
-        Case("gather", lambda v: sc.gather(v, AX, root=nax() // 2),
-             lambda v: jnp.where(idx() == nax() // 2, stack(v).reshape((-1,) + v.shape[1:]), 0.0), True),
-        Case("scatter", lambda v: sc.scatter(v, AX, root=nax() - 1), lambda v: my_chunk(bcast_ref(v, nax() - 1)),
-             True),
-        Case("permute", lambda v: sc.permute(v, AX, [(0, nax() - 1)]),
-             lambda v: lax.ppermute(v, AX, [(0, nax() - 1)]), True),
+        Case(
+            "broadcast_split",
+            lambda v: _broadcast_leaf(v, AX, nax() - 1, nax(), split=True),
+            lambda v: bcast_ref(v, nax() - 1),
+            True,
+        ),
+        Case(
+            "gather",
+            lambda v: sc.gather(v, AX, root=nax() // 2),
+            lambda v: jnp.where(idx() == nax() // 2, stack(v).reshape((-1,) + v.shape[1:]), 0.0),
+            True,
+        ),
+        Case("scatter", lambda v: sc.scatter(v, AX, root=nax() - 1), lambda v: my_chunk(bcast_ref(v, nax() - 1)), True),
+        Case(
+            "permute",
+            lambda v: sc.permute(v, AX, [(0, nax() - 1)]),
+            lambda v: lax.ppermute(v, AX, [(0, nax() - 1)]),
+            True,
+        ),
         Case("shift", lambda v: sc.shift(v, AX, -1), lambda v: lax.ppermute(v, AX, ring(-1)), True),
     ]
     for op in ("sum", "mean", "max", "min", "prod"):
         linear = op in ("sum", "mean")
-        cases.append(Case(f"all_reduce_{op}", lambda v, op=op: sc.all_reduce(v, AX, op),
-                          functools.partial(reduce_ref, op), linear))
-        cases.append(Case(f"reduce_scatter_{op}", lambda v, op=op: sc.reduce_scatter(v, AX, op=op),
-                          lambda v, op=op: my_chunk(reduce_ref(op, v)), linear))
-        cases.append(Case(f"reduce_{op}", lambda v, op=op: sc.reduce(v, AX, root=nax() // 2, op=op),
-                          lambda v, op=op: jnp.where(idx() == nax() // 2, reduce_ref(op, v), v), linear))
+        cases.append(
+            Case(
+                f"all_reduce_{op}", lambda v, op=op: sc.all_reduce(v, AX, op), functools.partial(reduce_ref, op), linear
+            )
+        )
+        cases.append(
+            Case(
+                f"reduce_scatter_{op}",
+                lambda v, op=op: sc.reduce_scatter(v, AX, op=op),
+                lambda v, op=op: my_chunk(reduce_ref(op, v)),
+                linear,
+            )
+        )
+        cases.append(
+            Case(
+                f"reduce_{op}",
+                lambda v, op=op: sc.reduce(v, AX, root=nax() // 2, op=op),
+                lambda v, op=op: jnp.where(idx() == nax() // 2, reduce_ref(op, v), v),
+                linear,
+            )
+        )
     for op in ("sum", "max", "min", "prod"):
         for inclusive in (True, False):
-            cases.append(Case(f"scan_{op}_{'in' if inclusive else 'ex'}clusive",
-                              lambda v, op=op, inc=inclusive: sc.scan(v, AX, op, inclusive=inc),
-                              functools.partial(scan_ref, op, inclusive), op == "sum"))
+            cases.append(
+                Case(
+                    f"scan_{op}_{'in' if inclusive else 'ex'}clusive",
+                    lambda v, op=op, inc=inclusive: sc.scan(v, AX, op, inclusive=inc),
+                    functools.partial(scan_ref, op, inclusive),
+                    op == "sum",
+                )
+            )
     return cases
 
 
@@ -189,9 +228,13 @@ def table_results(backend: str, n: int) -> dict[str, tuple[dict[str, Any], dict[
     ws = [out_weights(case, mesh, x, seed) for seed, case in enumerate(CASES)]
 
     def every_case(x, t, ws):
-        return {case.name: (derivatives(case.ours, mesh, backend, True, case.linear, x, t, w),
-                            derivatives(case.ref, mesh, "shard_map", backend == "shard_map", case.linear, x, t, w))
-                for case, w in zip(CASES, ws)}
+        return {
+            case.name: (
+                derivatives(case.ours, mesh, backend, True, case.linear, x, t, w),
+                derivatives(case.ref, mesh, "shard_map", backend == "shard_map", case.linear, x, t, w),
+            )
+            for case, w in zip(CASES, ws)
+        }
 
     # Test-only compile options: the module is large and the optimisations do not change values here.
     compiled = jax.jit(every_case).lower(x, t, ws).compile(compiler_options=FAST_COMPILE)
@@ -201,19 +244,24 @@ def table_results(backend: str, n: int) -> dict[str, tuple[dict[str, Any], dict[
 # XLA:CPU options; other backends compile with their defaults.
 FAST_COMPILE = (
     {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-    if jax.default_backend() == "cpu" else {}
+    if jax.default_backend() == "cpu"
+    else {}
 )
 
 
 def compare(ours: dict[str, Any], ref: dict[str, Any], what: str) -> None:
     assert ours.keys() == ref.keys()
     for key in ours:
-        np.testing.assert_allclose(np.asarray(ours[key]), np.asarray(ref[key]), rtol=2e-5, atol=2e-5,
-                                   err_msg=f"{what}: {key}")
+        np.testing.assert_allclose(
+            np.asarray(ours[key]), np.asarray(ref[key]), rtol=2e-5, atol=2e-5, err_msg=f"{what}: {key}"
+        )
 
 
-@pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow), 8],
-                         ids=lambda n: f"{n}dev")
+@pytest.mark.parametrize(
+    "n",
+    [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow), 8],
+    ids=lambda n: f"{n}dev",
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_derivatives_match_lax_reference(case, backend, n):
@@ -231,8 +279,20 @@ def test_derivatives_match_lax_reference(case, backend, n):
 # Composition: vmap outside and inside, jit inside, checkpoint, jacfwd of grad
 
 
-COMPOSED = ["pmax", "pmin", "broadcast", "broadcast_split", "all_gather", "gather", "scatter", "reduce_min",
-            "all_reduce_prod", "scan_max_inclusive", "scan_sum_exclusive", "reduce_scatter_max"]
+COMPOSED = [
+    "pmax",
+    "pmin",
+    "broadcast",
+    "broadcast_split",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_min",
+    "all_reduce_prod",
+    "scan_max_inclusive",
+    "scan_sum_exclusive",
+    "reduce_scatter_max",
+]
 
 
 def squares(f: Callable) -> Callable:
@@ -262,9 +322,13 @@ def composed_results(backend: str, n: int) -> dict[str, tuple[dict[str, Any], di
     ws = [out_weights(case, mesh, x, seed) for seed, case in enumerate(cases)]
 
     def every_case(x, xb, ws):
-        return {case.name: (composed(case.ours, mesh, backend, True, x, xb, w),
-                            composed(case.ref, mesh, "shard_map", backend == "shard_map", x, xb, w))
-                for case, w in zip(cases, ws)}
+        return {
+            case.name: (
+                composed(case.ours, mesh, backend, True, x, xb, w),
+                composed(case.ref, mesh, "shard_map", backend == "shard_map", x, xb, w),
+            )
+            for case, w in zip(cases, ws)
+        }
 
     return jax.device_get(jax.jit(every_case).lower(x, xb, ws).compile(compiler_options=FAST_COMPILE)(x, xb, ws))
 
@@ -329,9 +393,11 @@ def test_half_float_rooted_collectives_differentiate(dtype):
         got = jax.jit(lambda v, u, m=m_ours: jax.jvp(m, (v,), (u,)))(x, t)
         want = jax.jit(lambda v, u, m=m_ref: jax.jvp(m, (v,), (u,)))(x, t)
         for g, w in zip(got, want):
-            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2,
-                                       err_msg=case.name)
+            np.testing.assert_allclose(
+                np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2, err_msg=case.name
+            )
         grad = jax.jit(jax.grad(lambda v, m=m_ours: (m(v).astype(jnp.float32) ** 2).sum()))(x)
         grad_ref = jax.jit(jax.grad(lambda v, m=m_ref: (m(v).astype(jnp.float32) ** 2).sum()))(x)
-        np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(grad_ref, np.float32), rtol=2e-2,
-                                   atol=2e-2, err_msg=case.name)
+        np.testing.assert_allclose(
+            np.asarray(grad, np.float32), np.asarray(grad_ref, np.float32), rtol=2e-2, atol=2e-2, err_msg=case.name
+        )

@@ -32,8 +32,10 @@ def make_blocks(n: int, *, bools: bool = True, seed: int = 0) -> Any:
     rng = np.random.default_rng(seed)
     rows = 2 * n  # divisible by n, so split-based collectives apply
     tree = {
-        "f32": Pair(a=rng.standard_normal((n, rows, 3)).astype(np.float32),
-                    b=(rng.standard_normal((n, rows)).astype(ml_dtypes.bfloat16),)),
+        "f32": Pair(
+            a=rng.standard_normal((n, rows, 3)).astype(np.float32),
+            b=(rng.standard_normal((n, rows)).astype(ml_dtypes.bfloat16),),
+        ),
         "i32": [rng.integers(-2, 3, size=(n, rows, 2)).astype(np.int32)],
     }
     if bools:
@@ -60,23 +62,25 @@ def check(got: Any, want: Any, *, exact: bool = False) -> None:
         if exact or w.dtype.kind in "biu":
             np.testing.assert_array_equal(g, w, err_msg=name)
         elif w.dtype == ml_dtypes.bfloat16 or g.dtype == ml_dtypes.bfloat16:
-            np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=3e-2, atol=6e-2,
-                                       err_msg=name)
+            np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32), rtol=3e-2, atol=6e-2, err_msg=name)
         else:
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def per_device(blocks: Any, ref: Callable[[list[np.ndarray], int], np.ndarray]) -> Any:
     """Applies ``ref(xs, i)`` (xs: the list of every device's block) for every device i; stacks results."""
+
     def leaf(b: np.ndarray) -> np.ndarray:
         xs = [b[i] for i in range(b.shape[0])]
         return np.stack([np.asarray(ref(xs, i)) for i in range(len(xs))])
+
     return jax.tree.map(leaf, blocks)
 
 
 def f32_sum(xs: list[np.ndarray]) -> np.ndarray:
-    acc = np.sum([x.astype(np.float64) if x.dtype.kind == "f" or x.dtype == ml_dtypes.bfloat16 else x
-                  for x in xs], axis=0)
+    acc = np.sum(
+        [x.astype(np.float64) if x.dtype.kind == "f" or x.dtype == ml_dtypes.bfloat16 else x for x in xs], axis=0
+    )
     if xs[0].dtype == np.bool_:
         return acc.astype(np.int32)
     return acc.astype(xs[0].dtype)
@@ -95,8 +99,7 @@ def np_reduce(op: str, xs: list[np.ndarray]) -> np.ndarray:
         return stack.min(0)
     if stack.dtype == np.bool_:
         return stack.all(0)
-    return np.prod(stack.astype(np.float64) if stack.dtype == ml_dtypes.bfloat16 else stack,
-                   axis=0).astype(stack.dtype)
+    return np.prod(stack.astype(np.float64) if stack.dtype == ml_dtypes.bfloat16 else stack, axis=0).astype(stack.dtype)
 
 
 def zeros_like(x: np.ndarray) -> np.ndarray:
@@ -115,55 +118,113 @@ CASES: list[tuple[str, Callable[[Any], Any], Callable[[list[np.ndarray], int], n
     ("pmax", lambda x: sc.pmax(x, "data"), lambda xs, i: np_reduce("max", xs), True),
     ("pmin", lambda x: sc.pmin(x, "data"), lambda xs, i: np_reduce("min", xs), True),
     ("all_reduce_prod", lambda x: sc.all_reduce(x, "data", "prod"), lambda xs, i: np_reduce("prod", xs), False),
-    ("all_reduce_mean_rs_ag", lambda x: sc.all_reduce(x, "data", "mean", algorithm="rs_ag"),
-     lambda xs, i: np_reduce("mean", xs), False),
+    (
+        "all_reduce_mean_rs_ag",
+        lambda x: sc.all_reduce(x, "data", "mean", algorithm="rs_ag"),
+        lambda xs, i: np_reduce("mean", xs),
+        False,
+    ),
     ("all_gather", lambda x: sc.all_gather(x, "data"), lambda xs, i: np.concatenate(xs, 0), True),
-    ("all_gather_dim1", lambda x: sc.all_gather(x, "data", dim=-1),
-     lambda xs, i: np.concatenate(xs, -1), True),
-    ("all_gather_untiled", lambda x: sc.all_gather(x, "data", dim=1, tiled=False),
-     lambda xs, i: np.stack(xs, 1), True),
-    ("reduce_scatter", lambda x: sc.reduce_scatter(x, "data"),
-     lambda xs, i: split(np_reduce("sum", xs), len(xs), 0)[i], False),
-    ("reduce_scatter_mean", lambda x: sc.reduce_scatter(x, "data", op="mean"),
-     lambda xs, i: split(np_reduce("mean", xs), len(xs), 0)[i], False),
-    ("reduce_scatter_max", lambda x: sc.reduce_scatter(x, "data", op="max"),
-     lambda xs, i: split(np_reduce("max", xs), len(xs), 0)[i], True),
-    ("reduce_scatter_min", lambda x: sc.reduce_scatter(x, "data", op="min"),
-     lambda xs, i: split(np_reduce("min", xs), len(xs), 0)[i], True),
-    ("reduce_scatter_prod", lambda x: sc.reduce_scatter(x, "data", op="prod"),
-     lambda xs, i: split(np_reduce("prod", xs), len(xs), 0)[i], False),
-    ("all_to_all", lambda x: sc.all_to_all(x, "data", split_dim=0, concat_dim=0),
-     lambda xs, i: np.concatenate([split(x, len(xs), 0)[i] for x in xs], 0), True),
-    ("all_to_all_1_0", lambda x: sc.all_to_all(
-        jax.tree.map(lambda v: v.reshape(v.shape[0] // axis_n(), axis_n(), *v.shape[1:]), x),
-        "data", split_dim=1, concat_dim=0),
-     lambda xs, i: np.concatenate(
-         [split(x.reshape(x.shape[0] // len(xs), len(xs), *x.shape[1:]), len(xs), 1)[i] for x in xs], 0),
-     True),
+    ("all_gather_dim1", lambda x: sc.all_gather(x, "data", dim=-1), lambda xs, i: np.concatenate(xs, -1), True),
+    ("all_gather_untiled", lambda x: sc.all_gather(x, "data", dim=1, tiled=False), lambda xs, i: np.stack(xs, 1), True),
+    (
+        "reduce_scatter",
+        lambda x: sc.reduce_scatter(x, "data"),
+        lambda xs, i: split(np_reduce("sum", xs), len(xs), 0)[i],
+        False,
+    ),
+    (
+        "reduce_scatter_mean",
+        lambda x: sc.reduce_scatter(x, "data", op="mean"),
+        lambda xs, i: split(np_reduce("mean", xs), len(xs), 0)[i],
+        False,
+    ),
+    (
+        "reduce_scatter_max",
+        lambda x: sc.reduce_scatter(x, "data", op="max"),
+        lambda xs, i: split(np_reduce("max", xs), len(xs), 0)[i],
+        True,
+    ),
+    (
+        "reduce_scatter_min",
+        lambda x: sc.reduce_scatter(x, "data", op="min"),
+        lambda xs, i: split(np_reduce("min", xs), len(xs), 0)[i],
+        True,
+    ),
+    (
+        "reduce_scatter_prod",
+        lambda x: sc.reduce_scatter(x, "data", op="prod"),
+        lambda xs, i: split(np_reduce("prod", xs), len(xs), 0)[i],
+        False,
+    ),
+    (
+        "all_to_all",
+        lambda x: sc.all_to_all(x, "data", split_dim=0, concat_dim=0),
+        lambda xs, i: np.concatenate([split(x, len(xs), 0)[i] for x in xs], 0),
+        True,
+    ),
+    (
+        "all_to_all_1_0",
+        lambda x: sc.all_to_all(
+            jax.tree.map(lambda v: v.reshape(v.shape[0] // axis_n(), axis_n(), *v.shape[1:]), x),
+            "data",
+            split_dim=1,
+            concat_dim=0,
+        ),
+        lambda xs, i: np.concatenate(
+            [split(x.reshape(x.shape[0] // len(xs), len(xs), *x.shape[1:]), len(xs), 1)[i] for x in xs], 0
+        ),
+        True,
+    ),
     ("broadcast_root0", lambda x: sc.broadcast(x, "data"), lambda xs, i: xs[0], True),
     ("broadcast_rootlast", lambda x: sc.broadcast(x, "data", root=axis_n() - 1), lambda xs, i: xs[-1], True),
-    ("reduce", lambda x: sc.reduce(x, "data", root=axis_n() // 2),
-     lambda xs, i: np_reduce("sum", xs) if i == len(xs) // 2 else xs[i].astype(np_reduce("sum", xs).dtype),
-     False),
-    ("reduce_max", lambda x: sc.reduce(x, "data", op="max"),
-     lambda xs, i: np_reduce("max", xs) if i == 0 else xs[i], True),
-    ("gather", lambda x: sc.gather(x, "data", root=axis_n() - 1),
-     lambda xs, i: np.concatenate(xs, 0) if i == len(xs) - 1 else zeros_like(np.concatenate(xs, 0)), True),
-    ("scatter", lambda x: sc.scatter(x, "data", root=axis_n() - 1),
-     lambda xs, i: split(xs[-1], len(xs), 0)[i], True),
-    ("scatter_dim1", lambda x: sc.scatter(
-        jax.tree.map(lambda v: v.reshape(v.shape[0] // axis_n(), axis_n(), *v.shape[1:]), x), "data", dim=1),
-     lambda xs, i: split(xs[0].reshape(xs[0].shape[0] // len(xs), len(xs), *xs[0].shape[1:]), len(xs), 1)[i],
-     True),
+    (
+        "reduce",
+        lambda x: sc.reduce(x, "data", root=axis_n() // 2),
+        lambda xs, i: np_reduce("sum", xs) if i == len(xs) // 2 else xs[i].astype(np_reduce("sum", xs).dtype),
+        False,
+    ),
+    (
+        "reduce_max",
+        lambda x: sc.reduce(x, "data", op="max"),
+        lambda xs, i: np_reduce("max", xs) if i == 0 else xs[i],
+        True,
+    ),
+    (
+        "gather",
+        lambda x: sc.gather(x, "data", root=axis_n() - 1),
+        lambda xs, i: np.concatenate(xs, 0) if i == len(xs) - 1 else zeros_like(np.concatenate(xs, 0)),
+        True,
+    ),
+    ("scatter", lambda x: sc.scatter(x, "data", root=axis_n() - 1), lambda xs, i: split(xs[-1], len(xs), 0)[i], True),
+    (
+        "scatter_dim1",
+        lambda x: sc.scatter(
+            jax.tree.map(lambda v: v.reshape(v.shape[0] // axis_n(), axis_n(), *v.shape[1:]), x), "data", dim=1
+        ),
+        lambda xs, i: split(xs[0].reshape(xs[0].shape[0] // len(xs), len(xs), *xs[0].shape[1:]), len(xs), 1)[i],
+        True,
+    ),
     ("shift", lambda x: sc.shift(x, "data", 1), lambda xs, i: xs[(i - 1) % len(xs)], True),
     ("shift_back2", lambda x: sc.shift(x, "data", -2), lambda xs, i: xs[(i + 2) % len(xs)], True),
-    ("permute_swap01", lambda x: sc.permute(x, "data", [(0, 1), (1, 0)] if axis_n() > 1 else [(0, 0)]),
-     lambda xs, i: xs[1 - i] if (len(xs) > 1 and i < 2) else (xs[0] if len(xs) == 1 else zeros_like(xs[i])),
-     True),
-    ("axis_index", lambda x: jax.tree.map(lambda v: jnp.full(v.shape, sc.axis_index("data"), jnp.int32), x),
-     lambda xs, i: np.full(xs[i].shape, i, np.int32), True),
-    ("axis_size", lambda x: jax.tree.map(lambda v: jnp.full(v.shape, sc.axis_size("data"), jnp.int32), x),
-     lambda xs, i: np.full(xs[i].shape, len(xs), np.int32), True),
+    (
+        "permute_swap01",
+        lambda x: sc.permute(x, "data", [(0, 1), (1, 0)] if axis_n() > 1 else [(0, 0)]),
+        lambda xs, i: xs[1 - i] if (len(xs) > 1 and i < 2) else (xs[0] if len(xs) == 1 else zeros_like(xs[i])),
+        True,
+    ),
+    (
+        "axis_index",
+        lambda x: jax.tree.map(lambda v: jnp.full(v.shape, sc.axis_index("data"), jnp.int32), x),
+        lambda xs, i: np.full(xs[i].shape, i, np.int32),
+        True,
+    ),
+    (
+        "axis_size",
+        lambda x: jax.tree.map(lambda v: jnp.full(v.shape, sc.axis_size("data"), jnp.int32), x),
+        lambda xs, i: np.full(xs[i].shape, len(xs), np.int32),
+        True,
+    ),
 ]
 
 
@@ -183,10 +244,22 @@ def test_collective_matches_numpy(case, backend, mesh):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prod_is_exact_with_zeros_and_negatives(backend):
     mesh = sc.data_mesh()
-    x = np.array([[-1.5, 0.0, 2.0], [-2.0, 3.0, -0.5], [1.0, 1.0, 1.0], [2.0, -1.0, 4.0],
-                  [-1.0, 2.0, 0.5], [0.5, 1.0, -2.0], [1.0, -3.0, 1.0], [-4.0, 1.0, 2.0]], np.float32)
-    got = sc.spmd(lambda v: sc.all_reduce(v, "data", "prod"), mesh=mesh, in_specs=P("data"),
-                  out_specs=P(), backend=backend)(x)
+    x = np.array(
+        [
+            [-1.5, 0.0, 2.0],
+            [-2.0, 3.0, -0.5],
+            [1.0, 1.0, 1.0],
+            [2.0, -1.0, 4.0],
+            [-1.0, 2.0, 0.5],
+            [0.5, 1.0, -2.0],
+            [1.0, -3.0, 1.0],
+            [-4.0, 1.0, 2.0],
+        ],
+        np.float32,
+    )
+    got = sc.spmd(
+        lambda v: sc.all_reduce(v, "data", "prod"), mesh=mesh, in_specs=P("data"), out_specs=P(), backend=backend
+    )(x)
     np.testing.assert_array_equal(np.asarray(got)[0], np.prod(x, axis=0))
     assert np.asarray(got)[0, 1] == 0.0
 
@@ -194,8 +267,12 @@ def test_prod_is_exact_with_zeros_and_negatives(backend):
 def test_bool_reductions_follow_lax():
     mesh = sc.data_mesh()
     x = np.array([True, False, True, True, False, True, True, True])
-    f = sc.spmd(lambda v: (sc.psum(v, "data"), sc.pmax(v, "data"), sc.pmin(v, "data"),
-                           sc.all_reduce(v, "data", "prod")), mesh=mesh, in_specs=P("data"), out_specs=P())
+    f = sc.spmd(
+        lambda v: (sc.psum(v, "data"), sc.pmax(v, "data"), sc.pmin(v, "data"), sc.all_reduce(v, "data", "prod")),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P(),
+    )
     total, anyv, allv, prod = f(x)
     assert total.dtype == jnp.int32 and int(total[0]) == 6
     assert anyv.dtype == jnp.bool_ and bool(anyv[0]) and not bool(allv[0]) and not bool(prod[0])
@@ -205,11 +282,11 @@ def test_reduce_scatter_textbook_case():
     """torch.distributed.reduce_scatter: 4 devices each holding [0, 1, 2, 3] give device r the value 4*r."""
     mesh = sc.data_mesh(devices=jax.devices()[:4])
     for backend in BACKENDS:
-        out = sc.spmd(lambda x: sc.reduce_scatter(x, "data"), mesh=mesh, in_specs=P(), out_specs=P("data"),
-                      backend=backend)(np.arange(4, dtype=np.int32))
+        out = sc.spmd(
+            lambda x: sc.reduce_scatter(x, "data"), mesh=mesh, in_specs=P(), out_specs=P("data"), backend=backend
+        )(np.arange(4, dtype=np.int32))
         assert np.asarray(out).tolist() == [0, 4, 8, 12]
-        assert [s.data.tolist() for s in sorted(out.addressable_shards, key=lambda s: s.index)] == [
-            [0], [4], [8], [12]]
+        assert [s.data.tolist() for s in sorted(out.addressable_shards, key=lambda s: s.index)] == [[0], [4], [8], [12]]
 
 
 def test_rooted_collectives_move_exact_bits():
@@ -219,8 +296,12 @@ def test_rooted_collectives_move_exact_bits():
     special[0] = np.frombuffer(np.uint32(0x7FC01234).tobytes(), np.float32)[0]  # NaN with a payload
     x = np.tile(special, (8, 1))
     x[1:] = 123.0  # non-root blocks must not leak in
-    out = sc.spmd(lambda v: (sc.broadcast(v, "data"), sc.scatter(v, "data", dim=1)), mesh=mesh,
-                  in_specs=P("data"), out_specs=P("data"))(x)
+    out = sc.spmd(
+        lambda v: (sc.broadcast(v, "data"), sc.scatter(v, "data", dim=1)),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P("data"),
+    )(x)
     bits = lambda a: np.asarray(a).view(np.uint32)  # noqa: E731
     np.testing.assert_array_equal(bits(out[0]), np.tile(bits(special), (8, 1)))
     np.testing.assert_array_equal(bits(out[1]).reshape(-1), bits(special))
@@ -229,8 +310,7 @@ def test_rooted_collectives_move_exact_bits():
 def test_complex_broadcast_is_exact():
     mesh = sc.data_mesh(devices=jax.devices()[:2])
     x = np.array([[1 + 2j, -0.0 - 3j], [5 + 5j, 6 + 6j]], np.complex64)
-    out = sc.spmd(lambda v: sc.broadcast(v, "data", root=1), mesh=mesh, in_specs=P("data"),
-                  out_specs=P("data"))(x)
+    out = sc.spmd(lambda v: sc.broadcast(v, "data", root=1), mesh=mesh, in_specs=P("data"), out_specs=P("data"))(x)
     np.testing.assert_array_equal(np.asarray(out), np.stack([x[1], x[1]]))
 
 
@@ -241,8 +321,7 @@ def test_complex_broadcast_is_exact():
 MULTI_CASES = [
     ("psum", lambda x, ax: sc.psum(x, ax), lambda g: np.broadcast_to(g.sum(1, keepdims=True), g.shape)),
     ("pmax", lambda x, ax: sc.pmax(x, ax), lambda g: np.broadcast_to(g.max(1, keepdims=True), g.shape)),
-    ("prod", lambda x, ax: sc.all_reduce(x, ax, "prod"),
-     lambda g: np.broadcast_to(g.prod(1, keepdims=True), g.shape)),
+    ("prod", lambda x, ax: sc.all_reduce(x, ax, "prod"), lambda g: np.broadcast_to(g.prod(1, keepdims=True), g.shape)),
     ("broadcast", lambda x, ax: sc.broadcast(x, ax, root=1), lambda g: np.broadcast_to(g[:, 1:2], g.shape)),
     ("shift", lambda x, ax: sc.shift(x, ax, 1), lambda g: np.roll(g, 1, axis=1)),
 ]
@@ -257,7 +336,8 @@ def test_multi_axis_mesh(case, axes):
     rng = np.random.default_rng(1)
     blocks = rng.integers(-3, 4, size=(4, 2, 3)).astype(np.int32)  # block of device (a, b)
     out = sc.spmd(lambda x: fn(x, axes), mesh=mesh, in_specs=P("a", "b"), out_specs=P("a", "b"))(
-        blocks.reshape(4, 2 * 3))
+        blocks.reshape(4, 2 * 3)
+    )
     got = np.asarray(out).reshape(4, 2, 3)
     # Rearrange so the reduced axes form axis 1 of a (groups, members, 3) array, in row-major member order.
     if axes == ("a", "b"):
@@ -290,8 +370,14 @@ def test_multi_axis_reduce_scatter_and_all_gather_roundtrip():
 def test_usable_in_raw_shard_map():
     mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
     x = jax.device_put(np.arange(16.0, dtype=np.float32), jax.sharding.NamedSharding(mesh, P("i")))
-    f = jax.jit(jax.shard_map(lambda v: (sc.psum(v, "i"), sc.all_gather(v, "i"), sc.broadcast(v, "i", root=2)),
-                              mesh=mesh, in_specs=P("i"), out_specs=(P(), P(), P())))
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: (sc.psum(v, "i"), sc.all_gather(v, "i"), sc.broadcast(v, "i", root=2)),
+            mesh=mesh,
+            in_specs=P("i"),
+            out_specs=(P(), P(), P()),
+        )
+    )
     total, gathered, bcast = f(x)
     np.testing.assert_allclose(total, np.arange(16.0).reshape(8, 2).sum(0))
     np.testing.assert_array_equal(gathered, np.arange(16.0))
@@ -300,8 +386,14 @@ def test_usable_in_raw_shard_map():
 
 def test_usable_in_raw_pmap():
     x = np.arange(16.0, dtype=np.float32).reshape(8, 2)
-    out = jax.pmap(lambda v: (sc.pmean(v, "i"), sc.shift(v, "i", 1), sc.reduce_scatter(v, "i", tiled=False)
-                              if v.shape[0] == 8 else sc.all_gather(v, "i")), axis_name="i")(x)
+    out = jax.pmap(
+        lambda v: (
+            sc.pmean(v, "i"),
+            sc.shift(v, "i", 1),
+            sc.reduce_scatter(v, "i", tiled=False) if v.shape[0] == 8 else sc.all_gather(v, "i"),
+        ),
+        axis_name="i",
+    )(x)
     np.testing.assert_allclose(out[0][3], x.mean(0))
     np.testing.assert_array_equal(out[1], np.roll(x, 1, axis=0))
     np.testing.assert_array_equal(out[2][5], x.reshape(-1))
@@ -314,8 +406,10 @@ def test_pmap_backend_matches_shard_map_on_2d_blocks():
     def f(v):
         return sc.all_to_all(v, "data", split_dim=0, concat_dim=1), sc.psum(v, "data")
 
-    outs = [sc.spmd(f, mesh=mesh, in_specs=P(None, "data"), out_specs=(P(None, "data"), P()),
-                    backend=b)(x) for b in BACKENDS]
+    outs = [
+        sc.spmd(f, mesh=mesh, in_specs=P(None, "data"), out_specs=(P(None, "data"), P()), backend=b)(x)
+        for b in BACKENDS
+    ]
     for a, b in zip(*outs):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -348,12 +442,16 @@ def special_bits(dtype, n: int, width: int = 8) -> np.ndarray:
     mant = 8 * dt.itemsize - 1 - exp_bits
     sign, exp_all = bits(1) << bits(8 * dt.itemsize - 1), ((bits(1) << bits(exp_bits)) - bits(1)) << bits(mant)
     quiet = bits(1) << bits(mant - 1)
-    row = [sign,                                  # -0.0
-           bits(1), bits(3) | sign,               # denormals
-           exp_all, exp_all | sign,               # +-inf
-           exp_all | quiet | bits(1),             # quiet NaN with payload 1
-           exp_all | quiet | bits(5) | sign,      # negative NaN with a payload
-           bits(0)]
+    row = [
+        sign,  # -0.0
+        bits(1),
+        bits(3) | sign,  # denormals
+        exp_all,
+        exp_all | sign,  # +-inf
+        exp_all | quiet | bits(1),  # quiet NaN with payload 1
+        exp_all | quiet | bits(5) | sign,  # negative NaN with a payload
+        bits(0),
+    ]
     raw[0, : len(row)] = row
     return raw.view(dt)
 
@@ -361,15 +459,27 @@ def special_bits(dtype, n: int, width: int = 8) -> np.ndarray:
 EXACT_DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.int32, np.int8, np.uint8, np.bool_]
 ROOTED = [
     ("broadcast", lambda v, r: sc.broadcast(v, "data", root=r), lambda xs, r, i: xs[r]),
-    ("broadcast_split", lambda v, r: sc.collectives._broadcast_leaf(v, "data", r, sc.axis_size("data"), split=True),
-     lambda xs, r, i: xs[r]),
-    ("scatter", lambda v, r: sc.scatter(v, "data", root=r, dim=1),
-     lambda xs, r, i: np.split(xs[r], len(xs), axis=1)[i]),
-    ("gather", lambda v, r: sc.gather(v, "data", root=r, dim=1),
-     lambda xs, r, i: np.concatenate(xs, 1) if i == r else np.zeros_like(np.concatenate(xs, 1))),
+    (
+        "broadcast_split",
+        lambda v, r: sc.collectives._broadcast_leaf(v, "data", r, sc.axis_size("data"), split=True),
+        lambda xs, r, i: xs[r],
+    ),
+    (
+        "scatter",
+        lambda v, r: sc.scatter(v, "data", root=r, dim=1),
+        lambda xs, r, i: np.split(xs[r], len(xs), axis=1)[i],
+    ),
+    (
+        "gather",
+        lambda v, r: sc.gather(v, "data", root=r, dim=1),
+        lambda xs, r, i: np.concatenate(xs, 1) if i == r else np.zeros_like(np.concatenate(xs, 1)),
+    ),
     ("all_gather", lambda v, r: sc.all_gather(v, "data", dim=1), lambda xs, r, i: np.concatenate(xs, 1)),
-    ("reduce_max_nonroot", lambda v, r: sc.reduce(v, "data", root=r, op="max"),
-     lambda xs, r, i: np.max(np.stack(xs), 0) if i == r else xs[i]),
+    (
+        "reduce_max_nonroot",
+        lambda v, r: sc.reduce(v, "data", root=r, op="max"),
+        lambda xs, r, i: np.max(np.stack(xs), 0) if i == r else xs[i],
+    ),
 ]
 
 
@@ -382,8 +492,13 @@ def test_rooted_collectives_are_bitwise_exact(dtype, backend):
     floating = jnp.issubdtype(dtype, jnp.floating)
     ids = [name for name, *_ in ROOTED if not (name == "reduce_max_nonroot" and floating)]
     fns = {name: fn for name, fn, _ in ROOTED if name in ids}
-    out = sc.spmd(lambda v: {k: f(v, 2) for k, f in fns.items()}, mesh=mesh, in_specs=P("data"),
-                  out_specs=P("data"), backend=backend)(blocks)
+    out = sc.spmd(
+        lambda v: {k: f(v, 2) for k, f in fns.items()},
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P("data"),
+        backend=backend,
+    )(blocks)
     raw = (lambda a: np.asarray(a).view(np.uint8)) if np.dtype(dtype).kind != "b" else np.asarray  # noqa: E731
     xs = [b[None] for b in blocks]  # device i's block, shape (1, 8)
     for name, _, ref in ROOTED:
@@ -398,8 +513,12 @@ def test_float64_rooted_collectives_are_bitwise_exact():
     with jax.enable_x64(True):
         mesh = sc.data_mesh(devices=jax.devices()[:2])
         blocks = special_bits(np.float64, 2)[::-1].copy()  # specials on device 1
-        out = sc.spmd(lambda v: (sc.broadcast(v, "data", root=1), sc.gather(v, "data", root=1)), mesh=mesh,
-                      in_specs=P("data"), out_specs=P("data"))(blocks)
+        out = sc.spmd(
+            lambda v: (sc.broadcast(v, "data", root=1), sc.gather(v, "data", root=1)),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P("data"),
+        )(blocks)
         assert out[0].dtype == np.float64
         np.testing.assert_array_equal(np.asarray(out[0]).view(np.uint64), np.tile(blocks[1:].view(np.uint64), (2, 1)))
         np.testing.assert_array_equal(np.asarray(out[1])[2:].view(np.uint64), blocks.view(np.uint64))  # root: 1
@@ -428,6 +547,5 @@ SCALAR_CASES = [
 @pytest.mark.parametrize("name, fn, want", SCALAR_CASES, ids=[c[0] for c in SCALAR_CASES])
 def test_python_scalars(name, fn, want):
     mesh = sc.data_mesh(devices=jax.devices()[:4])
-    out = sc.spmd(lambda _: jnp.asarray(fn())[None], mesh=mesh, in_specs=P("data"), out_specs=P("data"))(
-        np.zeros(4))
+    out = sc.spmd(lambda _: jnp.asarray(fn())[None], mesh=mesh, in_specs=P("data"), out_specs=P("data"))(np.zeros(4))
     np.testing.assert_allclose(np.asarray(out).tolist(), [want(4, i) for i in range(4)])

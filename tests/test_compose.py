@@ -62,13 +62,13 @@ def test_spmd_function_composes_like_the_raw_program(mesh, backend, transform):
     w = np.float32(0.7) if not transform.startswith("vmap") else np.linspace(0.1, 0.9, 3, dtype=np.float32)
     got = _TRANSFORMS[transform](ours)(w, x)
     want = _TRANSFORMS[transform](raw)(w, x)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7),
-                 got, want)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7), got, want)
 
 
 def _collectives(hlo: str) -> list[str]:
-    return sorted(re.findall(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
-                             hlo))
+    return sorted(
+        re.findall(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", hlo)
+    )
 
 
 @pytest.mark.parametrize("transform", ["jit", "grad", "value_and_grad"])
@@ -104,8 +104,12 @@ def test_traced_call_mixes_host_and_traced_arguments():
 def test_spmd_inside_user_jit_training_loop():
     """The README pattern: a per-device loss wrapped by spmd, differentiated and updated inside the user's jit."""
     mesh = sc.data_mesh()
-    loss = sc.spmd(lambda w, x, y: sc.pmean(jnp.mean((x @ w - y) ** 2), "data"), mesh=mesh,
-                   in_specs=(P(), P("data"), P("data")), out_specs=P())
+    loss = sc.spmd(
+        lambda w, x, y: sc.pmean(jnp.mean((x @ w - y) ** 2), "data"),
+        mesh=mesh,
+        in_specs=(P(), P("data"), P("data")),
+        out_specs=P(),
+    )
 
     @jax.jit
     def update(w, x, y):

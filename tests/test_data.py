@@ -31,8 +31,11 @@ def test_masked_mean_of_padded_batch_equals_unpadded_mean(multiple):
 
 
 def test_masked_mean_on_device_over_sharded_padded_batch():
-    step = sc.spmd(lambda x, m: sc.psum((x * m[:, None]).sum(0), "data") / sc.psum(m.sum(), "data"),
-                   in_specs=sc.P("data"), out_specs=sc.P())
+    step = sc.spmd(
+        lambda x, m: sc.psum((x * m[:, None]).sum(0), "data") / sc.psum(m.sum(), "data"),
+        in_specs=sc.P("data"),
+        out_specs=sc.P(),
+    )
     for n in (1, 5, 9, 15, 23):
         b = batch_of(n, seed=n)
         placed = sc.shard_batch(sc.pad_batch(b, 8))
@@ -56,7 +59,7 @@ def test_shard_batch_places_each_block_on_its_device(mesh):
         by_device = {s.device: s for s in arr.addressable_shards}
         assert set(by_device) == set(mesh.devices.flat)
         for i, device in enumerate(mesh.devices.flat):
-            np.testing.assert_array_equal(np.asarray(by_device[device].data), host[4 * i:4 * (i + 1)])
+            np.testing.assert_array_equal(np.asarray(by_device[device].data), host[4 * i : 4 * (i + 1)])
 
 
 def test_shard_batch_keeps_structure_and_shards_the_mask():
@@ -74,7 +77,7 @@ def test_shard_batch_on_2d_mesh_replicates_over_the_other_axis():
     placed = sc.shard_batch({"x": x}, mesh)["x"]
     for shard in placed.addressable_shards:
         (i,) = [int(c) for c in np.argwhere(mesh.devices == shard.device)[0][:1]]
-        np.testing.assert_array_equal(np.asarray(shard.data), x[2 * i:2 * (i + 1)])
+        np.testing.assert_array_equal(np.asarray(shard.data), x[2 * i : 2 * (i + 1)])
 
 
 def test_shard_batch_errors_name_the_problem_and_the_fix():
@@ -94,14 +97,17 @@ def test_shard_batch_errors_name_the_problem_and_the_fix():
 
 
 def epoch_batches(num_examples, num_shards, batch_size, *, epoch=0, **kw):
-    return [list(sc.ShardedSampler(num_examples, shard_index=i, num_shards=num_shards, **kw)
-                 .batches(batch_size, epoch=epoch)) for i in range(num_shards)]
+    return [
+        list(
+            sc.ShardedSampler(num_examples, shard_index=i, num_shards=num_shards, **kw).batches(batch_size, epoch=epoch)
+        )
+        for i in range(num_shards)
+    ]
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_sampler_uses_every_example_exactly_once_per_epoch(shuffle):
-    for n, shards, bs in itertools.product([0, 1, 2, 3, 5, 7, 10, 13, 31, 97, 100], [1, 2, 3, 4, 7],
-                                           [1, 2, 3, 5, 8]):
+    for n, shards, bs in itertools.product([0, 1, 2, 3, 5, 7, 10, 13, 31, 97, 100], [1, 2, 3, 4, 7], [1, 2, 3, 5, 8]):
         per_shard = epoch_batches(n, shards, bs, shuffle=shuffle, seed=3)
         counts = {len(b) for b in per_shard}
         assert len(counts) == 1, (n, shards, bs)

@@ -13,8 +13,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.multiprocess
 def test_pipeline_across_two_processes_with_two_devices_each(tmp_path):
-    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--devices-per-process", "2",
-           "--timeout", "150", "--grace", "2", str(ROOT / "tests" / "workers" / "mp_data.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spmdcomm.launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "2",
+        "--timeout",
+        "150",
+        "--grace",
+        "2",
+        str(ROOT / "tests" / "workers" / "mp_data.py"),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)  # the launcher sets the device count
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)

@@ -37,9 +37,7 @@ def test_eval_step_gives_exact_masked_means():
     batch = example_batch("mlp", 15, seed=3)
 
     def metric_fn(params, batch, *, apply_fn, model_state, mask):
-        loss, aux = loss_fn(
-            params, batch, apply_fn=apply_fn, model_state=model_state, rng=None, mask=mask
-        )
+        loss, aux = loss_fn(params, batch, apply_fn=apply_fn, model_state=model_state, rng=None, mask=mask)
         return {"loss": loss, "accuracy": aux["accuracy"]}
 
     got = sc.make_eval_step(metric_fn, mesh=mesh)(state, sc.pad_batch(batch, 4))
@@ -63,9 +61,7 @@ def test_zero1_rejects_optimizers_that_are_not_elementwise(tx):
 
 
 def all_reduce_lines(hlo):
-    return [
-        line for line in hlo.splitlines() if " all-reduce(" in line or " all-reduce-start(" in line
-    ]
+    return [line for line in hlo.splitlines() if " all-reduce(" in line or " all-reduce-start(" in line]
 
 
 def all_reduce_buffers(hlo):
@@ -89,9 +85,7 @@ def test_buckets_give_one_all_reduce_buffer_each(bucket_bytes):
     buckets = [min(per_bucket, 215 - start) for start in range(0, 215, per_bucket)]
     assert sorted(shapes) == sorted(f"f32[{size}]" for size in buckets)
     state, _ = sc.fit(step, state, BATCHES["mlp"])
-    ref_params, _, _ = reference_train(
-        loss_fn, apply_fn, params, {}, optax.sgd(0.1), BATCHES["mlp"]
-    )
+    ref_params, _, _ = reference_train(loss_fn, apply_fn, params, {}, optax.sgd(0.1), BATCHES["mlp"])
     assert_trees_close(state.params, ref_params)
 
 
@@ -101,9 +95,7 @@ def test_default_reduction_is_one_fused_all_reduce_of_the_leaves():
     state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh)
     hlo = sc.make_train_step(loss_fn, mesh=mesh).lower(state, BATCHES["mlp"][0]).compile().as_text()
     assert len(all_reduce_lines(hlo)) == 1
-    assert sorted(all_reduce_buffers(hlo)) == sorted(
-        ["f32[3]", "f32[16]", "f32[8,16]", "f32[4]", "f32[16,4]"]
-    )
+    assert sorted(all_reduce_buffers(hlo)) == sorted(["f32[3]", "f32[16]", "f32[8,16]", "f32[4]", "f32[16,4]"])
 
 
 @pytest.mark.parametrize("zero", [False, True], ids=["replicated", "zero1"])
@@ -113,9 +105,7 @@ def test_skip_nonfinite_skips_on_every_replica(zero):
     bad = example_batch("mlp", 16, seed=9)
     bad["x"][13, 0] = np.inf  # only device 3 sees it
     batches = [BATCHES["mlp"][0], bad, BATCHES["mlp"][1]]
-    state = sc.TrainState.create(
-        params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, shard_optimizer=zero
-    )
+    state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, shard_optimizer=zero)
     state, history = sc.fit(
         sc.make_train_step(loss_fn, mesh=mesh, skip_nonfinite=True, shard_optimizer=zero),
         state,
@@ -151,13 +141,9 @@ def test_assert_replicated_names_the_diverging_leaf_and_device():
         leaf.sharding,
         [jax.device_put(c, d) for c, d in zip(copies, mesh.devices.flat, strict=True)],
     )
-    state = state.replace(
-        params={**state.params, "Dense_1": {**state.params["Dense_1"], "bias": broken}}
-    )
+    state = state.replace(params={**state.params, "Dense_1": {**state.params["Dense_1"], "bias": broken}})
     assert sc.check_replicas_in_sync(state) == [sc.Divergence(".params['Dense_1']['bias']", 2, 0)]
-    with pytest.raises(
-        sc.ReplicaDivergenceError, match=r"leaf \.params\['Dense_1'\]\['bias'\].*device 2"
-    ):
+    with pytest.raises(sc.ReplicaDivergenceError, match=r"leaf \.params\['Dense_1'\]\['bias'\].*device 2"):
         sc.assert_replicated(state)
 
 
@@ -174,9 +160,7 @@ def test_nnx_model_with_batchnorm_equals_one_device():
 
     def ce(model, batch, *, rng, mask):
         logits = model(batch["x"])
-        return sc.masked_mean(
-            optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask
-        )
+        return sc.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
 
     mesh = mesh_of(4)
     state = sc.TrainState.create_nnx(make("data"), tx=optax.adam(1e-2), mesh=mesh)
@@ -217,9 +201,7 @@ def test_linen_batchnorm_state_is_averaged_over_devices():
 def test_checkpoint_resume_is_bitwise_identical(tmp_path, zero):
     def noisy_loss(params, batch, *, apply_fn, model_state, rng, mask):
         noisy = {**batch, "x": batch["x"] + 0.1 * jax.random.normal(rng, batch["x"].shape)}
-        return loss_fn(
-            params, noisy, apply_fn=apply_fn, model_state=model_state, rng=rng, mask=mask
-        )
+        return loss_fn(params, noisy, apply_fn=apply_fn, model_state=model_state, rng=rng, mask=mask)
 
     apply_fn, params, model_state = init("cnn", axis_name="data")
     mesh = mesh_of(4)
@@ -242,9 +224,7 @@ def test_checkpoint_resume_is_bitwise_identical(tmp_path, zero):
     assert sc.save_checkpoint(tmp_path, first) == 3
     resumed = sc.restore_checkpoint(tmp_path, fresh())
     assert int(resumed.step) == 3
-    for a, b in zip(
-        jax.tree.leaves(resumed.opt_state), jax.tree.leaves(first.opt_state), strict=True
-    ):
+    for a, b in zip(jax.tree.leaves(resumed.opt_state), jax.tree.leaves(first.opt_state), strict=True):
         assert a.sharding == b.sharding
     resumed, _ = sc.fit(step, resumed, batches[3:])
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight), strict=True):
@@ -297,16 +277,12 @@ def test_fit_runs_many_steps_without_deadlock():
 
 def simple_state(mesh, **kwargs):
     apply_fn, params, model_state = init("mlp")
-    return sc.TrainState.create(
-        params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh, **kwargs
-    )
+    return sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh, **kwargs)
 
 
 def test_non_scalar_loss_is_rejected():
     def per_example(params, batch, *, apply_fn, model_state, rng, mask):
-        return optax.softmax_cross_entropy_with_integer_labels(
-            apply_fn({"params": params}, batch["x"]), batch["y"]
-        )
+        return optax.softmax_cross_entropy_with_integer_labels(apply_fn({"params": params}, batch["x"]), batch["y"])
 
     mesh = mesh_of(4)
     with pytest.raises(sc.ShapeError, match=r"'loss' with shape \(4,\).*float scalar.*masked_mean"):
@@ -318,16 +294,12 @@ def test_batch_the_devices_cannot_split_needs_a_mask():
     with pytest.raises(sc.ShapeError, match=r"10 examples.*4 devices.*pad_batch\(batch, 4\)"):
         sc.make_train_step(loss_fn, mesh=mesh)(simple_state(mesh), example_batch("mlp", 10, seed=0))
     with pytest.raises(sc.ShapeError, match=r"accum_steps=2.*multiple of 8"):
-        sc.make_train_step(loss_fn, mesh=mesh, accum_steps=2)(
-            simple_state(mesh), example_batch("mlp", 12, seed=0)
-        )
+        sc.make_train_step(loss_fn, mesh=mesh, accum_steps=2)(simple_state(mesh), example_batch("mlp", 12, seed=0))
 
 
 def test_mismatched_model_state_tree_is_rejected():
     def drops_state(params, batch, *, apply_fn, model_state, rng, mask):
-        loss, aux = loss_fn(
-            params, batch, apply_fn=apply_fn, model_state=model_state, rng=rng, mask=mask
-        )
+        loss, aux = loss_fn(params, batch, apply_fn=apply_fn, model_state=model_state, rng=rng, mask=mask)
         return loss, {**aux, "model_state": {"other": jnp.zeros(3)}}
 
     apply_fn, params, model_state = init("cnn", axis_name="data")
@@ -351,13 +323,9 @@ def test_loss_fn_returning_a_bad_tuple_is_rejected():
 def test_state_and_step_must_agree_on_zero1():
     mesh = mesh_of(4)
     with pytest.raises(sc.SpmdError, match="not sharded.*shard_optimizer=True"):
-        sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=True)(
-            simple_state(mesh), BATCHES["mlp"][0]
-        )
+        sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=True)(simple_state(mesh), BATCHES["mlp"][0])
     with pytest.raises(sc.SpmdError, match="created with shard_optimizer=True"):
-        sc.make_train_step(loss_fn, mesh=mesh)(
-            simple_state(mesh, shard_optimizer=True), BATCHES["mlp"][0]
-        )
+        sc.make_train_step(loss_fn, mesh=mesh)(simple_state(mesh, shard_optimizer=True), BATCHES["mlp"][0])
     with pytest.raises(sc.SpmdError, match="sharded 4 ways.*size 2"):
         sc.make_train_step(loss_fn, mesh=mesh_of(2), shard_optimizer=True)(
             simple_state(mesh, shard_optimizer=True), BATCHES["mlp"][0]
@@ -432,14 +400,10 @@ def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path):
             mesh=mesh,
             shard_optimizer=bool(zero),
         )
-        state, history = sc.fit(
-            sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=bool(zero)), state, batches
-        )
+        state, history = sc.fit(sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=bool(zero)), state, batches)
         got = np.load(tmp_path / f"params_zero{zero}.npz")
         for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]:
-            np.testing.assert_allclose(
-                got[jax.tree_util.keystr(path)], np.asarray(x), rtol=1e-5, atol=1e-6
-            )
+            np.testing.assert_allclose(got[jax.tree_util.keystr(path)], np.asarray(x), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(
             np.load(tmp_path / f"losses_zero{zero}.npy"), [h["loss"] for h in history], rtol=1e-5
         )

@@ -71,15 +71,11 @@ def test_gradient_trap_naive_step_differs():
 
     def naive(params, data):
         grads = jax.grad(
-            lambda p: loss_fn(
-                p, data, apply_fn=apply_fn, model_state={}, rng=None, mask=jnp.ones(4, bool)
-            )[0]
+            lambda p: loss_fn(p, data, apply_fn=apply_fn, model_state={}, rng=None, mask=jnp.ones(4, bool))[0]
         )(params)
         return jax.lax.pmean(grads, "data")
 
-    got = sc.spmd(naive, mesh=mesh, in_specs=(sc.P(), sc.P("data")), out_specs=sc.P())(
-        params, BATCHES["mlp"][0]
-    )
+    got = sc.spmd(naive, mesh=mesh, in_specs=(sc.P(), sc.P("data")), out_specs=sc.P())(params, BATCHES["mlp"][0])
     full = jax.grad(
         lambda p: loss_fn(
             p,
@@ -101,9 +97,7 @@ def test_accumulation_equals_one_big_batch():
     assert_trees_close(state.params, ref_params)
     np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
     assert int(state.step) == 3
-    assert (
-        int(state.opt_state[0].count) == 3
-    )  # one optimizer step per global step, not per micro-batch
+    assert int(state.opt_state[0].count) == 3  # one optimizer step per global step, not per micro-batch
 
 
 @pytest.mark.parametrize("n", [4, 8])
@@ -120,21 +114,15 @@ def test_devices_without_real_examples_get_weight_zero():
     # 3 real examples on 8 devices: 5 devices see only padding (their mean loss is 0/0 in a naive
     # loss).
     def nan_prone_loss(params, batch, *, apply_fn, model_state, rng, mask):
-        ce = optax.softmax_cross_entropy_with_integer_labels(
-            apply_fn({"params": params}, batch["x"]), batch["y"]
-        )
+        ce = optax.softmax_cross_entropy_with_integer_labels(apply_fn({"params": params}, batch["x"]), batch["y"])
         return jnp.sum(ce * mask) / jnp.sum(mask)
 
     batches = [example_batch("mlp", 3, seed=s) for s in range(3)]
     apply_fn, params, _ = init("mlp")
     mesh = mesh_of(8)
     state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh)
-    state, history = sc.fit(
-        sc.make_train_step(nan_prone_loss, mesh=mesh), state, [sc.pad_batch(b, 8) for b in batches]
-    )
-    ref_params, _, ref_losses = reference_train(
-        loss_fn, apply_fn, params, {}, optax.adam(1e-2), batches
-    )
+    state, history = sc.fit(sc.make_train_step(nan_prone_loss, mesh=mesh), state, [sc.pad_batch(b, 8) for b in batches])
+    ref_params, _, ref_losses = reference_train(loss_fn, apply_fn, params, {}, optax.adam(1e-2), batches)
     assert_trees_close(state.params, ref_params)
     np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
 
@@ -175,9 +163,7 @@ def test_bf16_reduction_is_close_and_reduces_in_bf16():
     apply_fn, params, _ = init("mlp")
     mesh = mesh_of(4)
     state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh)
-    lowered = sc.make_train_step(loss_fn, mesh=mesh, reduce_dtype=jnp.bfloat16).lower(
-        state, BATCHES["mlp"][0]
-    )
+    lowered = sc.make_train_step(loss_fn, mesh=mesh, reduce_dtype=jnp.bfloat16).lower(state, BATCHES["mlp"][0])
     operands = re.findall(r'stablehlo\.all_reduce".*?\}\) : \(([^)]*)\)', lowered.as_text(), re.S)
     # The f32 vector of metrics, and each gradient leaf in bf16 (XLA:CPU later promotes a bf16
     # all-reduce back to f32 for its kernel, so on CPU the rounding happens but the bytes moved do

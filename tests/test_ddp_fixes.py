@@ -108,17 +108,15 @@ def test_state_from_another_mesh_names_both_meshes(kind):
     devices = jax.devices()
     state = small_state(sc.data_mesh(devices=devices[:4]))
     mesh = sc.data_mesh(devices=devices[4:])
-    step = (
-        sc.make_train_step(square_loss, mesh=mesh)
-        if kind == "train"
-        else sc.make_eval_step(metric_fn, mesh=mesh)
-    )
+    step = sc.make_train_step(square_loss, mesh=mesh) if kind == "train" else sc.make_eval_step(metric_fn, mesh=mesh)
     fn = "make_train_step" if kind == "train" else "make_eval_step"
     with pytest.raises(sc.SpmdError) as err:
         step(state, X)
     msg = str(err.value)
-    assert msg.startswith(f"spmdcomm.{fn}: leaf state.step: the state lives on mesh {{'data': 4}} over devices "
-                          "[0, 1, 2, 3], but the step runs on mesh {'data': 4} over devices [4, 5, 6, 7].")
+    assert msg.startswith(
+        f"spmdcomm.{fn}: leaf state.step: the state lives on mesh {{'data': 4}} over devices "
+        "[0, 1, 2, 3], but the step runs on mesh {'data': 4} over devices [4, 5, 6, 7]."
+    )
     assert "TrainState.create(..., mesh=step_mesh)" in msg and "jax.device_put" in msg
     assert not state.step.is_deleted()  # nothing was donated
 
@@ -137,8 +135,7 @@ def test_same_devices_under_another_mesh_object_still_run():
     # JAX accepts a replicated state on the same devices in the same order whatever the axis is called.
     devices = jax.devices()[:4]
     renamed = Mesh(np.array(devices), ("batch",))
-    state = sc.TrainState.create(params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.25), mesh=renamed,
-                                 axis="batch")
+    state = sc.TrainState.create(params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.25), mesh=renamed, axis="batch")
     step = sc.make_train_step(square_loss, mesh=mesh_of(4))
     for _ in range(2):
         state, metrics = step(state, X)
@@ -173,8 +170,9 @@ def test_nan_in_masked_out_rows_changes_nothing_in_the_step():
     dirty = sc.MaskedBatch({"x": dirty_x, "y": np.asarray(clean.data["y"])}, clean.mask)
 
     def run(batch):
-        state = sc.TrainState.create(params=params, model_state=model_state, apply_fn=apply_fn,
-                                     tx=optax.adam(1e-2), mesh=mesh)
+        state = sc.TrainState.create(
+            params=params, model_state=model_state, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh
+        )
         state, metrics = sc.make_train_step(loss_fn, mesh=mesh, accum_steps=2)(state, batch)
         evaluated = sc.make_eval_step(eval_fn, mesh=mesh)(state, batch)
         return jax.device_get((state.params, state.opt_state, state.model_state, metrics, evaluated))
@@ -204,8 +202,7 @@ def test_low_precision_model_state_is_averaged_in_float32_and_cast_back():
         return sc.masked_mean((batch * params["w"]) ** 2, mask), {"model_state": new}
 
     model_state = {"bf16": np.zeros((), ml_dtypes.bfloat16), "f16": np.zeros((), np.float16)}
-    state = sc.TrainState.create(params={"w": np.float32(0.0)}, model_state=model_state, tx=optax.sgd(0.1),
-                                 mesh=mesh)
+    state = sc.TrainState.create(params={"w": np.float32(0.0)}, model_state=model_state, tx=optax.sgd(0.1), mesh=mesh)
     step = sc.make_train_step(stat_loss, mesh=mesh, donate=False)
     for batch in (values, sc.pad_batch(values[:7], 8)):
         out, _ = step(state, batch)
@@ -254,8 +251,14 @@ X64_SCRIPT = textwrap.dedent(
 
 def test_float64_stays_float64_under_x64():
     # x64 is process-global: a child process keeps it away from every other test.
-    run = subprocess.run([sys.executable, "-c", X64_SCRIPT], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ), cwd=os.path.dirname(os.path.dirname(__file__)))
+    run = subprocess.run(
+        [sys.executable, "-c", X64_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     third = repr(1.0 / 3.0)

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-CI_COMMANDS = {"pip install -e '.[test]'", "python -m pytest"}
+CI_COMMANDS = {"pip install -e '.[test]'", "ruff check .", "ruff format --check .", "python -m pytest"}
 
 
 def blocks(path: Path, lang: str) -> list[str]:
@@ -49,8 +49,10 @@ def test_readme_install_and_test_commands_are_what_ci_runs():
 def test_readme_command_runs_as_written(command, tmp_path):
     """The example commands, on a machine without MNIST (they fall back to the bundled digits)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(SPMDCOMM_DATA=str(tmp_path / "no-mnist-here"),
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    env.update(
+        SPMDCOMM_DATA=str(tmp_path / "no-mnist-here"),
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+    )
     argv = shlex.split(command)
     if argv[0] == "python":
         argv[0] = sys.executable
@@ -61,17 +63,23 @@ def test_readme_command_runs_as_written(command, tmp_path):
     assert '"final_test_accuracy"' in proc.stdout
 
 
-@pytest.mark.parametrize("doc", [d for d in sorted((ROOT / "docs").glob("*.md")) if blocks(d, "python")],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "doc", [d for d in sorted((ROOT / "docs").glob("*.md")) if blocks(d, "python")], ids=lambda p: p.name
+)
 def test_docs_python_blocks_run(doc, tmp_path):
     """Each document's Python blocks, in order, as one script on 8 fake CPU devices."""
     code = "\n\n".join(blocks(doc, "python"))
     script = tmp_path / "doc.py"
     script.write_text(code)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -80,8 +88,14 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
     """benchmarks/run_all.py at its smoke setting: every benchmark runs, writes JSON, and each plot is drawn."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--smoke", "--out",
-                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("collectives", "prefetch", "train_step"):
         assert (tmp_path / f"{name}.json").stat().st_size > 0

@@ -17,13 +17,16 @@ def call(fn, x=None, *, in_specs=DATA, out_specs=DATA, mesh=None, backend="shard
     return sc.spmd(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, backend=backend)(x)
 
 
-@pytest.mark.parametrize("fn_name, fn", [
-    ("psum", lambda x: sc.psum(x, "dat")),
-    ("all_gather", lambda x: sc.all_gather(x, "dat")),
-    ("reduce_scatter", lambda x: sc.reduce_scatter(x, ("data", "dat"))),
-    ("broadcast", lambda x: sc.broadcast(x, "dat")),
-    ("axis_index", lambda x: x + sc.axis_index("dat")),
-])
+@pytest.mark.parametrize(
+    "fn_name, fn",
+    [
+        ("psum", lambda x: sc.psum(x, "dat")),
+        ("all_gather", lambda x: sc.all_gather(x, "dat")),
+        ("reduce_scatter", lambda x: sc.reduce_scatter(x, ("data", "dat"))),
+        ("broadcast", lambda x: sc.broadcast(x, "dat")),
+        ("axis_index", lambda x: x + sc.axis_index("dat")),
+    ],
+)
 def test_unknown_axis_lists_the_bound_axes(fn_name, fn):
     with pytest.raises(sc.AxisError) as err:
         call(fn)
@@ -36,11 +39,14 @@ def test_unknown_axis_outside_any_mapped_context():
         sc.psum(np.ones(3), "data")
 
 
-@pytest.mark.parametrize("fn_name, fn", [
-    ("reduce_scatter", lambda x: sc.reduce_scatter({"w": x[:, :3]}, "data", dim=1)),
-    ("scatter", lambda x: sc.scatter({"w": x[:, :3]}, "data", dim=1)),
-    ("all_to_all", lambda x: sc.all_to_all({"w": x[:, :3]}, "data", split_dim=1, concat_dim=0)),
-])
+@pytest.mark.parametrize(
+    "fn_name, fn",
+    [
+        ("reduce_scatter", lambda x: sc.reduce_scatter({"w": x[:, :3]}, "data", dim=1)),
+        ("scatter", lambda x: sc.scatter({"w": x[:, :3]}, "data", dim=1)),
+        ("all_to_all", lambda x: sc.all_to_all({"w": x[:, :3]}, "data", split_dim=1, concat_dim=0)),
+    ],
+)
 def test_dimension_not_divisible_names_leaf_sizes_and_fix(fn_name, fn):
     with pytest.raises(sc.ShapeError) as err:
         call(fn)
@@ -59,23 +65,32 @@ def test_dim_out_of_range():
         call(lambda x: sc.all_gather(x, "data", dim=5))
 
 
-@pytest.mark.parametrize("fn_name, fn", [
-    ("broadcast", lambda x: sc.broadcast(x, "data", root=8)),
-    ("reduce", lambda x: sc.reduce(x, "data", root=-1)),
-    ("gather", lambda x: sc.gather(x, "data", root=99)),
-    ("scatter", lambda x: sc.scatter(x, "data", root=8, dim=1)),
-])
+@pytest.mark.parametrize(
+    "fn_name, fn",
+    [
+        ("broadcast", lambda x: sc.broadcast(x, "data", root=8)),
+        ("reduce", lambda x: sc.reduce(x, "data", root=-1)),
+        ("gather", lambda x: sc.gather(x, "data", root=99)),
+        ("scatter", lambda x: sc.scatter(x, "data", root=8, dim=1)),
+    ],
+)
 def test_root_out_of_range(fn_name, fn):
-    with pytest.raises(sc.AxisError, match=rf"spmdcomm.{fn_name}: root=-?\d+ is out of range for axis 'data' "
-                       r"of size 8\. Fix: pass a device index in \[0, 8\)"):
+    with pytest.raises(
+        sc.AxisError,
+        match=rf"spmdcomm.{fn_name}: root=-?\d+ is out of range for axis 'data' "
+        r"of size 8\. Fix: pass a device index in \[0, 8\)",
+    ):
         call(fn)
 
 
-@pytest.mark.parametrize("fn", [
-    lambda x: sc.all_reduce(x, "data", "avg"),
-    lambda x: sc.reduce_scatter(x, "data", op="avg", dim=1),
-    lambda x: sc.reduce(x, "data", op="avg"),
-])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: sc.all_reduce(x, "data", "avg"),
+        lambda x: sc.reduce_scatter(x, "data", op="avg", dim=1),
+        lambda x: sc.reduce(x, "data", op="avg"),
+    ],
+)
 def test_unknown_op(fn):
     with pytest.raises(sc.SpmdError, match=r"unknown op 'avg'.*use one of \('sum', 'mean', 'max', 'min', 'prod'\)"):
         call(fn)
@@ -97,12 +112,15 @@ def test_non_array_argument_to_spmd():
         f(np.zeros(8), "hello")
 
 
-@pytest.mark.parametrize("perm, match", [
-    ([(0, 1), (2, 1)], r"destination device\(s\) \[1\] appear more than once"),
-    ([(0, 1), (0, 2)], r"source device\(s\) \[0\] appear more than once"),
-    ([(0, 8)], r"pairs \[\(0, 8\)\] name devices outside axis 'data' of size 8"),
-    ([0, 1], r"is not a sequence of \(source, destination\) pairs"),
-])
+@pytest.mark.parametrize(
+    "perm, match",
+    [
+        ([(0, 1), (2, 1)], r"destination device\(s\) \[1\] appear more than once"),
+        ([(0, 1), (0, 2)], r"source device\(s\) \[0\] appear more than once"),
+        ([(0, 8)], r"pairs \[\(0, 8\)\] name devices outside axis 'data' of size 8"),
+        ([0, 1], r"is not a sequence of \(source, destination\) pairs"),
+    ],
+)
 def test_bad_permutation(perm, match):
     with pytest.raises(sc.AxisError, match=match):
         call(lambda x: sc.permute(x, "data", perm))
@@ -144,12 +162,15 @@ def test_unknown_backend():
         sc.spmd(lambda x: x, in_specs=P(), out_specs=P(), backend="mpi")
 
 
-@pytest.mark.parametrize("axes, match", [
-    ({"data": 3}, r"multiply to 3, but there are 8 devices"),
-    ({"data": -1, "model": 3}, r"8 devices do not divide by the fixed axis sizes"),
-    ({"data": -1, "model": -1}, r"at most one -1"),
-    ({}, r"`axes` is empty"),
-])
+@pytest.mark.parametrize(
+    "axes, match",
+    [
+        ({"data": 3}, r"multiply to 3, but there are 8 devices"),
+        ({"data": -1, "model": 3}, r"8 devices do not divide by the fixed axis sizes"),
+        ({"data": -1, "model": -1}, r"at most one -1"),
+        ({}, r"`axes` is empty"),
+    ],
+)
 def test_make_mesh_bad_sizes(axes, match):
     with pytest.raises(sc.SpmdError, match=match):
         sc.make_mesh(axes)
@@ -166,10 +187,13 @@ def test_run_time_errors_are_not_input_errors():
         assert not issubclass(cls, (sc.SpmdError, ValueError))
 
 
-@pytest.mark.parametrize("fn_name, fn, fix", [
-    ("all_gather", lambda x: sc.all_gather({"s": x.sum()}, "data"), "pass tiled=False"),
-    ("gather", lambda x: sc.gather({"s": x.sum()}, "data"), "x[None]"),
-])
+@pytest.mark.parametrize(
+    "fn_name, fn, fix",
+    [
+        ("all_gather", lambda x: sc.all_gather({"s": x.sum()}, "data"), "pass tiled=False"),
+        ("gather", lambda x: sc.gather({"s": x.sum()}, "data"), "x[None]"),
+    ],
+)
 def test_gather_of_a_scalar_says_how_to_fix(fn_name, fn, fix):
     with pytest.raises(sc.ShapeError) as err:
         call(fn)
@@ -180,18 +204,35 @@ def test_gather_of_a_scalar_says_how_to_fix(fn_name, fn, fix):
 
 
 def test_scatter_of_a_scalar_says_it_has_no_dimension():
-    with pytest.raises(sc.ShapeError, match=r"spmdcomm.scatter: leaf <root>: the block is 0-d .* over axis 'data' "
-                       r"of size 8\. Fix: give the value at least one dimension"):
+    with pytest.raises(
+        sc.ShapeError,
+        match=r"spmdcomm.scatter: leaf <root>: the block is 0-d .* over axis 'data' "
+        r"of size 8\. Fix: give the value at least one dimension",
+    ):
         call(lambda x: sc.scatter(x.sum(), "data"))
 
 
-@pytest.mark.parametrize("fn, err, match", [
-    (lambda x: sc.scan(x, "dat"), sc.AxisError, r"spmdcomm.scan: unknown axis name 'dat'"),
-    (lambda x: sc.scan(x, "data", "mean"), sc.SpmdError,
-     r"spmdcomm.scan: unknown op 'mean'.*use one of \('sum', 'max', 'min', 'prod'\)"),
-    (lambda x: sc.scan(x, "data", inclusive="yes"), sc.SpmdError, r"spmdcomm.scan: inclusive must be True or False"),
-    (lambda x: sc.scan(x.astype("complex64"), "data", "max"), sc.SpmdError, r"spmdcomm.scan: leaf <root>: op 'max'"),
-])
+@pytest.mark.parametrize(
+    "fn, err, match",
+    [
+        (lambda x: sc.scan(x, "dat"), sc.AxisError, r"spmdcomm.scan: unknown axis name 'dat'"),
+        (
+            lambda x: sc.scan(x, "data", "mean"),
+            sc.SpmdError,
+            r"spmdcomm.scan: unknown op 'mean'.*use one of \('sum', 'max', 'min', 'prod'\)",
+        ),
+        (
+            lambda x: sc.scan(x, "data", inclusive="yes"),
+            sc.SpmdError,
+            r"spmdcomm.scan: inclusive must be True or False",
+        ),
+        (
+            lambda x: sc.scan(x.astype("complex64"), "data", "max"),
+            sc.SpmdError,
+            r"spmdcomm.scan: leaf <root>: op 'max'",
+        ),
+    ],
+)
 def test_scan_validates_its_input(fn, err, match):
     with pytest.raises(err, match=match):
         call(fn)

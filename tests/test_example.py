@@ -36,8 +36,21 @@ def losses(summary: dict) -> list[float]:
 
 def test_single_process_on_tiny_idx_data(tmp_path):
     write_tiny_mnist(tmp_path / "mnist", n_train=256, n_test=64, gz=True)
-    s = run(["--devices", "4", "--dataset", "mnist", "--data-dir", str(tmp_path / "mnist"), "--epochs", "3",
-             "--batch-size", "32"], tmp_path)
+    s = run(
+        [
+            "--devices",
+            "4",
+            "--dataset",
+            "mnist",
+            "--data-dir",
+            str(tmp_path / "mnist"),
+            "--epochs",
+            "3",
+            "--batch-size",
+            "32",
+        ],
+        tmp_path,
+    )
     assert s["dataset"] == "mnist" and s["devices"] == 4 and s["processes"] == 1
     first, *_, last = losses(s)
     assert last < 0.7 * first, losses(s)
@@ -47,8 +60,7 @@ def test_single_process_on_tiny_idx_data(tmp_path):
 
 def test_two_processes_through_the_launcher_on_digits_fallback(tmp_path):
     launcher = ["-m", "spmdcomm.launch", "-n", "2", "--devices-per-process", "2", "--timeout", "240"]
-    s = run(["--data-dir", str(tmp_path / "empty"), "--epochs", "2", "--max-steps", "6"], tmp_path,
-            launcher=launcher)
+    s = run(["--data-dir", str(tmp_path / "empty"), "--epochs", "2", "--max-steps", "6"], tmp_path, launcher=launcher)
     assert s["dataset"] == "digits" and s["processes"] == 2 and s["devices"] == 4
     assert "training on scikit-learn's bundled digits" in s["stdout"]
     first, last = losses(s)
@@ -57,8 +69,18 @@ def test_two_processes_through_the_launcher_on_digits_fallback(tmp_path):
 
 def test_checkpoint_resume_continues_from_the_last_epoch(tmp_path):
     write_tiny_mnist(tmp_path / "mnist", n_train=128, n_test=32, dotted=True, gz=False)
-    common = ["--devices", "2", "--dataset", "mnist", "--data-dir", str(tmp_path / "mnist"), "--batch-size", "32",
-              "--checkpoint-dir", str(tmp_path / "ckpt")]
+    common = [
+        "--devices",
+        "2",
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        str(tmp_path / "mnist"),
+        "--batch-size",
+        "32",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+    ]
     first = run([*common, "--epochs", "1"], tmp_path)
     resumed = run([*common, "--epochs", "2"], tmp_path)
     assert "resumed from" in resumed["stdout"] and "(epoch 1)" in resumed["stdout"]

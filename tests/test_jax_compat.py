@@ -28,8 +28,7 @@ RANGE = "spmdcomm supports jax>=0.10,<0.12"
 
 
 def _explicit_mesh(n: int = 2):
-    return jax.make_mesh((n,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,),
-                         devices=jax.devices()[:n])
+    return jax.make_mesh((n,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:n])
 
 
 def _shard_map(fn, n: int = 2, **kwargs):
@@ -54,8 +53,9 @@ def test_installed_jax_is_in_the_supported_range():
     assert compat.jax_version_supported(), (jax.__version__, compat.SUPPORTED_JAX)
 
 
-@pytest.mark.parametrize("version, ok", [((0, 9, 2), False), ((0, 10, 0), True), ((0, 11, 2), True),
-                                         ((0, 12, 0), False), ((1, 0), False)])
+@pytest.mark.parametrize(
+    "version, ok", [((0, 9, 2), False), ((0, 10, 0), True), ((0, 11, 2), True), ((0, 12, 0), False), ((1, 0), False)]
+)
 def test_range_bounds(version, ok):
     assert compat.jax_version_supported(version) is ok
 
@@ -71,7 +71,8 @@ def test_pyproject_bounds_match_the_compat_constants():
 def test_no_jax_internals_outside_the_compat_module():
     offenders = [
         f"{path.name}:{n}: {line.strip()}"
-        for path in sorted((ROOT / "spmdcomm").glob("*.py")) if path.name != "_jax_compat.py"
+        for path in sorted((ROOT / "spmdcomm").glob("*.py"))
+        if path.name != "_jax_compat.py"
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if re.search(r"jax\._src|from jax import _src|\.mat\.varying", line)
     ]
@@ -201,7 +202,8 @@ def test_auto_detect_changed_signature_raises_clear_error(monkeypatch, jax_inter
     def renamed(cls, address, count, pid, device_ids, method, timeout):  # the old arguments, new names
         raise AssertionError("must not be called")
 
-    monkeypatch.setattr(jax_internal("clusters").ClusterEnv, "auto_detect_unset_distributed_params",
-                        classmethod(renamed))
+    monkeypatch.setattr(
+        jax_internal("clusters").ClusterEnv, "auto_detect_unset_distributed_params", classmethod(renamed)
+    )
     with pytest.raises(sc.DistributedError, match=re.escape(RANGE)):
         compat.auto_detect_cluster(None, None, None, None, timeout=1)

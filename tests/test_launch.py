@@ -20,15 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def script(tmp_path, body, name="child.py"):
     path = tmp_path / name
-    path.write_text("import os, signal, sys, time\nrank = int(os.environ['SPMDCOMM_PROCESS_ID'])\n"
-                    + body)
+    path.write_text("import os, signal, sys, time\nrank = int(os.environ['SPMDCOMM_PROCESS_ID'])\n" + body)
     return str(path)
 
 
 def test_env_prefix_and_device_count(tmp_path, capsys):
-    path = script(tmp_path, "print(rank, *[os.environ[v] for v in ("
-                  "'SPMDCOMM_NUM_PROCESSES', 'SPMDCOMM_COORDINATOR', 'SPMDCOMM_LOCAL_RANK',"
-                  "'XLA_FLAGS', 'JAX_PLATFORMS')], sys.argv[1:])\n")
+    path = script(
+        tmp_path,
+        "print(rank, *[os.environ[v] for v in ("
+        "'SPMDCOMM_NUM_PROCESSES', 'SPMDCOMM_COORDINATOR', 'SPMDCOMM_LOCAL_RANK',"
+        "'XLA_FLAGS', 'JAX_PLATFORMS')], sys.argv[1:])\n",
+    )
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo"}
     env.pop("JAX_PLATFORMS", None)
     assert launch.launch([path, "a", "--b"], 3, devices_per_process=2, env=env) == 0
@@ -86,9 +88,12 @@ def test_failure_stops_the_others_and_names_the_rank(tmp_path, capsys):
 
 def test_killed_rank_and_sigterm_escalation(tmp_path, capsys):
     # Rank 0 ignores SIGTERM (as JAX's preemption handler effectively does): it must get SIGKILL.
-    path = script(tmp_path, "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                  "if rank == 1:\n    time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n"
-                  "time.sleep(60)\n")
+    path = script(
+        tmp_path,
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "if rank == 1:\n    time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n",
+    )
     start = time.monotonic()
     assert launch.launch([path], 2, grace=1.0) == 128 + signal.SIGKILL
     assert time.monotonic() - start < 10
@@ -105,15 +110,12 @@ def test_timeout(tmp_path, capsys):
 def test_launcher_signal_leaves_no_process(tmp_path, sig):
     # SIGTERM is passed on to the children; SIGKILL of the launcher kills them through PDEATHSIG.
     pids = tmp_path / "pids"
-    path = script(tmp_path, f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
-                  "time.sleep(60)\n")
+    path = script(tmp_path, f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\ntime.sleep(60)\n")
     cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--grace", "1", path]
-    proc = subprocess.Popen(cmd,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (
-                not pids.exists() or len(pids.read_text().split()) < 2):
+        while time.monotonic() < deadline and (not pids.exists() or len(pids.read_text().split()) < 2):
             time.sleep(0.1)
         children = [int(p) for p in pids.read_text().split()]
         assert len(children) == 2

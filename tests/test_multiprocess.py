@@ -19,21 +19,31 @@ WORKERS = ROOT / "tests" / "workers"
 
 
 def launch(tmp_path, nprocs, devices, *args, job_timeout=150):
-    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", str(nprocs), "--devices-per-process",
-           str(devices), "--timeout", str(job_timeout), "--grace", "2", *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spmdcomm.launch",
+        "-n",
+        str(nprocs),
+        "--devices-per-process",
+        str(devices),
+        "--timeout",
+        str(job_timeout),
+        "--grace",
+        "2",
+        *map(str, args),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)  # the launcher sets the device count
     start = time.monotonic()
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=job_timeout + 30,
-                         cwd=tmp_path)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=job_timeout + 30, cwd=tmp_path)
     return out.returncode, out.stdout, out.stderr, time.monotonic() - start
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nprocs,devices", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
 def test_every_collective_and_sync_across_processes(tmp_path, nprocs, devices):
-    rc, out, err, _ = launch(tmp_path, nprocs, devices, WORKERS / "mp_collectives.py",
-                             tmp_path / "shared.txt")
+    rc, out, err, _ = launch(tmp_path, nprocs, devices, WORKERS / "mp_collectives.py", tmp_path / "shared.txt")
     assert rc == 0, out + err
     counts = re.findall(r"^\[rank (\d)\] CHECKS OK (\d+)$", out, re.M)
     assert sorted(r for r, _ in counts) == [str(r) for r in range(nprocs)]
@@ -53,10 +63,12 @@ def test_out_of_step_processes_raise_instead_of_hanging(tmp_path):
         assert diff in by[rank, "debug"]
         assert "leaf ['v']: process 1 passed shape (3,)" in by[rank, "host_shapes"]
     assert by["0", "first_main"] == "dataset download failed"
-    assert ("the main process (process 0) raised inside the block, so process 1 does not run it: "
-            "OSError: dataset download failed (at mp_failures.py:") in by["1", "first_other"]
+    assert (
+        "the main process (process 0) raised inside the block, so process 1 does not run it: "
+        "OSError: dataset download failed (at mp_failures.py:"
+    ) in by["1", "first_other"]
     # The seed bug: process 0 calls barrier twice, process 1 once.
-    (elapsed, msg), = re.findall(r"^\[rank 0\] TIMEOUT after ([\d.]+) s: (.*)$", out, re.M)
+    ((elapsed, msg),) = re.findall(r"^\[rank 0\] TIMEOUT after ([\d.]+) s: (.*)$", out, re.M)
     assert 3 <= float(elapsed) < 3 + 5
     assert "barrier 'b' (#5, called at mp_failures.py:" in msg
     assert "process(es) [1] did not arrive within 3 s" in msg
@@ -93,8 +105,7 @@ with socket.socket() as s:
         print("BUSY", e)
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     elapsed = float(re.search(r"^ELAPSED (\S+)$", out.stdout, re.M).group(1))
     assert 2 <= elapsed < 2 + 3

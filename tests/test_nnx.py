@@ -142,8 +142,7 @@ def test_one_device_mask_is_a_real_dropout_mask():
 @pytest.mark.parametrize("rng,accum_steps", [("per_device", 1), ("per_device", 2), ("per_example", 2)])
 def test_stream_keys_are_restored_and_counts_advance_identically(rng, accum_steps):
     mesh = mesh_of(4)
-    state = sc.TrainState.create_nnx(NnxDropout(nnx.Rngs(params=0, dropout=1, noise=2)), tx=optax.adam(1e-3),
-                                     mesh=mesh)
+    state = sc.TrainState.create_nnx(NnxDropout(nnx.Rngs(params=0, dropout=1, noise=2)), tx=optax.adam(1e-3), mesh=mesh)
     before = streams(state)
     step = sc.make_train_step(sc.nnx_loss_fn(nnx_mse), mesh=mesh, rng=rng, accum_steps=accum_steps)
     state, _ = sc.fit(step, state, batches(3))
@@ -183,8 +182,10 @@ def test_cnn_with_batchnorm_and_dropout_end_to_end(tmp_path):
     # Checkpoint round trip (typed keys included), then resume: bitwise the uninterrupted run.
     sc.save_checkpoint(tmp_path, state)
     restored = sc.restore_checkpoint(tmp_path, fresh())
-    assert_bitwise_equal((restored.params, restored.opt_state, restored.model_state, restored.step),
-                         (state.params, state.opt_state, state.model_state, state.step))
+    assert_bitwise_equal(
+        (restored.params, restored.opt_state, restored.model_state, restored.step),
+        (state.params, state.opt_state, state.model_state, state.step),
+    )
     resumed, _ = sc.fit(step, restored, data[2:])
     uninterrupted, _ = sc.fit(step, state, data[2:])
     assert_bitwise_equal(resumed, uninterrupted)
@@ -194,8 +195,9 @@ def test_nnx_metric_fn_turns_dropout_off():
     model = nnx.Sequential(nnx.Linear(WIDTH, 4, rngs=nnx.Rngs(0)), nnx.Dropout(0.9, rngs=nnx.Rngs(1)))
     state = sc.TrainState.create_nnx(model, tx=optax.sgd(0.1), mesh=mesh_of(2))
     x = np.random.default_rng(0).standard_normal((8, WIDTH), dtype=np.float32)
-    evaluate = sc.make_eval_step(sc.nnx_metric_fn(lambda m, b, *, mask: sc.masked_mean(m(b).sum(-1), mask)),
-                                 mesh=mesh_of(2))
+    evaluate = sc.make_eval_step(
+        sc.nnx_metric_fn(lambda m, b, *, mask: sc.masked_mean(m(b).sum(-1), mask)), mesh=mesh_of(2)
+    )
     model.eval()
     np.testing.assert_allclose(float(evaluate(state, x)["loss"]), float(model(x).sum(-1).mean()), rtol=1e-5)
     assert_bitwise_equal(evaluate(state, x)["loss"], evaluate(state, x)["loss"])
@@ -211,8 +213,9 @@ def test_create_nnx_broadcasts_stream_keys_across_processes(tmp_path):
     assert out.count("NNX OK") == 2
     # Same result as one process on 4 devices (per-example randomness, process 0's seeds).
     mesh = mesh_of(4)
-    state = sc.TrainState.create_nnx(NnxDropout(nnx.Rngs(params=0, dropout=1, noise=2)), tx=optax.sgd(0.05),
-                                     rng=7, mesh=mesh)
+    state = sc.TrainState.create_nnx(
+        NnxDropout(nnx.Rngs(params=0, dropout=1, noise=2)), tx=optax.sgd(0.05), rng=7, mesh=mesh
+    )
     step = sc.make_train_step(sc.nnx_loss_fn(nnx_mse), mesh=mesh, rng="per_example")
     state, _ = sc.fit(step, state, batches(2))
     saved = np.load(tmp_path / "nnx_params.npz")

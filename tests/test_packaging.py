@@ -24,8 +24,9 @@ SETUPTOOLS_MIN = (77,)
 
 def _version_file() -> str:
     tree = ast.parse((ROOT / "spmdcomm" / "_version.py").read_text())
-    (value,) = [node.value.value for node in tree.body
-                if isinstance(node, ast.Assign) and node.targets[0].id == "__version__"]
+    (value,) = [
+        node.value.value for node in tree.body if isinstance(node, ast.Assign) and node.targets[0].id == "__version__"
+    ]
     return value
 
 
@@ -59,8 +60,10 @@ print("JOB OK", rank, sc.process_count(), float(total[0]), rows.tolist(), sc.__f
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_setuptools_version() < SETUPTOOLS_MIN,
-                    reason="building offline needs setuptools>=77 here: pip install 'setuptools>=77'")
+@pytest.mark.skipif(
+    _setuptools_version() < SETUPTOOLS_MIN,
+    reason="building offline needs setuptools>=77 here: pip install 'setuptools>=77'",
+)
 def test_wheel_installs_imports_and_launches_outside_the_repo(tmp_path):
     version = _version_file()
     # Build from a copy holding only what the build reads, so the checkout gets no build/ or *.egg-info
@@ -71,10 +74,28 @@ def test_wheel_installs_imports_and_launches_outside_the_repo(tmp_path):
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(ROOT / "spmdcomm", src / "spmdcomm", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist = tmp_path / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-          "--disable-pip-version-check", "-q", "-w", dist, src], timeout=180)
-    _run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; b.build_sdist(sys.argv[1])",
-          dist], timeout=180, cwd=src)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            dist,
+            src,
+        ],
+        timeout=180,
+    )
+    _run(
+        [sys.executable, "-c", "import sys; from setuptools import build_meta as b; b.build_sdist(sys.argv[1])", dist],
+        timeout=180,
+        cwd=src,
+    )
 
     license_text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
@@ -96,14 +117,29 @@ def test_wheel_installs_imports_and_launches_outside_the_repo(tmp_path):
     venv = tmp_path / "v"
     _run([sys.executable, "-m", "venv", "--without-pip", venv], timeout=120)
     python, launcher = venv / "bin" / "python", venv / "bin" / "spmdcomm-launch"
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
-          "--disable-pip-version-check", "-q", wheel], timeout=180)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            python,
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            wheel,
+        ],
+        timeout=180,
+    )
     # The dependencies (jax, flax, ...) come from this environment. A .pth file appends its directories
     # after the new environment's own site-packages, so the installed wheel is found first (PYTHONPATH
     # would put them in front, where a non-editable spmdcomm there would shadow the wheel). Directories
     # named in a .pth file get no .pth processing of their own, so an editable install there stays off.
-    purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                   timeout=60).stdout.strip()
+    purelib = _run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], timeout=60
+    ).stdout.strip()
     deps = [p for p in site.getsitepackages() if Path(p).resolve() != ROOT]
     Path(purelib, "_deps_for_test.pth").write_text("\n".join(deps) + "\n")
 
@@ -111,9 +147,11 @@ def test_wheel_installs_imports_and_launches_outside_the_repo(tmp_path):
     run_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS", "PYTHONHOME")}
     env.update(JAX_PLATFORMS="cpu", PYTHONNOUSERSITE="1")
-    probe = ("import importlib.metadata as m, sys, spmdcomm; "
-             "print(spmdcomm.__version__, m.version('spmdcomm'), spmdcomm.__file__); "
-             "print(*sys.path, sep='\\n', file=sys.stderr)")
+    probe = (
+        "import importlib.metadata as m, sys, spmdcomm; "
+        "print(spmdcomm.__version__, m.version('spmdcomm'), spmdcomm.__file__); "
+        "print(*sys.path, sep='\\n', file=sys.stderr)"
+    )
     out = _run([python, "-c", probe], timeout=120, cwd=run_dir, env=env)
     got_version, dist_version, where = out.stdout.split()
     assert (got_version, dist_version) == (version, version), out.stdout
@@ -121,8 +159,12 @@ def test_wheel_installs_imports_and_launches_outside_the_repo(tmp_path):
     assert str(ROOT) not in out.stderr.split("\n"), out.stderr
 
     (run_dir / "job.py").write_text(JOB)
-    out = _run([launcher, "-n", "2", "--devices-per-process", "1", "--timeout", "120", "--grace", "2", "job.py"],
-               timeout=150, cwd=run_dir, env=env)
+    out = _run(
+        [launcher, "-n", "2", "--devices-per-process", "1", "--timeout", "120", "--grace", "2", "job.py"],
+        timeout=150,
+        cwd=run_dir,
+        env=env,
+    )
     done = sorted(re.findall(r"^\[rank (\d)\] JOB OK (\d) 2 3\.0 \[\[2\.0, 4\.0\]\] (\S+)$", out.stdout, re.M))
     assert [(r, r2) for r, r2, _ in done] == [("0", "0"), ("1", "1")], out.stdout + out.stderr
     assert all(Path(f).resolve().is_relative_to(venv.resolve()) for _, _, f in done), out.stdout

@@ -54,7 +54,7 @@ def mode(request, monkeypatch):
 def unaligned(a):
     """A copy of ``a`` whose data starts 16 bytes past a 64-byte boundary."""
     raw = sc.aligned_empty(a.nbytes + 16, np.uint8)
-    out = raw[16:16 + a.nbytes].view(a.dtype).reshape(a.shape)
+    out = raw[16 : 16 + a.nbytes].view(a.dtype).reshape(a.shape)
     out[...] = a
     return out
 
@@ -89,7 +89,7 @@ def test_tuples_namedtuples_and_explicit_sharding(mode):
             for shard in got.x.addressable_shards:
                 np.testing.assert_array_equal(np.asarray(shard.data), want.x[shard.index])
     with sc.prefetch_to_device(iter([(np.zeros(8), np.ones(8))])) as it:
-        (a, b), = list(it)
+        ((a, b),) = list(it)
         assert float(b.sum()) == 8.0
 
 
@@ -279,8 +279,9 @@ def test_aligned_leaves_are_aliased_and_unaligned_ones_copied(mode):
     np.testing.assert_array_equal(np.asarray(b["a"]), np.full((64, 16), 4.0))
 
 
-@pytest.mark.parametrize("shape, dtype", [((256, 3), np.float32), (7, np.int8), ((0, 5), np.float64),
-                                          ((3, 5, 2), np.complex64)])
+@pytest.mark.parametrize(
+    "shape, dtype", [((256, 3), np.float32), (7, np.int8), ((0, 5), np.float64), ((3, 5, 2), np.complex64)]
+)
 def test_aligned_empty(shape, dtype):
     x = sc.aligned_empty(shape, dtype)
     assert x.ctypes.data % 64 == 0 and x.flags.c_contiguous and x.flags.writeable
@@ -289,6 +290,7 @@ def test_aligned_empty(shape, dtype):
 
 def test_staging_buffer_not_reused_while_a_dropped_batch_is_still_being_read(monkeypatch):
     monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", 0.0)
+
     @jax.jit
     def slow_sum(x):
         c = jax.lax.fori_loop(0, 40, lambda i, c: jnp.tanh(c @ c), jnp.eye(64) * 0.5)

@@ -8,9 +8,16 @@ import pytest
 import spmdcomm as sc
 from spmdcomm import debug, runtime
 
-ENV = ("SPMDCOMM_COORDINATOR", "SPMDCOMM_NUM_PROCESSES", "SPMDCOMM_PROCESS_ID",
-       "SPMDCOMM_LOCAL_RANK", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST",
-       "JAX_COORDINATOR_ADDRESS")
+ENV = (
+    "SPMDCOMM_COORDINATOR",
+    "SPMDCOMM_NUM_PROCESSES",
+    "SPMDCOMM_PROCESS_ID",
+    "SPMDCOMM_LOCAL_RANK",
+    "SLURM_JOB_ID",
+    "OMPI_MCA_orte_hnp_uri",
+    "KUBERNETES_SERVICE_HOST",
+    "JAX_COORDINATOR_ADDRESS",
+)
 
 
 @pytest.fixture
@@ -123,10 +130,8 @@ def test_debug_switch(monkeypatch):
 def test_debug_fingerprint_diff():
     mesh = sc.data_mesh(devices=jax.devices()[:2])
     placed = jax.device_put(np.zeros((4, 2), np.float32), sc.data_sharding(mesh))
-    a = debug.fingerprint("step", ({"x": placed, "y": np.zeros(3, np.int32)},),
-                          in_specs=sc.P("data"), mesh=mesh)
-    b = debug.fingerprint("step", ({"x": np.zeros((4, 2), np.float16), "z": 1},), in_specs=sc.P(),
-                          mesh=mesh)
+    a = debug.fingerprint("step", ({"x": placed, "y": np.zeros(3, np.int32)},), in_specs=sc.P("data"), mesh=mesh)
+    b = debug.fingerprint("step", ({"x": np.zeros((4, 2), np.float16), "z": 1},), in_specs=sc.P(), mesh=mesh)
     assert a["leaves"]["[0]['x']"] == ((4, 2), "float32", "P('data',) over mesh {'data': 2}")
     assert debug._diff(b, a) == [
         "in_specs P() vs P('data',) on process 0",

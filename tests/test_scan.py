@@ -42,10 +42,17 @@ def blocks_of(dtype, n: int, seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("inclusive", [True, False], ids=["inclusive", "exclusive"])
 def test_scan_matches_numpy(inclusive, backend, mesh):
     n = mesh.size
-    trees = {f"{op}_{np.dtype(dt).name}": (op, blocks_of(dt, n, seed))
-             for seed, (op, dt) in enumerate((op, dt) for op in OPS for dt in (np.float32, np.int32, np.bool_))}
-    f = sc.spmd(lambda t: {k: sc.scan(v, "data", k.split("_")[0], inclusive=inclusive) for k, v in t.items()},
-                mesh=mesh, in_specs=P("data"), out_specs=P("data"), backend=backend)
+    trees = {
+        f"{op}_{np.dtype(dt).name}": (op, blocks_of(dt, n, seed))
+        for seed, (op, dt) in enumerate((op, dt) for op in OPS for dt in (np.float32, np.int32, np.bool_))
+    }
+    f = sc.spmd(
+        lambda t: {k: sc.scan(v, "data", k.split("_")[0], inclusive=inclusive) for k, v in t.items()},
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P("data"),
+        backend=backend,
+    )
     out = f({k: b.reshape((n * 2, 3)) for k, (_, b) in trees.items()})
     for key, (op, blocks) in trees.items():
         want = numpy_scan(op, blocks, inclusive)
@@ -56,10 +63,18 @@ def test_scan_matches_numpy(inclusive, backend, mesh):
 
 def test_exclusive_identities():
     mesh = sc.data_mesh(devices=jax.devices()[:2])
-    x = {"f": np.ones((2, 1), np.float32), "i": np.ones((2, 1), np.int8), "u": np.ones((2, 1), np.uint8),
-         "b": np.ones((2, 1), np.bool_)}
-    got = {op: sc.spmd(lambda t, op=op: sc.scan(t, "data", op, inclusive=False), mesh=mesh, in_specs=P("data"),
-                       out_specs=P("data"))(x) for op in OPS}
+    x = {
+        "f": np.ones((2, 1), np.float32),
+        "i": np.ones((2, 1), np.int8),
+        "u": np.ones((2, 1), np.uint8),
+        "b": np.ones((2, 1), np.bool_),
+    }
+    got = {
+        op: sc.spmd(
+            lambda t, op=op: sc.scan(t, "data", op, inclusive=False), mesh=mesh, in_specs=P("data"), out_specs=P("data")
+        )(x)
+        for op in OPS
+    }
     assert [got[op]["f"][0, 0].item() for op in OPS] == [0.0, -np.inf, np.inf, 1.0]
     assert [got[op]["i"][0, 0].item() for op in OPS] == [0, -128, 127, 1]
     assert [got[op]["u"][0, 0].item() for op in OPS] == [0, 0, 255, 1]
@@ -72,7 +87,8 @@ def test_scan_on_a_2d_mesh(axes):
     mesh = sc.make_mesh({"a": 4, "b": 2})
     blocks = np.arange(1, 9, dtype=np.int32).reshape(4, 2, 1)  # block of device (a, b)
     out = sc.spmd(lambda x: sc.scan(x, axes), mesh=mesh, in_specs=P("a", "b"), out_specs=P("a", "b"))(
-        blocks.reshape(4, 2))
+        blocks.reshape(4, 2)
+    )
     got = np.asarray(out).reshape(4, 2)
     flat = blocks.reshape(4, 2)
     if axes == ("a", "b"):
@@ -87,6 +103,7 @@ def test_scan_on_a_2d_mesh(axes):
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
 def test_scan_of_a_python_scalar_and_a_pytree():
     mesh = sc.data_mesh(devices=jax.devices()[:4])
+
     def f(x):
         out = sc.scan({"two": 2, "x": (x,)}, "data", "prod")
         return {"two": out["two"][None], "x": out["x"]}

@@ -67,8 +67,11 @@ def test_already_placed_inputs_are_not_copied():
 
 
 def test_in_specs_prefix_per_argument_and_pytree():
-    f = sc.spmd(lambda a, b: {"s": sc.psum(a["x"], "data") + b, "y": a["y"] * b},
-                in_specs=({"x": P("data"), "y": P("data")}, P()), out_specs={"s": P(), "y": P("data")})
+    f = sc.spmd(
+        lambda a, b: {"s": sc.psum(a["x"], "data") + b, "y": a["y"] * b},
+        in_specs=({"x": P("data"), "y": P("data")}, P()),
+        out_specs={"s": P(), "y": P("data")},
+    )
     out = f({"x": np.ones(8, np.float32), "y": np.arange(8.0, dtype=np.float32)}, np.float32(2.0))
     np.testing.assert_array_equal(out["s"], [10.0])
     np.testing.assert_array_equal(out["y"], np.arange(8.0) * 2)
@@ -93,8 +96,7 @@ def test_backends_agree_on_a_training_like_function(backend):
         return w - 0.1 * sc.pmean(g, "data")
 
     ref = sc.spmd(grad_step, in_specs=(P(), P("data")), out_specs=P(), check_vma=False)(w, x)
-    got = sc.spmd(grad_step, in_specs=(P(), P("data")), out_specs=P(), backend=backend,
-                  check_vma=False)(w, x)
+    got = sc.spmd(grad_step, in_specs=(P(), P("data")), out_specs=P(), backend=backend, check_vma=False)(w, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6)
     # and both equal one device on the global batch
     want = w - 0.1 * jax.grad(lambda w_: jnp.mean((x @ w_) ** 2))(w)
@@ -105,8 +107,7 @@ def test_multi_axis_mesh_spmd_and_make_mesh_inference():
     mesh = sc.make_mesh({"data": -1, "model": 2})
     assert dict(mesh.shape) == {"data": 4, "model": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
-    f = sc.spmd(lambda x: sc.psum(x, "model"), mesh=mesh, in_specs=P("data", "model"),
-                out_specs=P("data", None))
+    f = sc.spmd(lambda x: sc.psum(x, "model"), mesh=mesh, in_specs=P("data", "model"), out_specs=P("data", None))
     x = np.arange(4 * 4, dtype=np.float32).reshape(4, 4)
     np.testing.assert_array_equal(np.asarray(f(x)), x[:, :2] + x[:, 2:])
 

@@ -41,8 +41,11 @@ _TRACES = {
 @pytest.mark.parametrize("name", sorted(_HOST_CALLS))
 def test_host_calls_inside_a_staged_trace_raise(name, trace):
     x = np.arange(8.0, dtype=np.float32)
-    with pytest.raises(sc.TracedCallError, match=rf"spmdcomm\.{name}: was called inside a traced function"
-                       r".*absent from the compiled program.*Fix: call it outside the traced function"):
+    with pytest.raises(
+        sc.TracedCallError,
+        match=rf"spmdcomm\.{name}: was called inside a traced function"
+        r".*absent from the compiled program.*Fix: call it outside the traced function",
+    ):
         _TRACES[trace](_HOST_CALLS[name], x)
 
 

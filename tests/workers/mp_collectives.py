@@ -26,10 +26,12 @@ checks = []
 
 def host(tree):
     """The global value of each (possibly multi-process) array of ``tree`` as NumPy."""
+
     def one(x):
         if x.is_fully_addressable or x.sharding.is_fully_replicated:
             return np.asarray(x)
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
     return jax.tree.map(one, tree)
 
 
@@ -56,61 +58,65 @@ check("local_rank", sc.local_rank(), pid)  # one host: local rank == process ind
 check("is_main", sc.is_main_process(), pid == 0)
 check("is_main_local", sc.is_main_process(local=True), pid == 0)
 check("process_devices", len(sc.process_devices()), sc.local_device_count())
-check("process_devices_other", [d.process_index for d in sc.process_devices(nproc - 1)],
-      [nproc - 1] * sc.local_device_count())
+check(
+    "process_devices_other",
+    [d.process_index for d in sc.process_devices(nproc - 1)],
+    [nproc - 1] * sc.local_device_count(),
+)
 
 # --- device collectives (one row per device) ----------------------------------------------------
 k = 3
 x = (np.arange(n * k, dtype=np.float32).reshape(n, k) - 4) * 1.5
 check("psum", run(lambda b: sc.psum(b, "data"), x), x.sum(0, keepdims=True))
-check("psum_rs_ag", run(lambda b: sc.psum(b, "data", algorithm="rs_ag"), x),
-      x.sum(0, keepdims=True))
+check("psum_rs_ag", run(lambda b: sc.psum(b, "data", algorithm="rs_ag"), x), x.sum(0, keepdims=True))
 check("pmean", run(lambda b: sc.pmean(b, "data"), x), x.mean(0, keepdims=True))
 check("pmax", run(lambda b: sc.pmax(b, "data"), x), x.max(0, keepdims=True))
 check("pmin", run(lambda b: sc.pmin(b, "data"), x), x.min(0, keepdims=True))
 xi = np.arange(n * k, dtype=np.int32).reshape(n, k) % 5 - 2
-check("all_reduce_prod", run(lambda b: sc.all_reduce(b, "data", "prod"), xi),
-      xi.prod(0, keepdims=True))
-check("psum_tree", run(lambda b: sc.psum({"a": b, "b": 2 * b}, "data"), x)["b"],
-      2 * x.sum(0, keepdims=True))
+check("all_reduce_prod", run(lambda b: sc.all_reduce(b, "data", "prod"), xi), xi.prod(0, keepdims=True))
+check("psum_tree", run(lambda b: sc.psum({"a": b, "b": 2 * b}, "data"), x)["b"], 2 * x.sum(0, keepdims=True))
 check("all_gather", run(lambda b: sc.all_gather(b, "data"), x), x)
 check("all_gather_stacked", run(lambda b: sc.all_gather(b, "data", tiled=False), x), x[:, None, :])
 m = 2
 y = np.arange(n * n * m, dtype=np.float32).reshape(n * n, m)
 blocks = y.reshape(n, n, m)  # device i holds blocks[i]
-check("reduce_scatter_sum", run(lambda b: sc.reduce_scatter(b, "data"), y, out_specs=P("data")),
-      blocks.sum(0))
-check("reduce_scatter_max", run(lambda b: sc.reduce_scatter(b, "data", op="max"), y,
-                                out_specs=P("data")), blocks.max(0))
+check("reduce_scatter_sum", run(lambda b: sc.reduce_scatter(b, "data"), y, out_specs=P("data")), blocks.sum(0))
+check(
+    "reduce_scatter_max", run(lambda b: sc.reduce_scatter(b, "data", op="max"), y, out_specs=P("data")), blocks.max(0)
+)
 sq = np.arange(n * n, dtype=np.int32).reshape(n, n)
-check("all_to_all", run(lambda b: sc.all_to_all(b, "data", split_dim=1, concat_dim=0), sq,
-                        out_specs=P("data")).reshape(n, n), sq.T)
+check(
+    "all_to_all",
+    run(lambda b: sc.all_to_all(b, "data", split_dim=1, concat_dim=0), sq, out_specs=P("data")).reshape(n, n),
+    sq.T,
+)
 root = n - 1
-check("broadcast", run(lambda b: sc.broadcast(b, "data", root=root), x), x[root:root + 1])
+check("broadcast", run(lambda b: sc.broadcast(b, "data", root=root), x), x[root : root + 1])
 want = x.copy()
 want[0] = x.sum(0)
 check("reduce", run(lambda b: sc.reduce(b, "data", root=0), x, out_specs=P("data")), want)
 want = np.zeros((n * n, k), np.float32)
-want[n:2 * n] = x
+want[n : 2 * n] = x
 check("gather", run(lambda b: sc.gather(b, "data", root=1), x, out_specs=P("data")), want)
 z = np.arange(n * 2, dtype=np.float32)
-check("scatter", run(lambda b: sc.scatter(b, "data", root=0), z, in_specs=P(), out_specs=P("data")),
-      z)
+check("scatter", run(lambda b: sc.scatter(b, "data", root=0), z, in_specs=P(), out_specs=P("data")), z)
 want = np.zeros_like(x)
 want[0], want[1] = x[1], x[0]
-check("permute", run(lambda b: sc.permute(b, "data", [(0, 1), (1, 0)]), x, out_specs=P("data")),
-      want)
+check("permute", run(lambda b: sc.permute(b, "data", [(0, 1), (1, 0)]), x, out_specs=P("data")), want)
 check("shift", run(lambda b: sc.shift(b, "data", 1), x, out_specs=P("data")), np.roll(x, 1, axis=0))
-check("axis_index", run(lambda b: sc.axis_index("data")[None], x, out_specs=P("data")),
-      np.arange(n))
+check("axis_index", run(lambda b: sc.axis_index("data")[None], x, out_specs=P("data")), np.arange(n))
 check("axis_size", run(lambda b: np.full((1,), sc.axis_size("data")), x), [n])
 
 # --- the pmap backend gives the same answers across processes ------------------------------------
 check("pmap_psum", run(lambda b: sc.psum(b, "data"), x, backend="pmap"), x.sum(0, keepdims=True))
-check("pmap_shift", run(lambda b: sc.shift(b, "data", 1), x, out_specs=P("data"), backend="pmap"),
-      np.roll(x, 1, axis=0))
-check("pmap_scatter", run(lambda b: sc.scatter(b, "data", root=0), z, in_specs=P(), out_specs=P("data"),
-                          backend="pmap"), z)
+check(
+    "pmap_shift", run(lambda b: sc.shift(b, "data", 1), x, out_specs=P("data"), backend="pmap"), np.roll(x, 1, axis=0)
+)
+check(
+    "pmap_scatter",
+    run(lambda b: sc.scatter(b, "data", root=0), z, in_specs=P(), out_specs=P("data"), backend="pmap"),
+    z,
+)
 check("pmap_all_gather", run(lambda b: sc.all_gather(b, "data"), x, backend="pmap"), x)
 
 # --- debug mode: identical calls pass the check -------------------------------------------------
@@ -120,8 +126,7 @@ sc.set_debug(False)
 
 # --- host-level collectives ---------------------------------------------------------------------
 vals = [np.array([p + 1, -p, 2 * p], np.int64) for p in range(nproc)]
-for op, ref in [("sum", np.sum), ("mean", np.mean), ("max", np.max), ("min", np.min),
-                ("prod", np.prod)]:
+for op, ref in [("sum", np.sum), ("mean", np.mean), ("max", np.max), ("min", np.min), ("prod", np.prod)]:
     got = sc.host_all_reduce({"v": vals[pid], "s": np.float32(pid)}, op)
     check(f"host_all_reduce_{op}", got["v"], ref(np.stack(vals), axis=0))
     check(f"host_all_reduce_{op}_scalar", got["s"], ref(np.arange(nproc, dtype=np.float32)))

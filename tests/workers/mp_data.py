@@ -35,14 +35,13 @@ def check_placement(name, arr, global_host):
 
 rows = 3 * local  # per process
 global_x = np.arange(nproc * rows * 2, dtype=np.float32).reshape(nproc * rows, 2)
-mine = global_x[pid * rows:(pid + 1) * rows]
+mine = global_x[pid * rows : (pid + 1) * rows]
 
 # shard_batch: every process passes its own slice.
 placed = sc.shard_batch({"x": mine})
 check_placement("shard_batch", placed["x"], global_x)
-masked = sc.shard_batch(sc.pad_batch({"x": mine[:rows - 1]}, local))
-check_placement("shard_batch mask", masked.mask,
-                np.tile(np.r_[np.ones(rows - 1, bool), False], nproc))
+masked = sc.shard_batch(sc.pad_batch({"x": mine[: rows - 1]}, local))
+check_placement("shard_batch mask", masked.mask, np.tile(np.r_[np.ones(rows - 1, bool), False], nproc))
 
 # prefetch_to_device: same layout, several batches, padding; placed in-line and by the threads.
 default_inline_load_seconds = prefetch.INLINE_LOAD_SECONDS
@@ -52,7 +51,7 @@ for inline_load_seconds in (float("inf"), 0.0):
         for k, b in enumerate(it):
             check_placement(f"prefetch batch {k}, threaded={it.threaded}", b["x"], global_x + 1000 * k)
 prefetch.INLINE_LOAD_SECONDS = default_inline_load_seconds
-with sc.prefetch_to_device(iter([{"x": mine[:rows - 1]}]), pad_to_multiple=local) as it:
+with sc.prefetch_to_device(iter([{"x": mine[: rows - 1]}]), pad_to_multiple=local) as it:
     (b,) = list(it)
     real = sum(int(np.asarray(s.data).sum()) for s in b.mask.addressable_shards)
     check("prefetch padded mask count", sc.host_all_reduce(np.int64(real)), nproc * (rows - 1))
@@ -67,7 +66,7 @@ for epoch in range(2):
     check(f"sampler epoch {epoch} same batch count", counts, np.full(nproc, counts[0]))
     used = np.concatenate([b.data[b.mask] for b in batches])
     padded_used = np.full(37, -1)
-    padded_used[:len(used)] = used
+    padded_used[: len(used)] = used
     everything = sc.host_all_gather(padded_used)
     check(f"sampler epoch {epoch} exactly once", np.sort(everything[everything >= 0]), np.arange(37))
 

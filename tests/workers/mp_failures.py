@@ -55,8 +55,9 @@ def errors():
     else:
         expect("first_other", sc.RemoteProcessError, enter_first)
     expect("debug", sc.ProcessMismatchError, debug_call)
-    expect("host_shapes", sc.ProcessMismatchError,
-           lambda: sc.host_all_reduce({"v": np.zeros(2 + pid)}, "sum", timeout=30))
+    expect(
+        "host_shapes", sc.ProcessMismatchError, lambda: sc.host_all_reduce({"v": np.zeros(2 + pid)}, "sum", timeout=30)
+    )
     sc.barrier("a", timeout=30)
     if pid == 0:
         start = time.monotonic()
