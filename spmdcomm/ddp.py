@@ -513,17 +513,9 @@ class TrainStep:
         self._placements_ok: set[Any] = set()
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        # A consumed state would reach XLA as deleted buffers, which kills the process on CPU.
-        leaves, treedef = jax.tree.flatten(state)  # once: the deleted check and the cache key share it
-        check_not_deleted("make_train_step", state, arg="state", fix=_CONSUMED_STATE_FIX, leaves=leaves)
-        fn = self._function(state, treedef)
+        fn = self._function(state)
         _wait_for_window(self._window, self.max_in_flight)
-        data, mask = self.place(batch)
-        try:
-            new_state, metrics = fn(state, data, mask)
-        except ValueError as e:
-            _raise_if_misplaced("make_train_step", state, self.options.mesh, e)
-            raise
+        new_state, metrics = _dispatch("make_train_step", fn, state, self.place(batch), self.options.mesh)
         self._window.append(metrics["examples"])
         return new_state, metrics
 
@@ -537,7 +529,7 @@ class TrainStep:
         o = self.options
         return _place_batch("make_train_step", batch, o.mesh, o.axis, o.accum_steps)
 
-    def _function(self, state: TrainState, treedef: Any = None) -> Callable[..., Any]:
+    def _function(self, state: TrainState) -> Callable[..., Any]:
         if not isinstance(state, TrainState):
             raise SpmdError(
                 describe(
@@ -547,8 +539,8 @@ class TrainStep:
                 )
             )
         _check_zero_matches(self.options, state)
-        _check_state_mesh("make_train_step", state, self.options.mesh, self._placements_ok)
-        key = (jax.tree.structure(state) if treedef is None else treedef, self.options.backend)
+        treedef = _check_state("make_train_step", state, self.options.mesh, self._placements_ok)
+        key = (treedef, self.options.backend)
         hit = self._compiled.get(key)
         if hit is None:
             hit = self._compiled[key] = _compile_train_step(self.options, state)
@@ -570,19 +562,13 @@ class EvalStep:
         self._placements_ok: set[Any] = set()
 
     def __call__(self, state: TrainState, batch: Any) -> dict[str, jax.Array]:
-        leaves, key = jax.tree.flatten(state)  # once: the deleted check and the cache key share it
-        check_not_deleted("make_eval_step", state, arg="state", fix=_CONSUMED_STATE_FIX, leaves=leaves)
-        _check_state_mesh("make_eval_step", state, self.mesh, self._placements_ok)
+        key = _check_state("make_eval_step", state, self.mesh, self._placements_ok)
         _wait_for_window(self._window, self.max_in_flight)
-        data, mask = _place_batch("make_eval_step", batch, self.mesh, self.axis, 1)
+        batch = _place_batch("make_eval_step", batch, self.mesh, self.axis, 1)
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compiled[key] = self._compile(state)
-        try:
-            metrics = fn(state, data, mask)
-        except ValueError as e:
-            _raise_if_misplaced("make_eval_step", state, self.mesh, e)
-            raise
+        metrics = _dispatch("make_eval_step", fn, state, batch, self.mesh)
         self._window.append(metrics["examples"])
         return metrics
 
@@ -1136,6 +1122,28 @@ _CONSUMED_STATE_FIX = (
     "returned. To keep the old state usable, build the step with make_train_step(..., donate=False), "
     "or copy the state first: jax.tree.map(jnp.copy, state)."
 )
+
+
+def _check_state(fn: str, state: Any, mesh: Mesh, accepted: set[Any]) -> Any:
+    """The checks every step call makes on its state before dispatch; returns the state's treedef.
+
+    A consumed (donated) state would reach XLA as deleted buffers, which kills the process on CPU; a
+    state on another mesh would get JAX's raw device error. The tree is flattened once: the deleted
+    check and the caller's cache key share it.
+    """
+    leaves, treedef = jax.tree.flatten(state)
+    check_not_deleted(fn, state, arg="state", fix=_CONSUMED_STATE_FIX, leaves=leaves)
+    _check_state_mesh(fn, state, mesh, accepted)
+    return treedef
+
+
+def _dispatch(fn: str, compiled: Callable[..., Any], state: Any, batch: tuple[Any, Any], mesh: Mesh) -> Any:
+    """Runs ``compiled(state, data, mask)``, replacing JAX's device error for a misplaced state leaf."""
+    try:
+        return compiled(state, *batch)
+    except ValueError as e:
+        _raise_if_misplaced(fn, state, mesh, e)
+        raise
 
 
 def _check_state_mesh(fn: str, state: Any, mesh: Mesh, accepted: set[Any]) -> None:
