@@ -121,7 +121,7 @@ class SpmdFunction:
             self._check_traced(mesh, args)
             return self._compiled(mesh)(*args)
         # A deleted (donated) buffer handed to XLA can crash the process: raise first.
-        check_not_deleted(self.__name__, args, arg="args", fix=_DONATED_FIX)
+        check_not_deleted(self.__name__, args, arg="args", fix=_DONATED_FIX, leaves=leaves)
         if debug.enabled():  # SPMDCOMM_DEBUG: processes compare the call before placing inputs
             debug.check_call(self.__name__, args, in_specs=self.in_specs, mesh=mesh)
         hit = self._fast.get((treedef, mesh))
