@@ -31,7 +31,7 @@ def check_op(fn: str, op: Any, allowed: tuple[str, ...] = REDUCE_OPS) -> str:
     """Returns ``op`` if it is one of ``allowed``; raises :class:`SpmdError` naming ``fn``, the value and the set."""
     if isinstance(op, str) and op in allowed:
         return op
-    raise SpmdError(describe(fn, f"unknown op {op!r}.", fix=f"pass op= one of {allowed}."))
+    raise SpmdError(describe(fn, f"unknown op {op!r}.", fix=f"use one of {allowed}."))
 
 
 def check_root(fn: str, root: Any, n: int, *, what: Literal["device", "process"] = "device", axis: Any = None) -> int:
