@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,14 +127,24 @@ def test_topology_queries():
     assert sc.data_sharding(axis="data").spec == P("data")
 
 
-def test_replicated_psum_warns_and_counting_does_not():
+def test_replicated_psum_warns_once_and_counting_does_not():
     def f(x, w):
         n = sc.psum(1, "data")  # counting devices: no warning
         return sc.psum(w, "data") / n + x  # w is replicated: warns
 
     g = sc.spmd(f, in_specs=(P("data"), P()), out_specs=P("data"))
-    with pytest.warns(sc.ReplicatedReductionWarning, match=r"already identical on every device of axis 'data'"):
-        g(np.zeros(8, np.float32), np.float32(3.0))
+    with pytest.warns(sc.ReplicatedReductionWarning, match=r"already identical on every device of axis 'data'") as rec:
+        out = g(np.zeros(8, np.float32), np.float32(3.0))
+    assert [type(w.message) for w in rec] == [sc.ReplicatedReductionWarning]  # the psum of w, not the count
+    np.testing.assert_array_equal(np.asarray(out), np.full(8, 3.0))  # 8 * 3 / 8
+
+
+def test_counting_devices_raises_no_warning():
+    count = sc.spmd(lambda x: x + sc.psum(1, "data"), in_specs=P("data"), out_specs=P("data"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning, of any class, fails the call
+        out = count(np.zeros(8, np.float32))
+    np.testing.assert_array_equal(np.asarray(out), np.full(8, float(jax.device_count())))
 
 
 def test_grad_of_replicated_params_pmean_warns_about_the_trap():
