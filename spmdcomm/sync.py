@@ -1,13 +1,14 @@
-"""Barriers and host-level collectives across processes, none of which can hang silently.
+"""Barriers, host-level collectives and cross-process agreement, none of which can hang silently.
 
-Everything here goes through JAX's coordination service (the key-value store and bounded barriers
-of the process that :func:`spmdcomm.initialize` joined), not through device collectives, and every
-wait has a timeout. On timeout the error names the processes that did not arrive and, for every
-process, the last sync point it reached: its name, sequence number and call site.
+Every way spmdcomm checks that processes agree goes through one timed transport: numbered sync points
+in JAX's coordination service (the key-value store and bounded barriers of the job that
+:func:`spmdcomm.initialize` joined). Every wait has a timeout. On timeout the error names the processes
+that did not arrive and, for every process, the last sync point it reached: its name, sequence number
+and call site.
 
-Each process numbers its sync points (barriers, syncs and host collectives) 1, 2, 3...; the k-th
-sync point of every process meets the k-th of the others. When they differ (process 0 is in
-``barrier("a")`` while process 1 is in ``barrier("b")`` or in ``host_all_reduce``), every process
+Each process numbers its sync points (barriers, syncs, host collectives, debug and replica checks) 1, 2,
+3...; the k-th sync point of every process meets the k-th of the others. When they differ (process 0 is
+in ``barrier("a")`` while process 1 is in ``barrier("b")`` or in ``host_all_reduce``), every process
 raises :class:`~spmdcomm.errors.ProcessMismatchError` instead of pairing up the wrong calls.
 
 With one process nothing is exchanged: barriers only wait for this process's device work, and the
@@ -15,7 +16,7 @@ collectives return at once.
 
 >>> import spmdcomm as sc
 >>> sc.barrier("setup")
->>> sc.host_all_reduce({"loss": np.float32(0.5), "n": np.int64(3)}, "sum")
+>>> sc.host_all_reduce({"loss": np.float32(0.5), "n": np.int64(3)}, op="sum")
 {'loss': array(0.5, dtype=float32), 'n': array(3)}
 >>> sc.all_gather_object({"host": "a"})
 [{'host': 'a'}]
@@ -24,18 +25,25 @@ collectives return at once.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import itertools
 import json
 import os
 import pickle
 import socket
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from spmdcomm._ops import check_op, check_root
 from spmdcomm.errors import (
     BarrierTimeoutError,
     ProcessMismatchError,
@@ -56,17 +64,11 @@ __all__ = [
     "host_broadcast",
     "broadcast_object",
     "all_gather_object",
-    "HOST_REDUCE_OPS",
     "DEFAULT_TIMEOUT",
 ]
 
 # Seconds every wait in this module allows by default.
 DEFAULT_TIMEOUT = 300.0
-
-HOST_REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod")
-
-_PREFIX = "spmdcomm/sync/"
-_counters = {"sync": 0, "first": 0}
 
 
 def barrier(name: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -82,7 +84,7 @@ def barrier(name: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> Non
     refuse_in_trace("barrier")
     _wait_local_devices()
     if process_count() > 1:
-        _sync_point("barrier", f"barrier {name!r}" if name else "barrier", timeout)
+        exchange("barrier", f"barrier {name!r}" if name else "barrier", b"", timeout=timeout)
 
 
 def sync_devices(*, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -96,7 +98,7 @@ def sync_devices(*, timeout: float = DEFAULT_TIMEOUT) -> None:
     refuse_in_trace("sync_devices")
     _wait_local_devices()
     if process_count() > 1:
-        _sync_point("sync_devices", "sync_devices", timeout)
+        exchange("sync_devices", "sync_devices", b"", timeout=timeout)
 
 
 @contextlib.contextmanager
@@ -117,9 +119,9 @@ def main_process_first(*, local: bool = False, timeout: float = DEFAULT_TIMEOUT)
         yield
         return
     client = coordination_client("main_process_first")
-    _counters["first"] += 1
+    number = next(_FIRST_BLOCKS)
     group = socket.gethostname() if local else "all"
-    key = f"spmdcomm/first/{_counters['first']}/{group}"
+    key = f"spmdcomm/first/{number}/{group}"
     if is_main_process(local=local):
         try:
             yield
@@ -137,7 +139,7 @@ def main_process_first(*, local: bool = False, timeout: float = DEFAULT_TIMEOUT)
             describe(
                 "main_process_first",
                 f"process {process_index()} waited {timeout:g} s for {who} to "
-                f"finish the block (main_process_first #{_counters['first']}, entered at "
+                f"finish the block (main_process_first #{number}, entered at "
                 f"{_call_site()}), but it did not.",
                 fix="make sure every process enters main_process_first the same number of times, or "
                 "raise `timeout` if the main process's work is slow.",
@@ -155,21 +157,19 @@ def main_process_first(*, local: bool = False, timeout: float = DEFAULT_TIMEOUT)
     yield
 
 
-def host_all_reduce(tree: Any, op: str = "sum", *, timeout: float = DEFAULT_TIMEOUT) -> Any:
+def host_all_reduce(tree: Any, *, op: str = "sum", timeout: float = DEFAULT_TIMEOUT) -> Any:
     """Reduces a pytree of host values (NumPy arrays, numbers) element-wise across processes.
 
-    ``op`` is one of :data:`HOST_REDUCE_OPS`. Every process receives the same NumPy result, reduced
-    in process order. Leaves keep their dtype, except that ``"mean"`` of integers gives floats.
-    Every process must pass the same tree structure, shapes and dtypes (checked; a mismatch raises
-    :class:`~spmdcomm.errors.ProcessMismatchError` naming the process and leaf).
+    ``op`` is one of :data:`spmdcomm.REDUCE_OPS`. Every process receives the same NumPy result,
+    reduced in process order. Leaves keep their dtype, except that ``"mean"`` of integers gives
+    floats. Every process must pass the same tree structure, shapes and dtypes (checked; a mismatch
+    raises :class:`~spmdcomm.errors.ProcessMismatchError` naming the process and leaf).
 
-    >>> sc.host_all_reduce([np.arange(3), 2.0], "max")
+    >>> sc.host_all_reduce([np.arange(3), 2.0], op="max")
     [array([0, 1, 2]), array(2.)]
     """
     refuse_in_trace("host_all_reduce", tree)
-    if op not in HOST_REDUCE_OPS:
-        raise SpmdError(describe("host_all_reduce", f"unknown op {op!r}.", fix=f"use one of {HOST_REDUCE_OPS}."))
-    reduce = _HOST_REDUCERS[op]
+    reduce = _HOST_REDUCERS[check_op("host_all_reduce", op)]
     stacked = _gather_tree("host_all_reduce", tree, timeout)
     return jax.tree.map(lambda x: np.asarray(reduce(x)), stacked)
 
@@ -186,19 +186,21 @@ def host_all_gather(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> Any:
     return _gather_tree("host_all_gather", tree, timeout)
 
 
-def host_broadcast(tree: Any, root: int = 0, *, timeout: float = DEFAULT_TIMEOUT) -> Any:
+def host_broadcast(tree: Any, *, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Any:
     """Every process receives process ``root``'s pytree of host values, as NumPy arrays.
 
-    The other processes' trees are ignored (any structure will do, e.g. ``None``).
+    The other processes' trees are ignored (any structure will do, e.g. ``None``). The values travel
+    through the coordination service, like :func:`broadcast_object`: meant for small trees.
 
     >>> sc.host_broadcast({"lr": 0.1})
     {'lr': array(0.1)}
     """
     refuse_in_trace("host_broadcast", tree)
-    return broadcast_object(_to_host("host_broadcast", tree), root, timeout=timeout)
+    root = check_root("host_broadcast", root, process_count(), what="process")
+    return broadcast_object(_to_host("host_broadcast", tree), root=root, timeout=timeout)
 
 
-def broadcast_object(obj: Any, root: int = 0, *, timeout: float = DEFAULT_TIMEOUT) -> Any:
+def broadcast_object(obj: Any, *, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Any:
     """Every process receives a copy of process ``root``'s picklable object (e.g. a config).
 
     Objects travel through the coordination service, meant for small values (up to a few MB).
@@ -208,19 +210,11 @@ def broadcast_object(obj: Any, root: int = 0, *, timeout: float = DEFAULT_TIMEOU
     {'seed': 42}
     """
     refuse_in_trace("broadcast_object", obj)
-    n = process_count()
-    if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < n:
-        raise SpmdError(
-            describe(
-                "broadcast_object",
-                f"root={root!r} is out of range for a job of {n} process(es).",
-                fix=f"pass a process index in [0, {n}).",
-            )
-        )
-    if n == 1:
+    root = check_root("broadcast_object", root, process_count(), what="process")
+    if process_count() == 1:
         return obj
     payload = pickle.dumps(obj) if process_index() == root else b""
-    data = _sync_point("broadcast_object", f"broadcast from process {root}", timeout, payload)
+    data = exchange("broadcast_object", f"broadcast from process {root}", payload, timeout=timeout)
     return pickle.loads(data[root])
 
 
@@ -236,16 +230,153 @@ def all_gather_object(obj: Any, *, timeout: float = DEFAULT_TIMEOUT) -> list[Any
     refuse_in_trace("all_gather_object", obj)
     if process_count() == 1:
         return [obj]
-    data = _sync_point("all_gather_object", "all_gather_object", timeout, pickle.dumps(obj))
+    data = exchange("all_gather_object", "all_gather_object", pickle.dumps(obj), timeout=timeout)
     return [pickle.loads(b) for b in data]
 
 
-def exchange(fn: str, label: str, payload: bytes, *, timeout: float = DEFAULT_TIMEOUT) -> list[bytes]:
-    """A sync point named ``label`` that gathers every process's ``payload``, in process order.
+# ---- the transport, for spmdcomm's own modules ------------------------------------------------------------
 
-    The building block of this module, also used by :mod:`spmdcomm.debug`. Multi-process jobs only.
+
+class Channel:
+    """A sequence of numbered sync points: the k-th exchange of a process meets the k-th of the others.
+
+    Barriers, host collectives and the debug and replica checks share the main channel (:func:`exchange`),
+    so they must come in the same order on every process. A loop that synchronises from another thread
+    (:func:`spmdcomm.join_batches` inside a prefetch thread) opens a channel of its own, named the same on
+    every process, so that its sync points never pair up with the main thread's. One thread at a time may
+    use a channel.
     """
-    return _sync_point(fn, label, timeout, payload)
+
+    def __init__(self, name: str):
+        self.prefix = f"spmdcomm/sync/{name}/"
+        self.seq = 0
+
+    def exchange(self, fn: str, label: str, payload: bytes, *, timeout: float) -> list[bytes]:
+        """Every process's ``payload``, in process order, once all have reached this sync point.
+
+        ``label`` names the sync point: processes whose k-th sync points have different labels raise
+        :class:`~spmdcomm.errors.ProcessMismatchError` listing each one's label and call site. After
+        ``timeout`` seconds every waiting process raises :class:`~spmdcomm.errors.BarrierTimeoutError`
+        naming the processes that did not arrive. Multi-process jobs only.
+        """
+        client = coordination_client(fn)
+        self.seq += 1
+        seq, me, n = self.seq, process_index(), process_count()
+        record = {"label": label, "seq": seq, "site": _call_site()}
+        header = json.dumps(record).encode()
+        # One key per process and sync point holds the record and the payload, so that a sync point
+        # costs one write, the barrier and one directory read.
+        client.key_value_set_bytes(f"{self.prefix}{seq}/{me}", header + b"\n" + payload)
+        client.key_value_set(f"{self.prefix}last/{me}", header.decode(), allow_overwrite=True)
+        try:
+            client.wait_at_barrier(f"{self.prefix}{seq}", _ms(timeout))
+        except jax.errors.JaxRuntimeError as e:
+            raise self._timeout_error(fn, client, record, n, timeout, e) from None
+        entries = {_pid(k): v.split(b"\n", 1) for k, v in client.key_value_dir_get_bytes(f"{self.prefix}{seq}/")}
+        _check_labels(fn, record, {p: json.loads(head) for p, (head, _) in entries.items()})
+        # Every process has passed this barrier, so all are done reading the previous sync point's keys.
+        if seq > 1:
+            _try(lambda: client.key_value_delete(f"{self.prefix}{seq - 1}/{me}"), None)
+        return [entries[p][1] for p in range(n)]
+
+    def _timeout_error(
+        self, fn: str, client: Any, mine: dict[str, Any], n: int, timeout: float, cause: Exception
+    ) -> BarrierTimeoutError:
+        seq = mine["seq"]
+        arrived = {_pid(k) for k, _ in _try(lambda: client.key_value_dir_get_bytes(f"{self.prefix}{seq}/"), [])}
+        missing = [p for p in range(n) if p not in arrived]
+        last = []
+        for p in range(n):
+            text = _try(lambda p=p: client.key_value_try_get(f"{self.prefix}last/{p}"), None)
+            last.append(f"process {p}: " + (_where(json.loads(text)) if text else "no sync point yet"))
+        if missing:
+            what = f"process(es) {missing} did not arrive within {timeout:g} s"
+        else:
+            what = (
+                f"every process arrived, but not within {timeout:g} s of the first (or the barrier "
+                f"failed: {str(cause).splitlines()[0]})"
+            )
+        return BarrierTimeoutError(
+            describe(
+                fn,
+                f"{_where(mine)} on process {process_index()}: {what}. Last sync point of each "
+                "process: " + "; ".join(last) + ".",
+                fix="make every process call the same barriers and host collectives in the same order, "
+                "check that no process has died or is stuck, or raise `timeout` if a process is slow.",
+            )
+        )
+
+
+def exchange(fn: str, label: str, payload: bytes, *, timeout: float = DEFAULT_TIMEOUT) -> list[bytes]:
+    """Every process's ``payload`` bytes, in process order, through a sync point of the main channel.
+
+    The building block of every agreement check (see :meth:`Channel.exchange`). Multi-process jobs only.
+    """
+    return _MAIN.exchange(fn, label, payload, timeout=timeout)
+
+
+def check_same_across_processes(
+    fn: str, what: str, description: str, *, fix: str, timeout: float = DEFAULT_TIMEOUT
+) -> None:
+    """Raises :class:`~spmdcomm.errors.ProcessMismatchError` on every process unless all pass the same
+    ``description``.
+
+    ``description`` is text that captures what must agree (e.g. a tree's structure, shapes and dtypes);
+    ``what`` names it in the message. The processes exchange its digest and first 64 KiB (one sync
+    point); the error names each process that differs from process 0 and shows both descriptions around
+    their first difference. With one process it returns at once.
+    """
+    if process_count() == 1:
+        return
+    text = description.encode()
+    payload = hashlib.sha256(text).digest() + text[:_SHOWN_BYTES]
+    got = exchange(fn, f"check {what}", payload, timeout=timeout)
+    digests = [b[:32] for b in got]
+    if len(set(digests)) > 1:
+        shown = [b[32:].decode(errors="replace") for b in got]
+        raise ProcessMismatchError(_mismatch(fn, what, shown, [d != digests[0] for d in digests], fix))
+
+
+def raise_if_different(fn: str, what: str, descriptions: Sequence[str], *, fix: str) -> None:
+    """Raises :class:`~spmdcomm.errors.ProcessMismatchError` unless every process's description (one per
+    process, in process order, as an :func:`exchange` returns them) equals process 0's; the message is
+    that of :func:`check_same_across_processes`."""
+    differ = [d != descriptions[0] for d in descriptions]
+    if any(differ):
+        raise ProcessMismatchError(_mismatch(fn, what, list(descriptions), differ, fix))
+
+
+def broadcast_tree(fn: str, tree: Any, *, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """Every process receives process ``root``'s pytree of host arrays, bit for bit, as NumPy arrays.
+
+    For trees of any size (model parameters of many MB). Every process must pass a tree of the same
+    structure, shapes and dtypes. The processes first agree on that signature through a sync point of
+    the main channel, which is timed: a missing process is named after ``timeout`` seconds, and a process
+    whose tree differs raises :class:`~spmdcomm.errors.ProcessMismatchError` naming it. Only then do the
+    bytes move, in one device all-reduce of one flat int32 buffer over one device per process (root
+    contributes its bytes, the others zeros; integer sums of zeros are exact for every dtype). The
+    coordination service is not meant for values of many MB, and a device collective has no timeout,
+    but after the agreement every process is known to be at this point with the same buffer size, so
+    the collective cannot wait for a missing peer (a process that dies in between ends the job through
+    the launcher or JAX's heartbeat). With one process the tree comes back as NumPy arrays.
+    """
+    refuse_in_trace(fn, tree)
+    root = check_root(fn, root, process_count(), what="process")
+    host = _to_host(fn, tree)
+    if process_count() == 1:
+        return host
+    flat, treedef = jax.tree_util.tree_flatten_with_path(host)
+    signature = "; ".join(f"{jax.tree_util.keystr(p) or '<root>'}: {x.shape} {x.dtype}" for p, x in flat)
+    check_same_across_processes(
+        fn,
+        f"trees (structure, shapes, dtypes) for a broadcast from process {root}",
+        f"{signature}; structure {treedef}",
+        fix="pass a tree of the same structure, shapes and dtypes on every process (build it the same way "
+        "everywhere; only the values may differ).",
+        timeout=timeout,
+    )
+    leaves = [x for _, x in flat]
+    return jax.tree.unflatten(treedef, _broadcast_bytes(leaves, root))
 
 
 def refuse_in_trace(fn: str, tree: Any = None) -> None:
@@ -279,6 +410,13 @@ _HOST_REDUCERS: dict[str, Callable[[np.ndarray], Any]] = {
     "min": lambda x: np.min(x, axis=0),
     "prod": lambda x: np.prod(x, axis=0, dtype=x.dtype),
 }
+
+_MAIN = Channel("main")
+_FIRST_BLOCKS = itertools.count(1)
+# How much of its description check_same_across_processes sends with the digest, to show a difference.
+_SHOWN_BYTES = 64 * 1024
+# Processes named, with excerpts, in a mismatch message.
+_LISTED = 3
 
 
 def _staging() -> bool:
@@ -314,32 +452,6 @@ def _summary(e: BaseException) -> str:
     return text + where
 
 
-def _sync_point(fn: str, label: str, timeout: float, payload: bytes | None = None) -> list[bytes]:
-    client = coordination_client(fn)
-    _counters["sync"] += 1
-    seq, me, n = _counters["sync"], process_index(), process_count()
-    record = {"label": label, "seq": seq, "site": _call_site()}
-    text = json.dumps(record)
-    client.key_value_set(f"{_PREFIX}{seq}/rec/{me}", text)
-    client.key_value_set(f"{_PREFIX}last/{me}", text, allow_overwrite=True)
-    if payload is not None:
-        client.key_value_set_bytes(f"{_PREFIX}{seq}/data/{me}", payload)
-    try:
-        client.wait_at_barrier(f"{_PREFIX}{seq}", _ms(timeout))
-    except jax.errors.JaxRuntimeError as e:
-        raise _timeout_error(fn, client, record, n, timeout, e) from None
-    records = {_pid(k): json.loads(v) for k, v in client.key_value_dir_get(f"{_PREFIX}{seq}/rec/")}
-    _check_labels(fn, record, records)
-    # Every process has passed this barrier, so all are done with the previous sync point's keys.
-    if seq > 1:
-        for kind in ("rec", "data"):
-            _try(lambda kind=kind: client.key_value_delete(f"{_PREFIX}{seq - 1}/{kind}/{me}"), None)
-    if payload is None:
-        return []
-    data = dict((_pid(k), v) for k, v in client.key_value_dir_get_bytes(f"{_PREFIX}{seq}/data/"))
-    return [data[p] for p in range(n)]
-
-
 def _pid(key: str) -> int:
     return int(key.rsplit("/", 1)[1])
 
@@ -362,40 +474,34 @@ def _check_labels(fn: str, mine: dict[str, Any], records: dict[int, dict[str, An
     )
 
 
-def _timeout_error(
-    fn: str, client: Any, mine: dict[str, Any], n: int, timeout: float, cause: Exception
-) -> BarrierTimeoutError:
-    seq = mine["seq"]
-    records = _try(lambda: client.key_value_dir_get(f"{_PREFIX}{seq}/rec/"), [])
-    arrived = {_pid(k) for k, _ in records}
-    missing = [p for p in range(n) if p not in arrived]
-    last = []
-    for p in range(n):
-        text = _try(lambda p=p: client.key_value_try_get(f"{_PREFIX}last/{p}"), None)
-        last.append(f"process {p}: " + (_where(json.loads(text)) if text else "no sync point yet"))
-    if missing:
-        what = f"process(es) {missing} did not arrive within {timeout:g} s"
-    else:
-        what = (
-            f"every process arrived, but not within {timeout:g} s of the first (or the barrier "
-            f"failed: {str(cause).splitlines()[0]})"
-        )
-    return BarrierTimeoutError(
-        describe(
-            fn,
-            f"{_where(mine)} on process {process_index()}: {what}. Last sync point of each "
-            "process: " + "; ".join(last) + ".",
-            fix="make every process call the same barriers and host collectives in the same order, "
-            "check that no process has died or is stuck, or raise `timeout` if a process is slow.",
-        )
-    )
-
-
 def _try(get: Callable[[], Any], default: Any) -> Any:
     try:
         return get()
     except jax.errors.JaxRuntimeError:
         return default
+
+
+def _mismatch(fn: str, what: str, texts: list[str], differ: list[bool], fix: str) -> str:
+    """Names the processes whose text differs from process 0's, quoting both around the first difference."""
+    bad = [p for p, d in enumerate(differ) if d]
+    parts = []
+    for p in bad[:_LISTED]:
+        a, b = texts[p], texts[0]
+        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same = a == b  # the difference lies beyond the part that was sent
+        parts.append(
+            f"process {p} differs after the first {len(a)} characters"
+            if same
+            else f"process {p} has {_excerpt(a, i)}, process 0 has {_excerpt(b, i)}"
+        )
+    more = f" ({len(bad) - _LISTED} more not shown)" if len(bad) > _LISTED else ""
+    message = f"process(es) {bad} passed {what} that differ from process 0's (seen on process {process_index()})"
+    return describe(fn, f"{message}: {'; '.join(parts)}{more}.", fix=fix)
+
+
+def _excerpt(text: str, i: int) -> str:
+    start, end = max(0, i - 60), max(0, i - 60) + 160
+    return ("..." if start else "") + repr(text[start:end]) + ("..." if end < len(text) else "")
 
 
 def _to_host(fn: str, tree: Any) -> Any:
@@ -419,7 +525,9 @@ def _to_host(fn: str, tree: Any) -> Any:
 def _gather_tree(fn: str, tree: Any, timeout: float) -> Any:
     host = _to_host(fn, tree)
     trees = (
-        [host] if process_count() == 1 else [pickle.loads(b) for b in _sync_point(fn, fn, timeout, pickle.dumps(host))]
+        [host]
+        if process_count() == 1
+        else [pickle.loads(b) for b in exchange(fn, fn, pickle.dumps(host), timeout=timeout)]
     )
     flat = [jax.tree_util.tree_flatten_with_path(t) for t in trees]
     _check_same_leaves(fn, flat)
@@ -449,3 +557,37 @@ def _check_same_leaves(fn: str, flat: list[tuple[list[tuple[Any, np.ndarray]], A
                         fix="pass the same shapes and dtypes on every process.",
                     )
                 )
+
+
+def _broadcast_bytes(leaves: list[np.ndarray], root: int) -> list[np.ndarray]:
+    """``root``'s leaves on every process: their bytes in one int32 buffer, summed over one device per
+    process with zeros from every process but ``root``. Every process must pass the same shapes and dtypes."""
+    n, me = process_count(), process_index()
+    sizes = [x.nbytes for x in leaves]
+    words = -(-sum(sizes) // 4)
+    if words == 0:
+        return [x.copy() for x in leaves]
+    row = np.zeros((1, words), np.int32)
+    if me == root:
+        flat, offset = row.reshape(-1).view(np.uint8), 0
+        for x, size in zip(leaves, sizes, strict=True):
+            flat[offset : offset + size] = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+            offset += size
+    devices = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(n)]
+    mesh = Mesh(np.array(devices), ("processes",))
+    rows = jax.make_array_from_single_device_arrays(
+        (n, words), NamedSharding(mesh, P("processes")), [jax.device_put(row, devices[me])]
+    )
+    got = np.asarray(_sum_rows(mesh)(rows).addressable_data(0)).view(np.uint8)
+    out, offset = [], 0
+    for x, size in zip(leaves, sizes, strict=True):
+        out.append(got[offset : offset + size].view(x.dtype).reshape(x.shape).copy())
+        offset += size
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _sum_rows(mesh: Mesh) -> Callable[[jax.Array], jax.Array]:
+    # An integer sum: x + 0 is exact for any bit pattern (a float sum would turn -0.0 into 0.0 and flush
+    # denormals).
+    return jax.jit(lambda x: jnp.sum(x, axis=0, dtype=x.dtype), out_shardings=NamedSharding(mesh, P()))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import spmdcomm as sc
-from spmdcomm import debug, runtime
+from spmdcomm import debug, runtime, sync
 
 ENV = (
     "SPMDCOMM_COORDINATOR",
@@ -77,10 +77,10 @@ def test_barriers_and_main_process_first_single_process():
         raise KeyError("propagates unchanged")
 
 
-@pytest.mark.parametrize("op", sc.sync.HOST_REDUCE_OPS)
+@pytest.mark.parametrize("op", sc.REDUCE_OPS)
 def test_host_all_reduce_single_process(op):
     tree = {"a": np.array([1, -2, 3], np.int32), "b": [np.float32(2.5)], "c": 4}
-    got = sc.host_all_reduce(tree, op)
+    got = sc.host_all_reduce(tree, op=op)
     assert jax.tree.structure(got) == jax.tree.structure(tree)
     ref = getattr(np, op)
     for g, leaf in zip(jax.tree.leaves(got), jax.tree.leaves(tree), strict=True):
@@ -103,11 +103,16 @@ def test_host_gather_broadcast_objects_single_process():
 
 def test_host_collective_argument_errors():
     with pytest.raises(sc.SpmdError, match=r"host_all_reduce: unknown op 'avg'"):
-        sc.host_all_reduce(1.0, "avg")
+        sc.host_all_reduce(1.0, op="avg")
     with pytest.raises(sc.SpmdError, match=r"root=1 is out of range for a job of 1 process"):
         sc.broadcast_object("x", root=1)
-    with pytest.raises(sc.SpmdError, match=r"root=True is out of range"):
+    with pytest.raises(sc.SpmdError, match=r"host_broadcast: root=True is a bool, not a process index"):
         sc.host_broadcast(1.0, root=True)
+    # op and root are keyword-only: a positional one is an error, not a silent default.
+    with pytest.raises(TypeError, match="positional"):
+        sc.host_all_reduce(1.0, "max")
+    with pytest.raises(TypeError, match="positional"):
+        sc.broadcast_object("x", 0)
 
 
 def test_debug_switch(monkeypatch):
@@ -129,7 +134,7 @@ def test_debug_switch(monkeypatch):
 
 def test_debug_fingerprint_diff():
     mesh = sc.data_mesh(devices=jax.devices()[:2])
-    placed = jax.device_put(np.zeros((4, 2), np.float32), sc.data_sharding(mesh))
+    placed = jax.device_put(np.zeros((4, 2), np.float32), sc.data_sharding(mesh=mesh))
     a = debug.fingerprint("step", ({"x": placed, "y": np.zeros(3, np.int32)},), in_specs=sc.P("data"), mesh=mesh)
     b = debug.fingerprint("step", ({"x": np.zeros((4, 2), np.float16), "z": 1},), in_specs=sc.P(), mesh=mesh)
     assert a["leaves"]["[0]['x']"] == ((4, 2), "float32", "P('data',) over mesh {'data': 2}")
@@ -140,3 +145,61 @@ def test_debug_fingerprint_diff():
         "args[0]['y'] is missing (not on both)",
         "args[0]['z'] is extra (not on both)",
     ]
+
+
+# ---- the agreement transport (sync.check_same_across_processes, raise_if_different, broadcast_tree) ------
+
+
+def test_agreement_single_process_fast_paths():
+    # One process: nothing to compare and no coordination service needed.
+    sync.check_same_across_processes("f", "trees", "anything", fix="-", timeout=0.001)
+    tree = {"w": jax.numpy.arange(3.0), "n": 2}
+    got = sync.broadcast_tree("TrainState.create", tree, timeout=0.001)
+    assert isinstance(got["w"], np.ndarray) and got["w"].tolist() == [0.0, 1.0, 2.0]
+    assert got["n"].dtype == np.asarray(2).dtype and int(got["n"]) == 2
+    with pytest.raises(sc.SpmdError, match=r"spmdcomm.TrainState.create: root=1 is out of range for a job of 1"):
+        sync.broadcast_tree("TrainState.create", tree, root=1)
+
+
+def test_raise_if_different_names_the_process_and_quotes_both_descriptions():
+    ref = "['a']: (3,) float32; ['b']: (2, 2) int32"
+    other = "['a']: (3,) float32; ['b']: (2, 5) int32"
+    sync.raise_if_different("f", "trees", [ref, ref], fix="build them alike.")
+    with pytest.raises(sc.ProcessMismatchError) as e:
+        sync.raise_if_different("TrainState.create", "parameter trees", [ref, ref, other], fix="build them alike.")
+    msg = str(e.value)
+    assert msg.startswith(
+        "spmdcomm.TrainState.create: process(es) [2] passed parameter trees that differ from process 0's"
+    )
+    assert f"process 2 has {other!r}, process 0 has {ref!r}" in msg
+    assert msg.endswith("Fix: build them alike.")
+    # Long descriptions are quoted around their first difference, with "..." where cut.
+    long_ref = "x" * 500 + "A" + "y" * 500
+    long_other = "x" * 500 + "B" + "y" * 500
+    with pytest.raises(sc.ProcessMismatchError) as e:
+        sync.raise_if_different("f", "trees", [long_ref, long_other], fix="-")
+    quoted = "process 1 has ...'" + "x" * 60 + "B" + "y" * 99 + "'..., process 0 has ...'" + "x" * 60 + "A"
+    assert quoted in str(e.value)
+    # Only a few processes are quoted; the rest are counted.
+    with pytest.raises(sc.ProcessMismatchError, match=r"process\(es\) \[1, 2, 3, 4\] .*\(1 more not shown\)\."):
+        sync.raise_if_different("f", "trees", [ref] + [other] * 4, fix="-")
+
+
+def test_broadcast_bytes_round_trips_every_dtype_bit_for_bit():
+    # The device path of broadcast_tree on this process's one device: bytes packed into int32 words, summed
+    # with nothing and unpacked. Values a float sum would change (-0.0, denormals, NaN payloads) survive.
+    bf16 = jax.numpy.bfloat16
+    leaves = [
+        np.array([-0.0, 1e-310, np.nan, -np.inf], np.float64),
+        np.frombuffer(np.array([0x7FC1, 0x8000, 0x0001], np.uint16).tobytes(), bf16),
+        np.array([True, False, True]),
+        np.arange(7, dtype=np.int8).reshape(7, 1),
+        np.array(3 + 4j, np.complex64),
+        np.zeros((0, 3), np.float32),
+        np.array([2**63 - 1], np.int64),
+    ]
+    got = sync._broadcast_bytes(leaves, 0)
+    for g, want in zip(got, leaves, strict=True):
+        assert g.dtype == want.dtype and g.shape == want.shape
+        assert g.tobytes() == want.tobytes()
+    assert sync._broadcast_bytes([np.zeros(0)], 0)[0].shape == (0,)

@@ -20,7 +20,7 @@ _HOST_CALLS = {
     "barrier": lambda x: (sc.barrier("b"), x)[1],
     "sync_devices": lambda x: (sc.sync_devices(), x)[1],
     "main_process_first": _main_process_first,
-    "host_all_reduce": lambda x: sc.host_all_reduce(x, "sum"),
+    "host_all_reduce": lambda x: sc.host_all_reduce(x, op="sum"),
     "host_all_gather": lambda x: sc.host_all_gather(x)[0],
     "host_broadcast": lambda x: sc.host_broadcast(x),
     "broadcast_object": lambda x: (sc.broadcast_object({"a": 1}), x)[1],
@@ -60,4 +60,4 @@ def test_eager_transformations_may_call_host_synchronisation(name):
 def test_host_calls_outside_traces_still_work():
     sc.barrier("outside")
     sc.sync_devices()
-    assert sc.host_all_reduce({"a": np.float32(2.0)}, "sum") == {"a": np.float32(2.0)}
+    assert sc.host_all_reduce({"a": np.float32(2.0)}, op="sum") == {"a": np.float32(2.0)}

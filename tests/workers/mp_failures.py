@@ -56,7 +56,9 @@ def errors():
         expect("first_other", sc.RemoteProcessError, enter_first)
     expect("debug", sc.ProcessMismatchError, debug_call)
     expect(
-        "host_shapes", sc.ProcessMismatchError, lambda: sc.host_all_reduce({"v": np.zeros(2 + pid)}, "sum", timeout=30)
+        "host_shapes",
+        sc.ProcessMismatchError,
+        lambda: sc.host_all_reduce({"v": np.zeros(2 + pid)}, op="sum", timeout=30),
     )
     sc.barrier("a", timeout=30)
     if pid == 0:
