@@ -33,19 +33,6 @@ from spmdcomm.data import (
     take_batches,
     unpad,
 )
-from spmdcomm.ddp import (
-    DEFAULT_MAX_IN_FLIGHT,
-    EvalStep,
-    TrainState,
-    TrainStep,
-    fit,
-    make_eval_step,
-    make_train_step,
-    masked_mean,
-    nnx_loss_fn,
-    nnx_metric_fn,
-    optimizer_state_bytes,
-)
 from spmdcomm.debug import enabled as debug_enabled
 from spmdcomm.debug import set_debug
 from spmdcomm.errors import (
@@ -63,6 +50,9 @@ from spmdcomm.errors import (
     SpmdError,
     TracedCallError,
 )
+from spmdcomm.eval_step import EvalStep, make_eval_step
+from spmdcomm.explain import COLLECTIVE_KINDS, Collective, DeviceMemory, Explanation, explain
+from spmdcomm.loop import fit
 from spmdcomm.mesh import (
     data_mesh,
     data_sharding,
@@ -74,6 +64,7 @@ from spmdcomm.mesh import (
     process_index,
     replicated_sharding,
 )
+from spmdcomm.nnx import nnx_loss_fn, nnx_metric_fn
 from spmdcomm.prefetch import Prefetcher, PrefetchStats, aligned_empty, prefetch_to_device
 from spmdcomm.replicas import Divergence, assert_replicated, check_replicas_in_sync
 from spmdcomm.runtime import (
@@ -84,6 +75,7 @@ from spmdcomm.runtime import (
     process_devices,
 )
 from spmdcomm.spmd import SpmdFunction, spmd
+from spmdcomm.strategies import DDP, STRATEGIES, Strategy, ZeRO1
 from spmdcomm.sync import (
     all_gather_object,
     barrier,
@@ -94,6 +86,8 @@ from spmdcomm.sync import (
     main_process_first,
     sync_devices,
 )
+from spmdcomm.train_state import TrainState, optimizer_state_bytes
+from spmdcomm.train_step import DEFAULT_MAX_IN_FLIGHT, TrainStep, make_train_step, masked_mean
 
 __all__ = [
     "P",
@@ -131,6 +125,10 @@ __all__ = [
     "PrefetchStats",
     # data-parallel training
     "DEFAULT_MAX_IN_FLIGHT",
+    "DDP",
+    "STRATEGIES",
+    "Strategy",
+    "ZeRO1",
     "EvalStep",
     "TrainState",
     "TrainStep",
@@ -147,6 +145,12 @@ __all__ = [
     "latest_checkpoint_step",
     "restore_checkpoint",
     "save_checkpoint",
+    # what a compiled step communicates and holds
+    "explain",
+    "Explanation",
+    "Collective",
+    "DeviceMemory",
+    "COLLECTIVE_KINDS",
     # errors
     "AxisError",
     "BackendError",

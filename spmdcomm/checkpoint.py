@@ -29,8 +29,8 @@ from typing import Any
 
 import jax
 
-from spmdcomm.ddp import TrainState
 from spmdcomm.errors import SpmdError, check_not_deleted, describe
+from spmdcomm.train_state import TrainState
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "latest_checkpoint_step"]
 

@@ -119,7 +119,7 @@ class SpmdFunction:
             # Called inside the user's jit / grad / vmap / checkpoint: the outer trace owns placement, so
             # the call is exactly the raw shard_map (or pmap) program, with the same input checks.
             self._check_traced(mesh, args)
-            return self._compiled(mesh)(*args)
+            return self.program(mesh)(*args)
         # A deleted (donated) buffer handed to XLA can crash the process: raise first.
         check_not_deleted(self.__name__, args, arg="args", fix=_DONATED_FIX, leaves=leaves)
         if debug.enabled():  # SPMDCOMM_DEBUG: processes compare the call before placing inputs
@@ -129,14 +129,14 @@ class SpmdFunction:
         if hit is not None and all(getattr(x, "sharding", None) == s for x, s in zip(leaves, hit[1])):
             return hit[0](*args)
         placed = self.place(args)
-        compiled = self._compiled(mesh)
+        compiled = self.program(mesh)
         self._fast[(treedef, mesh)] = (compiled, [x.sharding for x in jax.tree.leaves(placed)])
         return compiled(*placed)
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
         """Places ``args`` and lowers the compiled function for them (``.compile().as_text()`` gives HLO)."""
         placed = self.place(args)
-        return self._compiled(self.resolved_mesh()).lower(*placed)
+        return self.program().lower(*placed)
 
     def resolved_mesh(self) -> Mesh:
         """The mesh this function runs on: its own, or :func:`spmdcomm.default_mesh`."""
@@ -199,7 +199,10 @@ class SpmdFunction:
             )
         )
 
-    def _compiled(self, mesh: Mesh) -> Callable[..., Any]:
+    def program(self, mesh: Mesh | None = None) -> Callable[..., Any]:
+        """The jitted ``shard_map`` (or ``pmap``) program on ``mesh`` (default: :meth:`resolved_mesh`), without
+        the per-call checks and host placement: its arguments must already be placed as ``in_specs`` say."""
+        mesh = self.resolved_mesh() if mesh is None else mesh
         key = (
             self.fn,
             mesh,

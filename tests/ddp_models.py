@@ -120,18 +120,17 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
         )
 
 
-def run_ddp(kind, n, opt, *, backend="shard_map", batches, **step_kwargs):
+def run_ddp(kind, n, opt, *, backend="shard_map", batches, strategy="ddp", **step_kwargs):
     apply_fn, params, model_state = init(kind, axis_name="data")
-    mesh = mesh_of(n)
     state = sc.TrainState.create(
         params=params,
         model_state=model_state,
         apply_fn=apply_fn,
         tx=optimizer(opt),
-        mesh=mesh,
-        shard_optimizer=step_kwargs.get("shard_optimizer", False),
+        mesh=mesh_of(n),
+        strategy=strategy,
     )
-    step = sc.make_train_step(loss_fn, mesh=mesh, backend=backend, **step_kwargs)
+    step = sc.make_train_step(loss_fn, backend=backend, **step_kwargs)
     return sc.fit(step, state, batches)
 
 
@@ -147,7 +146,7 @@ def local_rows(batch, mesh):
     """This process's rows of a global host batch (its devices' blocks are contiguous), as
     ``jax.make_array_from_process_local_data`` and the train step expect host input with several processes."""
     size = len(jax.tree.leaves(batch)[0])
-    index_map = sc.data_sharding(mesh).addressable_devices_indices_map((size,))
+    index_map = sc.data_sharding(mesh=mesh).addressable_devices_indices_map((size,))
     start = min(idx[0].start or 0 for idx in index_map.values())
     stop = max(idx[0].stop or size for idx in index_map.values())
     return jax.tree.map(lambda x: x[start:stop], batch)

@@ -25,7 +25,7 @@ def test_accumulation_reduces_gradients_once():
     apply_fn, params, model_state = init("mlp")
     mesh = mesh_of(2)
     state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh)
-    step = sc.make_train_step(loss_fn, mesh=mesh, accum_steps=4)
+    step = sc.make_train_step(loss_fn, accum_steps=4)
     hlo = step.lower(state, BATCHES["mlp"][0]).compile().as_text()
     assert len(all_reduce_lines(hlo)) == 1
 
@@ -40,7 +40,7 @@ def test_eval_step_gives_exact_masked_means():
         loss, aux = loss_fn(params, batch, apply_fn=apply_fn, model_state=model_state, rng=None, mask=mask)
         return {"loss": loss, "accuracy": aux["accuracy"]}
 
-    got = sc.make_eval_step(metric_fn, mesh=mesh)(state, sc.pad_batch(batch, 4))
+    got = sc.make_eval_step(metric_fn)(state, sc.pad_batch(batch, 4))
     logits = apply_fn({"params": params}, batch["x"])
     ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
     np.testing.assert_allclose(float(got["loss"]), ce.mean(), rtol=1e-6)
@@ -55,9 +55,9 @@ def test_eval_step_gives_exact_masked_means():
 )
 def test_zero1_rejects_optimizers_that_are_not_elementwise(tx):
     _, params, _ = init("mlp")
-    with pytest.raises(sc.SpmdError, match="shard_optimizer=True.*(independently|fails)") as err:
-        sc.TrainState.create(params=params, tx=tx, mesh=mesh_of(4), shard_optimizer=True)
-    assert "shard_optimizer=False" in str(err.value)
+    with pytest.raises(sc.SpmdError, match='strategy="zero1".*(independently|fails)') as err:
+        sc.TrainState.create(params=params, tx=tx, mesh=mesh_of(4), strategy="zero1")
+    assert 'use strategy="ddp"' in str(err.value)
 
 
 def all_reduce_lines(hlo):
@@ -77,8 +77,10 @@ def all_reduce_buffers(hlo):
 def test_buckets_give_one_all_reduce_buffer_each(bucket_bytes):
     apply_fn, params, _ = init("mlp")  # 8*16 + 16 + 16*4 + 4 = 212 float32 = 848 bytes
     mesh = mesh_of(2)
-    state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh)
-    step = sc.make_train_step(loss_fn, mesh=mesh, bucket_bytes=bucket_bytes)
+    state = sc.TrainState.create(
+        params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh, strategy=sc.DDP(bucket_bytes=bucket_bytes)
+    )
+    step = sc.make_train_step(loss_fn)
     shapes = all_reduce_buffers(step.lower(state, BATCHES["mlp"][0]).compile().as_text())
     # The example count, loss and accuracy (3 floats) lead the float32 gradients: 215 floats.
     per_bucket = bucket_bytes // 4
@@ -93,21 +95,21 @@ def test_default_reduction_is_one_fused_all_reduce_of_the_leaves():
     apply_fn, params, _ = init("mlp")
     mesh = mesh_of(2)
     state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh)
-    hlo = sc.make_train_step(loss_fn, mesh=mesh).lower(state, BATCHES["mlp"][0]).compile().as_text()
+    hlo = sc.make_train_step(loss_fn).lower(state, BATCHES["mlp"][0]).compile().as_text()
     assert len(all_reduce_lines(hlo)) == 1
     assert sorted(all_reduce_buffers(hlo)) == sorted(["f32[3]", "f32[16]", "f32[8,16]", "f32[4]", "f32[16,4]"])
 
 
-@pytest.mark.parametrize("zero", [False, True], ids=["replicated", "zero1"])
+@pytest.mark.parametrize("zero", ["ddp", "zero1"])
 def test_skip_nonfinite_skips_on_every_replica(zero):
     apply_fn, params, _ = init("mlp")
     mesh = mesh_of(4)
     bad = example_batch("mlp", 16, seed=9)
     bad["x"][13, 0] = np.inf  # only device 3 sees it
     batches = [BATCHES["mlp"][0], bad, BATCHES["mlp"][1]]
-    state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, shard_optimizer=zero)
+    state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, strategy=zero)
     state, history = sc.fit(
-        sc.make_train_step(loss_fn, mesh=mesh, skip_nonfinite=True, shard_optimizer=zero),
+        sc.make_train_step(loss_fn, skip_nonfinite=True),
         state,
         batches,
     )
@@ -126,7 +128,7 @@ def test_without_skip_nonfinite_a_bad_batch_poisons_the_params():
     bad = example_batch("mlp", 16, seed=9)
     bad["x"][13, 0] = np.inf
     state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh)
-    state, _ = sc.fit(sc.make_train_step(loss_fn, mesh=mesh), state, [bad])
+    state, _ = sc.fit(sc.make_train_step(loss_fn), state, [bad])
     assert not np.all(np.isfinite(np.asarray(state.params["Dense_0"]["kernel"])))
 
 
@@ -164,7 +166,7 @@ def test_nnx_model_with_batchnorm_equals_one_device():
 
     mesh = mesh_of(4)
     state = sc.TrainState.create_nnx(make("data"), tx=optax.adam(1e-2), mesh=mesh)
-    state, _ = sc.fit(sc.make_train_step(sc.nnx_loss_fn(ce), mesh=mesh), state, BATCHES["mlp"])
+    state, _ = sc.fit(sc.make_train_step(sc.nnx_loss_fn(ce)), state, BATCHES["mlp"])
     graphdef, params, rest = nnx.split(make(None), nnx.Param, ...)
     ref_params, ref_rest, _ = reference_train(
         sc.nnx_loss_fn(ce), graphdef, params, rest, optax.adam(1e-2), BATCHES["mlp"]
@@ -182,7 +184,7 @@ def test_linen_batchnorm_state_is_averaged_over_devices():
         params=params, model_state=model_state, apply_fn=apply_fn, tx=optax.sgd(0.0), mesh=mesh
     )
     batch = BATCHES["cnn"][0]
-    state, _ = sc.make_train_step(loss_fn, mesh=mesh)(state, batch)
+    state, _ = sc.make_train_step(loss_fn)(state, batch)
     sc.assert_replicated(state)
     means = []
     for i in range(4):
@@ -197,8 +199,8 @@ def test_linen_batchnorm_state_is_averaged_over_devices():
     )
 
 
-@pytest.mark.parametrize("zero", [False, True], ids=["replicated", "zero1"])
-def test_checkpoint_resume_is_bitwise_identical(tmp_path, zero):
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_checkpoint_resume_is_bitwise_identical(tmp_path, strategy):
     def noisy_loss(params, batch, *, apply_fn, model_state, rng, mask):
         noisy = {**batch, "x": batch["x"] + 0.1 * jax.random.normal(rng, batch["x"].shape)}
         return loss_fn(params, noisy, apply_fn=apply_fn, model_state=model_state, rng=rng, mask=mask)
@@ -215,10 +217,10 @@ def test_checkpoint_resume_is_bitwise_identical(tmp_path, zero):
             tx=optax.adam(1e-2),
             mesh=mesh,
             rng=7,
-            shard_optimizer=zero,
+            strategy=strategy,
         )
 
-    step = sc.make_train_step(noisy_loss, mesh=mesh, shard_optimizer=zero)
+    step = sc.make_train_step(noisy_loss)
     straight, _ = sc.fit(step, fresh(), batches)
     first, _ = sc.fit(step, fresh(), batches[:3])
     assert sc.save_checkpoint(tmp_path, first) == 3
@@ -286,15 +288,15 @@ def test_non_scalar_loss_is_rejected():
 
     mesh = mesh_of(4)
     with pytest.raises(sc.ShapeError, match=r"'loss' with shape \(4,\).*float scalar.*masked_mean"):
-        sc.make_train_step(per_example, mesh=mesh)(simple_state(mesh), BATCHES["mlp"][0])
+        sc.make_train_step(per_example)(simple_state(mesh), BATCHES["mlp"][0])
 
 
 def test_batch_the_devices_cannot_split_needs_a_mask():
     mesh = mesh_of(4)
     with pytest.raises(sc.ShapeError, match=r"10 examples.*4 devices.*pad_batch\(batch, 4\)"):
-        sc.make_train_step(loss_fn, mesh=mesh)(simple_state(mesh), example_batch("mlp", 10, seed=0))
+        sc.make_train_step(loss_fn)(simple_state(mesh), example_batch("mlp", 10, seed=0))
     with pytest.raises(sc.ShapeError, match=r"accum_steps=2.*multiple of 8"):
-        sc.make_train_step(loss_fn, mesh=mesh, accum_steps=2)(simple_state(mesh), example_batch("mlp", 12, seed=0))
+        sc.make_train_step(loss_fn, accum_steps=2)(simple_state(mesh), example_batch("mlp", 12, seed=0))
 
 
 def test_mismatched_model_state_tree_is_rejected():
@@ -308,7 +310,7 @@ def test_mismatched_model_state_tree_is_rejected():
         params=params, model_state=model_state, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh
     )
     with pytest.raises(sc.SpmdError, match="model_state whose tree or shapes differ"):
-        sc.make_train_step(drops_state, mesh=mesh)(state, BATCHES["cnn"][0])
+        sc.make_train_step(drops_state)(state, BATCHES["cnn"][0])
 
 
 def test_loss_fn_returning_a_bad_tuple_is_rejected():
@@ -317,35 +319,47 @@ def test_loss_fn_returning_a_bad_tuple_is_rejected():
 
     mesh = mesh_of(2)
     with pytest.raises(sc.SpmdError, match=r"tuple of 3 items.*\(loss, aux dict\)"):
-        sc.make_train_step(three, mesh=mesh)(simple_state(mesh), BATCHES["mlp"][0])
+        sc.make_train_step(three)(simple_state(mesh), BATCHES["mlp"][0])
 
 
-def test_state_and_step_must_agree_on_zero1():
-    mesh = mesh_of(4)
-    with pytest.raises(sc.SpmdError, match="not sharded.*shard_optimizer=True"):
-        sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=True)(simple_state(mesh), BATCHES["mlp"][0])
-    with pytest.raises(sc.SpmdError, match="created with shard_optimizer=True"):
-        sc.make_train_step(loss_fn, mesh=mesh)(simple_state(mesh, shard_optimizer=True), BATCHES["mlp"][0])
-    with pytest.raises(sc.SpmdError, match="sharded 4 ways.*size 2"):
-        sc.make_train_step(loss_fn, mesh=mesh_of(2), shard_optimizer=True)(
-            simple_state(mesh, shard_optimizer=True), BATCHES["mlp"][0]
-        )
+def test_the_step_follows_the_state_strategy():
+    # The strategy is chosen once, at TrainState.create; one step object serves states of either kind.
+    step = sc.make_train_step(loss_fn, donate=False)
+    for strategy, kinds in (("ddp", {"all-reduce"}), ("zero1", {"all-reduce", "reduce-scatter", "all-gather"})):
+        state = simple_state(mesh_of(4), strategy=strategy)
+        hlo = step.lower(state, BATCHES["mlp"][0]).compile().as_text()
+        found = {k for k in ("all-reduce", "reduce-scatter", "all-gather") if f" {k}(" in hlo or f" {k}-start(" in hlo}
+        assert found == kinds, (strategy, found)
+        assert int(step(state, BATCHES["mlp"][0])[0].step) == 1
 
 
 @pytest.mark.parametrize(
     "kwargs,match",
     [
         ({"accum_steps": 0}, "accum_steps=0"),
-        ({"bucket_bytes": -1}, "bucket_bytes=-1"),
-        ({"bucket_bytes": 1024, "shard_optimizer": True}, "bucket_bytes cannot be combined"),
+        ({"accum_steps": True}, "accum_steps=True"),
         ({"max_in_flight": 40}, r"max_in_flight=40.*\[1, 16\]"),
         ({"backend": "xmap"}, "unknown backend"),
-        ({"axis": "model"}, "axis 'model' is not an axis of the mesh"),
+        ({"rng": "per_host"}, "rng='per_host' is not one of"),
     ],
 )
 def test_bad_step_options(kwargs, match):
     with pytest.raises(sc.SpmdError, match=match):
         sc.make_train_step(loss_fn, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: simple_state(mesh_of(2), strategy="zero3"), r"strategy='zero3' is not a strategy.*\('ddp', 'zero1'\)"),
+        (lambda: simple_state(mesh_of(2), strategy=sc.DDP(bucket_bytes=-1)), "DDP: bucket_bytes=-1 must be a positive"),
+        (lambda: sc.DDP(bucket_bytes=True), "bucket_bytes=True must be a positive"),
+        (lambda: simple_state(mesh_of(2), axis="model"), "axis 'model' is not an axis of the mesh"),
+    ],
+)
+def test_bad_state_options(make, match):
+    with pytest.raises(sc.SpmdError, match=match):
+        make()
 
 
 def test_step_rejects_a_state_that_is_not_a_trainstate():
@@ -362,32 +376,8 @@ def test_step_rejects_a_state_that_is_not_a_trainstate():
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "spmdcomm.launch",
-        "-n",
-        "2",
-        "--devices-per-process",
-        "2",
-        "--timeout",
-        "240",
-        "--grace",
-        "2",
-        str(root / "tests" / "workers" / "mp_ddp.py"),
-        str(tmp_path),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    env.pop("XLA_FLAGS", None)  # the launcher sets the device count
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stdout + out.stderr
+def test_two_processes_of_two_devices_equal_one_process_of_four(launch, tmp_path):
+    out = launch("mp_ddp.py", tmp_path, timeout=240)
     assert out.stdout.count("DDP OK") == 4
     apply_fn, params, _ = init("mlp", seed=0)
     batches = [sc.pad_batch(example_batch("mlp", 15, seed=s), 4) for s in range(5)]
@@ -398,18 +388,12 @@ def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path):
             apply_fn=apply_fn,
             tx=optax.adam(1e-2),
             mesh=mesh,
-            shard_optimizer=bool(zero),
+            strategy="zero1" if zero else "ddp",
         )
-        state, history = sc.fit(sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=bool(zero)), state, batches)
+        state, history = sc.fit(sc.make_train_step(loss_fn), state, batches)
         got = np.load(tmp_path / f"params_zero{zero}.npz")
         for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]:
             np.testing.assert_allclose(got[jax.tree_util.keystr(path)], np.asarray(x), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(
             np.load(tmp_path / f"losses_zero{zero}.npy"), [h["loss"] for h in history], rtol=1e-5
         )
-
-
-def test_default_reduction_is_leaf_by_leaf_in_one_process():
-    """bucket_bytes=None: XLA fuses leaves in one process; across processes one flat buffer (tests/workers/mp_ddp)."""
-    step = sc.make_train_step(lambda p, b, **kw: jnp.mean(b * p["w"]))
-    assert step.options.bucket_bytes is None

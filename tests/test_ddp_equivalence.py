@@ -58,7 +58,7 @@ def test_without_cross_replica_batchnorm_statistics_differ():
         tx=optimizer("sgd_momentum"),
         mesh=mesh,
     )
-    state, _ = sc.fit(sc.make_train_step(loss_fn, mesh=mesh), state, BATCHES["cnn"])
+    state, _ = sc.fit(sc.make_train_step(loss_fn), state, BATCHES["cnn"])
     ref_params, _, _ = run_reference("cnn", "sgd_momentum", BATCHES["cnn"])
     kernel = np.asarray(state.params["Dense_0"]["kernel"])
     assert not np.allclose(kernel, ref_params["Dense_0"]["kernel"], rtol=1e-5, atol=1e-6)
@@ -121,7 +121,7 @@ def test_devices_without_real_examples_get_weight_zero():
     apply_fn, params, _ = init("mlp")
     mesh = mesh_of(8)
     state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh)
-    state, history = sc.fit(sc.make_train_step(nan_prone_loss, mesh=mesh), state, [sc.pad_batch(b, 8) for b in batches])
+    state, history = sc.fit(sc.make_train_step(nan_prone_loss), state, [sc.pad_batch(b, 8) for b in batches])
     ref_params, _, ref_losses = reference_train(loss_fn, apply_fn, params, {}, optax.adam(1e-2), batches)
     assert_trees_close(state.params, ref_params)
     np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
@@ -130,7 +130,7 @@ def test_devices_without_real_examples_get_weight_zero():
 @pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
 def test_zero1_equals_replicated_and_shards_optimizer_state(opt):
     replicated, _ = run_ddp("mlp", 4, opt, batches=BATCHES["mlp"])
-    sharded, _ = run_ddp("mlp", 4, opt, batches=BATCHES["mlp"], shard_optimizer=True)
+    sharded, _ = run_ddp("mlp", 4, opt, batches=BATCHES["mlp"], strategy="zero1")
     assert_trees_close(sharded.params, replicated.params, rtol=1e-6)
     full, part = sc.optimizer_state_bytes(replicated), sc.optimizer_state_bytes(sharded)
     n_params = sum(x.size for x in jax.tree.leaves(replicated.params))
@@ -148,7 +148,7 @@ def test_zero1_with_uneven_batch_and_accumulation():
         4,
         "adam",
         batches=[sc.pad_batch(b, 8) for b in batches],
-        shard_optimizer=True,
+        strategy="zero1",
         accum_steps=2,
     )
     ref_params, _, _ = run_reference("mlp", "adam", batches)
@@ -163,7 +163,7 @@ def test_bf16_reduction_is_close_and_reduces_in_bf16():
     apply_fn, params, _ = init("mlp")
     mesh = mesh_of(4)
     state = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh)
-    lowered = sc.make_train_step(loss_fn, mesh=mesh, reduce_dtype=jnp.bfloat16).lower(state, BATCHES["mlp"][0])
+    lowered = sc.make_train_step(loss_fn, reduce_dtype=jnp.bfloat16).lower(state, BATCHES["mlp"][0])
     operands = re.findall(r'stablehlo\.all_reduce".*?\}\) : \(([^)]*)\)', lowered.as_text(), re.S)
     # The f32 vector of metrics, and each gradient leaf in bf16 (XLA:CPU later promotes a bf16
     # all-reduce back to f32 for its kernel, so on CPU the rounding happens but the bytes moved do

@@ -57,7 +57,7 @@ def test_check_not_deleted_names_the_leaf_and_skips_tracers_and_host_values():
 
 def test_reusing_a_consumed_state_raises_instead_of_crashing():
     mesh = mesh_of(8)
-    step = sc.make_train_step(square_loss, mesh=mesh)
+    step = sc.make_train_step(square_loss)
     old = small_state(mesh)
     new, _ = step(old, X)
     # Without the check, XLA:CPU is handed deleted buffers and the process dies with a segfault.
@@ -72,7 +72,7 @@ def test_reusing_a_consumed_state_raises_instead_of_crashing():
 
 def test_donate_false_keeps_the_old_state_usable():
     mesh = mesh_of(4)
-    step = sc.make_train_step(square_loss, mesh=mesh, donate=False)
+    step = sc.make_train_step(square_loss, donate=False)
     old = small_state(mesh)
     a, _ = step(old, X)
     b, _ = step(old, X)
@@ -82,16 +82,16 @@ def test_donate_false_keeps_the_old_state_usable():
 def test_eval_step_rejects_a_consumed_state():
     mesh = mesh_of(4)
     old = small_state(mesh)
-    sc.make_train_step(square_loss, mesh=mesh)(old, X)
+    sc.make_train_step(square_loss)(old, X)
     with pytest.raises(DeletedArrayError, match=r"spmdcomm\.make_eval_step: leaf state\.step") as err:
-        sc.make_eval_step(metric_fn, mesh=mesh)(old, X)
+        sc.make_eval_step(metric_fn)(old, X)
     assert "donate=False" in str(err.value)
 
 
 def test_save_checkpoint_rejects_a_consumed_state(tmp_path):
     mesh = mesh_of(2)
     old = small_state(mesh)
-    sc.make_train_step(square_loss, mesh=mesh)(old, X)
+    sc.make_train_step(square_loss)(old, X)
     with pytest.raises(DeletedArrayError, match=r"spmdcomm\.save_checkpoint: leaf state\.step") as err:
         sc.save_checkpoint(tmp_path, old)
     assert "save the state the step returned" in str(err.value)
@@ -104,21 +104,21 @@ def test_save_checkpoint_rejects_a_consumed_state(tmp_path):
 
 @pytest.mark.parametrize("kind", ["train", "eval"])
 @NEEDS_8
-def test_state_from_another_mesh_names_both_meshes(kind):
+def test_state_moved_to_another_mesh_names_both_meshes(kind):
     devices = jax.devices()
     state = small_state(sc.data_mesh(devices=devices[:4]))
-    mesh = sc.data_mesh(devices=devices[4:])
-    step = sc.make_train_step(square_loss, mesh=mesh) if kind == "train" else sc.make_eval_step(metric_fn, mesh=mesh)
+    moved = jax.device_put(state, jax.NamedSharding(sc.data_mesh(devices=devices[4:]), sc.P()))
+    step = sc.make_train_step(square_loss) if kind == "train" else sc.make_eval_step(metric_fn)
     fn = "make_train_step" if kind == "train" else "make_eval_step"
     with pytest.raises(sc.SpmdError) as err:
-        step(state, X)
+        step(moved, X)
     msg = str(err.value)
     assert msg.startswith(
         f"spmdcomm.{fn}: leaf state.step: the state lives on mesh {{'data': 4}} over devices "
-        "[0, 1, 2, 3], but the step runs on mesh {'data': 4} over devices [4, 5, 6, 7]."
+        "[4, 5, 6, 7], but it was created for (and the step runs on) mesh {'data': 4} over devices [0, 1, 2, 3]."
     )
-    assert "TrainState.create(..., mesh=step_mesh)" in msg and "jax.device_put" in msg
-    assert not state.step.is_deleted()  # nothing was donated
+    assert "TrainState.create(..., mesh=...)" in msg and "restore it into a state created on the new mesh" in msg
+    assert not moved.step.is_deleted()  # nothing was donated
 
 
 @NEEDS_8
@@ -128,15 +128,15 @@ def test_state_with_one_leaf_on_another_mesh_is_named():
     other = jax.device_put(np.ones(2, np.float32), jax.NamedSharding(sc.data_mesh(devices=jax.devices()[4:]), sc.P()))
     state = state.replace(params={"w": other})
     with pytest.raises(sc.SpmdError, match=r"leaf state\.params\['w'\]: the state lives on mesh"):
-        sc.make_train_step(square_loss, mesh=mesh)(state, X)
+        sc.make_train_step(square_loss)(state, X)
 
 
 def test_same_devices_under_another_mesh_object_still_run():
     # JAX accepts a replicated state on the same devices in the same order whatever the axis is called.
     devices = jax.devices()[:4]
-    renamed = Mesh(np.array(devices), ("batch",))
-    state = sc.TrainState.create(params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.25), mesh=renamed, axis="batch")
-    step = sc.make_train_step(square_loss, mesh=mesh_of(4))
+    state = sc.TrainState.create(params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.25), mesh=mesh_of(4))
+    state = jax.device_put(state, jax.NamedSharding(Mesh(np.array(devices), ("batch",)), sc.P()))
+    step = sc.make_train_step(square_loss)
     for _ in range(2):
         state, metrics = step(state, X)
     assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
@@ -173,8 +173,8 @@ def test_nan_in_masked_out_rows_changes_nothing_in_the_step():
         state = sc.TrainState.create(
             params=params, model_state=model_state, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh
         )
-        state, metrics = sc.make_train_step(loss_fn, mesh=mesh, accum_steps=2)(state, batch)
-        evaluated = sc.make_eval_step(eval_fn, mesh=mesh)(state, batch)
+        state, metrics = sc.make_train_step(loss_fn, accum_steps=2)(state, batch)
+        evaluated = sc.make_eval_step(eval_fn)(state, batch)
         return jax.device_get((state.params, state.opt_state, state.model_state, metrics, evaluated))
 
     def eval_fn(params, batch, *, apply_fn, model_state, mask):
@@ -203,7 +203,7 @@ def test_low_precision_model_state_is_averaged_in_float32_and_cast_back():
 
     model_state = {"bf16": np.zeros((), ml_dtypes.bfloat16), "f16": np.zeros((), np.float16)}
     state = sc.TrainState.create(params={"w": np.float32(0.0)}, model_state=model_state, tx=optax.sgd(0.1), mesh=mesh)
-    step = sc.make_train_step(stat_loss, mesh=mesh, donate=False)
+    step = sc.make_train_step(stat_loss, donate=False)
     for batch in (values, sc.pad_batch(values[:7], 8)):
         out, _ = step(state, batch)
         real = np.asarray(batch.data)[np.asarray(batch.mask)] if isinstance(batch, sc.MaskedBatch) else batch
@@ -235,8 +235,8 @@ X64_SCRIPT = textwrap.dedent(
         mesh = sc.data_mesh(devices=jax.devices()[:n])
         state = sc.TrainState.create(params={"w": np.float64(1.0) / 3}, tx=optax.sgd(0.1), mesh=mesh,
                                      model_state={"mean": np.float64(0.0), "f32": np.float32(0.0)})
-        state, m = sc.make_train_step(loss, mesh=mesh)(state, batch)
-        e = sc.make_eval_step(metric, mesh=mesh)(state, batch)
+        state, m = sc.make_train_step(loss)(state, batch)
+        e = sc.make_eval_step(metric)(state, batch)
         out[name] = {
             "state": [repr(state.model_state["mean"].item()), str(state.model_state["mean"].dtype),
                       str(state.model_state["f32"].dtype)],

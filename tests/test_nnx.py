@@ -11,7 +11,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_multiprocess import WORKERS, launch
 from test_rng import NnxDropout, batches, nnx_mse
 
 import spmdcomm as sc
@@ -118,7 +117,7 @@ def test_create_nnx_with_several_rng_streams():
 def test_dropout_masks_differ_across_devices_and_steps(rng):
     mesh = mesh_of(8)
     state = sc.TrainState.create_nnx(Probe(nnx.Rngs(0)), tx=optax.sgd(0.0), mesh=mesh)
-    step = sc.make_train_step(sc.nnx_loss_fn(probe_loss), mesh=mesh, rng=rng)
+    step = sc.make_train_step(sc.nnx_loss_fn(probe_loss), rng=rng)
     ones = np.ones((8, WIDTH), np.float32)  # one identical row per device
     seen = []
     for _ in range(2):
@@ -135,7 +134,7 @@ def test_dropout_masks_differ_across_devices_and_steps(rng):
 def test_one_device_mask_is_a_real_dropout_mask():
     mesh = mesh_of(1)
     state = sc.TrainState.create_nnx(Probe(nnx.Rngs(0)), tx=optax.sgd(0.0), mesh=mesh)
-    state, _ = sc.make_train_step(sc.nnx_loss_fn(probe_loss), mesh=mesh)(state, np.ones((1, WIDTH), np.float32))
+    state, _ = sc.make_train_step(sc.nnx_loss_fn(probe_loss))(state, np.ones((1, WIDTH), np.float32))
     assert set(np.unique(data_of(state.model_state["seen"]))) == {0.0, 2.0}
 
 
@@ -144,7 +143,7 @@ def test_stream_keys_are_restored_and_counts_advance_identically(rng, accum_step
     mesh = mesh_of(4)
     state = sc.TrainState.create_nnx(NnxDropout(nnx.Rngs(params=0, dropout=1, noise=2)), tx=optax.adam(1e-3), mesh=mesh)
     before = streams(state)
-    step = sc.make_train_step(sc.nnx_loss_fn(nnx_mse), mesh=mesh, rng=rng, accum_steps=accum_steps)
+    step = sc.make_train_step(sc.nnx_loss_fn(nnx_mse), rng=rng, accum_steps=accum_steps)
     state, _ = sc.fit(step, state, batches(3))
     after = streams(state)
     sc.assert_replicated(state)  # keys, counts, params on every device
@@ -164,13 +163,13 @@ def test_cnn_with_batchnorm_and_dropout_end_to_end(tmp_path):
     def fresh():
         return sc.TrainState.create_nnx(CNN(nnx.Rngs(0)), tx=optax.sgd(0.1, momentum=0.9), mesh=mesh)
 
-    step = sc.make_train_step(sc.nnx_loss_fn(cnn_loss), mesh=mesh)
+    step = sc.make_train_step(sc.nnx_loss_fn(cnn_loss))
     state, history = sc.fit(step, fresh(), data[:2])
     sc.assert_replicated(state)
     assert all(np.isfinite(h["loss"]) for h in history)
 
     # Evaluation: dropout off, BatchNorm on its running statistics, the state untouched.
-    evaluate = sc.make_eval_step(sc.nnx_metric_fn(cnn_metrics), mesh=mesh)
+    evaluate = sc.make_eval_step(sc.nnx_metric_fn(cnn_metrics))
     metrics = evaluate(state, data[0])
     assert float(evaluate(state, data[0])["loss"]) == float(metrics["loss"])
     model = nnx.merge(state.apply_fn, *jax.device_get((state.params, state.model_state)))
@@ -205,9 +204,8 @@ def test_nnx_metric_fn_turns_dropout_off():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_create_nnx_broadcasts_stream_keys_across_processes(tmp_path):
-    rc, out, err, _ = launch(tmp_path, 2, 2, WORKERS / "mp_nnx.py", tmp_path, job_timeout=120)
-    assert rc == 0, out + err
+def test_create_nnx_broadcasts_stream_keys_across_processes(launch, tmp_path):
+    out = launch("mp_nnx.py", tmp_path, timeout=120).stdout
     keys = dict(re.findall(r"^\[rank \d\] KEYS (\d) (.*)$", out, re.M))
     assert keys.keys() == {"0", "1"} and keys["0"] == keys["1"], keys  # process 1 got process 0's keys
     assert out.count("NNX OK") == 2
@@ -216,7 +214,7 @@ def test_create_nnx_broadcasts_stream_keys_across_processes(tmp_path):
     state = sc.TrainState.create_nnx(
         NnxDropout(nnx.Rngs(params=0, dropout=1, noise=2)), tx=optax.sgd(0.05), rng=7, mesh=mesh
     )
-    step = sc.make_train_step(sc.nnx_loss_fn(nnx_mse), mesh=mesh, rng="per_example")
+    step = sc.make_train_step(sc.nnx_loss_fn(nnx_mse), rng="per_example")
     state, _ = sc.fit(step, state, batches(2))
     saved = np.load(tmp_path / "nnx_params.npz")
     for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:

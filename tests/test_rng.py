@@ -72,7 +72,7 @@ def train(kind, n, data, *, accum_steps=1, rng="per_example", state=None):
     mesh = mesh_of(n)
     state = make_state(kind, mesh) if state is None else state
     loss = linen_loss if kind == "linen" else sc.nnx_loss_fn(nnx_mse)
-    step = sc.make_train_step(loss, mesh=mesh, accum_steps=accum_steps, rng=rng)
+    step = sc.make_train_step(loss, accum_steps=accum_steps, rng=rng)
     state, history = sc.fit(step, state, data)
     sc.assert_replicated(state)
     return state, history
@@ -172,7 +172,7 @@ def test_loss_fn_gets_a_per_example_key_with_global_offsets():
     for n, k, backend in [(1, 1, "shard_map"), (4, 1, "shard_map"), (2, 2, "shard_map"), (8, 2, "pmap")]:
         mesh = mesh_of(n)
         state = sc.TrainState.create(params={"w": np.float32(1.0)}, tx=optax.sgd(1.0), rng=3, mesh=mesh)
-        step = sc.make_train_step(probe, mesh=mesh, accum_steps=k, rng="per_example", backend=backend)
+        step = sc.make_train_step(probe, accum_steps=k, rng="per_example", backend=backend)
         _, metrics = step(state, data)
         out.append(float(metrics["loss"]))
     assert seen["per_example"]
@@ -210,7 +210,7 @@ def test_a_draw_broadcast_over_the_batch_raises_when_the_step_compiles():
     model = Broadcast()
     params = model.init(jax.random.key(0), np.zeros((1, 6), np.float32))["params"]
     state = sc.TrainState.create(params=params, apply_fn=model.apply, tx=optax.sgd(0.1), mesh=mesh_of(2))
-    step = sc.make_train_step(linen_loss, mesh=mesh_of(2), rng="per_example")
+    step = sc.make_train_step(linen_loss, rng="per_example")
     with pytest.raises(sc.ShapeError, match=r"draw of shape \(1, 1\) from a per-example key of a block of 8"):
         step(state, batches(1)[0])
 

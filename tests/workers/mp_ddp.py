@@ -27,12 +27,16 @@ def main(out_dir: Path) -> None:
     batches = [sc.pad_batch(example_batch("mlp", 15, seed=s), 4) for s in range(5)]
     for zero in (False, True):
         state = sc.TrainState.create(
-            params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, shard_optimizer=zero
+            params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, strategy="zero1" if zero else "ddp"
         )
-        step = sc.make_train_step(loss_fn, mesh=mesh, shard_optimizer=zero)
-        # Across processes the default reduces one flat buffer (ZeRO-1 has its own flat layout).
-        assert step.options.bucket_bytes == (None if zero else 2**40), step.options.bucket_bytes
+        step = sc.make_train_step(loss_fn)
         local = [sc.MaskedBatch(*local_rows((b.data, b.mask), mesh)) for b in batches]
+        if not zero:
+            # Across processes the default DDP reduces ONE flat float32 buffer per step: the 212 parameters
+            # after the example count, loss and accuracy.
+            hlo = step.lower(state, local[0]).compile().as_text()
+            reduces = [line for line in hlo.splitlines() if " all-reduce(" in line or " all-reduce-start(" in line]
+            assert len(reduces) == 1 and "f32[215]" in reduces[0].split(" all-reduce")[0], reduces
         state, history = sc.fit(step, state, local)
         sc.assert_replicated(state.params)
         flat = {

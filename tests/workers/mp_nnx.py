@@ -34,7 +34,7 @@ def main(out_dir: Path) -> None:
         if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key)
     ]
     print("KEYS", jax.process_index(), keys, flush=True)
-    step = sc.make_train_step(sc.nnx_loss_fn(nnx_mse), mesh=mesh, rng="per_example")
+    step = sc.make_train_step(sc.nnx_loss_fn(nnx_mse), rng="per_example")
     data = [local_rows(b, mesh) for b in batches(2)]
     assert len(jax.tree.leaves(data[0])[0]) == GLOBAL // jax.process_count()
     state, _ = sc.fit(step, state, data)

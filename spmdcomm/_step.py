@@ -1,0 +1,274 @@
+"""What the train and eval steps share: the in-flight window, state checks, batch handling, compilation.
+
+Private to the package; the public step objects are in :mod:`spmdcomm.train_step` and
+:mod:`spmdcomm.eval_step`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmdcomm.data import MaskedBatch, leading_size
+from spmdcomm.errors import ShapeError, SpmdError, check_not_deleted, describe
+from spmdcomm.spmd import SpmdFunction, check_backend
+from spmdcomm.train_state import TrainState
+
+#: How many calls back a train/eval step waits for before dispatching another. XLA:CPU allows about 32
+#: queued executions containing collectives per device; beyond that the collectives stall and XLA
+#: aborts the whole process after about 40 s (SIGABRT, no Python exception). The window lives in the
+#: step object: a step compiled by hand (``step.lower(...).compile()``) bypasses it.
+DEFAULT_MAX_IN_FLIGHT = 8
+_MAX_IN_FLIGHT_LIMIT = 16
+
+
+class Window:
+    """The bounded queue of dispatched calls: at most ``size`` results not yet waited for."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._pending: collections.deque[Any] = collections.deque()
+
+    def wait_for_room(self) -> None:
+        while len(self._pending) >= self.size:
+            self._pending.popleft().block_until_ready()
+
+    def add(self, result: jax.Array) -> None:
+        self._pending.append(result)
+
+
+class StepCache:
+    """Per-step memory of compiled programs (by state tree, which includes mesh and strategy) and of the
+    state placements that passed the full mesh check."""
+
+    def __init__(self, fn: str, compile_fn: Callable[[TrainState], Callable[..., Any]]):
+        self.fn = fn
+        self._compile = compile_fn
+        self._compiled: dict[Any, Callable[..., Any]] = {}
+        self._placements_ok: set[Any] = set()
+
+    def program(self, state: Any) -> Callable[..., Any]:
+        """The compiled program for ``state``, after the checks every call makes on it."""
+        if not isinstance(state, TrainState):
+            raise SpmdError(
+                describe(
+                    self.fn,
+                    f"state is a {type(state).__name__}, not a TrainState.",
+                    fix="build it with spmdcomm.TrainState.create(...).",
+                )
+            )
+        leaves, treedef = jax.tree.flatten(state)
+        # A consumed (donated) state would reach XLA as deleted buffers, which kills the process on CPU;
+        # a state moved to another mesh would get JAX's raw device error.
+        check_not_deleted(self.fn, state, arg="state", fix=_CONSUMED_STATE_FIX, leaves=leaves)
+        self._check_mesh(state)
+        hit = self._compiled.get(treedef)
+        if hit is None:
+            hit = self._compiled[treedef] = self._compile(state)
+        return hit
+
+    def _check_mesh(self, state: TrainState) -> None:
+        # Cheap on the hot path: the state a step returns is on the state's mesh object itself, so one
+        # identity comparison on state.step settles it; other placements of state.step that passed the
+        # full check once are remembered. A single other leaf placed elsewhere is caught when JAX refuses
+        # the call (dispatch).
+        sharding = getattr(state.step, "sharding", None)
+        where = getattr(sharding, "mesh", sharding)
+        if where is state.mesh or (where is not None and where in self._placements_ok):
+            return
+        raise_if_misplaced(self.fn, state)
+        if where is not None:
+            self._placements_ok.add(where)
+
+
+def dispatch(fn: str, program: Callable[..., Any], state: TrainState, batch: tuple[Any, Any]) -> Any:
+    """Runs ``program(state, data, mask)``, replacing JAX's device error for a misplaced state leaf."""
+    try:
+        return program(state, *batch)
+    except ValueError as e:
+        raise_if_misplaced(fn, state, cause=e)
+        raise
+
+
+def raise_if_misplaced(fn: str, state: TrainState, *, cause: Exception | None = None) -> None:
+    """Raises :class:`SpmdError` naming the first leaf of ``state`` that is not on ``state.mesh``."""
+    # JAX's own message ("Received incompatible devices ... body") names neither mesh nor the fix.
+    want = tuple(state.mesh.devices.flat)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+            continue
+        sharding = leaf.sharding
+        other = getattr(sharding, "mesh", None)
+        if other is state.mesh:
+            continue
+        devices = getattr(other, "devices", None)
+        same = (
+            tuple(devices.flat) == want  # same devices in the same order: JAX accepts any axis names
+            if devices is not None
+            else sharding.device_set == set(want)
+        )
+        if not same:
+            message = (
+                f"the state lives on {_describe_placement(sharding)}, but it was created for (and the step "
+                f"runs on) {_describe_mesh(state.mesh)}."
+            )
+            raise SpmdError(
+                describe(fn, message, leaf=f"state{jax.tree_util.keystr(path)}", fix=_MISPLACED_FIX)
+            ) from cause
+
+
+def compile_step(
+    fn: str, body: Callable[..., Any], state: TrainState, out_specs: Any, *, backend: str, donate: bool
+) -> Callable[..., Any]:
+    """The compiled ``body(state, data, mask)`` on the state's mesh, the batch split over its axis."""
+    check_backend(fn, backend)
+    sf = SpmdFunction(
+        body,
+        in_specs=(state.specs(), P(state.axis), P(state.axis)),
+        out_specs=out_specs,
+        mesh=state.mesh,
+        backend=backend,
+        check_vma=True,
+        donate_argnums=(0,) if donate else (),
+    )
+    # The state is already placed (by TrainState.create and the previous step), the batch by place_batch:
+    # the program runs without the wrapper's per-call placement.
+    return sf.program()
+
+
+def place_batch(fn: str, batch: Any, state: TrainState, multiple_of: int) -> tuple[Any, Any]:
+    """Splits ``batch`` over the state's data axis: ``(data, mask)`` global arrays (``mask`` may be None)."""
+    mesh, axis = state.mesh, state.axis
+    data, mask = (batch.data, batch.mask) if isinstance(batch, MaskedBatch) else (batch, None)
+    local = leading_size(fn, data)
+    n_local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())
+    need = n_local * multiple_of
+    if local % need:
+        what = f"{mesh.shape[axis]} devices on axis {axis!r}" + (
+            f" x accum_steps={multiple_of}" if multiple_of > 1 else ""
+        )
+        raise ShapeError(
+            describe(
+                fn,
+                f"the batch has {local} examples{' in this process' if jax.process_count() > 1 else ''}, "
+                f"which does not split evenly over {what} (needs a multiple of {need}).",
+                fix=f"pad it with spmdcomm.pad_batch(batch, {need}); the step then averages over real examples only.",
+            )
+        )
+    if mask is not None:
+        mask_len = int(np.shape(mask)[0]) if np.ndim(mask) == 1 else -1
+        if mask_len != local:
+            raise ShapeError(
+                describe(
+                    fn,
+                    f"the mask has shape {np.shape(mask)} but the batch has {local} rows.",
+                    leaf="mask",
+                    fix="build the batch with spmdcomm.pad_batch.",
+                )
+            )
+    sharding = NamedSharding(mesh, P(axis))
+    return _put(data, sharding), None if mask is None else _put(mask, sharding)
+
+
+def check_in_flight(fn: str, k: int) -> int:
+    """``k`` as an int, if it is a valid ``max_in_flight``."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= _MAX_IN_FLIGHT_LIMIT:
+        raise SpmdError(
+            describe(
+                fn,
+                f"max_in_flight={k!r} must be an int in [1, {_MAX_IN_FLIGHT_LIMIT}].",
+                fix="XLA:CPU deadlocks with ~32 queued collective executions; keep the window at 16 or below.",
+            )
+        )
+    return int(k)
+
+
+def check_scalars(fn: str, values: dict[str, Any], who: str) -> None:
+    """Raises unless every value is a float scalar (a mean over the block's real examples)."""
+    for name, v in values.items():
+        shape = getattr(v, "shape", None)
+        if shape != () or not jnp.issubdtype(v.dtype, jnp.floating):
+            raise ShapeError(
+                describe(
+                    fn,
+                    f"{who} returned {name!r} with shape {shape} and dtype {getattr(v, 'dtype', type(v))}; "
+                    "it must be a float scalar (the mean over this block's real examples).",
+                    leaf=name,
+                    fix="reduce per-example values with spmdcomm.masked_mean(values, mask).",
+                )
+            )
+
+
+def sum_dtype(dtype: Any) -> Any:
+    """The dtype a mean is summed in over devices: float32 at least, float64 under x64, never narrower."""
+    # A bfloat16 sum over devices loses the small terms.
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def full_mask(data: Any) -> jax.Array:
+    """An all-True mask of the block's length."""
+    return jnp.ones((jax.tree.leaves(data)[0].shape[0],), dtype=bool)
+
+
+def zero_masked_rows(data: Any, mask: jax.Array) -> Any:
+    """``data`` with the masked-out rows set to zero."""
+
+    # Masked-out rows reach loss_fn as zeros whatever they held. A NaN/Inf there would otherwise flow
+    # through the model although masked_mean drops its loss: into BatchNorm statistics, and into
+    # gradients as NaN * 0 (a Dense layer's weight gradient is x.T @ cotangent).
+    def one(x: jax.Array) -> jax.Array:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):  # typed PRNG keys: no zeros to select
+            return x
+        keep = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+        return jnp.where(keep, x, jnp.zeros_like(x))
+
+    return jax.tree.map(one, data)
+
+
+# --------------------------------------------------------------------------------------------------
+
+_CONSUMED_STATE_FIX = (
+    "a train step with donate=True (the default) consumes the state it is given; use the state it "
+    "returned. To keep the old state usable, build the step with make_train_step(..., donate=False), "
+    "or copy the state first: jax.tree.map(jnp.copy, state)."
+)
+
+_MISPLACED_FIX = (
+    "keep the state where TrainState.create placed it, or create it on the mesh you want "
+    "(TrainState.create(..., mesh=...)); to move a trained state, save a checkpoint and restore it into a "
+    "state created on the new mesh."
+)
+
+
+def _describe_mesh(mesh: Mesh) -> str:
+    return f"mesh {dict(mesh.shape)} over devices {[d.id for d in mesh.devices.flat]}"
+
+
+def _describe_placement(sharding: Any) -> str:
+    other = getattr(sharding, "mesh", None)
+    if getattr(other, "devices", None) is not None:
+        return _describe_mesh(other)
+    return f"devices {sorted(d.id for d in sharding.device_set)} ({type(sharding).__name__})"
+
+
+def _put(tree: Any, sharding: NamedSharding) -> Any:
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
+        if jax.process_count() > 1:
+            return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+        return x
+
+    tree = jax.tree.map(one, tree)
+    host = [x for x in jax.tree.leaves(tree) if not isinstance(x, jax.Array)]
+    if not host:
+        return tree
+    placed = iter(jax.device_put(host, sharding))
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else next(placed), tree)

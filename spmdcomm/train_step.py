@@ -1,0 +1,399 @@
+"""A DDP-style data-parallel train step for Flax and optax.
+
+N devices (in one process or many) train exactly the model that one device trains on the global
+batch: every device runs ``loss_fn`` on its block of the batch, the gradients are summed over the
+data axis with weights ``real examples on this device / real examples on all devices`` by the state's
+strategy (:mod:`spmdcomm.strategies`), and every replica applies the same optax update.
+
+The ``loss_fn`` contract (keyword arguments after the first two)::
+
+    loss_fn(params, batch, *, apply_fn, model_state, rng, mask) -> loss | (loss, aux)
+
+* ``batch`` is this device's block (or micro-batch) of the global batch; ``mask`` is a bool
+  vector of its length marking the real examples (all True unless the step got a
+  :class:`~spmdcomm.MaskedBatch`).
+* ``loss`` is a float scalar: the MEAN over the block's real examples (:func:`~spmdcomm.masked_mean`
+  helps). The step weighs it by the block's real-example count, so the result is the exact global mean,
+  padding excluded.
+* ``aux`` is a dict of scalar metrics (means over the block's real examples, averaged like the
+  loss) and, under the key ``"model_state"``, the new mutable model state (e.g. Flax
+  ``batch_stats``), which the step averages over the data axis.
+* ``rng`` depends on ``make_train_step(..., rng=...)``. ``"per_device"`` (default): a raw
+  ``uint32[2]`` threefry key, ``fold_in(fold_in(fold_in(state.rng, step), device), micro_batch)``,
+  different per step, device and micro-batch (the bits an example sees depend on the device count,
+  as with torch DDP). ``"per_example"``: a typed key (:func:`spmdcomm.rng.per_example_key`) whose
+  draws give each example bits that depend only on ``state.rng``, the step and the example's global
+  index in the batch, so results do not depend on the device count or ``accum_steps``; every draw
+  from it must have the block's examples in dimension 0 (other shapes raise ``ShapeError`` when the
+  step compiles). Use it as any key (``fold_in``, ``split``, Flax ``rngs={"dropout": rng}``).
+
+>>> import optax
+>>> def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
+...     err = (batch["x"] @ params["w"] - batch["y"]) ** 2
+...     return sc.masked_mean(err, mask)
+>>> state = sc.TrainState.create(params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.25))
+>>> step = sc.make_train_step(loss_fn)
+>>> batch = {"x": np.ones((16, 2), np.float32), "y": np.ones(16, np.float32)}
+>>> state, metrics = step(state, batch)
+>>> float(metrics["loss"]), state.params["w"].tolist(), int(state.step)
+(1.0, [0.5, 0.5], 1)
+
+Inside ``shard_map`` (``check_vma=True``) ``jax.grad`` with respect to replicated parameters returns
+the gradient already summed over the axis. The step avoids that trap by marking the parameters as
+varying before differentiating, so each device gets its own local gradient, which the strategy then
+reduces exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.flatten_util import ravel_pytree
+from jax.sharding import PartitionSpec as P
+
+from spmdcomm._jax_compat import varying_axes
+from spmdcomm._step import (
+    DEFAULT_MAX_IN_FLIGHT,  # re-exported: the public home of the default window
+    StepCache,
+    Window,
+    check_in_flight,
+    check_scalars,
+    compile_step,
+    dispatch,
+    full_mask,
+    place_batch,
+    sum_dtype,
+    zero_masked_rows,
+)
+from spmdcomm.errors import SpmdError, describe
+from spmdcomm.rng import RNG_MODES, is_key_leaf, per_example_key
+from spmdcomm.spmd import check_backend
+from spmdcomm.strategies import ReduceContext
+from spmdcomm.train_state import TrainState
+
+__all__ = ["TrainStep", "make_train_step", "masked_mean"]
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    *,
+    backend: Literal["shard_map", "pmap"] = "shard_map",
+    accum_steps: int = 1,
+    reduce_dtype: Any = None,
+    skip_nonfinite: bool = False,
+    donate: bool = True,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    rng: Literal["per_device", "per_example"] = "per_device",
+) -> TrainStep:
+    """Returns ``step(state, batch) -> (state, metrics)``: one data-parallel optimizer step.
+
+    The mesh, the data axis and the strategy (DDP, buckets, ZeRO-1) are the state's: see
+    :meth:`TrainState.create <spmdcomm.TrainState.create>`.
+
+    Args:
+      loss_fn: see the module docstring for the contract.
+      backend: ``"shard_map"`` or ``"pmap"``; both compute the same step.
+      accum_steps: split each device's block into this many micro-batches, run them in a
+        ``lax.scan`` and reduce the summed gradient ONCE at the end (torch ``no_sync``); one
+        optimizer step per call.
+      reduce_dtype: e.g. ``jnp.bfloat16``: gradients are cast to it for the reduction and back after.
+      skip_nonfinite: if any gradient entry on any replica is NaN/Inf, every replica keeps its
+        parameters, optimizer and model state (``metrics["skipped"]`` is 1.0 for that step).
+      donate: ``True`` (default): the new state reuses the input state's buffers, so the state
+        passed in is consumed; passing it again (to a step, an eval step or ``save_checkpoint``)
+        raises :class:`~spmdcomm.errors.DeletedArrayError`. ``False`` keeps the old state usable
+        (or copy it first: ``jax.tree.map(jnp.copy, state)``).
+      max_in_flight: before dispatching, wait for the result from this many calls back (1..16).
+        XLA:CPU allows about 32 queued executions containing collectives per device; more stall
+        and abort the process after about 40 s (SIGABRT, not a Python exception). A step compiled
+        by hand with ``step.lower(state, batch).compile()`` bypasses this window (and the state
+        checks): a loop over it must wait on earlier results itself.
+      rng: the key ``loss_fn`` gets. ``"per_device"`` (default): a raw ``uint32[2]`` key that
+        differs on every device and micro-batch (like torch DDP's per-rank generators; the bits an
+        example sees depend on the device count). ``"per_example"``: a
+        :func:`~spmdcomm.rng.per_example_key` whose draws give each example bits that depend only
+        on the seed, the step and its global index in the batch, so training does not depend on the
+        device count or ``accum_steps``; every draw must have the block's examples in dimension 0.
+
+    ``state`` must still live where ``TrainState.create`` put it (a state moved to other devices raises
+    :class:`SpmdError` naming both meshes). Float64 model state and metrics (``jax_enable_x64``) are
+    averaged in float64; narrower floats in float32, cast back.
+
+    ``batch`` is a pytree of arrays whose dimension 0 is the global batch (host NumPy, placed by the
+    step; or ``jax.Array``), or a :class:`~spmdcomm.MaskedBatch`, whose masked-out rows reach
+    ``loss_fn`` as zeros (a NaN there changes nothing). With several processes, host
+    arrays are this process's part. ``metrics`` holds the loss, ``aux`` metrics, ``"examples"``
+    (real examples in the global batch) and, with ``skip_nonfinite``, ``"skipped"``; all are means
+    over the real examples of the global batch.
+    """
+    check_backend("make_train_step", backend)
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, (int, np.integer)) or accum_steps < 1:
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"accum_steps={accum_steps!r} must be a positive int.",
+                fix="pass 1 (no accumulation) or the number of micro-batches.",
+            )
+        )
+    if rng not in RNG_MODES:
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"rng={rng!r} is not one of {RNG_MODES}.",
+                fix='pass rng="per_device" (default) or rng="per_example" (device-count independent).',
+            )
+        )
+    options = StepOptions(
+        loss_fn=loss_fn,
+        backend=backend,
+        accum_steps=int(accum_steps),
+        reduce_dtype=None if reduce_dtype is None else jnp.dtype(reduce_dtype),
+        skip_nonfinite=skip_nonfinite,
+        donate=donate,
+        rng=rng,
+    )
+    return TrainStep(options, check_in_flight("make_train_step", max_in_flight))
+
+
+class TrainStep:
+    """A data-parallel train step (see :func:`make_train_step`). Call it as ``step(state, batch)``; it
+    compiles once per state structure (mesh, strategy, shapes)."""
+
+    def __init__(self, options: StepOptions, max_in_flight: int):
+        self.options = options
+        self.max_in_flight = max_in_flight
+        self._window = Window(max_in_flight)
+        self._cache = StepCache("make_train_step", lambda state: _compile(options, state))
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        program = self._cache.program(state)
+        self._window.wait_for_room()
+        placed = place_batch("make_train_step", batch, state, self.options.accum_steps)
+        new_state, metrics = dispatch("make_train_step", program, state, placed)
+        self._window.add(metrics["examples"])
+        return new_state, metrics
+
+    def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
+        """Lowers the step for these inputs (``.compile().as_text()`` shows the HLO XLA runs)."""
+        placed = place_batch("make_train_step", batch, state, self.options.accum_steps)
+        return self._cache.program(state).lower(state, *placed)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """The options of :func:`make_train_step`, validated."""
+
+    loss_fn: Callable[..., Any]
+    backend: str
+    accum_steps: int
+    reduce_dtype: Any
+    skip_nonfinite: bool
+    donate: bool
+    rng: str
+
+
+def masked_mean(values: Any, mask: Any) -> jax.Array:
+    """Mean of ``values`` over the rows where ``mask`` is True (0.0 when there are none).
+
+    ``values`` has ``mask``'s length in dimension 0; extra dimensions are averaged too. Masked-out
+    rows never reach the result or its gradient, even when they hold NaN or Inf. (A value computed
+    from a NaN input still has a NaN gradient path upstream; the train and eval steps therefore
+    zero the masked-out rows of the batch before calling ``loss_fn``.)
+
+    >>> float(sc.masked_mean(jnp.array([1.0, 2.0, 9.0]), jnp.array([True, True, False])))
+    1.5
+    """
+    values = jnp.asarray(values)
+    mask = jnp.asarray(mask, dtype=bool)
+    # Select, never multiply: NaN * 0 is NaN. The select also zeroes the gradient of masked-out rows
+    # exactly (its cotangent there is a literal 0, whatever the value was).
+    kept = jnp.where(mask.reshape(mask.shape + (1,) * (values.ndim - 1)), values, jnp.zeros_like(values))
+    per_row = math.prod(values.shape[1:])
+    return jnp.sum(kept) / jnp.maximum(jnp.sum(mask) * per_row, 1)
+
+
+def split_loss_output(out: Any, fn: str) -> tuple[Any, dict[str, Any]]:
+    """``(loss, aux dict)`` from a ``loss_fn`` result (``loss`` or ``(loss, aux)``)."""
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], dict):
+            raise SpmdError(
+                describe(
+                    fn,
+                    f"loss_fn returned a tuple of {len(out)} items; expected loss or (loss, aux dict).",
+                    fix='return the scalar mean loss, or (loss, {"metric": value, "model_state": new_state}).',
+                )
+            )
+        return out[0], dict(out[1])
+    return out, {}
+
+
+# --------------------------------------------------------------------------------------------------
+# The step body
+
+
+def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
+    strategy, layout, axis = state.strategy, state.layout, state.axis
+    ctx = ReduceContext(axis, state.mesh.shape[axis], o.reduce_dtype, o.skip_nonfinite)
+    varying = o.backend == "shard_map"
+
+    def body(state: TrainState, data: Any, mask: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        data = data if mask is None else zero_masked_rows(data, mask)
+        grad_sum, metric_sums, model_state, count = _accumulate(o, state, data, mask, varying)
+        # The example count, the metrics and the model state travel in one f32 vector (XLA:CPU pays
+        # per buffer); XLA fuses its all-reduce with the gradients' into one collective.
+        masked = mask is not None
+        weighted_state = _float_leaves(model_state)
+        if masked:
+            weighted_state = jax.tree.map(lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)), weighted_state)
+        vec, unravel = ravel_pytree((count, metric_sums, weighted_state))
+        vec, reduced = strategy.reduce(ctx, layout, grad_sum, vec)
+        total, metric_sums, stats = unravel(vec)
+        # Masked: sums of count-weighted means over the real-example count. Unmasked: sums of means
+        # over the number of (equal) blocks, which needs no per-gradient multiplication.
+        denom = jnp.maximum(total, 1.0) if masked else float(ctx.size * o.accum_steps)
+        new_model_state = _merge_model_state(
+            model_state, jax.tree.map(lambda v: v / denom, stats), axis, state.model_state
+        )
+        params, opt_state, finite = strategy.update(ctx, layout, state, reduced, denom)
+        # Keep the old state where nothing real was seen (all padding) or a gradient was not finite.
+        apply = total > 0 if masked else None
+        if o.skip_nonfinite:
+            apply = finite if apply is None else apply & finite
+        keep = (
+            (lambda new, old: new)
+            if apply is None
+            else (lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old))
+        )
+        new_state = state.replace(
+            step=state.step + 1,
+            params=keep(params, state.params),
+            opt_state=keep(opt_state, state.opt_state),
+            model_state=keep(new_model_state, state.model_state),
+        )
+        metrics = {k: v / denom for k, v in metric_sums.items()}
+        metrics["examples"] = total
+        if o.skip_nonfinite:
+            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        return new_state, metrics
+
+    specs = state.specs()
+    return compile_step("make_train_step", body, state, (specs, P()), backend=o.backend, donate=o.donate)
+
+
+def _accumulate(o: StepOptions, state: TrainState, data: Any, mask: Any, varying: bool) -> tuple[Any, ...]:
+    """Runs loss_fn over the micro-batches.
+
+    Returns the sums over micro-batches of gradients and metrics (weighted by real-example count
+    when the batch is masked), the last model state and this device's real-example count.
+    """
+    axis, k, masked = state.axis, o.accum_steps, mask is not None
+    mask = full_mask(data) if mask is None else mask
+    params = _vary(state.params, axis, varying)
+    micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), (data, mask))
+    micro_rng = _micro_rng(o, state, mask.shape[0] // k)
+    grad_fn = jax.value_and_grad(_loss_with_aux(o.loss_fn), has_aux=True)
+
+    def one(model_state: Any, batch: Any, m: jax.Array, j: Any) -> tuple[Any, ...]:
+        (loss, aux), grads = grad_fn(
+            params, batch, apply_fn=state.apply_fn, model_state=model_state, rng=micro_rng(j), mask=m
+        )
+        new_model_state = aux.pop("model_state", model_state)
+        _check_same_tree(model_state, new_model_state)
+        c = jnp.sum(m, dtype=jnp.float32)
+        # Masked, a block without real examples may give a NaN mean: its weight is zero, and so is
+        # its contribution. Unmasked, every block has the same count: plain sums, divided once by
+        # the number of blocks after the reduction.
+        weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v)
+        metrics = jax.tree.map(lambda v: weigh(v.astype(sum_dtype(v.dtype))), {"loss": loss, **aux})
+        return jax.tree.map(weigh, grads), metrics, new_model_state, c
+
+    first = one(_vary(state.model_state, axis, varying), *jax.tree.map(lambda x: x[0], micro), 0)
+    if k == 1:
+        return first
+
+    def body(carry: Any, xs: Any) -> Any:
+        grad_sum, metric_sums, model_state, count = carry
+        (batch, m), j = xs
+        grads, metrics, model_state, c = one(model_state, batch, m, j)
+        add = lambda a, b: jax.tree.map(jnp.add, a, b)
+        return (add(grad_sum, grads), add(metric_sums, metrics), model_state, count + c), None
+
+    rest = jax.tree.map(lambda x: x[1:], micro)
+    carry, _ = lax.scan(body, _vary(first, axis, varying), (rest, jnp.arange(1, k)))
+    return carry
+
+
+def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], jax.Array]:
+    """The ``rng`` of micro-batch ``j`` (``rows`` examples) on this device."""
+    step_rng = jax.random.fold_in(state.rng, state.step)
+    device = lax.axis_index(state.axis)
+    if o.rng == "per_example":
+        # Device d's block holds global rows [d * k * rows, (d + 1) * k * rows); micro-batch j of it
+        # starts j * rows further. Every device shares step_rng: only the row offset differs.
+        first = device * (o.accum_steps * rows)
+        return lambda j: per_example_key(step_rng, offset=first + j * rows, rows=rows)
+    device_rng = jax.random.fold_in(step_rng, device)
+    return lambda j: jax.random.fold_in(device_rng, j)
+
+
+def _loss_with_aux(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(params: Any, batch: Any, **kwargs: Any) -> tuple[jax.Array, dict[str, Any]]:
+        loss, aux = split_loss_output(loss_fn(params, batch, **kwargs), "make_train_step")
+        scalars = {"loss": loss, **{k: v for k, v in aux.items() if k != "model_state"}}
+        check_scalars("make_train_step", scalars, "loss_fn")
+        return loss, dict(aux)
+
+    return wrapped
+
+
+def _check_same_tree(old: Any, new: Any) -> None:
+    old_def, new_def = jax.tree.structure(old), jax.tree.structure(new)
+    old_shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(old)]
+    new_shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(new)]
+    if old_def != new_def or old_shapes != new_shapes:
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"loss_fn returned a model_state whose tree or shapes differ from "
+                f"state.model_state: expected {old_def} {old_shapes}, got {new_def} {new_shapes}.",
+                fix="return the updated model state with the same structure (or leave 'model_state' out of aux).",
+            )
+        )
+
+
+def _vary(tree: Any, axis: str, varying: bool) -> Any:
+    # Marks replicated values as varying over `axis` so that jax.grad returns the per-device
+    # gradient instead of one already summed over the axis (shard_map with check_vma=True). pmap has
+    # no such typing.
+    if not varying:
+        return tree
+    return jax.tree.map(lambda x: x if axis in varying_axes(x) else lax.pcast(x, axis, to="varying"), tree)
+
+
+def _float_leaves(tree: Any) -> Any:
+    # The float leaves in the dtype they are summed in; other leaves become empty (not averaged).
+    return jax.tree.map(
+        lambda x: (
+            x.astype(sum_dtype(x.dtype)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros((0,), jnp.float32)
+        ),
+        tree,
+    )
+
+
+def _merge_model_state(local: Any, averaged: Any, axis: str, stored: Any) -> Any:
+    # Float leaves take their weighted average over the axis; integer leaves (counters, e.g. NNX
+    # RngCount) must agree on every replica and take the maximum. RNG keys are never averaged: the
+    # stored key stays (a model's streams only advance their counts), identical on every replica.
+    def merge(x: jax.Array, avg: jax.Array, old: jax.Array) -> jax.Array:
+        if is_key_leaf(x):
+            return old
+        return avg.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else lax.pmax(x, axis)
+
+    return jax.tree.map(merge, local, averaged, stored)
