@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from spmdcomm import launch
+from spmdcomm import launch as launcher
 from spmdcomm.errors import SpmdError
 
 # The children are forked from this (JAX-using) test process; they exec Python at once.
@@ -18,9 +18,19 @@ pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PRELUDE = """import os, signal, sys, time
+rank = int(os.environ['SPMDCOMM_PROCESS_ID'])
+def all_started(n):  # marks this rank as started, then waits for the first n ranks
+    here = os.path.dirname(os.path.abspath(__file__))
+    open(os.path.join(here, f'started{rank}'), 'w').close()
+    while not all(os.path.exists(os.path.join(here, f'started{r}')) for r in range(n)):
+        time.sleep(0.05)
+"""
+
+
 def script(tmp_path, body, name="child.py"):
     path = tmp_path / name
-    path.write_text("import os, signal, sys, time\nrank = int(os.environ['SPMDCOMM_PROCESS_ID'])\n" + body)
+    path.write_text(PRELUDE + body)
     return str(path)
 
 
@@ -33,7 +43,7 @@ def test_env_prefix_and_device_count(tmp_path, capsys):
     )
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo"}
     env.pop("JAX_PLATFORMS", None)
-    assert launch.launch([path, "a", "--b"], 3, devices_per_process=2, env=env) == 0
+    assert launcher.launch([path, "a", "--b"], 3, devices_per_process=2, env=env) == 0
     lines = sorted(capsys.readouterr().out.splitlines())
     assert len(lines) == 3
     for rank, line in enumerate(lines):
@@ -44,7 +54,7 @@ def test_env_prefix_and_device_count(tmp_path, capsys):
 
 def test_gpus_per_process_assigns_disjoint_local_devices(tmp_path, capsys):
     path = script(tmp_path, "print(rank, os.environ['SPMDCOMM_LOCAL_DEVICE_IDS'])\n")
-    assert launch.main(["-n", "3", "--gpus-per-process", "2", path]) == 0
+    assert launcher.main(["-n", "3", "--gpus-per-process", "2", path]) == 0
     lines = sorted(capsys.readouterr().out.splitlines())
     assert lines == ["[rank 0] 0 0,1", "[rank 1] 1 2,3", "[rank 2] 2 4,5"]
 
@@ -62,47 +72,53 @@ def test_initialize_reads_local_device_ids(monkeypatch):
 def test_module_form_and_argument_errors(tmp_path, capsys, monkeypatch):
     (tmp_path / "mymod.py").write_text("import sys\nprint('module', sys.argv[1:])\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    assert launch.main(["-n", "2", "-m", "mymod", "x"]) == 0
+    assert launcher.main(["-n", "2", "-m", "mymod", "x"]) == 0
     assert capsys.readouterr().out.count("module ['x']") == 2
     with pytest.raises(SystemExit):
-        launch.main(["-n", "2"])
+        launcher.main(["-n", "2"])
     with pytest.raises(SpmdError, match=r"^spmdcomm.launch: -n \(nprocs\) must be at least 1, got 0\. Fix: pass -n N"):
-        launch.launch(["x.py"], 0)
+        launcher.launch(["x.py"], 0)
     with pytest.raises(SpmdError, match=r"--devices-per-process \(devices_per_process\) must be at least 1"):
-        launch.launch(["x.py"], 2, devices_per_process=0)
+        launcher.launch(["x.py"], 2, devices_per_process=0)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:  # the command line reports a usage error, no traceback
-        launch.main(["-n", "2", "--gpus-per-process", "0", "x.py"])
+        launcher.main(["-n", "2", "--gpus-per-process", "0", "x.py"])
     assert exit_.value.code == 2
     assert "--gpus-per-process (gpus_per_process) must be at least 1, got 0" in capsys.readouterr().err
 
 
-def test_failure_stops_the_others_and_names_the_rank(tmp_path, capsys):
-    path = script(tmp_path, "if rank == 1:\n    time.sleep(0.5); sys.exit(3)\ntime.sleep(60)\n")
-    start = time.monotonic()
-    assert launch.launch([path], 3, grace=1.0) == 3
-    assert time.monotonic() - start < 10
-    err = capsys.readouterr().err
-    assert "rank 1 (pid " in err and ") exited with status 3; stopping the other 2" in err
+def test_failure_stops_the_others_and_names_the_rank(launch, tmp_path):
+    # The others report the SIGTERM that stops them; rank 1 fails once all three run, and the
+    # others would sleep past the job's timeout (status 124) if the launcher did not stop them.
+    path = script(
+        tmp_path,
+        "signal.signal(signal.SIGTERM, lambda *_: (print('SIGTERM', flush=True), sys.exit(0)))\n"
+        "all_started(3)\n"
+        "if rank == 1:\n    sys.exit(3)\n"
+        "time.sleep(600)\n",
+    )
+    res = launch(path, processes=3, devices_per_process=None, timeout=60, returncode=3)
+    assert sorted(res.stdout.splitlines()) == ["[rank 0] SIGTERM", "[rank 2] SIGTERM"]
+    assert "rank 1 (pid " in res.stderr and ") exited with status 3; stopping the other 2" in res.stderr
 
 
-def test_killed_rank_and_sigterm_escalation(tmp_path, capsys):
-    # Rank 0 ignores SIGTERM (as JAX's preemption handler effectively does): it must get SIGKILL.
+def test_killed_rank_and_sigterm_escalation(launch, tmp_path):
+    # Rank 0 ignores SIGTERM (as JAX's preemption handler effectively does) and would sleep past the job's
+    # timeout: the job ends in time (with rank 1's status, not 124) only if the launcher sends it SIGKILL.
     path = script(
         tmp_path,
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        "if rank == 1:\n    time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\n"
-        "time.sleep(60)\n",
+        "all_started(2)\n"
+        "if rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(600)\n",
     )
-    start = time.monotonic()
-    assert launch.launch([path], 2, grace=1.0) == 128 + signal.SIGKILL
-    assert time.monotonic() - start < 10
-    assert ") was killed by SIGKILL" in capsys.readouterr().err.split("rank 1 (pid", 1)[1]
+    res = launch(path, devices_per_process=None, timeout=60, returncode=128 + signal.SIGKILL)
+    assert "rank 1 (pid " in res.stderr and ") was killed by SIGKILL; stopping the other 1" in res.stderr
 
 
 def test_timeout(tmp_path, capsys):
     path = script(tmp_path, "time.sleep(60)\n")
-    assert launch.launch([path], 2, timeout=0.5, grace=0.5) == 124
+    assert launcher.launch([path], 2, timeout=0.5, grace=0.5) == 124
     assert "timeout of 0.5 s expired" in capsys.readouterr().err
 
 
