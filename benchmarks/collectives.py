@@ -137,7 +137,7 @@ def variants(op: str, n: int, jax, sc) -> dict[str, tuple[Callable, Callable]]:
             ),
             "lax_f32": lambda x: lax.psum(jax.numpy.where(lax.axis_index("data") == 0, x, 0), "data"),
             "spmdcomm": lambda x: sc.broadcast(x, "data", root=0),
-            "spmdcomm_split": lambda x: sc.collectives._broadcast_leaf(x, "data", 0, n, split=True),
+            "spmdcomm_split": lambda x: sc.collectives.rooted._broadcast_leaf(x, "data", 0, n, split=True),
         },
     }
     return ring_free[op]

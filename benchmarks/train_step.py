@@ -100,7 +100,7 @@ def ours(model_name: str, mesh, **options):
         shard_optimizer=options.get("shard_optimizer", False),
     )
     step = sc.make_train_step(loss_fn, mesh=mesh, **options)
-    batch = jax.tree.map(lambda x: jax.device_put(x, sc.data_sharding(mesh)), data())
+    batch = jax.tree.map(lambda x: jax.device_put(x, sc.data_sharding(mesh=mesh)), data())
     holder = {"state": state}
 
     def run(steps: int) -> float:
@@ -132,13 +132,13 @@ def handwritten(model_name: str, mesh):
         jax.shard_map(body, mesh=mesh, in_specs=(sc.P(), sc.P(), sc.P("data")), out_specs=sc.P()),
         donate_argnums=(0, 1),
     )
-    rep = sc.replicated_sharding(mesh)
+    rep = sc.replicated_sharding(mesh=mesh)
     params = jax.device_put(init_params(model_name), rep)
     return _loop(
         step,
         params,
         jax.jit(tx.init, out_shardings=rep)(params),
-        jax.tree.map(lambda x: jax.device_put(x, sc.data_sharding(mesh)), data()),
+        jax.tree.map(lambda x: jax.device_put(x, sc.data_sharding(mesh=mesh)), data()),
     )
 
 
@@ -269,7 +269,7 @@ def probe_worker(steps: int, rounds: int) -> None:
     mesh = sc.data_mesh()
     params = init_params("mlp")
     shapes = [x.shape for x in jax.tree.leaves(params)]
-    sharded = sc.data_sharding(mesh)
+    sharded = sc.data_sharding(mesh=mesh)
 
     def put(shape):
         return jax.make_array_from_process_local_data(sharded, np.ones(shape, np.float32))

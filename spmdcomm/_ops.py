@@ -17,7 +17,7 @@ import numpy as np
 
 from spmdcomm.errors import AxisError, SpmdError, describe
 
-__all__ = ["REDUCE_OPS", "SCAN_OPS", "ReduceOp", "check_op", "check_root"]
+__all__ = ["REDUCE_OPS", "SCAN_OPS", "ReduceOp", "check_op", "check_root", "is_index"]
 
 ReduceOp = Literal["sum", "mean", "max", "min", "prod"]
 
@@ -44,9 +44,14 @@ def check_root(fn: str, root: Any, n: int, *, what: Literal["device", "process"]
     where = f"axis {axis!r} of size {n}" if what == "device" else f"a job of {n} process(es)"
     fix = f"pass a {what} index in [0, {n})."
     error = AxisError if what == "device" else SpmdError
-    if isinstance(root, bool | np.bool_) or not isinstance(root, numbers.Integral):
+    if not is_index(root):
         kind = "a bool" if isinstance(root, bool | np.bool_) else f"a {type(root).__name__}"
         raise error(describe(fn, f"root={root!r} is {kind}, not a {what} index of {where}.", fix=fix))
     if not 0 <= root < n:
         raise error(describe(fn, f"root={root!r} is out of range for {where}.", fix=fix))
     return int(root)
+
+
+def is_index(value: Any) -> bool:
+    """True for an ``int`` or a NumPy integer, False for a ``bool`` (an index is never ``True``/``False``)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)

@@ -19,7 +19,6 @@ whose iterators run out early stepping with fully masked batches until every pro
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -27,10 +26,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, Sharding
 
-from spmdcomm.errors import BarrierTimeoutError, ShapeError, SpmdError, describe
+from spmdcomm.errors import ShapeError, SpmdError, describe
 from spmdcomm.mesh import data_sharding, default_mesh, process_count, process_index
-from spmdcomm.runtime import coordination_client
-from spmdcomm.sync import DEFAULT_TIMEOUT
+from spmdcomm.sync import DEFAULT_TIMEOUT, Channel
 
 __all__ = [
     "MaskedBatch",
@@ -112,7 +110,7 @@ def shard_batch(batch: Any, mesh: Mesh | None = None, axis: str | tuple[str, ...
     >>> b["x"].sharding.spec == sc.P("data"), b["x"].addressable_shards[1].data.tolist()
     (True, [[2.0, 3.0]])
     """
-    sharding = data_sharding(default_mesh() if mesh is None else mesh, axis)
+    sharding = data_sharding(mesh=default_mesh() if mesh is None else mesh, axis=axis)
     leading_size("shard_batch", batch)
 
     def put(path: Any, leaf: Any) -> jax.Array:
@@ -236,29 +234,33 @@ def join_batches(
 ) -> Iterator[MaskedBatch]:
     """Yields this process's batches until every process has run out; meanwhile pads with empty batches.
 
-    Each step, the processes exchange a has-data flag (through the coordination service, each wait
-    bounded by ``timeout`` seconds). A process whose iterator is done yields fully masked batches (zero
-    data, all-False ``mask``) shaped like its last batch, or like ``like`` if it had none, so it keeps
-    calling the same collectives as the others and nobody hangs (torch's ``Join``, Horovod's
-    ``hvd.join``). Batches come out as :class:`MaskedBatch` (plain batches get an all-True mask).
+    Each step, the processes exchange a has-data flag at a timed sync point of this call's own (through
+    the coordination service, so it may run in a prefetch thread): a process that stops iterating while
+    the others go on is named in a :class:`~spmdcomm.errors.BarrierTimeoutError` after ``timeout``
+    seconds. Every process must call it equally often. A process whose iterator is done yields fully
+    masked batches (zero data, all-False ``mask``) shaped like its last batch, or like ``like`` if it
+    had none, so it keeps calling the same collectives as the others and nobody hangs (torch's
+    ``Join``, Horovod's ``hvd.join``). Batches come out as :class:`MaskedBatch` (plain batches get an
+    all-True mask).
     With one process it only adds the mask.
 
     >>> [b.mask.tolist() for b in sc.join_batches([{"x": np.ones(2)}])]
     [[True, True]]
     """
     source, template = iter(batches), like
-    exchange = _FlagExchange(timeout) if process_count() > 1 else None
+    # A channel of its own: this generator often runs in a prefetch thread, beside the main thread's syncs.
+    channel = Channel(f"join_batches/{next(_JOINS)}") if process_count() > 1 else None
     has_data = True
     while True:
         item = next(source, _END) if has_data else _END
         has_data = item is not _END
-        if exchange is not None and not exchange.any(has_data):
+        if channel is not None and not _anyone_has_data(channel, has_data, timeout):
             return
         if has_data:
             template = item if isinstance(item, MaskedBatch) else pad_batch(item, 1)
             yield template
             continue
-        if exchange is None:
+        if channel is None:
             return
         if template is None:
             raise SpmdError(
@@ -384,43 +386,10 @@ def _empty_like(template: Any) -> MaskedBatch:
     return MaskedBatch(jax.tree.map(lambda a: np.zeros(np.shape(a), np.asarray(a).dtype), data), np.zeros(size, bool))
 
 
-class _FlagExchange:
-    """Every process's has-data flag, step by step, through the coordination service's key-value store.
+def _anyone_has_data(channel: Channel, has_data: bool, timeout: float) -> bool:
+    flags = channel.exchange("join_batches", "join_batches step", b"1" if has_data else b"0", timeout=timeout)
+    return b"1" in flags
 
-    Uses its own keys rather than device collectives or numbered sync points, so it is safe to run in a
-    prefetch thread next to the training loop's own collectives.
-    """
 
-    _ids = itertools.count()
-
-    def __init__(self, timeout: float):
-        self.client = coordination_client("join_batches")
-        self.prefix = f"spmdcomm/join/{next(self._ids)}/"
-        self.timeout_ms = max(1, math.ceil(timeout * 1000))
-        self.timeout = timeout
-        self.step = 0
-
-    def any(self, flag: bool) -> bool:
-        step, me = self.step, process_index()
-        self.client.key_value_set(f"{self.prefix}{step}/{me}", "1" if flag else "0")
-        flags = []
-        for p in range(process_count()):
-            try:
-                flags.append(self.client.blocking_key_value_get(f"{self.prefix}{step}/{p}", self.timeout_ms))
-            except jax.errors.JaxRuntimeError:
-                raise BarrierTimeoutError(
-                    describe(
-                        "join_batches",
-                        f"process {p} did not report whether it has data for step {step} "
-                        f"within {self.timeout:g} s (process {me} waited).",
-                        fix="check that every process iterates its join_batches to the end, and that none "
-                        "died or is stuck; raise `timeout` for slow loaders.",
-                    )
-                ) from None
-        if step > 0:  # every process has read step - 1 before writing step
-            try:
-                self.client.key_value_delete(f"{self.prefix}{step - 1}/{me}")
-            except jax.errors.JaxRuntimeError:
-                pass
-        self.step += 1
-        return "1" in flags
+# Numbers the join_batches calls of this process; each call's channel has the same name on every process.
+_JOINS = itertools.count()

@@ -37,13 +37,13 @@ __all__ = [
 ]
 
 
-def data_mesh(axis_name: str = "data", devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh named ``axis_name`` over ``devices`` (default: every device of every process)."""
+def data_mesh(*, axis: str = "data", devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh with one axis named ``axis`` over ``devices`` (default: every device of every process)."""
     devs = tuple(jax.devices() if devices is None else devices)
-    return _cached_mesh(((axis_name, len(devs)),), devs, devices is not None)
+    return _cached_mesh(((axis, len(devs)),), devs, devices is not None)
 
 
-def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(axes: Mapping[str, int], *, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh with one axis per ``axes`` entry, in order, e.g. ``make_mesh({"data": 4, "model": 2})``.
 
     One size may be ``-1``: it takes whatever the other sizes leave. The product of the sizes must equal the
@@ -90,14 +90,14 @@ def default_mesh() -> Mesh:
     return data_mesh()
 
 
-def data_sharding(mesh: Mesh | None = None, axis: str | tuple[str, ...] = "data") -> NamedSharding:
+def data_sharding(*, mesh: Mesh | None = None, axis: str | tuple[str, ...] = "data") -> NamedSharding:
     """A sharding that splits dimension 0 across ``axis`` and replicates over the other mesh axes."""
     mesh = default_mesh() if mesh is None else mesh
     check_mesh_axes("data_sharding", mesh, axis)
     return NamedSharding(mesh, P(axis))
 
 
-def replicated_sharding(mesh: Mesh | None = None) -> NamedSharding:
+def replicated_sharding(*, mesh: Mesh | None = None) -> NamedSharding:
     """A sharding that holds a full copy of the value on every device of ``mesh``."""
     return NamedSharding(default_mesh() if mesh is None else mesh, P())
 

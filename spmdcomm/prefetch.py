@@ -105,7 +105,7 @@ def prefetch_to_device(
             )
         )
     if sharding is None:
-        sharding = data_sharding(default_mesh() if mesh is None else mesh, axis)
+        sharding = data_sharding(mesh=default_mesh() if mesh is None else mesh, axis=axis)
     return Prefetcher(iter(iterable), size, sharding, pad_to_multiple)
 
 

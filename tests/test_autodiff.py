@@ -29,7 +29,7 @@ from jax import lax
 
 import spmdcomm as sc
 from spmdcomm import P
-from spmdcomm.collectives import _broadcast_leaf
+from spmdcomm.collectives.rooted import _broadcast_leaf
 
 AX = "data"
 BACKENDS = ["shard_map", "pmap"]
@@ -131,17 +131,20 @@ def _cases() -> list[Case]:
         Case("scatter", lambda v: sc.scatter(v, AX, root=nax() - 1), lambda v: my_chunk(bcast_ref(v, nax() - 1)), True),
         Case(
             "permute",
-            lambda v: sc.permute(v, AX, [(0, nax() - 1)]),
+            lambda v: sc.permute(v, AX, perm=[(0, nax() - 1)]),
             lambda v: lax.ppermute(v, AX, [(0, nax() - 1)]),
             True,
         ),
-        Case("shift", lambda v: sc.shift(v, AX, -1), lambda v: lax.ppermute(v, AX, ring(-1)), True),
+        Case("shift", lambda v: sc.shift(v, AX, offset=-1), lambda v: lax.ppermute(v, AX, ring(-1)), True),
     ]
     for op in ("sum", "mean", "max", "min", "prod"):
         linear = op in ("sum", "mean")
         cases.append(
             Case(
-                f"all_reduce_{op}", lambda v, op=op: sc.all_reduce(v, AX, op), functools.partial(reduce_ref, op), linear
+                f"all_reduce_{op}",
+                lambda v, op=op: sc.all_reduce(v, AX, op=op),
+                functools.partial(reduce_ref, op),
+                linear,
             )
         )
         cases.append(
@@ -165,7 +168,7 @@ def _cases() -> list[Case]:
             cases.append(
                 Case(
                     f"scan_{op}_{'in' if inclusive else 'ex'}clusive",
-                    lambda v, op=op, inc=inclusive: sc.scan(v, AX, op, inclusive=inc),
+                    lambda v, op=op, inc=inclusive: sc.scan(v, AX, op=op, inclusive=inc),
                     functools.partial(scan_ref, op, inclusive),
                     op == "sum",
                 )

@@ -117,10 +117,10 @@ CASES: list[tuple[str, Callable[[Any], Any], Callable[[list[np.ndarray], int], n
     ("pmean", lambda x: sc.pmean(x, "data"), lambda xs, i: np_reduce("mean", xs), False),
     ("pmax", lambda x: sc.pmax(x, "data"), lambda xs, i: np_reduce("max", xs), True),
     ("pmin", lambda x: sc.pmin(x, "data"), lambda xs, i: np_reduce("min", xs), True),
-    ("all_reduce_prod", lambda x: sc.all_reduce(x, "data", "prod"), lambda xs, i: np_reduce("prod", xs), False),
+    ("all_reduce_prod", lambda x: sc.all_reduce(x, "data", op="prod"), lambda xs, i: np_reduce("prod", xs), False),
     (
         "all_reduce_mean_rs_ag",
-        lambda x: sc.all_reduce(x, "data", "mean", algorithm="rs_ag"),
+        lambda x: sc.all_reduce(x, "data", op="mean", algorithm="rs_ag"),
         lambda xs, i: np_reduce("mean", xs),
         False,
     ),
@@ -205,11 +205,11 @@ CASES: list[tuple[str, Callable[[Any], Any], Callable[[list[np.ndarray], int], n
         lambda xs, i: split(xs[0].reshape(xs[0].shape[0] // len(xs), len(xs), *xs[0].shape[1:]), len(xs), 1)[i],
         True,
     ),
-    ("shift", lambda x: sc.shift(x, "data", 1), lambda xs, i: xs[(i - 1) % len(xs)], True),
-    ("shift_back2", lambda x: sc.shift(x, "data", -2), lambda xs, i: xs[(i + 2) % len(xs)], True),
+    ("shift", lambda x: sc.shift(x, "data", offset=1), lambda xs, i: xs[(i - 1) % len(xs)], True),
+    ("shift_back2", lambda x: sc.shift(x, "data", offset=-2), lambda xs, i: xs[(i + 2) % len(xs)], True),
     (
         "permute_swap01",
-        lambda x: sc.permute(x, "data", [(0, 1), (1, 0)] if axis_n() > 1 else [(0, 0)]),
+        lambda x: sc.permute(x, "data", perm=[(0, 1), (1, 0)] if axis_n() > 1 else [(0, 0)]),
         lambda xs, i: xs[1 - i] if (len(xs) > 1 and i < 2) else (xs[0] if len(xs) == 1 else zeros_like(xs[i])),
         True,
     ),
@@ -258,7 +258,7 @@ def test_prod_is_exact_with_zeros_and_negatives(backend):
         np.float32,
     )
     got = sc.spmd(
-        lambda v: sc.all_reduce(v, "data", "prod"), mesh=mesh, in_specs=P("data"), out_specs=P(), backend=backend
+        lambda v: sc.all_reduce(v, "data", op="prod"), mesh=mesh, in_specs=P("data"), out_specs=P(), backend=backend
     )(x)
     np.testing.assert_array_equal(np.asarray(got)[0], np.prod(x, axis=0))
     assert np.asarray(got)[0, 1] == 0.0
@@ -268,7 +268,7 @@ def test_bool_reductions_follow_lax():
     mesh = sc.data_mesh()
     x = np.array([True, False, True, True, False, True, True, True])
     f = sc.spmd(
-        lambda v: (sc.psum(v, "data"), sc.pmax(v, "data"), sc.pmin(v, "data"), sc.all_reduce(v, "data", "prod")),
+        lambda v: (sc.psum(v, "data"), sc.pmax(v, "data"), sc.pmin(v, "data"), sc.all_reduce(v, "data", op="prod")),
         mesh=mesh,
         in_specs=P("data"),
         out_specs=P(),
@@ -321,9 +321,13 @@ def test_complex_broadcast_is_exact():
 MULTI_CASES = [
     ("psum", lambda x, ax: sc.psum(x, ax), lambda g: np.broadcast_to(g.sum(1, keepdims=True), g.shape)),
     ("pmax", lambda x, ax: sc.pmax(x, ax), lambda g: np.broadcast_to(g.max(1, keepdims=True), g.shape)),
-    ("prod", lambda x, ax: sc.all_reduce(x, ax, "prod"), lambda g: np.broadcast_to(g.prod(1, keepdims=True), g.shape)),
+    (
+        "prod",
+        lambda x, ax: sc.all_reduce(x, ax, op="prod"),
+        lambda g: np.broadcast_to(g.prod(1, keepdims=True), g.shape),
+    ),
     ("broadcast", lambda x, ax: sc.broadcast(x, ax, root=1), lambda g: np.broadcast_to(g[:, 1:2], g.shape)),
-    ("shift", lambda x, ax: sc.shift(x, ax, 1), lambda g: np.roll(g, 1, axis=1)),
+    ("shift", lambda x, ax: sc.shift(x, ax, offset=1), lambda g: np.roll(g, 1, axis=1)),
 ]
 
 
@@ -389,7 +393,7 @@ def test_usable_in_raw_pmap():
     out = jax.pmap(
         lambda v: (
             sc.pmean(v, "i"),
-            sc.shift(v, "i", 1),
+            sc.shift(v, "i", offset=1),
             sc.all_gather(v, "i"),
         ),
         axis_name="i",
@@ -461,7 +465,7 @@ ROOTED = [
     ("broadcast", lambda v, r: sc.broadcast(v, "data", root=r), lambda xs, r, i: xs[r]),
     (
         "broadcast_split",
-        lambda v, r: sc.collectives._broadcast_leaf(v, "data", r, sc.axis_size("data"), split=True),
+        lambda v, r: sc.collectives.rooted._broadcast_leaf(v, "data", r, sc.axis_size("data"), split=True),
         lambda xs, r, i: xs[r],
     ),
     (
@@ -533,13 +537,13 @@ SCALAR_CASES = [
     ("pmean", lambda: sc.pmean(2.5, "data"), lambda n, i: 2.5),
     ("pmax", lambda: sc.pmax(3.5, "data"), lambda n, i: 3.5),
     ("pmin", lambda: sc.pmin(-1, "data"), lambda n, i: -1),
-    ("all_reduce_prod", lambda: sc.all_reduce(2, "data", "prod"), lambda n, i: 2**n),
+    ("all_reduce_prod", lambda: sc.all_reduce(2, "data", op="prod"), lambda n, i: 2**n),
     ("all_gather_untiled", lambda: sc.all_gather(1.5, "data", tiled=False), lambda n, i: [1.5] * n),
     ("broadcast", lambda: sc.broadcast(3, "data", root=1), lambda n, i: 3),
     ("reduce", lambda: sc.reduce(3, "data", root=0), lambda n, i: 3 * n if i == 0 else 3),
     ("reduce_max", lambda: sc.reduce(True, "data", root=1, op="max"), lambda n, i: True),
-    ("permute", lambda: sc.permute(3.0, "data", [(0, 1)]), lambda n, i: 3.0 if i == 1 else 0.0),
-    ("shift", lambda: sc.shift(7, "data", 1), lambda n, i: 7),
+    ("permute", lambda: sc.permute(3.0, "data", perm=[(0, 1)]), lambda n, i: 3.0 if i == 1 else 0.0),
+    ("shift", lambda: sc.shift(7, "data", offset=1), lambda n, i: 7),
     ("scan", lambda: sc.scan(2, "data"), lambda n, i: 2 * (i + 1)),
 ]
 

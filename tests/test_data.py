@@ -52,7 +52,7 @@ def test_shard_batch_places_each_block_on_its_device(mesh):
     placed = sc.shard_batch(b, mesh)
     for name, host in b.items():
         arr = placed[name]
-        assert arr.shape == host.shape and arr.sharding == sc.data_sharding(mesh)
+        assert arr.shape == host.shape and arr.sharding == sc.data_sharding(mesh=mesh)
         index_map = arr.sharding.devices_indices_map(arr.shape)
         for i, device in enumerate(mesh.devices.flat):
             assert index_map[device][0].indices(4 * n)[:2] == (4 * i, 4 * (i + 1))

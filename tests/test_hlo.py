@@ -36,8 +36,8 @@ PAIRS = [
         lambda x: sc.all_to_all(x, "data", split_dim=0, concat_dim=1),
         lambda x: lax.all_to_all(x, "data", 0, 1, tiled=True),
     ),
-    ("shift", lambda x: sc.shift(x, "data", 1), lambda x: lax.ppermute(x, "data", RING)),
-    ("permute", lambda x: sc.permute(x, "data", RING), lambda x: lax.ppermute(x, "data", RING)),
+    ("shift", lambda x: sc.shift(x, "data", offset=1), lambda x: lax.ppermute(x, "data", RING)),
+    ("permute", lambda x: sc.permute(x, "data", perm=RING), lambda x: lax.ppermute(x, "data", RING)),
     (
         "psum_rs_ag",
         lambda x: sc.psum(x, "data", algorithm="rs_ag"),
@@ -72,7 +72,7 @@ def test_reduce_scatter_moves_no_gathered_data():
         (lambda x: sc.scatter(x, "data", root=3), {"all-to-all": 1}),
         (lambda x: sc.gather(x, "data", root=3), {"all-gather": 1}),
         (lambda x: sc.reduce_scatter(x, "data", op="max"), {"all-to-all": 1}),
-        (lambda x: sc.all_reduce(x, "data", "prod"), {"all-gather": 1}),
+        (lambda x: sc.all_reduce(x, "data", op="prod"), {"all-gather": 1}),
     ],
 )
 def test_composed_collectives_use_one_collective(fn, want):

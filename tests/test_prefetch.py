@@ -71,7 +71,7 @@ def test_order_values_and_placement(mesh, mode):
         assert it.threaded == (mode == "threaded")
     assert len(got) == 6
     for i, b in enumerate(got):
-        assert b["x"].sharding == sc.data_sharding(mesh) and b["i"].sharding == sc.data_sharding(mesh)
+        assert b["x"].sharding == sc.data_sharding(mesh=mesh) and b["i"].sharding == sc.data_sharding(mesh=mesh)
         np.testing.assert_array_equal(np.asarray(b["i"]), np.arange(2 * n) + 100 * i)
         for shard in b["i"].addressable_shards:
             d = list(mesh.devices.flat).index(shard.device)

@@ -25,7 +25,7 @@ def numpy_scan(op: str, blocks: np.ndarray, inclusive: bool) -> np.ndarray:
     cum = ufunc.accumulate(blocks, axis=0, dtype=blocks.dtype)
     if inclusive:
         return cum
-    ident = np.asarray(sc.collectives._identity(op, blocks.dtype))
+    ident = np.asarray(sc.collectives.p2p._identity(op, blocks.dtype))
     return np.concatenate([np.broadcast_to(ident, (1,) + blocks.shape[1:]), cum[:-1]], axis=0)
 
 
@@ -47,7 +47,7 @@ def test_scan_matches_numpy(inclusive, backend, mesh):
         for seed, (op, dt) in enumerate((op, dt) for op in OPS for dt in (np.float32, np.int32, np.bool_))
     }
     f = sc.spmd(
-        lambda t: {k: sc.scan(v, "data", k.split("_")[0], inclusive=inclusive) for k, v in t.items()},
+        lambda t: {k: sc.scan(v, "data", op=k.split("_")[0], inclusive=inclusive) for k, v in t.items()},
         mesh=mesh,
         in_specs=P("data"),
         out_specs=P("data"),
@@ -71,7 +71,10 @@ def test_exclusive_identities():
     }
     got = {
         op: sc.spmd(
-            lambda t, op=op: sc.scan(t, "data", op, inclusive=False), mesh=mesh, in_specs=P("data"), out_specs=P("data")
+            lambda t, op=op: sc.scan(t, "data", op=op, inclusive=False),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P("data"),
         )(x)
         for op in OPS
     }
@@ -105,7 +108,7 @@ def test_scan_of_a_python_scalar_and_a_pytree():
     mesh = sc.data_mesh(devices=jax.devices()[:4])
 
     def f(x):
-        out = sc.scan({"two": 2, "x": (x,)}, "data", "prod")
+        out = sc.scan({"two": 2, "x": (x,)}, "data", op="prod")
         return {"two": out["two"][None], "x": out["x"]}
 
     out = sc.spmd(f, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(np.arange(1.0, 5.0))

@@ -57,13 +57,13 @@ def test_places_unplaced_and_explicitly_sharded_inputs():
     for x in inputs:
         out = f(x)
         np.testing.assert_array_equal(np.asarray(out), np.arange(8.0) * 2)
-        assert out.sharding.is_equivalent_to(sc.data_sharding(mesh), 1)
+        assert out.sharding.is_equivalent_to(sc.data_sharding(mesh=mesh), 1)
 
 
 def test_already_placed_inputs_are_not_copied():
     mesh = sc.data_mesh()
     f = sc.spmd(lambda x: x, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
-    x = jax.device_put(np.arange(8.0, dtype=np.float32), sc.data_sharding(mesh))
+    x = jax.device_put(np.arange(8.0, dtype=np.float32), sc.data_sharding(mesh=mesh))
     (placed,) = f.place((x,))
     assert placed is x
 

@@ -73,7 +73,7 @@ check("pmean", run(lambda b: sc.pmean(b, "data"), x), x.mean(0, keepdims=True))
 check("pmax", run(lambda b: sc.pmax(b, "data"), x), x.max(0, keepdims=True))
 check("pmin", run(lambda b: sc.pmin(b, "data"), x), x.min(0, keepdims=True))
 xi = np.arange(n * k, dtype=np.int32).reshape(n, k) % 5 - 2
-check("all_reduce_prod", run(lambda b: sc.all_reduce(b, "data", "prod"), xi), xi.prod(0, keepdims=True))
+check("all_reduce_prod", run(lambda b: sc.all_reduce(b, "data", op="prod"), xi), xi.prod(0, keepdims=True))
 check("psum_tree", run(lambda b: sc.psum({"a": b, "b": 2 * b}, "data"), x)["b"], 2 * x.sum(0, keepdims=True))
 check("all_gather", run(lambda b: sc.all_gather(b, "data"), x), x)
 check("all_gather_stacked", run(lambda b: sc.all_gather(b, "data", tiled=False), x), x[:, None, :])
@@ -102,15 +102,17 @@ z = np.arange(n * 2, dtype=np.float32)
 check("scatter", run(lambda b: sc.scatter(b, "data", root=0), z, in_specs=P(), out_specs=P("data")), z)
 want = np.zeros_like(x)
 want[0], want[1] = x[1], x[0]
-check("permute", run(lambda b: sc.permute(b, "data", [(0, 1), (1, 0)]), x, out_specs=P("data")), want)
-check("shift", run(lambda b: sc.shift(b, "data", 1), x, out_specs=P("data")), np.roll(x, 1, axis=0))
+check("permute", run(lambda b: sc.permute(b, "data", perm=[(0, 1), (1, 0)]), x, out_specs=P("data")), want)
+check("shift", run(lambda b: sc.shift(b, "data", offset=1), x, out_specs=P("data")), np.roll(x, 1, axis=0))
 check("axis_index", run(lambda b: sc.axis_index("data")[None], x, out_specs=P("data")), np.arange(n))
 check("axis_size", run(lambda b: np.full((1,), sc.axis_size("data")), x), [n])
 
 # --- the pmap backend gives the same answers across processes ------------------------------------
 check("pmap_psum", run(lambda b: sc.psum(b, "data"), x, backend="pmap"), x.sum(0, keepdims=True))
 check(
-    "pmap_shift", run(lambda b: sc.shift(b, "data", 1), x, out_specs=P("data"), backend="pmap"), np.roll(x, 1, axis=0)
+    "pmap_shift",
+    run(lambda b: sc.shift(b, "data", offset=1), x, out_specs=P("data"), backend="pmap"),
+    np.roll(x, 1, axis=0),
 )
 check(
     "pmap_scatter",
@@ -127,7 +129,7 @@ sc.set_debug(False)
 # --- host-level collectives ---------------------------------------------------------------------
 vals = [np.array([p + 1, -p, 2 * p], np.int64) for p in range(nproc)]
 for op, ref in [("sum", np.sum), ("mean", np.mean), ("max", np.max), ("min", np.min), ("prod", np.prod)]:
-    got = sc.host_all_reduce({"v": vals[pid], "s": np.float32(pid)}, op)
+    got = sc.host_all_reduce({"v": vals[pid], "s": np.float32(pid)}, op=op)
     check(f"host_all_reduce_{op}", got["v"], ref(np.stack(vals), axis=0))
     check(f"host_all_reduce_{op}_scalar", got["s"], ref(np.arange(nproc, dtype=np.float32)))
 check("host_all_gather", sc.host_all_gather({"p": pid, "v": vals[pid]})["v"], np.stack(vals))

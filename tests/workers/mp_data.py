@@ -26,7 +26,7 @@ def check(name, got, want):
 
 def check_placement(name, arr, global_host):
     assert arr.shape == global_host.shape, (name, arr.shape)
-    assert arr.sharding == sc.data_sharding(mesh), name
+    assert arr.sharding == sc.data_sharding(mesh=mesh), name
     for shard in arr.addressable_shards:
         assert shard.device.process_index == pid
         check(f"{name} shard on {shard.device}", shard.data, global_host[shard.index])

@@ -1,0 +1,79 @@
+"""Pytree-aware SPMD collectives with torch.distributed names.
+
+Call these inside :func:`spmdcomm.spmd`, raw ``jax.shard_map`` or raw ``jax.pmap``. Each takes a pytree of
+arrays and an axis name, or a tuple of axis names (the axes then act as one axis whose device index is
+row-major over them, as in ``jax.lax.axis_index``). Shapes below are per-device block shapes, and ``n`` is the
+size of the axis (the product of the sizes for a tuple).
+
+Every function validates its input before calling ``jax.lax``: an unknown axis, a dimension the axis size does
+not divide, a ``root`` out of range, an unknown op, a non-array leaf or a bad permutation raise an
+:class:`~spmdcomm.errors.SpmdError` subclass naming the function, the leaf path, the axis and the sizes.
+
+The collectives live in three modules, all re-exported here:
+
+- :mod:`spmdcomm.collectives.reductions`: every device plays the same part (``psum``, ``pmean``, ``pmax``,
+  ``pmin``, ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``axis_index``, ``axis_size``);
+- :mod:`spmdcomm.collectives.rooted`: one device sends or receives (``broadcast``, ``reduce``, ``gather``,
+  ``scatter``), built from data movement so that they run on every backend and deliver values exactly;
+- :mod:`spmdcomm.collectives.p2p`: point-to-point sends and the prefix scan built on them (``permute``,
+  ``shift``, ``scan``).
+
+Data and axis are positional, like ``jax.lax``; every other option (``op``, ``root``, ``dim``, ``perm``,
+``offset``, ...) is keyword-only: ``all_reduce(x, "data", op="max")``.
+
+Derivatives: every collective differentiates (``jax.grad``, ``jax.jvp``, ``jax.vjp``, and
+``jax.linear_transpose`` where it is linear) like the ``jax.lax`` program it replaces, under ``jax.jit``,
+``jax.vmap``, ``jax.checkpoint`` and to any order; each docstring states its derivative. As in ``jax.lax``, a
+derivative taken *inside* the mapped function follows the backend's rules: under ``shard_map`` with
+``check_vma=True`` the cotangent of an output that is identical on every device is not summed over devices,
+under ``pmap`` (and ``check_vma=False``) it is. One exception: on CPU, bfloat16/float16 leaves of the rooted
+collectives and ``all_gather`` move as bit patterns (XLA:CPU changes their NaN payloads otherwise) with a
+custom JVP, so ``jax.linear_transpose`` raises ``NotImplementedError`` for them (``grad``/``vjp`` work).
+
+>>> import jax, jax.numpy as jnp, numpy as np
+>>> import spmdcomm as sc
+>>> f = sc.spmd(lambda x: sc.psum(x, "data"), in_specs=sc.P("data"), out_specs=sc.P())
+>>> f(np.arange(8.0))
+Array([28.], dtype=float32)
+"""
+
+from spmdcomm._ops import REDUCE_OPS, SCAN_OPS
+from spmdcomm.collectives.p2p import permute, scan, shift
+from spmdcomm.collectives.reductions import (
+    RS_AG_MIN_BYTES,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
+    pmin,
+    psum,
+    reduce_scatter,
+)
+from spmdcomm.collectives.rooted import BROADCAST_SPLIT_MIN_BYTES, broadcast, gather, reduce, scatter
+
+__all__ = [
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "permute",
+    "shift",
+    "scan",
+    "axis_index",
+    "axis_size",
+    "REDUCE_OPS",
+    "SCAN_OPS",
+    "RS_AG_MIN_BYTES",
+    "BROADCAST_SPLIT_MIN_BYTES",
+]
