@@ -57,7 +57,17 @@ def test_eager_transformations_may_call_host_synchronisation(name):
     np.testing.assert_array_equal(np.asarray(jax.vmap(f)(jnp.arange(3.0))), [0.0, 1.0, 2.0])
 
 
-def test_host_calls_outside_traces_still_work():
-    sc.barrier("outside")
-    sc.sync_devices()
-    assert sc.host_all_reduce({"a": np.float32(2.0)}, op="sum") == {"a": np.float32(2.0)}
+@pytest.mark.parametrize("name", sorted(_HOST_CALLS))
+def test_host_calls_outside_traces_return_their_single_process_result(name):
+    x = np.arange(8.0, dtype=np.float32)
+    got = _HOST_CALLS[name](x)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32, type(got)
+    np.testing.assert_array_equal(got, x)
+
+
+@pytest.mark.parametrize("sync", [sc.barrier, sc.sync_devices], ids=["barrier", "sync_devices"])
+def test_barrier_and_sync_devices_wait_for_queued_device_work(sync):
+    x = jnp.ones((512, 512), jnp.float32)
+    queued = [x := jnp.tanh(x @ x) for _ in range(4)]
+    sync()
+    assert all(y.is_ready() for y in queued)
