@@ -553,3 +553,141 @@ def test_python_scalars(name, fn, want):
     mesh = sc.data_mesh(devices=jax.devices()[:4])
     out = sc.spmd(lambda _: jnp.asarray(fn())[None], mesh=mesh, in_specs=P("data"), out_specs=P("data"))(np.zeros(4))
     np.testing.assert_allclose(np.asarray(out).tolist(), [want(4, i) for i in range(4)])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One rule for op, root and device indices; options are keyword-only
+
+ROOT_CASES = [  # name, call with root r, what device i holds afterwards (NumPy, from the blocks xs)
+    ("broadcast", lambda x, r: sc.broadcast(x, "data", root=r), lambda xs, i, r: xs[r]),
+    ("reduce", lambda x, r: sc.reduce(x, "data", root=r), lambda xs, i, r: xs.sum(0) if i == r else xs[i]),
+    (
+        "gather",
+        lambda x, r: sc.gather(x, "data", root=r),
+        lambda xs, i, r: np.concatenate(xs) if i == r else np.zeros((len(xs) * xs.shape[1],), xs.dtype),
+    ),
+    ("scatter", lambda x, r: sc.scatter(x, "data", root=r), lambda xs, i, r: np.split(xs[r], len(xs))[i]),
+]
+OP_CASES = [  # name, call with op, the ops it accepts
+    ("all_reduce", lambda x, op: sc.all_reduce(x, "data", op=op), sc.REDUCE_OPS),
+    ("reduce_scatter", lambda x, op: sc.reduce_scatter(x, "data", op=op), sc.REDUCE_OPS),
+    ("reduce", lambda x, op: sc.reduce(x, "data", op=op), sc.REDUCE_OPS),
+    ("scan", lambda x, op: sc.scan(x, "data", op=op), sc.collectives.SCAN_OPS),
+]
+
+
+def _on_all_devices(fn: Callable[[Any], Any], xs: np.ndarray) -> np.ndarray:
+    mesh = sc.data_mesh()
+    return run(fn, xs, mesh, "shard_map")
+
+
+@pytest.mark.parametrize("name, fn, ref", ROOT_CASES, ids=[c[0] for c in ROOT_CASES])
+def test_numpy_integer_root_is_accepted(name, fn, ref):
+    n = jax.device_count()
+    xs = np.arange(n * n, dtype=np.float32).reshape(n, n)
+    root = np.int64(n - 1)  # e.g. from np.argmax
+    got = _on_all_devices(lambda x: fn(x, root), xs)
+    np.testing.assert_array_equal(got, np.stack([ref(xs, i, n - 1) for i in range(n)]))
+
+
+@pytest.mark.parametrize("name, fn, ref", ROOT_CASES, ids=[c[0] for c in ROOT_CASES])
+@pytest.mark.parametrize(
+    "root, why",
+    [(True, "is a bool, not a device index"), (np.True_, "is a bool"), (1.0, "is a float"), ("0", "is a str")]
+    + [("n", "is out of range for axis 'data'"), (-1, "is out of range for axis 'data'")],
+    ids=["True", "np.True_", "float", "str", "n", "-1"],
+)
+def test_bad_root_is_named_with_the_range(name, fn, ref, root, why):
+    n = jax.device_count()
+    root = n if root == "n" else root
+    with pytest.raises(sc.AxisError) as err:
+        _on_all_devices(lambda x: fn(x, root), np.zeros((n, n), np.float32))
+    msg = str(err.value)
+    assert msg.startswith(f"spmdcomm.{name}: root={root!r} {why}"), msg
+    assert f"of size {n}" in msg and f"Fix: pass a device index in [0, {n})." in msg
+
+
+@pytest.mark.parametrize("name, fn, allowed", OP_CASES, ids=[c[0] for c in OP_CASES])
+@pytest.mark.parametrize("op", ["avg", "SUM", None, ("sum",)], ids=["avg", "SUM", "None", "tuple"])
+def test_unknown_op_lists_the_allowed_ops(name, fn, allowed, op):
+    n = jax.device_count()
+    with pytest.raises(sc.SpmdError) as err:
+        _on_all_devices(lambda x: fn(x, op), np.zeros((n, n), np.float32))
+    assert str(err.value) == f"spmdcomm.{name}: unknown op {op!r}. Fix: use one of {allowed}."
+
+
+def test_scan_refuses_mean_which_all_reduce_accepts():
+    assert "mean" in sc.REDUCE_OPS and "mean" not in sc.collectives.SCAN_OPS
+    n = jax.device_count()
+    with pytest.raises(sc.SpmdError, match=r"spmdcomm.scan: unknown op 'mean'"):
+        _on_all_devices(lambda x: sc.scan(x, "data", op="mean"), np.zeros((n, 1), np.float32))
+
+
+def test_device_indices_of_shift_and_permute_follow_the_root_rule():
+    n = jax.device_count()
+    xs = np.arange(1, n + 1, dtype=np.float32).reshape(n, 1)
+    got = _on_all_devices(lambda x: sc.shift(x, "data", offset=np.int64(-2)), xs)
+    np.testing.assert_array_equal(got, np.roll(xs, -2, axis=0))
+    got = _on_all_devices(lambda x: sc.permute(x, "data", perm=[(np.int64(0), np.int32(n - 1))]), xs)
+    np.testing.assert_array_equal(got[:, 0], [0.0] * (n - 1) + [1.0])
+    for offset, kind in ((True, "bool"), (1.0, "float")):
+        with pytest.raises(sc.SpmdError, match=rf"spmdcomm.shift: offset={offset!r} is a {kind}, not an int"):
+            _on_all_devices(lambda x, o=offset: sc.shift(x, "data", offset=o), xs)
+    for perm in ([(0, 1.5)], [(True, 0)], [(0,)], 3):
+        with pytest.raises(sc.AxisError, match=r"spmdcomm.permute: perm=.* integer device indices"):
+            _on_all_devices(lambda x, p=perm: sc.permute(x, "data", perm=p), xs)
+    with pytest.raises(sc.ShapeError, match=r"spmdcomm.all_gather: leaf <root>: dim=True is out of range"):
+        _on_all_devices(lambda x: sc.all_gather(x, "data", dim=True), xs)
+
+
+def test_process_root_raises_spmd_error_not_axis_error():
+    from spmdcomm._ops import check_root
+
+    assert check_root("host_broadcast", np.int64(1), 2, what="process") == 1
+    with pytest.raises(sc.SpmdError) as err:
+        check_root("host_broadcast", 2, 2, what="process")
+    assert not isinstance(err.value, sc.AxisError)
+    assert str(err.value) == (
+        "spmdcomm.host_broadcast: root=2 is out of range for a job of 2 process(es). "
+        "Fix: pass a process index in [0, 2)."
+    )
+
+
+X = np.zeros(8, np.float32)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: sc.all_reduce(X, "data", "max"),
+        lambda: sc.psum(X, "data", "native"),
+        lambda: sc.reduce_scatter(X, "data", 0),
+        lambda: sc.all_gather(X, "data", 0),
+        lambda: sc.all_to_all(X, "data", 0, 0),
+        lambda: sc.broadcast(X, "data", 0),
+        lambda: sc.reduce(X, "data", 0),
+        lambda: sc.gather(X, "data", 0),
+        lambda: sc.scatter(X, "data", 0),
+        lambda: sc.scan(X, "data", "max"),
+        lambda: sc.shift(X, "data", 1),
+        lambda: sc.permute(X, "data", [(0, 1)]),
+        lambda: sc.data_mesh("data"),
+        lambda: sc.make_mesh({"data": -1}, jax.devices()),
+        lambda: sc.data_sharding(sc.data_mesh()),
+        lambda: sc.replicated_sharding(sc.data_mesh()),
+    ],
+    ids=lambda c: c.__code__.co_names[1],
+)
+def test_options_are_keyword_only(call):
+    with pytest.raises(TypeError, match=r"positional argument"):
+        call()
+
+
+def test_mesh_options_by_name():
+    mesh = sc.data_mesh(axis="batch", devices=jax.devices()[:2])
+    assert dict(mesh.shape) == {"batch": 2}
+    assert sc.make_mesh({"batch": -1}, devices=jax.devices()[:2]).devices.tolist() == mesh.devices.tolist()
+    assert sc.data_sharding(mesh=mesh, axis="batch").spec == P("batch")
+    assert sc.replicated_sharding(mesh=mesh).spec == P() and sc.replicated_sharding(mesh=mesh).mesh == mesh
+    with pytest.raises(sc.AxisError, match=r"spmdcomm.data_sharding: axis 'data' is not an axis of the mesh"):
+        sc.data_sharding(mesh=mesh)
