@@ -5,7 +5,7 @@ One table (:data:`REDUCE_OPS`) and one rule per argument, so that every function
 
 - ``op`` is one of the allowed strings;
 - ``root`` is an ``int`` or a NumPy integer (``np.int64(3)``, e.g. from ``np.argmax``), not a ``bool``, in
-  ``[0, n)``.
+  ``[0, n)``; other device indices (``permute``'s pairs, ``shift``'s offset) pass the same :func:`is_index`.
 """
 
 from __future__ import annotations

@@ -70,9 +70,10 @@ def scan(x: Any, axis: AxisName, *, op: ScanOp = "sum", inclusive: bool = True) 
     ``op`` is one of ``"sum"``, ``"max"``, ``"min"``, ``"prod"``. With ``inclusive=False`` (``MPI_Exscan``)
     device ``i`` receives ``op`` over devices ``0..i-1``, and device 0 the identity of ``op``: 0 for sum, 1 for
     prod, ``-inf`` (or the dtype's minimum, ``False`` for booleans) for max, ``+inf`` (the maximum, ``True``)
-    for min. Output shape: the input shape. Booleans are summed as ``int32`` counts, as in :func:`psum`; their
-    max/min/prod are any/all/all. Runs in ``ceil(log2(n))`` rounds of ``jax.lax.ppermute`` (Hillis-Steele:
-    round ``k`` combines the value from ``2**k`` devices back; one more round shifts for the exclusive scan).
+    for min. Output shape: the input shape. Booleans are summed as ``int32`` counts, as in
+    :func:`~spmdcomm.psum`; their max/min/prod are any/all/all. Runs in ``ceil(log2(n))`` rounds of
+    ``jax.lax.ppermute`` (Hillis-Steele: round ``k`` combines the value from ``2**k`` devices back; one more
+    round shifts for the exclusive scan).
 
     Derivative: that of the same ``ppermute``/``where`` program (for max/min the ties of each pairwise
     ``jnp.maximum``/``jnp.minimum`` split evenly).
