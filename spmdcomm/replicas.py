@@ -4,6 +4,8 @@ A data-parallel run silently goes wrong when replicas drift apart (a non-determi
 that skipped a step, a bad restore). These checks compare a 64-bit checksum of each replicated
 leaf's bit pattern on every device (one small computation per device, no copy of the data to the
 host) and name the first leaf that differs, with the device and process holding the differing copy.
+Across processes the checksums meet at a timed sync point (:mod:`spmdcomm.sync`), so a process that
+never calls the check is named instead of leaving the others waiting.
 
 >>> import optax
 >>> state = sc.TrainState.create(params={"w": np.ones(4, np.float32)}, tx=optax.sgd(0.1))
@@ -15,16 +17,17 @@ host) and name the first leaf that differs, with the device and process holding 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import multihost_utils
 
 from spmdcomm.errors import ReplicaDivergenceError, describe
-from spmdcomm.sync import refuse_in_trace
+from spmdcomm.mesh import process_count, process_index
+from spmdcomm.sync import DEFAULT_TIMEOUT, exchange, raise_if_different, refuse_in_trace
 
 __all__ = ["Divergence", "check_replicas_in_sync", "assert_replicated"]
 
@@ -39,51 +42,64 @@ class Divergence:
     process: int
 
 
-def check_replicas_in_sync(tree: Any) -> list[Divergence]:
+def check_replicas_in_sync(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> list[Divergence]:
     """Returns every (leaf, device) whose copy differs from the first device's; ``[]`` if none.
 
     Compared are the fully replicated ``jax.Array`` leaves on the same devices as the first one
     (sharded leaves such as batches or ZeRO-1 optimizer state have no copies to compare). With
     several processes every process must call this with the same tree; the result is the same
-    everywhere.
+    everywhere. The processes swap their checksums at a sync point (like a barrier): a process
+    that does not arrive within ``timeout`` seconds is named in a
+    :class:`~spmdcomm.errors.BarrierTimeoutError`, and processes whose replicated leaves differ
+    in name raise :class:`~spmdcomm.errors.ProcessMismatchError` naming them.
     """
-    refuse_in_trace("check_replicas_in_sync", tree)
+    refuse_in_trace(_FN, tree)
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [
         (jax.tree_util.keystr(path) or "<root>", x)
         for path, x in flat
         if isinstance(x, jax.Array) and x.sharding.is_fully_replicated and x.size
     ]
-    if not leaves:
-        return []
-    devices = leaves[0][1].sharding.device_set
+    devices = leaves[0][1].sharding.device_set if leaves else set()
     leaves = [(name, x) for name, x in leaves if x.sharding.device_set == devices]
-    local = sorted((d for d in devices if d.process_index == jax.process_index()), key=lambda d: d.id)
+    names = [name for name, _ in leaves]
+    local = sorted((d for d in devices if d.process_index == process_index()), key=lambda d: d.id)
     sums = []
     for device in local:
         shards = [next(s.data for s in x.addressable_shards if s.device == device) for _, x in leaves]
         sums.append(np.asarray(_checksums(shards)))
-    ids = np.array([[d.id, d.process_index] for d in local], dtype=np.int64)
-    table = np.asarray(sums, dtype=np.uint32)  # (local devices, leaves, 2)
-    if jax.process_count() > 1:
-        table = np.asarray(multihost_utils.process_allgather(table)).reshape((-1,) + table.shape[1:])
-        ids = np.asarray(multihost_utils.process_allgather(ids)).reshape(-1, 2)
+    ids = np.array([[d.id, d.process_index] for d in local], dtype=np.int64).reshape(-1, 2)
+    table = np.asarray(sums, dtype=np.uint32).reshape(len(local), len(leaves), 2)
+    if process_count() > 1:
+        # Every process joins the exchange, even one with nothing to compare, so that none is left waiting.
+        payload = pickle.dumps((names, ids, table))
+        got = [pickle.loads(b) for b in exchange(_FN, _FN, payload, timeout=timeout)]
+        raise_if_different(
+            _FN,
+            "replicated leaves",
+            ["; ".join(n) for n, _, _ in got],
+            fix="call it with the same tree on every process, placed on the same devices.",
+        )
+        ids, table = np.concatenate([i for _, i, _ in got]), np.concatenate([t for _, _, t in got])
+    if not names:
+        return []
     order = np.argsort(ids[:, 0])
     table, ids = table[order], ids[order]
     out = []
-    for j, (name, _) in enumerate(leaves):
+    for j, name in enumerate(names):
         for row in np.nonzero(np.any(table[:, j] != table[0, j], axis=-1))[0]:
             out.append(Divergence(name, int(ids[row, 0]), int(ids[row, 1])))
     return out
 
 
-def assert_replicated(tree: Any) -> None:
+def assert_replicated(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> None:
     """Raises :class:`~spmdcomm.errors.ReplicaDivergenceError` naming the first leaf whose replicas
     differ.
 
-    Cheap enough to call every few hundred steps (one checksum per leaf per device).
+    Cheap enough to call every few hundred steps (one checksum per leaf per device, and with several
+    processes one sync point bounded by ``timeout`` seconds).
     """
-    diverged = check_replicas_in_sync(tree)
+    diverged = check_replicas_in_sync(tree, timeout=timeout)
     if diverged:
         first = diverged[0]
         others = sorted({d.leaf for d in diverged} - {first.leaf})
@@ -100,6 +116,9 @@ def assert_replicated(tree: Any) -> None:
                 "state from process 0 (TrainState.create broadcasts at start-up).",
             )
         )
+
+
+_FN = "check_replicas_in_sync"
 
 
 @jax.jit

@@ -347,25 +347,25 @@ def raise_if_different(fn: str, what: str, descriptions: Sequence[str], *, fix: 
 
 
 def broadcast_tree(fn: str, tree: Any, *, root: int = 0, timeout: float = DEFAULT_TIMEOUT) -> Any:
-    """Every process receives process ``root``'s pytree of host arrays, bit for bit, as NumPy arrays.
+    """Every process receives process ``root``'s pytree of arrays, bit for bit, as NumPy arrays.
 
-    For trees of any size (model parameters of many MB). Every process must pass a tree of the same
-    structure, shapes and dtypes. The processes first agree on that signature through a sync point of
-    the main channel, which is timed: a missing process is named after ``timeout`` seconds, and a process
-    whose tree differs raises :class:`~spmdcomm.errors.ProcessMismatchError` naming it. Only then do the
-    bytes move, in one device all-reduce of one flat int32 buffer over one device per process (root
-    contributes its bytes, the others zeros; integer sums of zeros are exact for every dtype). The
-    coordination service is not meant for values of many MB, and a device collective has no timeout,
-    but after the agreement every process is known to be at this point with the same buffer size, so
-    the collective cannot wait for a missing peer (a process that dies in between ends the job through
-    the launcher or JAX's heartbeat). With one process the tree comes back as NumPy arrays.
+    For trees of any size (model parameters of many MB) of NumPy arrays, numbers or this process's own
+    ``jax.Array`` s. Every process must pass a tree of the same structure, shapes and dtypes. The
+    processes first agree on that signature at a sync point of the main channel, which is timed: a
+    missing process is named after ``timeout`` seconds, and a process whose tree differs raises
+    :class:`~spmdcomm.errors.ProcessMismatchError` naming it. Only then do the bytes move, in one device
+    all-reduce of one flat int32 buffer over one device per process (root contributes its bytes, the
+    others zeros; integer sums with zeros are exact for every dtype, where a float sum would turn -0.0
+    into 0.0). The coordination service is not meant for values of many MB, and a device collective has
+    no timeout, but after the agreement every process is known to be at this point with the same buffer
+    size, so the collective cannot wait for a missing peer (a process that dies in between ends the job
+    through the launcher or JAX's heartbeat). With one process the tree itself comes back, not copied.
     """
     refuse_in_trace(fn, tree)
     root = check_root(fn, root, process_count(), what="process")
-    host = _to_host(fn, tree)
     if process_count() == 1:
-        return host
-    flat, treedef = jax.tree_util.tree_flatten_with_path(host)
+        return tree
+    flat, treedef = jax.tree_util.tree_flatten_with_path(_to_host(fn, tree))
     signature = "; ".join(f"{jax.tree_util.keystr(p) or '<root>'}: {x.shape} {x.dtype}" for p, x in flat)
     check_same_across_processes(
         fn,

@@ -50,6 +50,46 @@ def test_out_of_step_processes_raise_instead_of_hanging(launch):
 
 
 @pytest.mark.multiprocess
+def test_agreement_across_processes_names_who_differs_and_who_is_missing(launch):
+    res = launch("mp_agreement.py", returncode=1)
+    out, err = res.stdout, res.stderr
+    for rank in "01":
+        oks = re.findall(rf"^\[rank {rank}\] OK (.*)$", out, re.M)
+        assert len(oks) == 9 and "divergence on process 1's devices" in oks, out
+    caught = {(r, name): msg for r, name, msg in re.findall(r"^\[rank (\d)\] CAUGHT (\w+): (.*)$", out, re.M)}
+    for rank in "01":
+        msg = caught[rank, "description"]
+        assert msg.startswith(
+            "spmdcomm.TrainState.create: process(es) [1] passed parameter trees that differ from process 0's "
+            f"(seen on process {rank}): process 1 has \"['w']: (4,) float32\", process 0 has \"['w']: (3,) float32\"."
+        ), msg
+        assert msg.endswith("Fix: build it the same way everywhere.")
+        msg = caught[rank, "tree_shapes"]
+        assert "process(es) [1] passed trees (structure, shapes, dtypes) for a broadcast from process 0" in msg
+        assert "process 1 has \"['w']: (4,) float32; structure" in msg
+        assert "process 0 has \"['w']: (3,) float32; structure" in msg
+        msg = caught[rank, "diverged"]
+        assert re.search(r"leaf \['w'\]: the copy on device \d+ \(process 1\) differs from the first device's", msg)
+        assert "copy; 2 (leaf, device) pairs differ in all." in msg
+        msg = caught[rank, "replica_leaves"]
+        assert "process(es) [1] passed replicated leaves that differ from process 0's" in msg
+        assert "process 1 has \"['b']; ['extra']; ['w']\", process 0 has \"['b']; ['w']\"" in msg
+    # join_batches: process 1 left after one step; process 0 names it after its 3 s timeout.
+    ((elapsed, msg),) = re.findall(r"^\[rank 0\] JOIN TIMEOUT after ([\d.]+) s: (.*)$", out, re.M)
+    assert 3 <= float(elapsed) < 3 + 5
+    assert "spmdcomm.join_batches: join_batches step (#2, called at " in msg
+    assert "process(es) [1] did not arrive within 3 s" in msg
+    assert "process 1: join_batches step (#1, called at " in msg
+    # broadcast_tree: process 1 never calls it, so process 0 names it instead of entering the device broadcast.
+    ((elapsed, msg),) = re.findall(r"^\[rank 0\] TIMEOUT after ([\d.]+) s: (.*)$", out, re.M)
+    assert 3 <= float(elapsed) < 3 + 5
+    assert "check trees (structure, shapes, dtypes) for a broadcast from process 0 (#" in msg
+    assert "called at mp_agreement.py:" in msg and "process(es) [1] did not arrive within 3 s" in msg
+    assert "process 1: barrier 'after join' (#" in msg
+    assert "[rank 1] DONE" in out and "rank 0 (pid" in err and "exited with status 1" in err
+
+
+@pytest.mark.multiprocess
 def test_killed_process_ends_the_job(launch):
     # The others wait in a barrier with a 120 s timeout: the job ends within the 60 s only if the launcher
     # stops them (the fixture fails the test otherwise).

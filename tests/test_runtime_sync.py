@@ -154,9 +154,7 @@ def test_agreement_single_process_fast_paths():
     # One process: nothing to compare and no coordination service needed.
     sync.check_same_across_processes("f", "trees", "anything", fix="-", timeout=0.001)
     tree = {"w": jax.numpy.arange(3.0), "n": 2}
-    got = sync.broadcast_tree("TrainState.create", tree, timeout=0.001)
-    assert isinstance(got["w"], np.ndarray) and got["w"].tolist() == [0.0, 1.0, 2.0]
-    assert got["n"].dtype == np.asarray(2).dtype and int(got["n"]) == 2
+    assert sync.broadcast_tree("TrainState.create", tree, timeout=0.001) is tree  # nothing to copy
     with pytest.raises(sc.SpmdError, match=r"spmdcomm.TrainState.create: root=1 is out of range for a job of 1"):
         sync.broadcast_tree("TrainState.create", tree, root=1)
 
