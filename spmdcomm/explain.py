@@ -39,6 +39,54 @@ __all__ = ["explain", "Explanation", "Collective", "DeviceMemory", "COLLECTIVE_K
 COLLECTIVE_KINDS: tuple[str, ...] = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
 
+def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> Explanation:
+    """Compiles ``fn(*args, **kwargs)`` (without running it) and reports its collectives and memory.
+
+    ``fn`` is anything with a ``.lower(*args, **kwargs)`` method returning a ``jax.stages.Lowered`` (a train
+    or eval step, an ``spmd`` function, a ``jax.jit`` function), a plain function (lowered through
+    ``jax.jit``), or an already lowered or compiled program (then pass no arguments). The arguments are
+    those of a call; a train step is not run, so its donated state stays usable.
+
+    ``mesh`` names the axes of the device groups; by default the function's own mesh (``fn.mesh``, an
+    ``spmd`` function's resolved mesh) or the mesh of its placed arguments. Counts and bytes are per call
+    and per device; a collective inside a loop counts once (see :attr:`Collective.where`).
+
+    >>> report = sc.explain(jax.jit(lambda x: x * 2), np.ones(4, np.float32))
+    >>> report.collectives, report.memory.argument_bytes
+    ((), 16)
+    """
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise SpmdError(
+            describe(
+                "explain",
+                f"mesh is a {type(mesh).__name__}, not a jax.sharding.Mesh.",
+                fix="pass the mesh the function runs on (e.g. spmdcomm.data_mesh()), or leave it out.",
+            )
+        )
+    compiled = _compile(fn, args, kwargs)
+    text = compiled.as_text()
+    module = _parse_module(text)
+    devices = module.devices
+    if mesh is not None and mesh.size != devices:
+        raise SpmdError(
+            describe(
+                "explain",
+                f"mesh has {mesh.size} devices ({dict(mesh.shape)}) but the compiled program runs on {devices}.",
+                fix="pass the mesh the function runs on, or leave mesh out.",
+            )
+        )
+    if mesh is None:
+        mesh = _mesh_of(fn, compiled, devices)
+    return Explanation(
+        name=_name_of(fn, module.name),
+        devices=devices,
+        mesh=mesh,
+        collectives=tuple(_inventory(module, mesh)),
+        memory=_memory(compiled),
+        hlo=text,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """Identical collectives of one compiled program (same kind, size, dtypes, groups and place).
@@ -102,8 +150,9 @@ class DeviceMemory:
 class Explanation:
     """What :func:`explain` found: the program's collectives, in program order, and its per-device memory.
 
-    ``str(explanation)`` (or :meth:`table`) prints them as an aligned table. ``hlo`` is the optimised HLO
-    text they were read from.
+    ``name`` is the function's name (its class name for a step object, the HLO module's name for a lowered
+    or compiled program). ``str(explanation)`` (or :meth:`table`) prints an aligned table. ``hlo`` is the
+    optimised HLO text the collectives were read from.
     """
 
     name: str
@@ -177,54 +226,6 @@ class Explanation:
         return [c for c in self.collectives if kind is None or c.kind == kind]
 
 
-def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> Explanation:
-    """Compiles ``fn(*args, **kwargs)`` (without running it) and reports its collectives and memory.
-
-    ``fn`` is anything with a ``.lower(*args, **kwargs)`` method returning a ``jax.stages.Lowered`` (a train
-    or eval step, an ``spmd`` function, a ``jax.jit`` function), a plain function (lowered through
-    ``jax.jit``), or an already lowered or compiled program (then pass no arguments). The arguments are
-    those of a call; a train step is not run, so its donated state stays usable.
-
-    ``mesh`` names the axes of the device groups; by default the function's own mesh (``fn.mesh``, an
-    ``spmd`` function's resolved mesh) or the mesh of its placed arguments. Counts and bytes are per call
-    and per device; a collective inside a loop counts once (see :attr:`Collective.where`).
-
-    >>> report = sc.explain(jax.jit(lambda x: x * 2), np.ones(4, np.float32))
-    >>> report.collectives, report.memory.argument_bytes
-    ((), 16)
-    """
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise SpmdError(
-            describe(
-                "explain",
-                f"mesh is a {type(mesh).__name__}, not a jax.sharding.Mesh.",
-                fix="pass the mesh the function runs on (e.g. spmdcomm.data_mesh()), or leave it out.",
-            )
-        )
-    compiled = _compile(fn, args, kwargs)
-    text = compiled.as_text()
-    module = _parse_module(text)
-    devices = module.devices
-    if mesh is not None and mesh.size != devices:
-        raise SpmdError(
-            describe(
-                "explain",
-                f"mesh has {mesh.size} devices ({dict(mesh.shape)}) but the compiled program runs on {devices}.",
-                fix="pass the mesh the function runs on, or leave mesh out.",
-            )
-        )
-    if mesh is None:
-        mesh = _mesh_of(fn, compiled, devices)
-    return Explanation(
-        name=module.name,
-        devices=devices,
-        mesh=mesh,
-        collectives=tuple(_inventory(module, mesh)),
-        memory=_memory(compiled),
-        hlo=text,
-    )
-
-
 # ------------------------------------------------------------------------------------------------
 # Compiling
 
@@ -273,6 +274,12 @@ def _mesh_of(fn: Any, compiled: jax.stages.Compiled, devices: int) -> Mesh | Non
         candidates.append(resolved())
     candidates += [s.mesh for s in jax.tree.leaves(compiled.input_shardings) if isinstance(s, NamedSharding)]
     return next((m for m in candidates if isinstance(m, Mesh) and m.size == devices), None)
+
+
+def _name_of(fn: Any, module_name: str) -> str:
+    if isinstance(fn, (jax.stages.Lowered, jax.stages.Compiled)):
+        return module_name
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _memory(compiled: jax.stages.Compiled) -> DeviceMemory:

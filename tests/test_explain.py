@@ -118,6 +118,7 @@ def test_lowered_and_compiled_programs_are_accepted():
     lowered = f.lower(x)
     want = sc.explain(f, x).collectives
     assert sc.explain(lowered).collectives == sc.explain(lowered.compile()).collectives == want
+    assert sc.explain(lowered).name == "jit__lambda"  # the HLO module's name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,6 +197,7 @@ def test_ddp_step_reduces_the_parameters_and_metrics_in_one_variadic_all_reduce(
     # XLA fuses the four gradient leaves and the metrics vector into one all-reduce of five buffers.
     assert (c.kind, c.count, c.buffers, c.axes) == ("all-reduce", 1, 5, ("data",))
     assert c.bytes == 4 * (PARAM_FLOATS + METRIC_FLOATS)
+    assert report.name == "TrainStep" and report.mesh.shape == {"data": N}
     assert state.step.is_deleted() is False  # explained, not run: the donated state is untouched
 
 
@@ -254,7 +256,7 @@ def test_table_is_aligned():
     f = per_device(lambda x: (sc.psum(x[0], "data"), sc.all_gather(x, "data")), out_specs=(P(), P()))
     text = str(sc.explain(f, np.ones((N, 1024), np.float32)))
     lines = text.splitlines()
-    assert lines[0] == f"jit__lambda on {N} device(s) (mesh data={N})"
+    assert lines[0] == f"<lambda> on {N} device(s) (mesh data={N})"
     header, rows = lines[1], lines[2:4]
     assert header.split() == ["collective", "count", "bytes", "total", "buffers", "dtypes", "axes", "groups", "where"]
     for row in rows:  # every column starts where its header does
