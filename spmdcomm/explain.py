@@ -380,7 +380,10 @@ def _inventory(module: _Module, mesh: Mesh | None) -> list[Collective]:
         result = done_of[inst.name].shape if inst.opcode.endswith("-start") and inst.name in done_of else inst.shape
         sent = sum(_shape_bytes(by_name[o].shape) for o in inst.operands if o in by_name)
         dtypes = tuple(dict.fromkeys(_dtype_name(t) for t, _ in _ARRAY.findall(result)))
-        groups, pairs = _groups(inst.attrs, module.devices), _pairs(inst.attrs)
+        if kind == "collective-permute":
+            groups, pairs = (), _pairs(inst.attrs)
+        else:
+            groups, pairs = _groups(inst.attrs, module.devices), ()
         size = max(sent, _shape_bytes(result))
         key = (kind, size, len(inst.operands), dtypes, groups, pairs, where[inst.computation])
         rows[key] = rows.get(key, 0) + 1
@@ -423,10 +426,8 @@ def _groups(attrs: str, devices: int) -> tuple[tuple[int, ...], ...]:
             ids = ids.transpose(_ints(iota.group(4)))
         return tuple(tuple(int(d) for d in g) for g in ids.reshape(count, size))
     listed = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", attrs)
-    if listed is None:
-        return ()
-    groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", listed.group(1)))
-    return groups or (tuple(range(devices)),)  # {} means one group of every device
+    groups = () if listed is None else tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", listed.group(1)))
+    return groups or (tuple(range(devices)),)  # no groups, or {}, means one group of every device
 
 
 def _pairs(attrs: str) -> tuple[tuple[int, int], ...]:

@@ -313,7 +313,7 @@ GPU_STYLE = """HloModule jit_step, is_scheduled=true, entry_computation_layout={
 ENTRY %main (param: f32[1024]) -> f32[256] {
   %param = f32[1024]{0} parameter(0)
   %slice = bf16[128]{0} convert(%param)
-  %all-gather-start = (bf16[128]{0}, bf16[1024]{0}) all-gather-start(bf16[128]{0} %slice), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %all-gather-start = (bf16[128]{0}, bf16[1024]{0}) all-gather-start(bf16[128]{0} %slice), channel_id=1, replica_groups={}, dimensions={0}, use_global_device_ids=true
   %all-gather-done = bf16[1024]{0} all-gather-done(%all-gather-start)
   %reduce-scatter-start = ((f32[1024]{0}), f32[256]{0}) async-start(%param), calls=%async_computation
   %reduce-scatter-done = f32[256]{0} async-done(%reduce-scatter-start)
@@ -335,6 +335,13 @@ def test_async_collectives_count_once_with_their_groups_and_places(mesh_2x4):
         ("all-reduce", 1, 1024, 1, ("float32",), ("data",), "while"),
         ("all-gather", 1, 2048, 1, ("bfloat16",), ("data", "model"), "entry"),
         ("collective-permute", 1, 1024, 1, ("float32",), ("model",), "entry"),
+    ]
+    groups = [(c.replica_groups, c.source_target_pairs) for c in _inventory(module, mesh_2x4)]
+    assert groups == [
+        (((0, 1, 2, 3), (4, 5, 6, 7)), ()),  # iota groups [2,4]<=[8]
+        (((0, 4), (1, 5), (2, 6), (3, 7)), ()),  # iota groups [4,2]<=[2,4]T(1,0)
+        (((0, 1, 2, 3, 4, 5, 6, 7),), ()),  # replica_groups={}: every device
+        ((), ((0, 1), (1, 0))),
     ]
 
 
