@@ -23,7 +23,7 @@ strategy                      gradients                              parameters 
 >>> state.strategy
 ZeRO1()
 >>> state.opt_state[0].mu["float32"].sharding.spec
-PartitionSpec('data',)
+P('data',)
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ with :func:`~spmdcomm.make_train_step` / :func:`~spmdcomm.make_eval_step` reads 
 from __future__ import annotations
 
 import collections
-import hashlib
 from typing import Any
 
 import flax.struct
@@ -16,14 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm.errors import SpmdError, describe
 from spmdcomm.mesh import check_mesh_axes, default_mesh
 from spmdcomm.rng import data_to_keys, keys_to_data
 from spmdcomm.strategies import Strategy, resolve_strategy
+from spmdcomm.sync import broadcast_tree
 
 __all__ = ["TrainState", "optimizer_state_bytes"]
 
@@ -64,7 +62,6 @@ class TrainState:
         mesh: Mesh | None = None,
         axis: str = "data",
         strategy: Strategy | str = "ddp",
-        verify: bool = True,
     ) -> TrainState:
         """Builds the state and places it on ``mesh`` as ``strategy`` says (default: replicated, DDP).
 
@@ -73,8 +70,9 @@ class TrainState:
         as ``sc.DDP(bucket_bytes=...)`` (see :mod:`spmdcomm.strategies`).
 
         With several processes, process 0's ``params``, ``model_state`` and ``rng`` are broadcast so every
-        replica starts identical (DDP's init-time broadcast); ``verify`` first checks that every process
-        passed the same tree structure, shapes and dtypes and raises naming the process that differs.
+        replica starts identical (DDP's init-time broadcast), after a timed check that every process passed
+        the same tree structure, shapes and dtypes (:class:`~spmdcomm.ProcessMismatchError` names a process
+        that differs; a missing process is named after the sync timeout).
         ``rng`` is an int seed, a key, or ``None`` (seed 0). Typed key leaves (``jax.random.key``, NNX
         ``RngKey``) stay typed keys; they travel as their key data.
 
@@ -91,10 +89,7 @@ class TrainState:
         # Typed key leaves (Flax NNX RngKey) cross the host as their uint32 key data: NumPy and the
         # multi-process broadcast only move plain arrays.
         host, key_impls = keys_to_data((params, model_state, rng))
-        if jax.process_count() > 1:
-            if verify:
-                _check_same_structure_across_processes("TrainState.create", host)
-            host = multihost_utils.broadcast_one_to_all(host)
+        host = broadcast_tree("TrainState.create", host)
         params, model_state, rng = data_to_keys(_place_replicated(host, mesh), key_impls)
         layout = strategy.layout(params, tx, mesh, axis)
         return cls(
@@ -171,20 +166,3 @@ def _raw_key(rng: Any) -> np.ndarray:
     if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
     return np.asarray(rng, dtype=np.uint32)
-
-
-def _check_same_structure_across_processes(fn: str, tree: Any) -> None:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    desc = repr((str(treedef), [(jax.tree_util.keystr(p), x.shape, str(x.dtype)) for p, x in flat]))
-    digest = np.frombuffer(hashlib.sha256(desc.encode()).digest()[:8], dtype=np.int64)
-    digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
-    differ = [i for i, d in enumerate(digests) if d != digests[0]]
-    if differ:
-        raise SpmdError(
-            describe(
-                fn,
-                f"processes {differ} passed parameters whose tree structure, shapes or dtypes differ from "
-                f"process 0's (this process, {jax.process_index()}, has {desc[:300]}).",
-                fix="build the model and optimizer identically in every process.",
-            )
-        )

@@ -194,9 +194,7 @@ def test_nnx_metric_fn_turns_dropout_off():
     model = nnx.Sequential(nnx.Linear(WIDTH, 4, rngs=nnx.Rngs(0)), nnx.Dropout(0.9, rngs=nnx.Rngs(1)))
     state = sc.TrainState.create_nnx(model, tx=optax.sgd(0.1), mesh=mesh_of(2))
     x = np.random.default_rng(0).standard_normal((8, WIDTH), dtype=np.float32)
-    evaluate = sc.make_eval_step(
-        sc.nnx_metric_fn(lambda m, b, *, mask: sc.masked_mean(m(b).sum(-1), mask)), mesh=mesh_of(2)
-    )
+    evaluate = sc.make_eval_step(sc.nnx_metric_fn(lambda m, b, *, mask: sc.masked_mean(m(b).sum(-1), mask)))
     model.eval()
     np.testing.assert_allclose(float(evaluate(state, x)["loss"]), float(model(x).sum(-1).mean()), rtol=1e-5)
     assert_bitwise_equal(evaluate(state, x)["loss"], evaluate(state, x)["loss"])
