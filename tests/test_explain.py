@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ddp_models import example_batch, init, loss_fn
+from ddp_models import example_batch, init, loss_fn, optimizer
 from jax import lax
 
 import spmdcomm as sc
@@ -26,8 +26,12 @@ def one(report):
     return report.collectives[0]
 
 
-def per_device(fn, **specs):
-    return sc.spmd(fn, in_specs=specs.get("in_specs", P("data")), out_specs=specs.get("out_specs", P("data")))
+ROWS = P("data")
+
+
+def per_device(fn, out_specs=ROWS):
+    """``fn`` on each device's block of rows of its argument."""
+    return sc.spmd(fn, in_specs=ROWS, out_specs=out_specs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -170,15 +174,9 @@ def build(strategy):
     """The placed MLP state and a train step for it: the one place that spells a strategy."""
     apply_fn, params, model_state = init("mlp")
     state = sc.TrainState.create(
-        params=params, model_state=model_state, apply_fn=apply_fn, tx=optax_adam(), strategy=strategy
+        params=params, model_state=model_state, apply_fn=apply_fn, tx=optimizer("adam"), strategy=strategy
     )
     return state, sc.make_train_step(loss_fn)
-
-
-def optax_adam():
-    import optax
-
-    return optax.adam(1e-2)
 
 
 PARAM_FLOATS = 8 * 16 + 16 + 16 * 4 + 4  # Dense(16) and Dense(4) kernels and biases
