@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import input_pipeline as md  # examples/mnist/, on sys.path through tests/conftest.py
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import mnist_data as md  # noqa: E402
 
 __all__ = ["md", "write_tiny_mnist"]
 

@@ -1,4 +1,4 @@
-"""MNIST for the data-parallel example: strict IDX parsing, optional checked download, offline fallback.
+"""The example's data: MNIST with strict IDX parsing, an optional checked download, and an offline fallback.
 
 ``load_dataset("mnist", data_dir)`` reads the four IDX files (gzipped or not, spelled
 ``train-images-idx3-ubyte[.gz]`` or ``train-images.idx3-ubyte``). ``download_mnist(data_dir)`` fetches them from
