@@ -29,7 +29,6 @@ from spmdcomm.data import (
     ShardedSampler,
     join_batches,
     pad_batch,
-    shard_batch,
     take_batches,
     unpad,
 )
@@ -65,6 +64,7 @@ from spmdcomm.mesh import (
     replicated_sharding,
 )
 from spmdcomm.nnx import nnx_loss_fn, nnx_metric_fn
+from spmdcomm.placement import shard_batch
 from spmdcomm.prefetch import Prefetcher, PrefetchStats, aligned_empty, prefetch_to_device
 from spmdcomm.replicas import Divergence, assert_replicated, check_replicas_in_sync
 from spmdcomm.runtime import (

@@ -1,4 +1,4 @@
-"""Host batches: padding uneven batches with a mask, sharding them onto the mesh, sampling and joining.
+"""Host batches: padding uneven batches with a mask, sampling and joining.
 
 torch.nn.DataParallel splits 15 examples over 2 devices as 8 + 7; SPMD programs need equal blocks, so
 spmdcomm pads to 16 and carries a boolean mask that marks the real examples. Everything downstream (the DDP
@@ -11,9 +11,10 @@ step, eval metrics) weighs examples by the mask, so results equal the unpadded c
 >>> sc.unpad(padded)["x"].tolist()
 [0.0, 1.0, 2.0, 3.0, 4.0]
 
-:func:`shard_batch` places a host batch on the mesh, :class:`ShardedSampler` splits a data set across
-processes so that every example is used exactly once per epoch, and :func:`join_batches` keeps processes
-whose iterators run out early stepping with fully masked batches until every process is done.
+:class:`ShardedSampler` splits a data set across processes so that every example is used exactly once per
+epoch, and :func:`join_batches` keeps processes whose iterators run out early stepping with fully masked
+batches until every process is done. :func:`spmdcomm.shard_batch` (in :mod:`spmdcomm.placement`) puts a
+batch on the mesh.
 """
 
 from __future__ import annotations
@@ -24,17 +25,15 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, Sharding
 
 from spmdcomm.errors import ShapeError, SpmdError, describe
-from spmdcomm.mesh import data_sharding, default_mesh, process_count, process_index
+from spmdcomm.mesh import process_count, process_index
 from spmdcomm.sync import DEFAULT_TIMEOUT, Channel
 
 __all__ = [
     "MaskedBatch",
     "pad_batch",
     "unpad",
-    "shard_batch",
     "ShardedSampler",
     "take_batches",
     "join_batches",
@@ -93,33 +92,6 @@ def unpad(batch: MaskedBatch | Any, mask: Any = None) -> Any:
         )
     keep = np.asarray(mask, dtype=bool)
     return jax.tree.map(lambda leaf: np.asarray(leaf)[keep], batch)
-
-
-def shard_batch(batch: Any, mesh: Mesh | None = None, axis: str | tuple[str, ...] = "data") -> Any:
-    """Puts a host batch on ``mesh`` as global ``jax.Array``s split along dimension 0 over ``axis``.
-
-    ``batch`` is a pytree of arrays with a common leading size (a :class:`MaskedBatch` keeps its mask,
-    sharded the same way). With several processes, each passes its own slice of the global batch; the
-    global batch is the processes' slices in process order. The per-process size must divide across this
-    process's devices along ``axis``; pad it with :func:`pad_batch` otherwise.
-
-    Like ``jax.device_put``, a 64-byte aligned NumPy leaf may be aliased on CPU rather than copied: do
-    not write into it while its device array is in use. (:func:`spmdcomm.prefetch_to_device` copies.)
-
-    >>> b = sc.shard_batch({"x": np.arange(16.0).reshape(8, 2)})
-    >>> b["x"].sharding.spec == sc.P("data"), b["x"].addressable_shards[1].data.tolist()
-    (True, [[2.0, 3.0]])
-    """
-    sharding = data_sharding(mesh=default_mesh() if mesh is None else mesh, axis=axis)
-    leading_size("shard_batch", batch)
-
-    def put(path: Any, leaf: Any) -> jax.Array:
-        shape = global_shape("shard_batch", sharding, leaf.shape, jax.tree_util.keystr(path))
-        if isinstance(leaf, jax.Array) and process_count() == 1:
-            return jax.device_put(leaf, sharding)
-        return jax.make_array_from_process_local_data(sharding, np.asarray(leaf), shape)
-
-    return jax.tree_util.tree_map_with_path(put, batch)
 
 
 class ShardedSampler:
@@ -310,54 +282,6 @@ def leading_size(fn: str, tree: Any) -> int:
             )
         )
     return next(iter(sizes.values()))
-
-
-def global_shape(fn: str, sharding: Sharding, local_shape: tuple[int, ...], leaf: str) -> tuple[int, ...]:
-    """The global shape of an array built from this process's ``local_shape`` slice (split on dim 0)."""
-    return process_layout(fn, sharding, local_shape, leaf)[0]
-
-
-def process_layout(
-    fn: str, sharding: Sharding, local_shape: tuple[int, ...], leaf: str
-) -> tuple[tuple[int, ...], list[tuple[jax.Device, tuple[slice, ...]]]]:
-    """The global shape, and for each of this process's devices the index of its block in the local slice.
-
-    The processes split dimension 0 only: each holds the dimension-0 blocks of its devices, in global
-    order. Raises :class:`ShapeError` (saying how to pad) when the local size does not divide.
-    """
-    if not local_shape:
-        raise ShapeError(
-            describe(
-                fn,
-                "is a scalar; batch leaves need a leading example dimension.",
-                leaf=leaf or "<root>",
-                fix="give every leaf shape (batch, ...).",
-            )
-        )
-    probe = (len(sharding.device_set),) + tuple(local_shape[1:])
-    starts = {i[0].indices(probe[0])[0] for i in sharding.devices_indices_map(probe).values()}
-    mine = sorted({i[0].indices(probe[0])[0] for i in sharding.addressable_devices_indices_map(probe).values()})
-    rows = local_shape[0]
-    if rows % len(mine):
-        raise ShapeError(
-            describe(
-                fn,
-                f"dimension 0 has {rows} examples on process {process_index()}, which do not divide "
-                f"into this process's {len(mine)} blocks (shape {tuple(local_shape)}, sharding "
-                f"{getattr(sharding, 'spec', sharding)}).",
-                leaf=leaf or "<root>",
-                fix=f"pad the batch: spmdcomm.pad_batch(batch, {len(mine)}) pads with zeros and returns a "
-                "MaskedBatch whose mask marks the real examples (or use pad_to_multiple= when prefetching).",
-            )
-        )
-    per = rows // len(mine)
-    shape = (per * len(starts),) + tuple(local_shape[1:])
-    rank = {start * per * len(starts) // probe[0]: r for r, start in enumerate(mine)}
-    blocks = []
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        r = rank[index[0].indices(shape[0])[0]]
-        blocks.append((device, (slice(r * per, (r + 1) * per),) + tuple(index[1:])))
-    return shape, blocks
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,20 +1,30 @@
 """Host-to-device prefetch: the next batches are already on the mesh when the step wants them.
 
 Batches from any iterable of NumPy pytrees are placed on the mesh as global ``jax.Array``s split along
-dimension 0. While the loader is effectively free (its ``next()`` returns at once), the training loop's own
+dimension 0, following :mod:`spmdcomm.placement`'s rule for host input (by default each process yields its
+own rows). While the loader is effectively free (its ``next()`` returns at once), the training loop's own
 thread places each batch when asked, doing exactly what a synchronous ``jax.device_put`` does: thread
 hand-offs would cost more than they could hide. Once the loader is seen to take time, two background
 threads take over for good: one waits on the loader while the other places the previous batch, up to
 ``size`` batches ahead of the loop.
 
 On CPU, ``jax.device_put`` of a 64-byte aligned, contiguous NumPy array does not copy: the device array
-aliases the host memory. A leaf that is already aligned (see :func:`aligned_empty`) is put as it is, so it
-is never copied, exactly as ``jax.device_put`` would treat it. The placing thread copies any other leaf
-into an aligned staging buffer of prefetch's own (warm, reused memory) which the device arrays alias. A
-buffer is reused only when nothing refers to it any more: while a device array (or a computation still
-reading it) aliases a buffer, JAX holds a reference to it, so the check is its reference count. Batches
-the loop keeps alive are never overwritten; if every buffer is busy, a fresh one is allocated. On GPU and
-TPU, the placing thread ``device_put`` s and waits for the copy, so the copy overlaps the previous step.
+aliases the host memory (measured with JAX 0.10: every shard's ``unsafe_buffer_pointer`` lies inside the
+host array, and later writes to the host array show in the device array). A leaf that is already aligned
+(see :func:`aligned_empty`) is put as it is, exactly as ``jax.device_put`` would treat it. The placing
+thread copies any other leaf into an aligned staging buffer of prefetch's own, which the device arrays
+then alias.
+
+**Who owns a staging buffer.** Each staged leaf gets its memory through a lease object; the NumPy array
+handed to JAX is a view whose ``base`` is that lease. Anything that can still read the memory keeps the
+lease alive: the staged NumPy view, and every device buffer that aliases it (JAX keeps a reference to the
+host array it aliases until the device buffer is freed, which waits for every computation still reading
+it; without that reference the memory could be freed under the device array). Only when the lease is
+garbage collected does its memory go back to the pool for another batch. So a batch the loop keeps, a
+shard taken out of it, or a dropped batch that a dispatched step still reads is never overwritten; while
+leases are out, new batches get fresh buffers. If JAX copies instead of aliasing, it drops the reference
+once the copy is done and the buffer returns at once. On GPU and TPU, the placing thread
+``device_put`` s and waits for the copy, so the copy overlaps the previous step.
 
 >>> batches = ({"x": np.full((8, 2), float(i))} for i in range(3))
 >>> with sc.prefetch_to_device(batches) as it:
@@ -26,8 +36,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import queue
-import sys
 import threading
 import time
 import weakref
@@ -38,9 +48,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, Sharding
 
-from spmdcomm.data import leading_size, pad_batch, process_layout
+from spmdcomm.data import leading_size, pad_batch
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.mesh import data_sharding, default_mesh
+from spmdcomm.placement import Agreement, HostInput, blocks, check_host_input, place_leaves
+from spmdcomm.sync import Channel
 
 __all__ = ["prefetch_to_device", "aligned_empty", "Prefetcher", "PrefetchStats"]
 
@@ -57,6 +69,8 @@ INLINE_LOAD_SECONDS = 2e-4
 SLOW_CALLS = 1.5
 # Host arrays aligned to this many bytes are put on CPU devices without a copy.
 ALIGNMENT = 64
+# The clock of the wait statistics and of the slow-loader rule (a manual clock makes that rule testable).
+clock = time.perf_counter
 
 
 def prefetch_to_device(
@@ -67,13 +81,15 @@ def prefetch_to_device(
     axis: str | tuple[str, ...] = "data",
     sharding: Sharding | None = None,
     pad_to_multiple: int | None = None,
+    host_input: HostInput = "local",
 ) -> Prefetcher:
     """Iterates over ``iterable``'s batches placed on the mesh, prefetched up to ``size`` ahead.
 
     Each batch is a pytree of arrays (dicts, tuples, NamedTuples, :class:`~spmdcomm.MaskedBatch`) with a
     common leading size, placed split along dimension 0 over ``axis`` of ``mesh`` (default
-    :func:`spmdcomm.default_mesh`), or as ``sharding`` says if given. With several processes each passes
-    its own slice, as in :func:`spmdcomm.shard_batch`. ``pad_to_multiple=k`` pads every batch to a
+    :func:`spmdcomm.default_mesh`), or as ``sharding`` says if given. Host leaves follow
+    :mod:`spmdcomm.placement`'s rule: by default each process's loader yields its own rows;
+    ``host_input="global"``: every process yields the whole batch. ``pad_to_multiple=k`` pads every batch to a
     multiple of ``k`` examples and yields :class:`~spmdcomm.MaskedBatch` es (use this process's device
     count along the axis to accept any batch size).
 
@@ -86,7 +102,9 @@ def prefetch_to_device(
     As with ``jax.device_put``, a 64-byte aligned, contiguous NumPy leaf may be aliased on CPU rather
     than copied: the loader must not write into an array after yielding it (allocate a fresh one per
     batch, e.g. with :func:`aligned_empty`). Unaligned leaves are copied, so their memory may be reused.
+    ``jax.Array`` leaves are passed on (moved only if their sharding differs).
     """
+    check_host_input("prefetch_to_device", host_input)
     size = int(size)
     if size < 1:
         raise SpmdError(
@@ -106,7 +124,7 @@ def prefetch_to_device(
         )
     if sharding is None:
         sharding = data_sharding(mesh=default_mesh() if mesh is None else mesh, axis=axis)
-    return Prefetcher(iter(iterable), size, sharding, pad_to_multiple)
+    return Prefetcher(iter(iterable), size, sharding, pad_to_multiple, host_input)
 
 
 def aligned_empty(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
@@ -159,9 +177,11 @@ class PrefetchStats:
 class Prefetcher(Iterator[Any]):
     """The iterator :func:`prefetch_to_device` returns; also a context manager that stops its threads."""
 
-    def __init__(self, source: Iterator[Any], size: int, sharding: Sharding, pad_to_multiple: int | None):
+    def __init__(
+        self, source: Iterator[Any], size: int, sharding: Sharding, pad_to_multiple: int | None, host_input: HostInput
+    ):
         self.stats = PrefetchStats()
-        self._state = _State(source, size, sharding, pad_to_multiple)
+        self._state = _State(source, size, sharding, pad_to_multiple, host_input)
         self._slow_calls = 0.0  # decaying count of slow loader calls while placing in-line
         # The threads hold only the state, never this object, so dropping the iterator stops them.
         self._finalizer = weakref.finalize(self, _stop, self._state)
@@ -197,15 +217,15 @@ class Prefetcher(Iterator[Any]):
         state = self._state
         if state.finished:
             raise StopIteration
-        start = time.perf_counter()
+        start = clock()
         try:
             batch = next(state.source)
-            loaded = time.perf_counter()
+            loaded = clock()
             placed = _place(state, batch, stage=False)
         except BaseException:
             self.close()
             raise
-        self.stats.record(time.perf_counter() - start)
+        self.stats.record(clock() - start)
         self._slow_calls = 0.75 * self._slow_calls + (loaded - start > INLINE_LOAD_SECONDS)
         if self._slow_calls > SLOW_CALLS:
             _start_threads(state)
@@ -213,7 +233,7 @@ class Prefetcher(Iterator[Any]):
 
     def _next_from_threads(self) -> Any:
         state = self._state
-        start = time.perf_counter()
+        start = clock()
         while True:
             if state.finished:
                 raise StopIteration
@@ -225,7 +245,7 @@ class Prefetcher(Iterator[Any]):
                     state.finished = True
         if kind == "item":
             state.slots.release()
-            self.stats.record(time.perf_counter() - start)
+            self.stats.record(clock() - start)
             return value
         self.close()
         if kind == "error":
@@ -239,11 +259,17 @@ class Prefetcher(Iterator[Any]):
 class _State:
     """What the producer thread and the consumer share (the producer must not see the Prefetcher)."""
 
-    def __init__(self, source: Iterator[Any], size: int, sharding: Sharding, pad_to_multiple: int | None):
+    def __init__(
+        self, source: Iterator[Any], size: int, sharding: Sharding, pad_to_multiple: int | None, host_input: HostInput
+    ):
         self.source = source
         self.size = size
         self.sharding = sharding
         self.pad_to_multiple = pad_to_multiple
+        self.host_input = host_input
+        # New shape signatures are agreed on this prefetcher's own channel (named alike on every process):
+        # the placing thread must not take sync points from the main thread's sequence.
+        self.agreement = Agreement(Channel(f"prefetch/{next(_PREFETCHERS)}"))
         self.fetched: queue.Queue[tuple[str, Any]] = queue.Queue()  # host batches, not yet placed
         self.queue: queue.Queue[tuple[str, Any]] = queue.Queue()  # placed batches
         self.slots = threading.Semaphore(size)  # batches taken from source but not yet handed out
@@ -251,8 +277,12 @@ class _State:
         self.finished = False
         self.threads: tuple[threading.Thread, ...] = ()
         self.cpu = next(iter(sharding.device_set)).platform == "cpu"
-        self.plans: dict[tuple[Any, ...], tuple[tuple[int, ...], bool]] = {}
+        self.plans: dict[tuple[Any, ...], bool] = {}  # (shape, dtype) -> whether staging lets devices alias it
         self.pool = _StagingPool(keep=size + 3)
+
+
+# Numbers the prefetchers of this process; each one's channel has the same name on every process.
+_PREFETCHERS = itertools.count()
 
 
 def _start_threads(state: _State) -> None:
@@ -337,70 +367,89 @@ def _place(state: _State, batch: Any, *, stage: bool) -> Any:
     else:
         leading_size("prefetch_to_device", batch)
     flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
-    hosts, shapes = [], []
-    for path, leaf in flat:
-        leaf = np.asarray(leaf)
-        key = (leaf.shape, leaf.dtype)
-        plan = state.plans.get(key)
-        if plan is None:
-            plan = state.plans[key] = _plan(state, leaf, jax.tree_util.keystr(path))
-        shape, stageable = plan
-        if stage and stageable and not _aligned(leaf):
-            leaf = state.pool.copy(leaf)
-        hosts.append(leaf)
-        shapes.append(shape)
-    if state.sharding.is_fully_addressable:
-        placed = jax.device_put(hosts, state.sharding)
-    else:
-        placed = [
-            jax.make_array_from_process_local_data(state.sharding, host, shape) for host, shape in zip(hosts, shapes)
-        ]
+    leaves = []
+    for _, leaf in flat:
+        if not isinstance(leaf, jax.Array):
+            leaf = np.asarray(leaf)
+            if stage and _stageable(state, leaf) and not _aligned(leaf):
+                leaf = state.pool.copy(leaf)
+        leaves.append(leaf)
+    placed = place_leaves(
+        "prefetch_to_device",
+        leaves,
+        [state.sharding] * len(leaves),
+        names=lambda: [jax.tree_util.keystr(path) for path, _ in flat],
+        host_input=state.host_input,
+        agreement=state.agreement,
+    )
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 
-def _plan(state: _State, leaf: np.ndarray, name: str) -> tuple[tuple[int, ...], bool]:
-    """A leaf shape's global shape, and whether staging it lets every device block alias host memory."""
-    shape, blocks = process_layout("prefetch_to_device", state.sharding, leaf.shape, name)
-    contiguous = all(all(s == slice(None) for s in index[1:]) for _, index in blocks)
-    block_bytes = leaf.nbytes // max(1, len(blocks))
-    return shape, state.cpu and contiguous and block_bytes % ALIGNMENT == 0
+def _stageable(state: _State, leaf: np.ndarray) -> bool:
+    """Whether a staged copy of ``leaf`` lets every device block alias it: on CPU, with each block a
+    contiguous run of a multiple of ``ALIGNMENT`` bytes of the host array."""
+    key = (leaf.shape, leaf.dtype)
+    hit = state.plans.get(key)
+    if hit is None:
+        hit = state.plans[key] = _plan(state, leaf)
+    return hit
+
+
+def _plan(state: _State, leaf: np.ndarray) -> bool:
+    if not state.cpu or leaf.ndim == 0 or leaf.nbytes == 0:
+        return False
+    if state.host_input == "global" and not state.sharding.is_fully_addressable:
+        return False  # each process puts only its part of the global value: copying all of it would not pay
+    total, mine, _ = blocks(state.sharding, leaf.ndim)
+    if any(t != 1 for t in total[1:]) or leaf.shape[0] % mine[0]:
+        return False  # a split beyond dimension 0 makes blocks non-contiguous; uneven rows raise when placed
+    return (leaf.nbytes // mine[0]) % ALIGNMENT == 0
 
 
 def _aligned(leaf: np.ndarray) -> bool:
     return leaf.flags.c_contiguous and leaf.ctypes.data % ALIGNMENT == 0
 
 
-class _Buffer:
-    """An aligned host array (a view into ``raw``) and the reference counts it has when idle."""
+class _Lease:
+    """Owns one staging buffer's memory while anything can read it (see the module's ownership rule).
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype):
-        self.view = aligned_empty(shape, dtype)
-        self.raw = self.view.base
-        self.idle_refs = self.refs()
+    NumPy arrays made from it (``np.asarray(lease)``) and their views keep it as their ``base``; when it is
+    collected, a finalizer hands the memory back to its pool.
+    """
 
-    def refs(self) -> tuple[int, int]:
-        return sys.getrefcount(self.view), sys.getrefcount(self.raw)
-
-    def idle(self) -> bool:
-        # JAX keeps a reference to a host array that a device buffer aliases until the device buffer
-        # is freed, which waits for every computation using it; any other view also raises a count.
-        return self.refs() == self.idle_refs
+    def __init__(self, raw: np.ndarray):
+        self.__array_interface__ = {
+            "data": (raw.ctypes.data, False),
+            "shape": raw.shape,
+            "typestr": "|u1",
+            "version": 3,
+        }
 
 
 class _StagingPool:
-    """Aligned staging buffers per (shape, dtype), reused only once idle."""
+    """Aligned staging memory per size in bytes; a buffer comes back only when its lease is collected."""
 
     def __init__(self, keep: int):
-        self.keep = keep
-        self.buffers: dict[tuple[Any, ...], list[_Buffer]] = {}
+        self.keep = keep  # free buffers kept per size; more are released to the allocator
+        self.free: dict[int, collections.deque[np.ndarray]] = {}
+        self.allocated = 0  # buffers ever allocated (the rest of the copies reused returned ones)
 
     def copy(self, leaf: np.ndarray) -> np.ndarray:
-        """An aligned copy of ``leaf`` in a buffer nothing else uses."""
-        free = self.buffers.setdefault((leaf.shape, leaf.dtype.str), [])
-        buffer = next((b for b in free if b.idle()), None)
-        if buffer is None:
-            buffer = _Buffer(leaf.shape, leaf.dtype)
-            if len(free) < self.keep:
-                free.append(buffer)
-        np.copyto(buffer.view, leaf)
-        return buffer.view
+        """An aligned copy of ``leaf`` in memory that nothing else can read, leased to the returned array."""
+        free = self.free.setdefault(leaf.nbytes, collections.deque())
+        try:
+            raw = free.pop()
+        except IndexError:
+            raw = aligned_empty(leaf.nbytes, np.uint8)
+            self.allocated += 1
+        lease = _Lease(raw)
+        # The finalizer holds the memory (raw) and may run on any thread, JAX's included: deque appends are
+        # atomic, so it takes no lock.
+        weakref.finalize(lease, self._give_back, free, raw).atexit = False
+        view = np.asarray(lease).view(leaf.dtype).reshape(leaf.shape)
+        np.copyto(view, leaf)
+        return view
+
+    def _give_back(self, free: collections.deque[np.ndarray], raw: np.ndarray) -> None:
+        if len(free) < self.keep:
+            free.append(raw)

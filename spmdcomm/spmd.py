@@ -1,9 +1,11 @@
 """The ``spmd`` wrapper: one jit-compiled SPMD function, with a shard_map or a pmap backend.
 
-Both backends have the same contract. Arguments are global arrays (``jax.Array`` or host NumPy); each is
-split across the mesh as ``in_specs`` says, the function runs once per device on its block, and the outputs
-are assembled into global arrays as ``out_specs`` say. Arguments that are not yet placed that way are placed
-for you with ``jax.device_put``, so the ``Explicit``-mesh error of raw ``jax.shard_map`` never reaches you.
+Both backends have the same contract. Arguments are ``jax.Array``s or host values (NumPy); each is split
+across the mesh as ``in_specs`` says, the function runs once per device on its block, and the outputs are
+assembled into global arrays as ``out_specs`` say. Arguments that are not yet placed that way are placed for
+you, so the ``Explicit``-mesh error of raw ``jax.shard_map`` never reaches you. Host values follow
+:mod:`spmdcomm.placement`'s rule: with several processes each process passes its own part by default
+(``host_input="local"``), or every process the same full value (``host_input="global"``).
 
 >>> import numpy as np, spmdcomm as sc
 >>> @sc.spmd(in_specs=sc.P("data"), out_specs=sc.P("data"))
@@ -19,7 +21,6 @@ with ``backend="pmap"``. It can express only 1-D meshes and at most one split di
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
 
@@ -30,8 +31,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm import debug
-from spmdcomm.errors import BackendError, ShapeError, SpmdError, check_not_deleted, describe
+from spmdcomm.errors import BackendError, SpmdError, check_not_deleted, describe
 from spmdcomm.mesh import check_mesh_axes, default_mesh
+from spmdcomm.placement import HostInput, check_divisible, check_host_input, place_leaves
 
 __all__ = ["spmd", "SpmdFunction", "P"]
 
@@ -49,6 +51,7 @@ def spmd(
     backend: Backend = "shard_map",
     check_vma: bool = True,
     donate_argnums: int | Sequence[int] = (),
+    host_input: HostInput = "local",
 ) -> SpmdFunction | Callable[[Callable[..., Any]], SpmdFunction]:
     """Compiles ``fn`` to run once per device of ``mesh``, on the blocks that ``in_specs`` describe.
 
@@ -60,12 +63,16 @@ def spmd(
       backend: ``"shard_map"`` (default) or ``"pmap"`` (legacy, 1-D meshes only).
       check_vma: shard_map's check that ``out_specs=P()`` outputs really are identical on every device.
       donate_argnums: arguments whose buffers the call may reuse for its outputs.
+      host_input: what a host (NumPy) argument means with several processes: ``"local"`` (default), this
+        process's part of the global array; ``"global"``, the full value, the same on every process. See
+        :mod:`spmdcomm.placement`. With one process both mean the same.
 
     Usable as ``spmd(fn, in_specs=..., out_specs=...)`` or as a decorator ``@spmd(in_specs=..., ...)``.
     Compiled functions are cached per (function, mesh, specs, backend, options) and per input shape, so
     repeated calls with same-shaped inputs neither re-trace nor re-compile.
     """
     check_backend("spmd", backend)
+    check_host_input("spmd", host_input)
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
 
     def wrap(f: Callable[..., Any]) -> SpmdFunction:
@@ -77,6 +84,7 @@ def spmd(
             backend=backend,
             check_vma=check_vma,
             donate_argnums=donate,
+            host_input=host_input,
         )
 
     return wrap if fn is None else wrap(fn)
@@ -101,6 +109,7 @@ class SpmdFunction:
         backend: str,
         check_vma: bool,
         donate_argnums: tuple[int, ...],
+        host_input: HostInput = "local",
     ):
         self.fn = fn
         self.in_specs = in_specs
@@ -109,6 +118,7 @@ class SpmdFunction:
         self.backend = backend
         self.check_vma = check_vma
         self.donate_argnums = donate_argnums
+        self.host_input = host_input
         functools.update_wrapper(self, fn)
         self._fast: dict[Any, tuple[Callable[..., Any], list[Any]]] = {}
 
@@ -143,16 +153,25 @@ class SpmdFunction:
         return self.mesh if self.mesh is not None else default_mesh()
 
     def place(self, args: Sequence[Any]) -> tuple[Any, ...]:
-        """Puts every argument leaf on the mesh as ``in_specs`` say, checking that the split fits."""
+        """Puts every argument leaf on the mesh as ``in_specs`` say, checking that the split fits.
+
+        Host leaves follow :mod:`spmdcomm.placement`'s rule under this function's ``host_input``; all of
+        them go to the devices in one batched call. Leaves already placed so are returned as they are.
+        """
         mesh = self.resolved_mesh()
+        leaves: list[Any] = []
+        shardings: list[NamedSharding] = []
+        names: list[str] = []
 
-        def put(leaf: Any, spec: P) -> Any:
-            target = NamedSharding(mesh, spec)
-            if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(target, leaf.ndim):
-                return leaf
-            return jax.device_put(leaf, target)
+        def collect(leaf: Any, spec: P, name: str) -> int:
+            leaves.append(leaf)
+            shardings.append(NamedSharding(mesh, spec))
+            names.append(name)
+            return len(leaves) - 1
 
-        return self._map_args(mesh, args, put)
+        positions = self._map_args(mesh, args, collect)
+        placed = place_leaves(self.__name__, leaves, shardings, names=lambda: names, host_input=self.host_input)
+        return jax.tree.map(lambda i: placed[i], positions)
 
     def _check_traced(self, mesh: Mesh, args: Sequence[Any]) -> None:
         if self.backend == "pmap" and jax.process_count() > 1:
@@ -164,10 +183,11 @@ class SpmdFunction:
                     fix="use backend='shard_map' (the default), or call the function outside the traced code.",
                 )
             )
-        self._map_args(mesh, args, lambda leaf, spec: leaf)
+        self._map_args(mesh, args, lambda leaf, spec, name: leaf)
 
-    def _map_args(self, mesh: Mesh, args: Sequence[Any], put: Callable[[Any, P], Any]) -> tuple[Any, ...]:
-        """Checks every argument leaf against its spec and the mesh, then maps ``put(leaf, spec)`` over them."""
+    def _map_args(self, mesh: Mesh, args: Sequence[Any], put: Callable[[Any, P, str], Any]) -> tuple[Any, ...]:
+        """Checks every argument leaf against its spec and the mesh, then maps ``put(leaf, spec, name)`` over
+        them. Host leaves are checked against the blocks when placed, where the host-input rule is known."""
         specs = _arg_specs(self.in_specs, args, "in_specs")
 
         def one(path: Any, spec: P | None, leaf: Any) -> Any:
@@ -185,8 +205,9 @@ class SpmdFunction:
                         )
                     )
                 leaf = jnp.asarray(leaf)
-            _check_divisible(self.__name__, name, spec, leaf.shape, mesh)
-            return put(leaf, spec)
+            if isinstance(leaf, jax.Array):  # also tracers: the global shape is known
+                check_divisible(self.__name__, name, leaf.shape, NamedSharding(mesh, spec))
+            return put(leaf, spec, name)
 
         return tuple(
             jax.tree_util.tree_map_with_path(
@@ -412,31 +433,3 @@ def _check_pmap_spec(fn: str, name: str, spec: P, mesh: Mesh) -> None:
                 fix=_PMAP_FIX,
             )
         )
-
-
-def _check_divisible(fn: str, name: str, spec: P, shape: tuple[int, ...], mesh: Mesh) -> None:
-    if len(spec) > len(shape):
-        raise ShapeError(
-            describe(
-                fn,
-                f"spec {spec} has {len(spec)} entries but the value has shape {tuple(shape)} (rank {len(shape)}).",
-                leaf=name,
-                fix="give the spec at most one entry per dimension.",
-            )
-        )
-    for d, entry in enumerate(spec):
-        if entry is None:
-            continue
-        axes = entry if isinstance(entry, tuple) else (entry,)
-        n = math.prod(mesh.shape[a] for a in axes)
-        if shape[d] % n:
-            raise ShapeError(
-                describe(
-                    fn,
-                    f"dimension {d} of size {shape[d]} (shape {tuple(shape)}) does not divide across mesh "
-                    f"axis {entry!r} of size {n}.",
-                    leaf=name,
-                    fix=f"pad dimension {d} to a multiple of {n} (spmdcomm.pad_batch pads and masks), "
-                    "or choose a mesh whose axis size divides it.",
-                )
-            )

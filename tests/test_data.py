@@ -49,7 +49,7 @@ def test_masked_mean_on_device_over_sharded_padded_batch():
 def test_shard_batch_places_each_block_on_its_device(mesh):
     n = mesh.shape["data"]
     b = batch_of(4 * n)
-    placed = sc.shard_batch(b, mesh)
+    placed = sc.shard_batch(b, mesh=mesh)
     for name, host in b.items():
         arr = placed[name]
         assert arr.shape == host.shape and arr.sharding == sc.data_sharding(mesh=mesh)
@@ -74,14 +74,14 @@ def test_shard_batch_keeps_structure_and_shards_the_mask():
 def test_shard_batch_on_2d_mesh_replicates_over_the_other_axis():
     mesh = sc.make_mesh({"data": 4, "model": 2})
     x = np.arange(32.0).reshape(8, 4)
-    placed = sc.shard_batch({"x": x}, mesh)["x"]
+    placed = sc.shard_batch({"x": x}, mesh=mesh)["x"]
     for shard in placed.addressable_shards:
         (i,) = [int(c) for c in np.argwhere(mesh.devices == shard.device)[0][:1]]
         np.testing.assert_array_equal(np.asarray(shard.data), x[2 * i : 2 * (i + 1)])
 
 
 def test_shard_batch_errors_name_the_problem_and_the_fix():
-    with pytest.raises(ShapeError, match=r"leaf \['x'\].*13 examples.*8 blocks.*pad_batch\(batch, 8\)"):
+    with pytest.raises(ShapeError, match=r"13 examples, .* over 8 devices on axis 'data'.*pad_batch\(batch, 8\)"):
         sc.shard_batch({"x": np.zeros((13, 2))})
     with pytest.raises(ShapeError, match=r"different leading sizes.*\['x'\]\": 8.*\['y'\]\": 16"):
         sc.shard_batch({"x": np.zeros(8), "y": np.zeros(16)})

@@ -1,10 +1,12 @@
 """prefetch_to_device: placement, order, padding, errors, early stop, look-ahead bound, staging and aliasing.
 
 Batches are placed by the loop's own thread while the loader is free and by background threads once it
-takes time; ``mode`` forces one way or the other (threads from the start, or never) to test both.
+takes time; ``mode`` forces one way or the other (threads from the start, or never) to test both, and a
+manual clock decides what "takes time" means in the tests of the switch itself.
 """
 
 import gc
+import itertools
 import threading
 import time
 import traceback
@@ -121,7 +123,7 @@ def test_producer_exception_reraised_with_original_traceback(mode):
 
 def test_shape_error_from_producer_says_how_to_pad(mode):
     it = sc.prefetch_to_device(iter([{"x": np.zeros((7, 2))}]))
-    with pytest.raises(ShapeError, match=r"leaf \['x'\].*7 examples.*pad_to_multiple"):
+    with pytest.raises(ShapeError, match=r"leaf \['x'\]: dimension 0 of size 7 .*pad_to_multiple=8"):
         next(it)
 
 
@@ -215,21 +217,67 @@ def test_size_bounds_look_ahead(size, mode):
             assert len(pulled) == consumed + ahead
 
 
-def test_a_loader_that_takes_time_switches_to_threads_and_keeps_order():
-    def loader(n, sleep_from):
+class ManualClock:
+    """Stands in for ``prefetch.clock``: time moves only when a loader says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_loader_that_takes_time_switches_to_threads_and_keeps_order(monkeypatch):
+    clock = ManualClock()
+    monkeypatch.setattr(prefetch, "clock", clock)
+    slow = 10 * prefetch.INLINE_LOAD_SECONDS
+
+    def loader(n, slow_from):
         for i in range(n):
-            if i >= sleep_from:
-                time.sleep(0.005)
+            clock.now += slow if i >= slow_from else 0.0
             yield {"x": np.full(8, i)}
 
     with sc.prefetch_to_device(loader(12, 4), size=2) as it:
-        got = [int(next(it)["x"][0]) for _ in range(4)]
-        assert not it.threaded  # a free loader is run by the loop's thread
+        got = [int(next(it)["x"][0]) for _ in range(5)]
+        assert not it.threaded  # a free loader, then one slow call: the loop's thread still places
+        got.append(int(next(it)["x"][0]))
+        assert it.threaded  # the second slow call in a row passes SLOW_CALLS (1 + 0.75 > 1.5)
         got += [int(b["x"][0]) for b in it]
-        assert it.threaded and it.stats.steps == 12
+        assert it.stats.steps == 12
     assert got == list(range(12))
-    with sc.prefetch_to_device(loader(30, 30)) as it:
+    with sc.prefetch_to_device(loader(30, 30)) as it:  # never slow: never threaded
         assert sum(1 for _ in it) == 30 and not it.threaded
+
+
+def test_occasional_slow_loader_calls_do_not_start_threads(monkeypatch):
+    clock = ManualClock()
+    monkeypatch.setattr(prefetch, "clock", clock)
+
+    def loader():
+        for i in range(40):
+            clock.now += 10 * prefetch.INLINE_LOAD_SECONDS if i % 4 == 0 else 0.0
+            yield {"x": np.full(8, i)}
+
+    # One slow call in 4: the decaying count peaks at 1 / (1 - 0.75**4) = 1.46, below SLOW_CALLS.
+    with sc.prefetch_to_device(loader()) as it:
+        assert [int(b["x"][0]) for b in it] == list(range(40)) and not it.threaded
+
+
+def test_stats_count_the_manual_clock(monkeypatch, mode):
+    clock = ManualClock()
+    monkeypatch.setattr(prefetch, "clock", clock)
+
+    def loader():
+        for i in range(3):
+            clock.now += 0.5 * (i + 1)
+            yield {"x": np.full(8, i)}
+
+    with sc.prefetch_to_device(loader(), size=1) as it:
+        for _ in it:
+            pass
+    if mode == "inline":  # the loop's thread waits for each loader call
+        assert list(it.stats.waits) == [0.5, 1.0, 1.5] and it.stats.total_wait == 3.0
+    assert it.stats.steps == 3 and len(it.stats.waits) == 3
 
 
 def test_stats_record_every_wait(mode):
@@ -248,21 +296,77 @@ def test_stats_record_every_wait(mode):
     assert s.total_wait > 0
 
 
-def test_staging_buffers_are_aligned_reused_and_never_overwrite_live_batches(monkeypatch):
+def staged_memory(arr):
+    """The (start, end) host address range of each device buffer of ``arr``."""
+    return [(p, p + s.data.nbytes) for s in arr.addressable_shards for p in [s.data.unsafe_buffer_pointer()]]
+
+
+def test_staged_leaves_are_aliased_on_cpu(monkeypatch):
+    """What the ownership rule guards against: JAX 0.10 puts an aligned staging copy on CPU without a copy, so
+    the device buffers read the staging memory itself."""
     monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", 0.0)  # the placing thread stages
+    src = unaligned(np.arange(64 * 16, dtype=np.float32).reshape(64, 16))
+    with sc.prefetch_to_device(iter([{"x": src}])) as it:
+        (b,) = list(it)
+        pool = it._state.pool
+    assert pool.allocated == 1
+    starts = [start for start, _ in staged_memory(b["x"])]
+    assert all(p % 64 == 0 for p in starts) and starts == [starts[0] + k * 512 for k in range(8)]
+    assert all(p != src.ctypes.data for p in starts)  # the staging copy, not the loader's array
+    np.testing.assert_array_equal(np.asarray(b["x"]), src)
+
+
+@pytest.mark.parametrize("mode_", ["inline", "threaded"])
+def test_every_batch_kept_alive_keeps_its_values(mode_, monkeypatch):
+    """The loop keeps all 50 batches (and a shard of each) to the end; none is overwritten by a later one."""
+    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", float("inf") if mode_ == "inline" else 0.0)
+    rng = np.random.default_rng(0)
+    src = [
+        {"x": unaligned(rng.standard_normal((64, 16)).astype(np.float32)), "i": np.arange(64, dtype=np.int32) + i}
+        for i in range(50)
+    ]
+    with sc.prefetch_to_device(iter(src), size=3) as it:
+        kept = [(b, b["x"].addressable_shards[3].data) for b in it]
+        allocated = it._state.pool.allocated
+    assert len(kept) == 50
+    for want, (got, shard) in zip(src, kept, strict=True):
+        np.testing.assert_array_equal(np.asarray(got["x"]), want["x"])
+        np.testing.assert_array_equal(np.asarray(got["i"]), want["i"])
+        np.testing.assert_array_equal(np.asarray(shard), want["x"][24:32])
+    # Every live batch has staging memory of its own ("i", 32 bytes per device, is not worth staging).
+    assert allocated == (50 if mode_ == "threaded" else 0)
+    ranges = sorted(r for b, _ in kept for r in staged_memory(b["x"]))
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(ranges))  # no two share memory
+
+
+def test_staging_memory_returns_only_when_its_batch_is_gone(monkeypatch):
+    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", 0.0)
     src = [{"x": unaligned(np.full((64, 16), i, np.float32))} for i in range(40)]
-    pointers = []
     with sc.prefetch_to_device(iter(src), size=2) as it:
-        for b in it:
-            shard = b["x"].addressable_shards[0].data
-            pointers.append(shard.unsafe_buffer_pointer())
-            assert float(shard[0, 0]) == float(len(pointers) - 1)
-            del b, shard
-    assert all(p % 64 == 0 for p in pointers)
-    assert len(set(pointers)) <= 2 + 3 < len(pointers)  # zero-copy staging, and buffers come back
-    kept = list(sc.prefetch_to_device(iter(src), size=2))  # the loop holds every batch
-    for i, b in enumerate(kept):
-        np.testing.assert_array_equal(np.asarray(b["x"]), src[i]["x"])
+        pool = it._state.pool
+        held = next(it)  # kept to the end
+        held_memory = staged_memory(held["x"])
+        for i, b in enumerate(it, start=1):
+            assert float(b["x"][0, 0]) == i
+            assert not set(staged_memory(b["x"])) & set(held_memory)
+            del b
+    # Memory comes back for reuse (JAX drops its references asynchronously, so the count varies a little
+    # above the 4 leases out at a time: 2 ahead, the batch in hand and the held one).
+    assert pool.allocated < len(src) // 2
+    np.testing.assert_array_equal(np.asarray(held["x"]), src[0]["x"])
+    shard = held["x"].addressable_shards[0].data
+    held_start = held_memory[0][0]
+    pool.keep = len(src)  # the pool keeps whatever comes back from now on, so that the check below sees it
+
+    def returned():
+        gc.collect()
+        return any(raw.ctypes.data == held_start for free in pool.free.values() for raw in free)
+
+    del held
+    assert not returned()  # `shard` still reads the memory
+    np.testing.assert_array_equal(np.asarray(shard), src[0]["x"][:8])
+    del shard
+    assert wait_until(returned)  # the last reader is gone: the memory is back in the pool
 
 
 def test_aligned_leaves_are_aliased_and_unaligned_ones_copied(mode):

@@ -1,0 +1,464 @@
+"""Host input to global arrays: the one placement rule of every spmdcomm API that puts data on devices.
+
+**The rule.** Host input (NumPy arrays and other non-JAX leaves) is *process-local* by default: with several
+processes, each process passes the rows for its own devices, as every torch DDP rank loads its own batch,
+and the global array is the processes' parts side by side along each split dimension, in process order
+(``jax.make_array_from_process_local_data``). With one process the local value is the global value, so
+single-process code never sees a difference. ``host_input="global"`` instead means every process passes
+the same, full global value and keeps its own part of it (the values are not compared across processes).
+Leaves that are replicated (``P()``) are the same under both rules. ``jax.Array`` leaves are never
+re-interpreted: they are moved only if their sharding differs from the target.
+
+:func:`spmdcomm.spmd`, :func:`shard_batch`, :func:`spmdcomm.prefetch_to_device` and the train and eval steps
+follow this rule, through :func:`place` and :func:`place_batch`.
+
+Ambiguous or impossible input raises instead of being guessed at:
+
+- a split dimension that does not divide into the blocks this process holds (``ShapeError``, naming the
+  leaf, the size and the devices, and how to pad);
+- processes whose leaves would build different global arrays (different local shapes or dtypes for the
+  same leaf, or a different tree): ``ProcessMismatchError`` in every process, naming the processes and
+  their shapes. This is checked through a timed sync point (:func:`spmdcomm.sync.exchange`) once per new
+  shape signature, before any data moves; a signature seen before costs one dictionary lookup. A process
+  that alone changes its shapes meets no partner at the check and raises
+  :class:`~spmdcomm.errors.BarrierTimeoutError` after the timeout, naming the processes it waited for.
+
+>>> import numpy as np, spmdcomm as sc
+>>> from spmdcomm import placement
+>>> x = placement.place("example", {"x": np.arange(16.0).reshape(8, 2)}, sc.data_sharding())["x"]
+>>> x.shape, x.addressable_shards[1].data.tolist()
+((8, 2), [[2.0, 3.0]])
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, Sharding
+
+from spmdcomm.data import MaskedBatch, leading_size
+from spmdcomm.errors import ProcessMismatchError, ShapeError, SpmdError, describe
+from spmdcomm.mesh import data_sharding, default_mesh, process_count, process_index
+from spmdcomm.sync import DEFAULT_TIMEOUT, Channel, exchange
+
+__all__ = [
+    "place",
+    "place_batch",
+    "shard_batch",
+    "place_leaves",
+    "check_host_input",
+    "check_divisible",
+    "blocks",
+    "Agreement",
+    "HostInput",
+    "HOST_INPUTS",
+]
+
+HostInput = Literal["local", "global"]
+HOST_INPUTS: tuple[str, ...] = ("local", "global")
+
+
+def place(
+    fn: str,
+    tree: Any,
+    sharding: Any,
+    *,
+    host_input: HostInput = "local",
+    agreement: Agreement | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Any:
+    """``tree`` with every leaf a global ``jax.Array`` placed as ``sharding`` says, under the module's rule.
+
+    ``sharding`` is one ``Sharding`` for every leaf or a pytree prefix of ``tree`` whose leaves are
+    shardings. All host leaves that stay within this process's devices go to one batched
+    ``jax.device_put``. ``fn`` names the caller in errors. ``agreement`` holds the shape signatures the
+    processes already agreed on (default: one shared by the main thread's calls); ``timeout`` bounds the
+    check of a new one.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    shardings = _broadcast(fn, sharding, tree, len(leaves))
+    names = functools.cache(lambda: [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]])
+    placed = place_leaves(
+        fn, leaves, shardings, names=names, host_input=host_input, agreement=agreement, timeout=timeout
+    )
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def place_batch(
+    fn: str,
+    batch: Any,
+    *,
+    mesh: Mesh,
+    axis: str | tuple[str, ...],
+    multiple_of: int = 1,
+    multiple_name: str = "multiple_of",
+    host_input: HostInput = "local",
+    agreement: Agreement | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> tuple[Any, Any]:
+    """``(data, mask)`` of a batch split along dimension 0 over ``axis`` of ``mesh``, under the module's rule.
+
+    ``batch`` is a pytree of arrays with a common leading size, or a :class:`~spmdcomm.MaskedBatch` whose
+    1-D bool ``mask`` has one entry per row (``mask`` is ``None`` for a plain batch). The rows must split
+    into equal blocks for the devices along ``axis`` (this process's devices for process-local host input),
+    each a multiple of ``multiple_of`` rows (the train step passes its ``accum_steps``, named in errors as
+    ``multiple_name``). Data and mask go to the devices in one batched call.
+    """
+    check_host_input(fn, host_input)
+    data, mask = (batch.data, batch.mask) if isinstance(batch, MaskedBatch) else (batch, None)
+    rows = leading_size(fn, data)
+    sharding = data_sharding(mesh=mesh, axis=axis)
+    host_rows = any(not isinstance(x, jax.Array) for x in jax.tree.leaves(data))
+    local = host_rows and host_input == "local" and not sharding.is_fully_addressable
+    total, mine, devices = blocks(sharding, 1)
+    k = mine[0] if local else total[0]
+    need = k * multiple_of
+    if rows % need:
+        where = f" on process {process_index()}" if local else ""
+        what = (
+            f"this process's {k} devices on axis {axis!r} (devices {devices[0]}; {total[0]} in all)"
+            if local
+            else f"{k} devices on axis {axis!r}"
+        )
+        if multiple_of > 1:
+            what += f" x {multiple_name}={multiple_of}"
+        raise ShapeError(
+            describe(
+                fn,
+                f"the batch has {rows} examples{where}, which does not split evenly over {what} "
+                f"(needs a multiple of {need}).",
+                fix=f"pad it with spmdcomm.pad_batch(batch, {need}), which pads with zeros and returns a "
+                "MaskedBatch whose mask marks the real examples (masked means then count those only).",
+            )
+        )
+    if mask is not None and (np.ndim(mask) != 1 or int(np.shape(mask)[0]) != rows):
+        raise ShapeError(
+            describe(
+                fn,
+                f"the mask has shape {np.shape(mask)} but the batch has {rows} rows.",
+                leaf="mask",
+                fix="build the batch with spmdcomm.pad_batch.",
+            )
+        )
+    tree = data if mask is None else MaskedBatch(data, mask)
+    placed = place(fn, tree, sharding, host_input=host_input, agreement=agreement, timeout=timeout)
+    return (placed, None) if mask is None else (placed.data, placed.mask)
+
+
+def shard_batch(
+    batch: Any,
+    *,
+    mesh: Mesh | None = None,
+    axis: str | tuple[str, ...] = "data",
+    host_input: HostInput = "local",
+) -> Any:
+    """Puts a batch on ``mesh`` as global ``jax.Array``s split along dimension 0 over ``axis``.
+
+    ``batch`` is a pytree of arrays with a common leading size (a :class:`~spmdcomm.MaskedBatch` keeps its
+    mask, split the same way). Host leaves follow :mod:`spmdcomm.placement`'s rule: by default each process
+    passes its own rows; ``host_input="global"``: every process passes the whole batch. The rows must divide
+    across the devices (pad with :func:`spmdcomm.pad_batch` otherwise).
+
+    Like ``jax.device_put``, a 64-byte aligned NumPy leaf may be aliased on CPU rather than copied: do
+    not write into it while its device array is in use. (:func:`spmdcomm.prefetch_to_device` copies.)
+
+    >>> b = sc.shard_batch({"x": np.arange(16.0).reshape(8, 2)})
+    >>> b["x"].sharding.spec == sc.P("data"), b["x"].addressable_shards[1].data.tolist()
+    (True, [[2.0, 3.0]])
+    """
+    mesh = default_mesh() if mesh is None else mesh
+    data, mask = place_batch("shard_batch", batch, mesh=mesh, axis=axis, host_input=host_input)
+    return MaskedBatch(data, mask) if isinstance(batch, MaskedBatch) else data
+
+
+def place_leaves(
+    fn: str,
+    leaves: Sequence[Any],
+    shardings: Sequence[Sharding],
+    *,
+    names: Callable[[], Sequence[str]],
+    host_input: HostInput = "local",
+    agreement: Agreement | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> list[Any]:
+    """:func:`place` on flat lists: ``leaves[i]`` goes to ``shardings[i]``; ``names()`` gives the leaves'
+    paths for messages (only called when one is needed)."""
+    check_host_input(fn, host_input)
+    out = list(leaves)
+    several = process_count() > 1
+    puts: list[int] = []  # leaves for the batched device_put
+    spanning: list[int] = []  # host leaves on shardings that span processes
+    for i, (x, s) in enumerate(zip(leaves, shardings, strict=True)):
+        if isinstance(x, jax.Array):
+            if not x.sharding.is_equivalent_to(s, x.ndim):
+                puts.append(i)
+            continue
+        x = out[i] = np.asarray(x)
+        if several and not s.is_fully_addressable:
+            spanning.append(i)
+        else:
+            check_divisible(fn, lambda i=i: names()[i], x.shape, s)
+            puts.append(i)
+    if puts:
+        moved = jax.device_put([out[i] for i in puts], [shardings[i] for i in puts])
+        for i, y in zip(puts, moved, strict=True):
+            out[i] = y
+    if spanning:
+        shapes = (agreement or _MAIN).global_shapes(
+            fn,
+            [out[i] for i in spanning],
+            [shardings[i] for i in spanning],
+            lambda: [names()[i] for i in spanning],
+            host_input,
+            timeout,
+        )
+        made = jax.make_array_from_process_local_data(
+            [shardings[i] for i in spanning], [out[i] for i in spanning], shapes
+        )
+        for i, y in zip(spanning, made, strict=True):
+            out[i] = y
+    return out
+
+
+def check_host_input(fn: str, host_input: Any) -> HostInput:
+    """Raises :class:`~spmdcomm.errors.SpmdError` unless ``host_input`` is one of :data:`HOST_INPUTS`."""
+    if host_input not in HOST_INPUTS:
+        raise SpmdError(
+            describe(
+                fn,
+                f"host_input={host_input!r} is not one of {HOST_INPUTS}.",
+                fix="pass 'local' (each process passes its own rows, the default) or 'global' (every process "
+                "passes the same full value); see spmdcomm.placement.",
+            )
+        )
+    return host_input
+
+
+def check_divisible(
+    fn: str, leaf: str | Callable[[], str], shape: tuple[int, ...], sharding: Sharding, *, local: bool = False
+) -> tuple[int, ...]:
+    """The global shape of a value of ``shape`` placed on ``sharding``; raises :class:`ShapeError` if a split
+    dimension does not divide into its blocks.
+
+    ``local``: ``shape`` is this process's part (process-local host input), to be divided into the blocks
+    this process's devices hold; otherwise ``shape`` is global and divides into all blocks. ``leaf`` (a
+    path, or a function giving it) names the value in the message.
+    """
+    shape = tuple(shape)
+    key = (sharding, shape, local)
+    hit = _GLOBAL_SHAPES.get(key)
+    if hit is not None:
+        return hit
+    spec = getattr(sharding, "spec", None)
+    if spec is not None and len(spec) > len(shape):
+        raise ShapeError(
+            describe(
+                fn,
+                f"spec {spec} has {len(spec)} entries but the value has shape {shape} (rank {len(shape)}).",
+                leaf=_name(leaf),
+                fix="give the spec at most one entry per dimension.",
+            )
+        )
+    total, mine, devices = blocks(sharding, len(shape))
+    out = []
+    for d, size in enumerate(shape):
+        k = mine[d] if local else total[d]
+        if size % k:
+            raise ShapeError(_not_divisible(fn, _name(leaf), d, shape, sharding, k, total[d], devices[d], local))
+        out.append(size // k * total[d] if local else size)
+    if len(_GLOBAL_SHAPES) >= _CACHE_LIMIT:
+        _GLOBAL_SHAPES.clear()
+    _GLOBAL_SHAPES[key] = tuple(out)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def blocks(sharding: Sharding, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[list[int], ...]]:
+    """For each of ``ndim`` dimensions placed on ``sharding``: how many blocks all devices hold, how many
+    distinct ones this process's devices hold, and the ids of this process's devices in block order."""
+    probe = (len(sharding.device_set),) * ndim
+    every = sharding.devices_indices_map(probe)
+    mine = sharding.addressable_devices_indices_map(probe)
+    total, local, ids = [], [], []
+    for d in range(ndim):
+        total.append(len({index[d].indices(probe[d])[0] for index in every.values()}))
+        local.append(len({index[d].indices(probe[d])[0] for index in mine.values()}))
+        ids.append(sorted((index[d].indices(probe[d])[0], dev.id) for dev, index in mine.items()))
+    return tuple(total), tuple(local), tuple([i for _, i in pairs] for pairs in ids)
+
+
+class Agreement:
+    """The host-input shape signatures that every process has agreed on, and the sync channel that checks
+    a new one.
+
+    The main thread's calls share one (through :func:`spmdcomm.sync.exchange`); a placing thread keeps its
+    own, on a :class:`~spmdcomm.sync.Channel` named the same on every process, so that its checks never
+    pair up with the main thread's sync points. Every process must place the same sequence of signatures
+    through an agreement, since each new one is a sync point.
+    """
+
+    def __init__(self, channel: Channel | None = None):
+        self.channel = channel
+        self.known: dict[Any, list[tuple[int, ...]]] = {}
+
+    def global_shapes(
+        self,
+        fn: str,
+        hosts: Sequence[np.ndarray],
+        shardings: Sequence[Sharding],
+        names: Callable[[], Sequence[str]],
+        host_input: HostInput,
+        timeout: float,
+    ) -> list[tuple[int, ...]]:
+        """The global shapes of host leaves on shardings that span processes, agreed by every process."""
+        key = (host_input, tuple((s, x.shape, x.dtype) for x, s in zip(hosts, shardings, strict=True)))
+        hit = self.known.get(key)
+        if hit is not None:
+            return hit
+        local = host_input == "local"
+        problem, shapes = None, []
+        try:
+            for i, (x, s) in enumerate(zip(hosts, shardings, strict=True)):
+                shapes.append(check_divisible(fn, lambda i=i: names()[i], x.shape, s, local=local))
+        except ShapeError as e:
+            problem = e
+        # Every process reports its problem (if any) and its leaves before anyone moves data, so that all of
+        # them raise the same error instead of leaving the others in a collective.
+        mine = {
+            "error": None if problem is None else str(problem),
+            "leaves": [[n, list(x.shape), str(x.dtype)] for n, x in zip(names(), hosts, strict=True)],
+        }
+        label = f"{fn}: host input check"
+        payload = json.dumps(mine).encode()
+        got = [
+            json.loads(b)
+            for b in (self.channel.exchange if self.channel else exchange)(fn, label, payload, timeout=timeout)
+        ]
+        if problem is not None:
+            raise problem
+        for p, other in enumerate(got):
+            if other["error"]:
+                raise ShapeError(
+                    describe(
+                        fn,
+                        f"process {p} cannot place its host input, so process {process_index()} stops too. "
+                        f"Its error: {other['error']}",
+                    )
+                )
+        _check_same_leaves(fn, host_input, got)
+        if len(self.known) >= _CACHE_LIMIT:
+            self.known.clear()
+        self.known[key] = shapes
+        return shapes
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+_CACHE_LIMIT = 4096
+_GLOBAL_SHAPES: dict[Any, tuple[int, ...]] = {}
+_MAIN = Agreement()
+
+
+def _name(leaf: str | Callable[[], str]) -> str:
+    return (leaf if isinstance(leaf, str) else leaf()) or "<root>"
+
+
+def _broadcast(fn: str, sharding: Any, tree: Any, count: int) -> list[Sharding]:
+    if isinstance(sharding, Sharding):
+        return [sharding] * count
+    per_leaf = jax.tree.map(
+        lambda s, sub: [s] * len(jax.tree.leaves(sub)), sharding, tree, is_leaf=lambda x: isinstance(x, Sharding)
+    )
+    out = jax.tree.leaves(per_leaf, is_leaf=lambda x: isinstance(x, Sharding))
+    if len(out) != count or not all(isinstance(s, Sharding) for s in out):
+        raise SpmdError(
+            describe(
+                fn,
+                "the shardings are not a pytree prefix of the value.",
+                fix="pass one Sharding, or a pytree of Shardings whose structure is a prefix of the value's.",
+            )
+        )
+    return out
+
+
+def _not_divisible(
+    fn: str,
+    leaf: str,
+    d: int,
+    shape: tuple[int, ...],
+    sharding: Sharding,
+    k: int,
+    total: int,
+    devices: list[int],
+    local: bool,
+) -> str:
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    entry = spec[d] if spec is not None and d < len(spec) else None
+    if entry is not None and mesh is not None:
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        where = f"mesh axis {entry!r} of size {int(np.prod([mesh.shape[a] for a in axes]))}"
+    else:
+        where = f"the {total} blocks of sharding {sharding}"
+    if local:
+        detail = (
+            f"process {process_index()} holds {k} of them, on devices {devices}, and with "
+            "host_input='local' passes only its own rows; "
+        )
+    else:
+        detail = f"blocks on devices {devices}; " if process_count() == 1 else ""
+    message = (
+        f"dimension {d} of size {shape[d]} (shape {shape}) does not divide across {where} "
+        f"({detail}needs a multiple of {k})."
+    )
+    if d == 0:
+        fix = (
+            f"pad dimension 0 to a multiple of {k}: spmdcomm.pad_batch(batch, {k}) pads with zeros and returns a "
+            f"MaskedBatch whose mask marks the real rows (prefetch_to_device(..., pad_to_multiple={k}) does it "
+            "per batch); or choose a mesh whose axis size divides it."
+        )
+    else:
+        fix = f"pad dimension {d} to a multiple of {k}, or choose a mesh whose axis size divides it."
+    return describe(fn, message, leaf=leaf, fix=fix)
+
+
+def _check_same_leaves(fn: str, host_input: str, got: list[dict[str, Any]]) -> None:
+    """Raises :class:`ProcessMismatchError` naming the first leaf whose name, shape or dtype differs."""
+    first = [g["leaves"] for g in got]
+    if all(leaves == first[0] for leaves in first):
+        return
+    count = max(len(leaves) for leaves in first)
+    for j in range(count):
+        column = [leaves[j] if j < len(leaves) else None for leaves in first]
+        if any(c != column[0] for c in column):
+            break
+    names = {c[0] for c in column if c is not None}
+    if len(names) > 1 or any(c is None for c in column):
+        seen = "; ".join(f"process {p}: {'no leaf' if c is None else c[0]}" for p, c in enumerate(column))
+        message = f"processes passed trees with different leaves at position {j} ({seen})."
+        leaf = None
+    else:
+        seen = ", ".join(f"process {p} {tuple(c[1])} {c[2]}" for p, c in enumerate(column))
+        rule = (
+            "with host_input='local' each process passes its own rows and the global array is their "
+            "concatenation, so every process must pass the same local shape"
+            if host_input == "local"
+            else "with host_input='global' every process passes the same full value"
+        )
+        message = f"processes passed different shapes or dtypes: {seen}; {rule}."
+        leaf = next(iter(names))
+    raise ProcessMismatchError(
+        describe(
+            fn,
+            message,
+            leaf=leaf,
+            fix="give every process batches of the same shapes and dtypes (pad the last, short batch with "
+            "spmdcomm.pad_batch, or use ShardedSampler, which gives every process the same batch count and size).",
+        )
+    )
