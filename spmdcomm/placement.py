@@ -113,11 +113,13 @@ def place_batch(
     data, mask = (batch.data, batch.mask) if isinstance(batch, MaskedBatch) else (batch, None)
     rows = leading_size(fn, data)
     sharding = data_sharding(mesh=mesh, axis=axis)
-    host_rows = any(not isinstance(x, jax.Array) for x in jax.tree.leaves(data))
-    local = host_rows and host_input == "local" and not sharding.is_fully_addressable
+    # Host rows on a mesh that spans processes: a problem is reported to the other processes before raising.
+    spanning = not sharding.is_fully_addressable and any(not isinstance(x, jax.Array) for x in jax.tree.leaves(data))
+    local = spanning and host_input == "local"
     total, mine, devices = blocks(sharding, 1)
     k = mine[0] if local else total[0]
     need = k * multiple_of
+    problem = None
     if rows % need:
         where = f" on process {process_index()}" if local else ""
         what = (
@@ -127,7 +129,7 @@ def place_batch(
         )
         if multiple_of > 1:
             what += f" x {multiple_name}={multiple_of}"
-        raise ShapeError(
+        problem = ShapeError(
             describe(
                 fn,
                 f"the batch has {rows} examples{where}, which does not split evenly over {what} "
@@ -136,8 +138,8 @@ def place_batch(
                 "MaskedBatch whose mask marks the real examples (masked means then count those only).",
             )
         )
-    if mask is not None and (np.ndim(mask) != 1 or int(np.shape(mask)[0]) != rows):
-        raise ShapeError(
+    elif mask is not None and (np.ndim(mask) != 1 or int(np.shape(mask)[0]) != rows):
+        problem = ShapeError(
             describe(
                 fn,
                 f"the mask has shape {np.shape(mask)} but the batch has {rows} rows.",
@@ -145,6 +147,10 @@ def place_batch(
                 fix="build the batch with spmdcomm.pad_batch.",
             )
         )
+    if problem is not None:
+        if spanning:
+            (agreement or _MAIN).refuse(fn, problem, timeout)
+        raise problem
     tree = data if mask is None else MaskedBatch(data, mask)
     placed = place(fn, tree, sharding, host_input=host_input, agreement=agreement, timeout=timeout)
     return (placed, None) if mask is None else (placed.data, placed.mask)
@@ -333,12 +339,7 @@ class Agreement:
             "error": None if problem is None else str(problem),
             "leaves": [[n, list(x.shape), str(x.dtype)] for n, x in zip(names(), hosts, strict=True)],
         }
-        label = f"{fn}: host input check"
-        payload = json.dumps(mine).encode()
-        got = [
-            json.loads(b)
-            for b in (self.channel.exchange if self.channel else exchange)(fn, label, payload, timeout=timeout)
-        ]
+        got = self._exchange(fn, mine, timeout)
         if problem is not None:
             raise problem
         for p, other in enumerate(got):
@@ -355,6 +356,16 @@ class Agreement:
             self.known.clear()
         self.known[key] = shapes
         return shapes
+
+    def refuse(self, fn: str, problem: Exception, timeout: float) -> None:
+        """Tells the other processes, at the sync point where they check their host input, that this process
+        cannot place its own (``problem``), so that they raise too instead of waiting in a collective."""
+        self._exchange(fn, {"error": str(problem), "leaves": []}, timeout)
+
+    def _exchange(self, fn: str, report: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+        send = self.channel.exchange if self.channel is not None else exchange
+        got = send(fn, f"{fn}: host input check", json.dumps(report).encode(), timeout=timeout)
+        return [json.loads(b) for b in got]
 
 
 # ---------------------------------------------------------------------------------------------------------
