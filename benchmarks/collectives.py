@@ -12,15 +12,24 @@ deadlocks when too many collective executions are queued).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-# Parse first: the device count must be set before JAX initialises.
+from _common import set_cpu_devices, time_calls, write_json
+
+set_cpu_devices(8)  # before JAX starts
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import spmdcomm as sc  # noqa: E402
+
 _parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 _parser.add_argument("--devices", type=int, default=8, help="fake CPU devices when on CPU (default 8)")
 _parser.add_argument("--backend", choices=["shard_map", "pmap"], default="shard_map")
@@ -35,19 +44,10 @@ _parser.add_argument("--json", help="write the results to this JSON file")
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parser.parse_args(argv)
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-        )
-    import jax
-    import numpy as np
-
-    import spmdcomm as sc
-
     devices = jax.devices()[: args.devices]
     n = len(devices)
     mesh = sc.data_mesh(devices=devices)
-    memcpy = memcpy_gbps(np)
+    memcpy = memcpy_gbps()
     print(
         f"# spmdcomm collectives benchmark: {n} x {devices[0].platform} devices, backend={args.backend}, "
         f"jax {jax.__version__}"
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{'bytes':>10} {'variant':>16} {'time_us':>10} {'algbw':>8} {'busbw':>8} {'vs lax':>7}")
         size = args.min_bytes
         while size <= args.max_bytes:
-            rows.extend(bench_size(op, size, n, mesh, args, jax, np, sc))
+            rows.extend(bench_size(op, size, n, mesh, args))
             size *= args.step
     result = {
         "devices": n,
@@ -70,10 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
         "date": time.strftime("%Y-%m-%d"),
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"\nwrote {args.json}")
+    write_json(args.json, result)
     return result
 
 
@@ -86,10 +83,8 @@ BUS_FACTOR = {
 }
 
 
-def variants(op: str, n: int, jax, sc) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (per-device function, how the input block's element count relates to S/4)."""
-    from jax import lax
-
+def variants(op: str, n: int) -> dict[str, Callable]:
+    """name -> per-device function; names starting with "lax" are the hand-written baselines."""
     ring_free = {
         "all_reduce": {
             "lax": lambda x: lax.psum(x, "data"),
@@ -118,24 +113,24 @@ def variants(op: str, n: int, jax, sc) -> dict[str, tuple[Callable, Callable]]:
             "lax": lambda x: lax.all_gather(x, "data", tiled=False)[0],
             "lax_bits_psum": lambda x: lax.bitcast_convert_type(
                 lax.psum(
-                    jax.numpy.where(lax.axis_index("data") == 0, lax.bitcast_convert_type(x, jax.numpy.uint32), 0),
+                    jnp.where(lax.axis_index("data") == 0, lax.bitcast_convert_type(x, jnp.uint32), 0),
                     "data",
                 ),
-                jax.numpy.float32,
+                jnp.float32,
             ),
             "lax_bits_rs_ag": lambda x: lax.bitcast_convert_type(
                 lax.all_gather(
                     lax.psum_scatter(
-                        jax.numpy.where(lax.axis_index("data") == 0, lax.bitcast_convert_type(x, jax.numpy.uint32), 0),
+                        jnp.where(lax.axis_index("data") == 0, lax.bitcast_convert_type(x, jnp.uint32), 0),
                         "data",
                         tiled=True,
                     ),
                     "data",
                     tiled=True,
                 ),
-                jax.numpy.float32,
+                jnp.float32,
             ),
-            "lax_f32": lambda x: lax.psum(jax.numpy.where(lax.axis_index("data") == 0, x, 0), "data"),
+            "lax_f32": lambda x: lax.psum(jnp.where(lax.axis_index("data") == 0, x, 0), "data"),
             "spmdcomm": lambda x: sc.broadcast(x, "data", root=0),
             "spmdcomm_split": lambda x: sc.collectives.rooted._broadcast_leaf(x, "data", 0, n, split=True),
         },
@@ -150,10 +145,7 @@ def input_elems(op: str, size: int, n: int) -> int:
     return elems // n if op == "all_gather" else elems
 
 
-def bench_size(op, size, n, mesh, args, jax, np, sc) -> list[dict[str, Any]]:
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
+def bench_size(op: str, size: int, n: int, mesh, args) -> list[dict[str, Any]]:
     elems = input_elems(op, size, n)
     sharding = NamedSharding(mesh, P("data"))
     same_shape = op in ("all_reduce", "all_to_all", "broadcast")
@@ -161,7 +153,7 @@ def bench_size(op, size, n, mesh, args, jax, np, sc) -> list[dict[str, Any]]:
     stacked = lambda: jax.device_put(np.zeros((n, elems), np.float32), sharding)  # noqa: E731 - pmap layout
     donate = 0 if same_shape else ()
     fns = {}
-    for name, body in variants(op, n, jax, sc).items():
+    for name, body in variants(op, n).items():
         if not name.startswith("lax"):
             fns[name] = (
                 sc.spmd(
@@ -199,7 +191,7 @@ def bench_size(op, size, n, mesh, args, jax, np, sc) -> list[dict[str, Any]]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(args.trials):
         for name, (f, make) in fns.items():  # interleaved: A B C A B C ...
-            times[name].append(time_calls(f, make, iters, same_shape, jax) / iters)
+            times[name].append(_time(f, make, iters, same_shape) / iters)
     base = statistics.median(times["lax"])
     out = []
     for name in fns:
@@ -222,27 +214,8 @@ def bench_size(op, size, n, mesh, args, jax, np, sc) -> list[dict[str, Any]]:
     return out
 
 
-def time_calls(f, make, iters: int, same_shape: bool, jax, window: int = 8) -> float:
-    """Seconds for ``iters`` calls, never more than ``window`` in flight."""
-    x = make()
-    jax.block_until_ready(x)
-    pending = []
-    t0 = time.perf_counter()
-    for i in range(iters):
-        y = f(x)
-        if same_shape:
-            x = y  # the input was donated; the output (zeros) feeds the next call
-            if i % window == window - 1:
-                jax.block_until_ready(x)  # a chain of donated buffers: drain it every `window` calls
-        else:
-            pending.append(y)
-            if len(pending) >= window:
-                jax.block_until_ready(pending.pop(0))
-    jax.block_until_ready(x if same_shape else pending)
-    return time.perf_counter() - t0
-
-
-def memcpy_gbps(np, nbytes: int = 64 << 20) -> float:
+def memcpy_gbps(nbytes: int = 64 << 20) -> float:
+    """The best of 5 NumPy copies of ``nbytes``, in GB/s: the reference line."""
     src = np.ones(nbytes // 8)
     dst = np.empty_like(src)
     best = float("inf")
@@ -253,5 +226,21 @@ def memcpy_gbps(np, nbytes: int = 64 << 20) -> float:
     return nbytes / best / 1e9
 
 
+def _time(f, make, iters: int, same_shape: bool) -> float:
+    """Seconds for ``iters`` calls of ``f``. Same-shape collectives donate their input, so each call's
+    output (zeros) feeds the next one; the others take one fresh input every time."""
+    x = make()
+    jax.block_until_ready(x)
+    if not same_shape:
+        return time_calls(lambda: f(x), iters)
+    chain = [x]
+
+    def call():
+        chain[0] = f(chain[0])
+        return chain[0]
+
+    return time_calls(call, iters, chained=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -22,25 +22,26 @@ waits on the step from two steps earlier, so at most two steps are in flight.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
+from _common import set_cpu_devices, write_json
+
+set_cpu_devices(2)  # before JAX starts
+
+import flax  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import jax_utils  # noqa: E402
+
+import spmdcomm as sc  # noqa: E402
+
 
 def main() -> None:
     args = _parser().parse_args()
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-    ).strip()
-    import flax
-    import jax
-    import numpy as np
-
-    import spmdcomm as sc
-
-    bench = _Bench(args, jax, np, sc)
+    bench = _Bench(args)
     results = {
         "date": time.strftime("%Y-%m-%d"),
         "jax": jax.__version__,
@@ -55,9 +56,7 @@ def main() -> None:
         "loader_vs_step": bench.loader_vs_step(),
         "hidden_transfer": bench.hidden_transfer(),
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,19 +73,18 @@ MODES = ("none", "flax", "ours")
 
 
 class _Bench:
-    def __init__(self, args, jax, np, sc):
-        self.args, self.jax, self.np, self.sc = args, jax, np, sc
+    def __init__(self, args):
+        self.args = args
         self.sharding = sc.data_sharding()
         self.ndev = jax.device_count()
 
     # ---- part 1 -----------------------------------------------------------------------------------------
 
     def loader_vs_step(self) -> dict:
-        np = self.np
         s_ms = self.args.step_ms
-        host = _unaligned(np.random.default_rng(0).normal(size=(256, 1024)).astype(np.float32), self.sc)  # 1 MiB
+        host = _unaligned(np.random.default_rng(0).normal(size=(256, 1024)).astype(np.float32))  # 1 MiB
         step = self._calibrated_step(host, s_ms)
-        burn = _calibrate_cpu_work(np)
+        burn = _calibrate_cpu_work()
         out = {"batch_mib": host.nbytes / 2**20, "step_ms": self._measure_step(step, host) * 1e3}
         print(
             f"\n== loader vs step: batch {out['batch_mib']:.0f} MiB, S = {out['step_ms']:.1f} ms "
@@ -95,7 +93,7 @@ class _Bench:
         for kind in ("io", "cpu"):
             rows = {}
             for ratio in (0, 0.5, 1, 2):
-                loader = _loader(kind, host, ratio * s_ms / 1e3, burn, np)
+                loader = _loader(kind, host, ratio * s_ms / 1e3, burn)
                 times = self._interleaved({m: (lambda m=m, ld=loader: self._run(m, ld, step)) for m in MODES})
                 rows[ratio] = {m: 1.0 / statistics.median(t) for m, t in times.items()}
             for row in rows.values():
@@ -110,15 +108,14 @@ class _Bench:
     # ---- part 2 -----------------------------------------------------------------------------------------
 
     def hidden_transfer(self) -> dict:
-        np, sc = self.np, self.sc
-        host = _unaligned(np.random.default_rng(1).normal(size=(4096, 1024)).astype(np.float32), sc)  # 16 MiB
+        host = _unaligned(np.random.default_rng(1).normal(size=(4096, 1024)).astype(np.float32))  # 16 MiB
         aligned = sc.aligned_empty(host.shape, host.dtype)
         aligned[...] = host
         step = self._calibrated_step(host, 2.0)
-        plain_loader, aligned_loader = (_loader("io", h, 0.0, None, np) for h in (host, aligned))
+        plain_loader, aligned_loader = (_loader("io", h, 0.0, None) for h in (host, aligned))
         variants = {m: (lambda m=m: self._run(m, plain_loader, step)) for m in MODES}
         variants.update({f"{m} aligned": (lambda m=m: self._run(m, aligned_loader, step)) for m in ("none", "ours")})
-        placed = self.jax.device_put(host, self.sharding)
+        placed = jax.device_put(host, self.sharding)
         variants["preplaced"] = lambda: self._run("preplaced", lambda: placed, step)
         times = {m: statistics.median(t) for m, t in self._interleaved(variants).items()}
         span = times["none"] - times["preplaced"]
@@ -148,15 +145,13 @@ class _Bench:
 
     def _run(self, mode: str, loader, step) -> float:
         """Seconds per step of one timed run (after 3 warm-up steps)."""
-        jax, sc, n = self.jax, self.sc, self.args.steps + 3
+        n = self.args.steps + 3
         source = (loader() for _ in range(n))
         if mode == "preplaced":
             batches = source
         elif mode == "none":
             batches = (jax.device_put(b, self.sharding) for b in source)
         elif mode == "flax":
-            from flax import jax_utils
-
             batches = jax_utils.prefetch_to_device((b.reshape(self.ndev, -1, *b.shape[1:]) for b in source), 2)
         else:
             batches = sc.prefetch_to_device(source, 2)
@@ -183,7 +178,6 @@ class _Bench:
         return times
 
     def _calibrated_step(self, host, target_ms: float):
-        jax = self.jax
         jnp = jax.numpy
         w = jnp.full((64, 64), 1.0 / 64, jnp.float32)
 
@@ -206,7 +200,7 @@ class _Bench:
             k *= 4
 
     def _measure_step(self, step, host) -> float:
-        x = self.jax.device_put(host, self.sharding)
+        x = jax.device_put(host, self.sharding)
         step(x).block_until_ready()
         ts = []
         for _ in range(7):
@@ -216,7 +210,7 @@ class _Bench:
         return statistics.median(ts)
 
 
-def _loader(kind: str, host, seconds: float, burn, np):
+def _loader(kind: str, host, seconds: float, burn):
     """A zero-argument function returning a host batch after ``seconds`` of waiting or CPU work."""
     if seconds <= 0:
         return lambda: host
@@ -235,7 +229,7 @@ def _loader(kind: str, host, seconds: float, burn, np):
     return cpu
 
 
-def _unaligned(a, sc):
+def _unaligned(a):
     """A copy of ``a`` whose data starts 16 bytes past a 64-byte boundary."""
     raw = sc.aligned_empty(a.nbytes + 16, "uint8")
     out = raw[16 : 16 + a.nbytes].view(a.dtype).reshape(a.shape)
@@ -243,7 +237,7 @@ def _unaligned(a, sc):
     return out
 
 
-def _calibrate_cpu_work(np):
+def _calibrate_cpu_work():
     """``burn(seconds)``: NumPy work (like decoding or augmenting) that keeps one core busy that long."""
     scratch = np.random.default_rng(0).normal(size=64 * 1024).astype(np.float32)
 

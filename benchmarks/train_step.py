@@ -11,25 +11,24 @@ reduction and with one flat buffer, and, where torch is importable, torch DDP wi
 (gloo on loopback, CPU, same models, same global batch, Adam with the same hyper-parameters; one
 intra-op thread per worker, and torch's default thread count). The multi-process settings run
 ``--repeats`` times in alternating order; samples/s are medians over the repeats of each run's
-median over rounds. Every loop bounds its in-flight steps (our steps do it themselves; baselines
-block every 8 steps; torch runs each step synchronously).
+median over rounds. Every JAX loop keeps at most 8 steps in flight (``_common.time_calls``; our steps
+also bound themselves); torch runs each step synchronously.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import os
+import subprocess
 import sys
+import time
+from pathlib import Path
 
-if "--worker" not in sys.argv:
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+from _common import set_cpu_devices, time_calls, write_json
+
+set_cpu_devices(2)  # before JAX starts; the launched workers keep the launcher's 1 device each
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -41,7 +40,7 @@ import spmdcomm as sc  # noqa: E402
 from spmdcomm import runtime  # noqa: E402
 
 BATCH = 256
-WINDOW = 8  # baselines block on the result from this many steps back
+FLAT = sc.DDP(bucket_bytes=2**40)  # every gradient in one flat buffer
 
 
 class MLP(nn.Module):
@@ -90,27 +89,24 @@ def init_params(model_name: str) -> dict:
 # --- variants: each returns run(steps) -> seconds -------------------------------------------------
 
 
-def ours(model_name: str, mesh, **options):
-    apply_fn = MODELS[model_name].apply
+def ours(model_name: str, mesh, strategy: sc.Strategy | str = "ddp", **step_options):
     state = sc.TrainState.create(
         params=init_params(model_name),
-        apply_fn=apply_fn,
+        apply_fn=MODELS[model_name].apply,
         tx=optax.adam(1e-3),
         mesh=mesh,
-        shard_optimizer=options.get("shard_optimizer", False),
+        strategy=strategy,
     )
-    step = sc.make_train_step(loss_fn, mesh=mesh, **options)
+    step = sc.make_train_step(loss_fn, **step_options)
     batch = jax.tree.map(lambda x: jax.device_put(x, sc.data_sharding(mesh=mesh)), data())
     holder = {"state": state}
 
+    def call():
+        holder["state"], metrics = step(holder["state"], batch)
+        return metrics
+
     def run(steps: int) -> float:
-        s = holder["state"]
-        start = time.perf_counter()
-        for _ in range(steps):
-            s, metrics = step(s, batch)
-        jax.block_until_ready(metrics)
-        holder["state"] = s
-        return time.perf_counter() - start
+        return time_calls(call, steps)
 
     run.state = holder  # for optimizer-state bytes
     return run
@@ -163,17 +159,12 @@ def single_device(model_name: str):
 def _loop(step, params, opt_state, batch):
     holder = {"p": params, "o": opt_state}
 
+    def call():
+        holder["p"], holder["o"], loss = step(holder["p"], holder["o"], batch)
+        return loss
+
     def run(steps: int) -> float:
-        p, o, pending = holder["p"], holder["o"], []
-        start = time.perf_counter()
-        for _ in range(steps):
-            p, o, loss = step(p, o, batch)
-            pending.append(loss)
-            if len(pending) > WINDOW:
-                pending.pop(0).block_until_ready()
-        jax.block_until_ready(loss)
-        holder["p"], holder["o"] = p, o
-        return time.perf_counter() - start
+        return time_calls(call, steps)
 
     return run
 
@@ -183,19 +174,18 @@ def _loop(step, params, opt_state, batch):
 
 def in_process(rounds: int, steps: int) -> dict[str, float]:
     mesh = sc.data_mesh(devices=jax.devices()[:2])
-    flat = 2**40
     variants = {}
     for m in ("mlp", "cnn"):
         variants[f"{m}/single device"] = single_device(m)
         variants[f"{m}/hand-written shard_map"] = handwritten(m, mesh)
         variants[f"{m}/ours"] = ours(m, mesh)
-        variants[f"{m}/ours flat buffer"] = ours(m, mesh, bucket_bytes=flat)
+        variants[f"{m}/ours flat buffer"] = ours(m, mesh, FLAT)
     m = "mlp"
     variants[f"{m}/ours pmap"] = ours(m, mesh, backend="pmap")
     variants[f"{m}/ours accum_steps=4"] = ours(m, mesh, accum_steps=4)
     variants[f"{m}/ours bf16 reduce"] = ours(m, mesh, reduce_dtype=jnp.bfloat16)
-    variants[f"{m}/ours buckets 256 KiB"] = ours(m, mesh, bucket_bytes=256 * 1024)
-    variants[f"{m}/ours ZeRO-1"] = ours(m, mesh, shard_optimizer=True)
+    variants[f"{m}/ours buckets 256 KiB"] = ours(m, mesh, sc.DDP(bucket_bytes=256 * 1024))
+    variants[f"{m}/ours ZeRO-1"] = ours(m, mesh, "zero1")
     for run in variants.values():  # compile and warm up
         run(3)
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -303,22 +293,14 @@ def probe_worker(steps: int, rounds: int) -> None:
 
 
 def _time(fn, args, steps: int, rounds: int) -> float:
+    """Median over ``rounds`` of the milliseconds per call of ``fn(*args)``."""
     jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for i in range(steps):
-            out = fn(*args)
-            if i % WINDOW == WINDOW - 1:
-                jax.block_until_ready(out)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / steps * 1e3)
-    return float(np.median(samples))
+    return float(np.median([time_calls(lambda: fn(*args), steps) / steps * 1e3 for _ in range(rounds)]))
 
 
 def worker(model_name: str, steps: int, rounds: int, flat: bool) -> None:
     sc.initialize()
-    run = ours(model_name, sc.data_mesh(), **({"bucket_bytes": 2**40} if flat else {}))
+    run = ours(model_name, sc.data_mesh(), FLAT if flat else "ddp")
     run(3)
     rate = float(np.median([BATCH * steps / run(steps) for _ in range(rounds)]))
     if jax.process_index() == 0:
@@ -443,8 +425,7 @@ def main() -> None:
     print(f"jax {jax.__version__}, optax {optax.__version__}, {os.cpu_count()} cores, global batch {BATCH}")
     for name, value in results.items():
         print(f"{name:64s} {value:12.3f}" if "ratio" in name or "(ms)" in name else f"{name:64s} {value:12.0f}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

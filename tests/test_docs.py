@@ -105,8 +105,14 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
         env=env,
         timeout=480,
     )
-    for name in ("collectives", "prefetch", "train_step"):
-        assert (tmp_path / f"{name}.json").stat().st_size > 0
+    names = ("collectives", "prefetch", "train_step")
+    results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in names}
+    ops = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
+    assert {r["op"] for r in results["collectives"]["rows"]} == ops
+    assert all(r["time_us"] > 0 for r in results["collectives"]["rows"])
+    assert {"io", "cpu"} <= set(results["prefetch"]["loader_vs_step"]) and results["prefetch"]["hidden_transfer"]
+    assert results["train_step"]["mlp/ours"] > 0 and results["train_step"]["cnn/hand-written shard_map"] > 0
+    for name in results:
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -1,0 +1,156 @@
+"""What the benchmark scripts share: the fake CPU device count, the bounded timing loop, JSON results and plots.
+
+Every script calls :func:`set_cpu_devices` before it imports JAX. Nothing here imports JAX at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# Calls in flight at most in every timing loop. XLA:CPU stalls, then aborts the process (SIGABRT after ~40 s),
+# when more than about 32 executions containing collectives are queued; 8 keeps the devices busy.
+WINDOW = 8
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def set_cpu_devices(default: int) -> int:
+    """Gives this process ``--devices N`` fake CPU devices (``N`` from the command line, else ``default``).
+
+    Must run before JAX starts. A count already in ``XLA_FLAGS`` wins (``spmdcomm-launch
+    --devices-per-process`` sets one for each process it starts). Ignored on GPU. Returns the count asked for.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--devices", type=int, default=default)
+    count = parser.parse_known_args()[0].devices
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _DEVICE_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={count}".strip()
+    return count
+
+
+def time_calls(call: Callable[[], Any], n: int, *, chained: bool = False, window: int = WINDOW) -> float:
+    """Seconds for ``n`` calls of ``call()``, with never more than ``window`` of them in flight.
+
+    Before each call beyond the first ``window``, the loop waits for the result of the call ``window`` calls
+    back. With ``chained=True`` each call consumes the previous one's result (a donated buffer, which is gone
+    once consumed), so instead the loop waits for the newest result after every ``window`` calls.
+    """
+    import jax  # here, not at the top: scripts import this module before JAX may start
+
+    pending: collections.deque = collections.deque()
+    out = None
+    start = time.perf_counter()
+    for i in range(n):
+        out = call()
+        if chained:
+            if i % window == window - 1:
+                jax.block_until_ready(out)
+        else:
+            pending.append(out)
+            if len(pending) > window:
+                jax.block_until_ready(pending.popleft())
+    jax.block_until_ready(out if chained else list(pending))
+    return time.perf_counter() - start
+
+
+def write_json(path: str | Path | None, result: dict[str, Any]) -> None:
+    """Writes ``result`` to ``path`` as indented JSON (nothing when ``path`` is None) and says so."""
+    if path is None:
+        return
+    Path(path).write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}", flush=True)
+
+
+def plot_collectives(result: dict, path: Path) -> Path:
+    """busbw against message size, one panel per collective, with the NumPy memcpy line."""
+    plt = _pyplot()
+    ops = list(dict.fromkeys(r["op"] for r in result["rows"]))
+    cols = min(3, len(ops))
+    rows_n = -(-len(ops) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False, layout="constrained")
+    for ax in axes.flat[len(ops) :]:
+        ax.set_visible(False)
+    for ax, op in zip(axes.flat, ops):
+        rows = [r for r in result["rows"] if r["op"] == op]
+        for variant in dict.fromkeys(r["variant"] for r in rows):
+            pts = [(r["bytes"], r["busbw_gbps"]) for r in rows if r["variant"] == variant]
+            ax.plot(*zip(*pts), marker="o", label=variant)
+        ax.axhline(result["memcpy_gbps"], color="gray", ls="--", label="NumPy memcpy")
+        ax.set(xscale="log", yscale="log", title=op, xlabel="message bytes", ylabel="busbw GB/s")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{result['devices']} {result['platform']} devices, jax {result['jax']}, {result['date']}")
+    return _save(plt, fig, path)
+
+
+def plot_prefetch(result: dict, path: Path) -> Path:
+    """Steps/s against loader time / step time for each prefetch mode, I/O-like and CPU-bound loaders."""
+    plt = _pyplot()
+    lvs = result["loader_vs_step"]
+    kinds = [k for k in ("io", "cpu") if k in lvs]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 3.6), squeeze=False, layout="constrained")
+    for ax, kind in zip(axes[0], kinds):
+        rows = lvs[kind]
+        ratios = sorted(rows, key=float)
+        modes = [m for m in rows[ratios[0]] if not m.endswith("_vs_zero_cost")]
+        for mode in modes:
+            ax.plot([float(r) for r in ratios], [rows[r][mode] for r in ratios], marker="o", label=mode)
+        ax.set(
+            title=f"{'I/O-like' if kind == 'io' else 'CPU-bound'} loader",
+            xlabel="loader time / step time",
+            ylabel="steps/s",
+        )
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"prefetch, {lvs.get('batch_mib', 0):.0f} MiB batches, S = {lvs.get('step_ms', 0):.1f} ms, "
+        f"{result.get('devices')} devices, {result.get('date')}"
+    )
+    return _save(plt, fig, path)
+
+
+def plot_train_step(result: dict, path: Path) -> Path:
+    """Samples/s per train-step configuration, one bar each."""
+    plt = _pyplot()
+    rows = train_step_rows(result)
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.4), layout="constrained")
+    ax.barh([r[0] for r in rows], [r[1] for r in rows])
+    ax.invert_yaxis()
+    ax.set(xlabel="samples/s")
+    # A figure title, centred on the whole figure: over the bars alone it ran past the right edge.
+    fig.suptitle("train step, global batch 256: 2 devices in one process, or 2 processes")
+    return _save(plt, fig, path)
+
+
+def train_step_rows(result: dict) -> list[tuple[str, float]]:
+    """(configuration, samples/s) pairs from benchmarks/train_step.py's flat JSON (ratios and bytes left out)."""
+    skip = ("ratio", "bytes", "(ms)")
+    return [
+        (name, float(v))
+        for name, v in result.items()
+        if isinstance(v, (int, float)) and not any(s in name for s in skip)
+    ]
+
+
+PLOTS = {"collectives": plot_collectives, "prefetch": plot_prefetch, "train_step": plot_train_step}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
