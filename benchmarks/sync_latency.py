@@ -27,7 +27,7 @@ def timed(name, fn, reps=50):
 
 
 f = sc.spmd(lambda b: sc.psum(b, "data"), in_specs=sc.P("data"), out_specs=sc.P())
-x = np.ones((sc.device_count(), 4), np.float32)
+x = np.ones((sc.local_device_count(), 4), np.float32)  # this process's rows: one per local device
 timed("barrier", lambda: sc.barrier("bench"))
 timed("host_all_reduce (3 scalars)", lambda: sc.host_all_reduce({"a": 1.0, "b": 2, "c": 3.0}))
 timed("host_all_reduce (1 MB)", lambda: sc.host_all_reduce(np.ones(2**18, np.float32)), reps=20)

@@ -68,6 +68,27 @@ def test_already_placed_inputs_are_not_copied():
     assert placed is x
 
 
+def test_place_puts_all_host_arguments_in_one_call_and_keeps_placed_ones(monkeypatch):
+    mesh = sc.data_mesh()
+    n = mesh.size
+    f = sc.spmd(lambda x, w, y: x, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=P("data"))
+    y = jax.device_put(np.arange(n, dtype=np.float32), sc.data_sharding(mesh=mesh))
+    calls = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, s=None, **kw: calls.append(len(x)) or real(x, s, **kw))
+    x, w, same_y = f.place((np.arange(2 * n, dtype=np.float32), {"a": np.ones(2), "b": np.zeros(3)}, y))
+    assert calls == [3] and same_y is y  # one batched device_put for the three host leaves
+    assert x.sharding == sc.data_sharding(mesh=mesh) and w["a"].sharding == sc.replicated_sharding(mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(x), np.arange(2 * n))
+
+
+def test_host_input_rule_is_an_option_of_the_function():
+    n = jax.device_count()
+    f = sc.spmd(lambda x: sc.psum(x.sum(), "data"), in_specs=P("data"), out_specs=P(), host_input="global")
+    assert f.host_input == "global" and sc.spmd(lambda x: x, in_specs=P(), out_specs=P()).host_input == "local"
+    assert float(f(np.arange(2.0 * n))) == float(np.arange(2.0 * n).sum())  # one process: the same as "local"
+
+
 def test_in_specs_prefix_per_argument_and_pytree():
     f = sc.spmd(
         lambda a, b: {"s": sc.psum(a["x"], "data") + b, "y": a["y"] * b},

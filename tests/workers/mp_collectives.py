@@ -43,7 +43,9 @@ def check(name, got, want):
 def run(fn, x, in_specs=None, out_specs=None, backend="shard_map"):
     in_specs = P("data") if in_specs is None else in_specs
     out_specs = P() if out_specs is None else out_specs
-    return host(sc.spmd(fn, in_specs=in_specs, out_specs=out_specs, mesh=mesh, backend=backend)(x))
+    # Every process passes the whole input (the global value), not its own rows.
+    f = sc.spmd(fn, in_specs=in_specs, out_specs=out_specs, mesh=mesh, backend=backend, host_input="global")
+    return host(f(x))
 
 
 # --- topology -----------------------------------------------------------------------------------
