@@ -120,7 +120,7 @@ def place_batch(
     k = mine[0] if local else total[0]
     need = k * multiple_of
     problem = None
-    if rows % need:
+    if need and rows % need:  # (no devices here at all: place() says so)
         where = f" on process {process_index()}" if local else ""
         what = (
             f"this process's {k} devices on axis {axis!r} (devices {devices[0]}; {total[0]} in all)"
@@ -271,6 +271,16 @@ def check_divisible(
             )
         )
     total, mine, devices = blocks(sharding, len(shape))
+    if local and shape and not mine[0]:
+        raise ShapeError(
+            describe(
+                fn,
+                f"process {process_index()} holds none of the devices of sharding {sharding}, so it has no rows "
+                "of its own to pass under host_input='local'.",
+                leaf=_name(leaf),
+                fix="place it on a mesh that includes devices of every process, or pass host_input='global'.",
+            )
+        )
     out = []
     for d, size in enumerate(shape):
         k = mine[d] if local else total[d]
