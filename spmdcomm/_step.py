@@ -13,10 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm.data import MaskedBatch, leading_size
+from spmdcomm import placement
 from spmdcomm.errors import ShapeError, SpmdError, check_not_deleted, describe
 from spmdcomm.spmd import SpmdFunction, check_backend
 from spmdcomm.train_state import TrainState
@@ -143,38 +143,17 @@ def compile_step(
     return sf.program()
 
 
-def place_batch(fn: str, batch: Any, state: TrainState, multiple_of: int) -> tuple[Any, Any]:
+def place_batch(fn: str, batch: Any, state: TrainState, multiple_of: int, host_input: str) -> tuple[Any, Any]:
     """Splits ``batch`` over the state's data axis: ``(data, mask)`` global arrays (``mask`` may be None)."""
-    mesh, axis = state.mesh, state.axis
-    data, mask = (batch.data, batch.mask) if isinstance(batch, MaskedBatch) else (batch, None)
-    local = leading_size(fn, data)
-    n_local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())
-    need = n_local * multiple_of
-    if local % need:
-        what = f"{mesh.shape[axis]} devices on axis {axis!r}" + (
-            f" x accum_steps={multiple_of}" if multiple_of > 1 else ""
-        )
-        raise ShapeError(
-            describe(
-                fn,
-                f"the batch has {local} examples{' in this process' if jax.process_count() > 1 else ''}, "
-                f"which does not split evenly over {what} (needs a multiple of {need}).",
-                fix=f"pad it with spmdcomm.pad_batch(batch, {need}); the step then averages over real examples only.",
-            )
-        )
-    if mask is not None:
-        mask_len = int(np.shape(mask)[0]) if np.ndim(mask) == 1 else -1
-        if mask_len != local:
-            raise ShapeError(
-                describe(
-                    fn,
-                    f"the mask has shape {np.shape(mask)} but the batch has {local} rows.",
-                    leaf="mask",
-                    fix="build the batch with spmdcomm.pad_batch.",
-                )
-            )
-    sharding = NamedSharding(mesh, P(axis))
-    return _put(data, sharding), None if mask is None else _put(mask, sharding)
+    return placement.place_batch(
+        fn,
+        batch,
+        mesh=state.mesh,
+        axis=state.axis,
+        multiple_of=multiple_of,
+        multiple_name="accum_steps",
+        host_input=host_input,
+    )
 
 
 def check_in_flight(fn: str, k: int) -> int:
@@ -256,19 +235,3 @@ def _describe_placement(sharding: Any) -> str:
     if getattr(other, "devices", None) is not None:
         return _describe_mesh(other)
     return f"devices {sorted(d.id for d in sharding.device_set)} ({type(sharding).__name__})"
-
-
-def _put(tree: Any, sharding: NamedSharding) -> Any:
-    def one(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
-        if jax.process_count() > 1:
-            return jax.make_array_from_process_local_data(sharding, np.asarray(x))
-        return x
-
-    tree = jax.tree.map(one, tree)
-    host = [x for x in jax.tree.leaves(tree) if not isinstance(x, jax.Array)]
-    if not host:
-        return tree
-    placed = iter(jax.device_put(host, sharding))
-    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else next(placed), tree)

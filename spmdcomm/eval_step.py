@@ -23,6 +23,7 @@ from spmdcomm._step import (
     sum_dtype,
     zero_masked_rows,
 )
+from spmdcomm.placement import HostInput, check_host_input
 from spmdcomm.spmd import check_backend
 from spmdcomm.train_state import TrainState
 
@@ -34,6 +35,7 @@ def make_eval_step(
     *,
     backend: Literal["shard_map", "pmap"] = "shard_map",
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    host_input: HostInput = "local",
 ) -> EvalStep:
     """Returns ``evaluate(state, batch) -> metrics``: exact means over the real examples of the
     global batch, on the state's mesh and data axis.
@@ -41,7 +43,8 @@ def make_eval_step(
     ``metric_fn(params, batch, *, apply_fn, model_state, mask)`` returns a dict of scalar means over
     the real examples of this device's block (or a scalar, reported as ``"loss"``). Each is weighted
     by the block's real-example count, so padded rows of a :class:`~spmdcomm.MaskedBatch` never
-    count. ``metrics["examples"]`` is the number of real examples.
+    count. ``metrics["examples"]`` is the number of real examples. ``backend``, ``max_in_flight`` and
+    ``host_input`` are as in :func:`~spmdcomm.make_train_step`.
 
     >>> import optax
     >>> state = sc.TrainState.create(params={"w": np.float32(2.0)}, tx=optax.sgd(0.1))
@@ -52,15 +55,21 @@ def make_eval_step(
     4.0
     """
     check_backend("make_eval_step", backend)
-    return EvalStep(metric_fn, backend=backend, max_in_flight=check_in_flight("make_eval_step", max_in_flight))
+    return EvalStep(
+        metric_fn,
+        backend=backend,
+        max_in_flight=check_in_flight("make_eval_step", max_in_flight),
+        host_input=check_host_input("make_eval_step", host_input),
+    )
 
 
 class EvalStep:
     """An evaluation step (see :func:`make_eval_step`). Call it as ``evaluate(state, batch)``."""
 
-    def __init__(self, metric_fn: Callable[..., Any], *, backend: str, max_in_flight: int):
+    def __init__(self, metric_fn: Callable[..., Any], *, backend: str, max_in_flight: int, host_input: HostInput):
         self.metric_fn = metric_fn
         self.backend = backend
+        self.host_input = host_input
         self.max_in_flight = max_in_flight
         self._window = Window(max_in_flight)
         self._cache = StepCache("make_eval_step", self._compile)
@@ -68,13 +77,15 @@ class EvalStep:
     def __call__(self, state: TrainState, batch: Any) -> dict[str, jax.Array]:
         program = self._cache.program(state)
         self._window.wait_for_room()
-        metrics = dispatch("make_eval_step", program, state, place_batch("make_eval_step", batch, state, 1))
+        metrics = dispatch(
+            "make_eval_step", program, state, place_batch("make_eval_step", batch, state, 1, self.host_input)
+        )
         self._window.add(metrics["examples"])
         return metrics
 
     def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
         """Lowers the evaluation for these inputs (``.compile().as_text()`` shows the HLO XLA runs)."""
-        return self._cache.program(state).lower(state, *place_batch("make_eval_step", batch, state, 1))
+        return self._cache.program(state).lower(state, *place_batch("make_eval_step", batch, state, 1, self.host_input))
 
     def _compile(self, state: TrainState) -> Callable[..., Any]:
         axis = state.axis

@@ -18,6 +18,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm import placement
 from spmdcomm.mesh import check_mesh_axes, default_mesh
 from spmdcomm.rng import data_to_keys, keys_to_data
 from spmdcomm.strategies import Strategy, resolve_strategy
@@ -90,7 +91,9 @@ class TrainState:
         # multi-process broadcast only move plain arrays.
         host, key_impls = keys_to_data((params, model_state, rng))
         host = broadcast_tree("TrainState.create", host)
-        params, model_state, rng = data_to_keys(_place_replicated(host, mesh), key_impls)
+        params, model_state, rng = data_to_keys(
+            placement.place("TrainState.create", host, NamedSharding(mesh, P()), host_input="global"), key_impls
+        )
         layout = strategy.layout(params, tx, mesh, axis)
         return cls(
             step=jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, P())),
@@ -149,13 +152,6 @@ def optimizer_state_bytes(state: TrainState) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-
-
-def _place_replicated(tree: Any, mesh: Mesh) -> Any:
-    sharding = NamedSharding(mesh, P())
-    if jax.process_count() > 1:
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x, x.shape), tree)
-    return jax.device_put(tree, sharding)
 
 
 def _raw_key(rng: Any) -> np.ndarray:

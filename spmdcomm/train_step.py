@@ -73,6 +73,7 @@ from spmdcomm._step import (
     zero_masked_rows,
 )
 from spmdcomm.errors import SpmdError, describe
+from spmdcomm.placement import HostInput, check_host_input
 from spmdcomm.rng import RNG_MODES, is_key_leaf, per_example_key
 from spmdcomm.spmd import check_backend
 from spmdcomm.strategies import ReduceContext
@@ -91,6 +92,7 @@ def make_train_step(
     donate: bool = True,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     rng: Literal["per_device", "per_example"] = "per_device",
+    host_input: HostInput = "local",
 ) -> TrainStep:
     """Returns ``step(state, batch) -> (state, metrics)``: one data-parallel optimizer step.
 
@@ -121,6 +123,9 @@ def make_train_step(
         :func:`~spmdcomm.rng.per_example_key` whose draws give each example bits that depend only
         on the seed, the step and its global index in the batch, so training does not depend on the
         device count or ``accum_steps``; every draw must have the block's examples in dimension 0.
+      host_input: what a host (NumPy) batch means with several processes: ``"local"`` (default) this
+        process's rows, ``"global"`` the whole global batch, passed by every process (see
+        :mod:`spmdcomm.placement`).
 
     ``state`` must still live where ``TrainState.create`` put it (a state moved to other devices raises
     :class:`SpmdError` naming both meshes). Float64 model state and metrics (``jax_enable_x64``) are
@@ -128,8 +133,7 @@ def make_train_step(
 
     ``batch`` is a pytree of arrays whose dimension 0 is the global batch (host NumPy, placed by the
     step; or ``jax.Array``), or a :class:`~spmdcomm.MaskedBatch`, whose masked-out rows reach
-    ``loss_fn`` as zeros (a NaN there changes nothing). With several processes, host
-    arrays are this process's part. ``metrics`` holds the loss, ``aux`` metrics, ``"examples"``
+    ``loss_fn`` as zeros (a NaN there changes nothing). ``metrics`` holds the loss, ``aux`` metrics, ``"examples"``
     (real examples in the global batch) and, with ``skip_nonfinite``, ``"skipped"``; all are means
     over the real examples of the global batch.
     """
@@ -158,6 +162,7 @@ def make_train_step(
         skip_nonfinite=skip_nonfinite,
         donate=donate,
         rng=rng,
+        host_input=check_host_input("make_train_step", host_input),
     )
     return TrainStep(options, check_in_flight("make_train_step", max_in_flight))
 
@@ -175,14 +180,14 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         program = self._cache.program(state)
         self._window.wait_for_room()
-        placed = place_batch("make_train_step", batch, state, self.options.accum_steps)
+        placed = place_batch("make_train_step", batch, state, self.options.accum_steps, self.options.host_input)
         new_state, metrics = dispatch("make_train_step", program, state, placed)
         self._window.add(metrics["examples"])
         return new_state, metrics
 
     def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
         """Lowers the step for these inputs (``.compile().as_text()`` shows the HLO XLA runs)."""
-        placed = place_batch("make_train_step", batch, state, self.options.accum_steps)
+        placed = place_batch("make_train_step", batch, state, self.options.accum_steps, self.options.host_input)
         return self._cache.program(state).lower(state, *placed)
 
 
@@ -197,6 +202,7 @@ class StepOptions:
     skip_nonfinite: bool
     donate: bool
     rng: str
+    host_input: HostInput
 
 
 def masked_mean(values: Any, mask: Any) -> jax.Array:

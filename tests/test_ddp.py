@@ -341,6 +341,7 @@ def test_the_step_follows_the_state_strategy():
         ({"max_in_flight": 40}, r"max_in_flight=40.*\[1, 16\]"),
         ({"backend": "xmap"}, "unknown backend"),
         ({"rng": "per_host"}, "rng='per_host' is not one of"),
+        ({"host_input": "mine"}, r"host_input='mine' is not one of \('local', 'global'\)"),
     ],
 )
 def test_bad_step_options(kwargs, match):
