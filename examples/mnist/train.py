@@ -35,7 +35,7 @@ class Config:
     lr: float = 2e-3  # peak Adam learning rate, cosine decay to 0 by the last step
     backend: str = "shard_map"  # or "pmap"
     accum_steps: int = 1
-    shard_optimizer: bool = False  # ZeRO-1: split the Adam state over the devices
+    strategy: str = "ddp"  # one of sc.STRATEGIES: "ddp" (replicated) or "zero1" (Adam state split over devices)
     seed: int = 0
     max_steps: int | None = None  # stop each epoch after this many steps
     checkpoint_dir: str | None = None  # save after every epoch; resume from the latest
@@ -98,7 +98,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         "backend": config.backend,
         "global_batch": step_batch,
         "accum_steps": config.accum_steps,
-        "shard_optimizer": config.shard_optimizer,
+        "strategy": config.strategy,
         "epochs": history,
         "final_test_accuracy": history[-1]["test_accuracy"] if history else None,
     }
@@ -106,7 +106,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
 
 def create_train_state(config: Config, *, total_steps: int) -> sc.TrainState:
     """The CNN's parameters and Adam with a cosine schedule that reaches 0 at ``total_steps``, replicated
-    (or, with ``shard_optimizer``, the Adam state split: ZeRO-1) over every device."""
+    over every device as ``config.strategy`` says (``"zero1"``: the Adam state split over the devices)."""
     model = CNN()
     params = model.init(jax.random.key(config.seed), np.zeros((1, 28, 28, 1), np.float32))["params"]
     tx = optax.adam(optax.cosine_decay_schedule(config.lr, max(total_steps, 1)))
@@ -115,7 +115,7 @@ def create_train_state(config: Config, *, total_steps: int) -> sc.TrainState:
         tx=tx,
         apply_fn=model.apply,
         rng=config.seed,
-        strategy="zero1" if config.shard_optimizer else "ddp",
+        strategy=config.strategy,
     )
 
 
