@@ -53,7 +53,8 @@ sc.initialize(timeout=60)
 rank = sc.process_index()
 total = sc.host_all_reduce(np.array([rank + 1.0]))                     # host side, across processes
 f = sc.spmd(lambda b: sc.psum(b, "data"), in_specs=sc.P("data"), out_specs=sc.P())
-rows = np.asarray(f(np.arange(2.0 * sc.device_count()).reshape(sc.device_count(), 2)))  # on devices
+mine = np.arange(2.0 * sc.local_device_count()).reshape(-1, 2) + 2.0 * sc.local_device_count() * rank
+rows = np.asarray(f(mine))  # on devices: each process passes its own rows (host input is process-local)
 sc.barrier("done")
 print("JOB OK", rank, sc.process_count(), float(total[0]), rows.tolist(), sc.__file__)
 """
