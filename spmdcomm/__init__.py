@@ -75,7 +75,7 @@ from spmdcomm.runtime import (
     process_devices,
 )
 from spmdcomm.spmd import SpmdFunction, spmd
-from spmdcomm.strategies import DDP, STRATEGIES, Strategy, ZeRO1
+from spmdcomm.strategies import DDP, FSDP, STRATEGIES, Strategy, ZeRO1, ZeRO2
 from spmdcomm.sync import (
     all_gather_object,
     barrier,
@@ -129,6 +129,8 @@ __all__ = [
     "STRATEGIES",
     "Strategy",
     "ZeRO1",
+    "ZeRO2",
+    "FSDP",
     "EvalStep",
     "TrainState",
     "TrainStep",

@@ -2,8 +2,12 @@
 
 Each save writes ``DIRECTORY/STEP`` into a temporary directory first and renames it when complete,
 so a save that fails (or a process that dies) part-way never damages the last good checkpoint.
-Restoring needs a template state (e.g. a freshly created one, also ZeRO-1 sharded): it supplies the
-tree structure, the static fields and the sharding of every leaf. Resuming from a checkpoint
+Restoring needs a template state (e.g. a freshly created one): it supplies the tree structure, the static
+fields and the sharding of every leaf. The template may use another strategy or device count than the
+saved state (a ZeRO or FSDP run restored onto 4 devices instead of 8, or onto DDP): each checkpoint records
+its strategy and axis size, and restoring converts the parameters and optimizer state to the template's
+layout on the devices (flat vectors are read split over the template's axis where their length allows,
+never gathered on one host first). Resuming from a checkpoint
 reproduces the uninterrupted run bit for bit on CPU (the per-step RNG is derived from ``state.rng``
 and ``state.step``). Typed PRNG key leaves (Flax NNX ``RngKey``) are saved as keys and restored
 with the template's key implementation; NNX ``RngCount`` counters are plain integers. The template
@@ -24,11 +28,16 @@ the uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from spmdcomm._flat import FlatLayout
 from spmdcomm.errors import SpmdError, check_not_deleted, describe
 from spmdcomm.train_state import TrainState
 
@@ -61,7 +70,7 @@ def save_checkpoint(
     )
     step = int(jax.device_get(state.step)) if step is None else int(step)
     with _manager(directory, max_to_keep=max_to_keep) as mgr:
-        mgr.save(step, args=ocp.args.StandardSave(_arrays(state)), force=True)
+        mgr.save(step, args=ocp.args.StandardSave(_arrays(state), custom_metadata=_layout_of(state)), force=True)
         mgr.wait_until_finished()
     return step
 
@@ -70,7 +79,8 @@ def restore_checkpoint(directory: str | os.PathLike[str], state: TrainState, *, 
     """Returns ``state`` with every array replaced by checkpoint ``step``'s (default: the latest).
 
     ``state`` is the template: the restored arrays get its shapes, dtypes and shardings, and its
-    static fields (``apply_fn``, ``tx``, the ZeRO-1 layout) are kept.
+    static fields (``apply_fn``, ``tx``, mesh, strategy and layout) are kept. A checkpoint of another
+    strategy or axis size is converted to the template's (see the module docstring).
     """
     import orbax.checkpoint as ocp
 
@@ -86,9 +96,11 @@ def restore_checkpoint(directory: str | os.PathLike[str], state: TrainState, *, 
                     fix="check the directory, or save first with spmdcomm.save_checkpoint.",
                 )
             )
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _arrays(state))
-        values = mgr.restore(step, args=ocp.args.StandardRestore(target))
-    return state.replace(**values)
+        saved = mgr.item_metadata(step).custom_metadata or _layout_of(state)
+        if saved == _layout_of(state):
+            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _arrays(state))
+            return state.replace(**mgr.restore(step, args=ocp.args.StandardRestore(target)))
+        return _restore_converted(mgr, step, state, saved)
 
 
 def latest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
@@ -129,4 +141,104 @@ def _manager(directory: str | os.PathLike[str], *, max_to_keep: int | None = Non
         cleanup_tmp_directories=True,
         create=True,
     )
-    return ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options)
+    return ocp.CheckpointManager(
+        os.path.abspath(os.fspath(directory)), options=options, item_handlers=ocp.StandardCheckpointHandler()
+    )
+
+
+def _layout_of(state: TrainState) -> dict[str, Any]:
+    """What a checkpoint records of its state's layout: the strategy and the axis size its vectors split over."""
+    return {"strategy": state.strategy.name, "shards": int(state.mesh.shape[state.axis])}
+
+
+def _restore_converted(mgr: Any, step: int, state: TrainState, saved: dict[str, Any]) -> TrainState:
+    """Restores a checkpoint saved under another strategy or axis size into the template ``state``'s layout."""
+    import orbax.checkpoint as ocp
+
+    logical = _logical_params(state)
+    n = state.mesh.shape[state.axis]
+    source_params, source_opt = (_form(saved["strategy"], kind, logical, saved["shards"]) for kind in _KINDS)
+    target_params, target_opt = (_form(state.strategy.name, kind, logical, n) for kind in _KINDS)
+    split, whole = NamedSharding(state.mesh, P(state.axis)), NamedSharding(state.mesh, P())
+
+    def abstract(x: Any) -> jax.ShapeDtypeStruct:
+        # Vectors whose length divides over the template's axis are read split; others whole.
+        sharding = split if x.ndim == 1 and x.shape[0] % n == 0 and x.shape[0] >= n else whole
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    target = {
+        **jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _arrays(state)),
+        "params": jax.tree.map(abstract, source_params.abstract(logical)),
+        "opt_state": jax.tree.map(abstract, jax.eval_shape(state.tx.init, source_opt.abstract(logical))),
+    }
+    raw = mgr.restore(step, args=ocp.args.StandardRestore(target))
+    source_leaves, source_struct = jax.tree.flatten(source_opt.abstract(logical))
+    source_shapes = [x.shape for x in source_leaves]
+
+    def params_like(x: Any) -> bool:
+        # A parameter-shaped part of the optimizer state (optax's moments and traces), in the saved form.
+        return jax.tree.structure(x) == source_struct and [np.shape(v) for v in jax.tree.leaves(x)] == source_shapes
+
+    def convert_opt(x: Any) -> Any:
+        return target_opt.store(source_opt.load(x)) if params_like(x) else x
+
+    def convert(params: Any, opt_state: Any) -> tuple[Any, Any]:
+        params = target_params.store(source_params.load(params))
+        opt_state = jax.tree.map(convert_opt, opt_state, is_leaf=params_like)
+        return params, opt_state
+
+    out_shardings = jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state))
+    params, opt_state = jax.jit(convert, out_shardings=out_shardings)(raw["params"], raw["opt_state"])
+    return state.replace(**{**raw, "params": params, "opt_state": opt_state})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Form:
+    """How a strategy stores a parameter-shaped tree: the tree itself, or flat vectors split ``shards`` ways."""
+
+    flat: FlatLayout | None
+    shards: int
+
+    def abstract(self, logical: Any) -> Any:
+        if self.flat is None:
+            return logical
+        return {
+            key: jax.ShapeDtypeStruct((size,), key.rsplit("/", 1)[-1])
+            for key, size in self.flat.sizes(self.shards).items()
+        }
+
+    def load(self, stored: Any) -> Any:
+        return stored if self.flat is None else self.flat.unflatten(stored)
+
+    def store(self, tree: Any) -> Any:
+        return tree if self.flat is None else self.flat.flatten(tree, pad_to=self.shards)
+
+
+_KINDS = ("params", "opt")
+
+
+def _form(strategy: str, kind: str, logical: Any, shards: int) -> _Form:
+    # DDP keeps trees; ZeRO keeps the parameters as a tree and the optimizer state as one flat vector per
+    # dtype; FSDP keeps both as flat vectors per layer and dtype.
+    if strategy == "fsdp":
+        return _Form(FlatLayout.build(logical, grouped=True), shards)
+    if strategy in ("zero1", "zero2") and kind == "opt":
+        return _Form(FlatLayout.build(logical), shards)
+    if strategy in ("ddp", "zero1", "zero2"):
+        return _Form(None, shards)
+    raise SpmdError(
+        describe(
+            "restore_checkpoint",
+            f"the checkpoint was saved with strategy {strategy!r}, which this version cannot convert.",
+            fix="restore it into a template with the same strategy and device count.",
+        )
+    )
+
+
+def _logical_params(state: TrainState) -> Any:
+    """The model's parameter tree, abstract (shapes and dtypes), whatever form the state stores it in."""
+    flat = getattr(state.layout, "flat", None) if state.strategy.shards_params else None
+    if flat is None:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
+    leaves = [jax.ShapeDtypeStruct(s, d) for s, d in zip(flat.shapes, flat.dtypes, strict=True)]
+    return jax.tree.unflatten(flat.treedef, leaves)

@@ -25,6 +25,7 @@ from spmdcomm._step import (
 )
 from spmdcomm.placement import HostInput, check_host_input
 from spmdcomm.spmd import check_backend
+from spmdcomm.strategies import ReduceContext, check_strategy_backend
 from spmdcomm.train_state import TrainState
 
 __all__ = ["EvalStep", "make_eval_step"]
@@ -88,12 +89,15 @@ class EvalStep:
         return self._cache.program(state).lower(state, *place_batch("make_eval_step", batch, state, 1, self.host_input))
 
     def _compile(self, state: TrainState) -> Callable[..., Any]:
-        axis = state.axis
+        axis, strategy = state.axis, state.strategy
+        check_strategy_backend("make_eval_step", strategy, self.backend)
+        ctx = ReduceContext(axis, state.mesh.shape[axis], None, False)
 
         def body(state: TrainState, data: Any, mask: Any) -> dict[str, jax.Array]:
             data = data if mask is None else zero_masked_rows(data, mask)
             mask = full_mask(data) if mask is None else mask
-            out = self.metric_fn(state.params, data, apply_fn=state.apply_fn, model_state=state.model_state, mask=mask)
+            params = strategy.compute_params(ctx, state.layout, state.params)
+            out = self.metric_fn(params, data, apply_fn=state.apply_fn, model_state=state.model_state, mask=mask)
             metrics = out if isinstance(out, dict) else {"loss": out}
             check_scalars("make_eval_step", metrics, "metric_fn")
             count = jnp.sum(mask, dtype=jnp.float32)

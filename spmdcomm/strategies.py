@@ -16,7 +16,17 @@ strategy                      gradients                              parameters 
 ``ZeRO1()`` (``"zero1"``)     reduce-scattered as flat vectors;      replicated      1/N per device
                               each device updates its slice, then
                               the parameters are all-gathered
+``ZeRO2()`` (``"zero2"``)     as ZeRO-1, but with ``accum_steps``    replicated      1/N per device
+                              each micro-batch is reduce-scattered
+                              into a 1/N accumulator
+``FSDP()`` (``"fsdp"``)       reduce-scattered by the backward       1/N per         1/N per device
+                              pass (the transpose of the forward     device,
+                              pass's all-gather)                     gathered for
+                                                                     compute
 ============================  =====================================  ==============  ===============
+
+Gradients are never whole after the reduction in ZeRO-1, ZeRO-2 and FSDP, and only FSDP keeps the
+parameters split between steps. ZeRO-2 and FSDP run on the ``shard_map`` backend only.
 
 >>> import optax
 >>> state = sc.TrainState.create(params={"w": np.zeros(8, np.float32)}, tx=optax.adam(1e-3), strategy="zero1")
@@ -28,9 +38,7 @@ P('data',)
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import math
 from typing import Any, ClassVar
 
 import jax
@@ -41,43 +49,65 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm._flat import FlatLayout, ShardedLayout, all_finite, cast
 from spmdcomm.collectives import all_gather, reduce_scatter
-from spmdcomm.errors import SpmdError, describe
+from spmdcomm.errors import BackendError, SpmdError, describe
 
-__all__ = ["Strategy", "DDP", "ZeRO1", "STRATEGIES"]
+__all__ = ["Strategy", "DDP", "ZeRO1", "ZeRO2", "FSDP", "STRATEGIES"]
 
 #: The names ``TrainState.create(..., strategy=...)`` accepts besides :class:`Strategy` objects.
-STRATEGIES: tuple[str, ...] = ("ddp", "zero1")
+STRATEGIES: tuple[str, ...] = ("ddp", "zero1", "zero2", "fsdp")
 
 _ONE_BUFFER = 2**40  # a bucket size no model reaches: one flat all-reduce buffer per dtype
 
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """Base class of the data-parallel strategies (:class:`DDP`, :class:`ZeRO1`).
+    """Base class of the data-parallel strategies (:class:`DDP`, :class:`ZeRO1`, :class:`ZeRO2`, :class:`FSDP`).
 
-    The methods below are the parts of the train step that differ between strategies; the step calls them
-    in this order inside the compiled program: ``reduce`` (sum the local gradients over the data axis, in
-    whatever form the strategy keeps them) and ``update`` (the optax update on that form). ``layout``,
-    ``opt_specs`` and ``init_opt_state`` run once, when the state is created.
+    The methods are the parts of the train step that differ between strategies. When the state is created:
+    ``layout`` (static data derived from the parameters), ``place_params``, ``init_opt_state``. Inside the
+    compiled step: ``compute_params`` (the parameters the model sees), then per micro-batch ``micro_grads``
+    (the local gradient in the form the strategy accumulates), then ``reduce`` (sum over the data axis)
+    and ``update`` (the optax update on that form).
     """
 
     name: ClassVar[str]
+    #: True when the stored parameters are this device's shards: the step differentiates with respect to
+    #: them, and the gradient comes out already summed over the axis (the transpose of the gather).
+    shards_params: ClassVar[bool] = False
+    backends: ClassVar[tuple[str, ...]] = ("shard_map", "pmap")
 
     def layout(self, params: Any, tx: optax.GradientTransformation, mesh: Mesh, axis: str) -> Any:
-        """Static data the strategy derives from the parameters (hashable; stored in the state)."""
-        raise NotImplementedError
+        """Static data the strategy derives from the (replicated) parameters; hashable, stored in the state."""
+        return None
+
+    def param_specs(self, layout: Any) -> Any:
+        """The ``PartitionSpec`` of the stored parameters (a prefix tree)."""
+        return P()
 
     def opt_specs(self, layout: Any) -> Any:
-        """The ``PartitionSpec`` of the optimizer state (a prefix tree of it)."""
-        raise NotImplementedError
+        """The ``PartitionSpec`` of the optimizer state (a prefix tree)."""
+        return P()
+
+    def place_params(self, params: Any, layout: Any, mesh: Mesh) -> Any:
+        """The stored form of the placed, replicated ``params``."""
+        return params
 
     def init_opt_state(self, tx: optax.GradientTransformation, params: Any, layout: Any, mesh: Mesh) -> Any:
-        """The placed initial optimizer state for the placed, replicated ``params``."""
-        raise NotImplementedError
+        """The placed initial optimizer state for the stored ``params``."""
+        return jax.jit(tx.init, out_shardings=NamedSharding(mesh, P()))(params)
+
+    def compute_params(self, ctx: ReduceContext, layout: Any, params: Any) -> Any:
+        """Inside the step: the parameter tree the model is applied to."""
+        return params
+
+    def micro_grads(self, ctx: ReduceContext, layout: Any, grads: Any) -> Any:
+        """Inside the step: one micro-batch's gradient in the form it is accumulated in."""
+        return grads
 
     def reduce(self, ctx: ReduceContext, layout: Any, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
-        """Sums the f32 ``stats`` vector and the local gradient sums over the axis: ``(stats, reduced)``."""
+        """Sums the f32 ``stats`` vector and the accumulated gradients over the axis: ``(stats, reduced)``."""
         raise NotImplementedError
 
     def update(
@@ -85,6 +115,10 @@ class Strategy:
     ) -> tuple[Any, Any, jax.Array | None]:
         """Applies the optimizer: ``(params, opt_state, finite)`` (``finite`` only with ``skip_nonfinite``)."""
         raise NotImplementedError
+
+    def full_params(self, params: Any, layout: Any, mesh: Mesh) -> Any:
+        """The whole parameter tree, replicated, from the stored form (outside the step)."""
+        return params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +165,6 @@ class DDP(Strategy):
             size = _ONE_BUFFER
         return None if size is None else _Buckets(FlatLayout.build(params), int(size))
 
-    def opt_specs(self, layout: Any) -> Any:
-        return P()
-
-    def init_opt_state(self, tx: optax.GradientTransformation, params: Any, layout: Any, mesh: Mesh) -> Any:
-        return jax.jit(tx.init, out_shardings=NamedSharding(mesh, P()))(params)
-
     def reduce(self, ctx: ReduceContext, layout: Any, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
         if layout is None:
             stats, low = lax.psum((stats, cast(grads, ctx.reduce_dtype)), ctx.axis)
@@ -149,7 +177,7 @@ class DDP(Strategy):
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), reduced)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        return params, opt_state, _all_finite(grads) if ctx.skip_nonfinite else None
+        return params, opt_state, all_finite(grads) if ctx.skip_nonfinite else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,117 +185,167 @@ class ZeRO1(Strategy):
     """ZeRO stage 1: optimizer state split over the data axis (torch ``ZeroRedundancyOptimizer``).
 
     The gradients are flattened into one vector per dtype (padded to a multiple of the axis size, never
-    dropped) and reduce-scattered; each device updates its slice of the flat parameters and optimizer
-    state, and the parameters are all-gathered. Optimizer memory per device is 1/N of DDP's. The optax
-    transformation must treat every parameter entry independently (sgd, momentum, adam, adamw, rmsprop,
-    lion, ...): ``TrainState.create`` checks it and raises for global-norm clipping or factored states.
+    dropped) and reduce-scattered once per step; each device updates its slice of the flat parameters and
+    optimizer state, and the parameters are all-gathered. Optimizer memory per device is 1/N of DDP's. The
+    optax transformation must treat every parameter entry independently (sgd, momentum, adam, adamw,
+    rmsprop, lion, ...): ``TrainState.create`` checks it and raises for global-norm clipping or factored
+    states.
     """
 
     name: ClassVar[str] = "zero1"
 
-    def layout(self, params: Any, tx: optax.GradientTransformation, mesh: Mesh, axis: str) -> _ZeroLayout:
-        return _ZeroLayout.build(params, tx, axis, mesh.shape[axis])
+    def layout(self, params: Any, tx: optax.GradientTransformation, mesh: Mesh, axis: str) -> ShardedLayout:
+        return ShardedLayout.build(self.name, params, tx, axis, mesh.shape[axis])
 
-    def opt_specs(self, layout: _ZeroLayout) -> Any:
+    def opt_specs(self, layout: ShardedLayout) -> Any:
         return layout.opt_specs
 
-    def init_opt_state(self, tx: optax.GradientTransformation, params: Any, layout: _ZeroLayout, mesh: Mesh) -> Any:
-        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.opt_specs, is_leaf=lambda x: isinstance(x, P))
-        return jax.jit(lambda p: tx.init(layout.flat.flatten(p, pad_to=layout.shards)), out_shardings=shardings)(params)
+    def init_opt_state(self, tx: optax.GradientTransformation, params: Any, layout: ShardedLayout, mesh: Mesh) -> Any:
+        shardings = _shardings(mesh, layout.opt_specs)
+        return jax.jit(lambda p: tx.init(layout.vectors(p)), out_shardings=shardings)(params)
 
     def reduce(
-        self, ctx: ReduceContext, layout: _ZeroLayout, grads: Any, stats: jax.Array
+        self, ctx: ReduceContext, layout: ShardedLayout, grads: Any, stats: jax.Array
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        stats = lax.psum(stats, ctx.axis)
-        vectors = layout.flat.flatten(grads, pad_to=ctx.size)
-        shards = {
-            name: reduce_scatter(cast(vec, ctx.reduce_dtype), ctx.axis).astype(vec.dtype)
-            for name, vec in vectors.items()
-        }
-        return stats, shards
+        return lax.psum(stats, ctx.axis), _reduce_scatter(ctx, layout.vectors(grads))
 
     def update(
-        self, ctx: ReduceContext, layout: _ZeroLayout, state: Any, reduced: Any, denom: jax.Array
+        self, ctx: ReduceContext, layout: ShardedLayout, state: Any, reduced: Any, denom: jax.Array
     ) -> tuple[Any, Any, jax.Array | None]:
-        grad_shards = {name: (g / denom).astype(g.dtype) for name, g in reduced.items()}
         me, n = lax.axis_index(ctx.axis), ctx.size
         param_shards = {
-            name: lax.dynamic_slice_in_dim(vec, me * (vec.shape[0] // n), vec.shape[0] // n)
-            for name, vec in layout.flat.flatten(state.params, pad_to=n).items()
+            key: lax.dynamic_slice_in_dim(vec, me * (vec.shape[0] // n), vec.shape[0] // n)
+            for key, vec in layout.vectors(state.params).items()
         }
-        updates, opt_state = state.tx.update(grad_shards, state.opt_state, param_shards)
-        new_shards = optax.apply_updates(param_shards, updates)
-        finite = None
-        if ctx.skip_nonfinite:
-            # Each device sees only its slice: the verdict is agreed over the axis.
-            bad = sum(jnp.sum(~jnp.isfinite(g)) for g in grad_shards.values())
-            finite = lax.psum(bad, ctx.axis) == 0
+        new_shards, opt_state, finite = _shard_update(ctx, state, param_shards, reduced, denom)
         return layout.flat.unflatten(all_gather(new_shards, ctx.axis)), opt_state, finite
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeRO2(ZeRO1):
+    """ZeRO stage 2: as :class:`ZeRO1`, and the gradient accumulator is split too.
+
+    With ``make_train_step(..., accum_steps=k)`` each micro-batch's gradient is reduce-scattered into a 1/N
+    accumulator (k reduce-scatters per step: memory for communication, as DeepSpeed's stage 2), where ZeRO-1
+    keeps a whole local accumulator and reduces once. With ``accum_steps=1`` the two compile to the same
+    program. ``shard_map`` backend only.
+    """
+
+    name: ClassVar[str] = "zero2"
+    backends: ClassVar[tuple[str, ...]] = ("shard_map",)
+
+    def micro_grads(self, ctx: ReduceContext, layout: ShardedLayout, grads: Any) -> dict[str, jax.Array]:
+        return _reduce_scatter(ctx, layout.vectors(grads))
+
+    def reduce(
+        self, ctx: ReduceContext, layout: ShardedLayout, grads: dict[str, jax.Array], stats: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return lax.psum(stats, ctx.axis), grads
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDP(Strategy):
+    """Fully sharded data parallelism (torch FSDP ``fully_shard``, ZeRO stage 3).
+
+    Parameters, gradients and optimizer state live as 1/N shards on each device: the parameters are stored
+    as one flat vector per layer (top-level entry of the parameter tree) and dtype, padded to a multiple of
+    N (padding is zeros, never dropped). The step all-gathers each layer's vector for the forward pass; the
+    backward pass (the transpose of that all-gather) reduce-scatters the gradients straight into shards;
+    each device updates its shards of the parameters and optimizer state. ``state.params`` holds the shards;
+    :meth:`TrainState.full_params <spmdcomm.TrainState.full_params>` gathers the model tree.
+
+    ``reshard_after_forward=True`` (default, as torch's): nothing gathered is kept for the backward pass:
+    ``loss_fn`` runs under ``jax.checkpoint``, so the backward pass gathers the parameters again and
+    recomputes the forward pass (activation checkpointing comes with it: less memory, one more forward
+    pass). ``False`` keeps the gathered parameters and activations from the forward to the backward pass
+    (one all-gather per layer instead of two). XLA:CPU merges the second gathers with the first (it drops
+    the rematerialisation barrier before its common-subexpression pass), so on CPU both compile alike.
+    ``param_dtype`` (e.g. ``jnp.bfloat16``): the model
+    computes with low-precision copies of the gathered parameters while the shards, the gradients and the
+    optimizer stay float32 (torch's ``MixedPrecisionPolicy(param_dtype=...)``; the step's ``reduce_dtype``
+    is its ``reduce_dtype``). The optimizer must be element-wise, as for :class:`ZeRO1`. ``shard_map``
+    backend only.
+    """
+
+    name: ClassVar[str] = "fsdp"
+    shards_params: ClassVar[bool] = True
+    backends: ClassVar[tuple[str, ...]] = ("shard_map",)
+    reshard_after_forward: bool = True
+    param_dtype: Any = None
+
+    def __post_init__(self) -> None:
+        if self.param_dtype is not None:
+            dtype = jnp.dtype(self.param_dtype)
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise SpmdError(
+                    describe("FSDP", f"param_dtype={dtype} is not a float dtype.", fix="pass e.g. jnp.bfloat16.")
+                )
+            object.__setattr__(self, "param_dtype", dtype)
+
+    def layout(self, params: Any, tx: optax.GradientTransformation, mesh: Mesh, axis: str) -> ShardedLayout:
+        return ShardedLayout.build(self.name, params, tx, axis, mesh.shape[axis], grouped=True)
+
+    def param_specs(self, layout: ShardedLayout) -> Any:
+        return P(layout.axis)
+
+    def opt_specs(self, layout: ShardedLayout) -> Any:
+        return layout.opt_specs
+
+    def place_params(self, params: Any, layout: ShardedLayout, mesh: Mesh) -> dict[str, jax.Array]:
+        return jax.jit(layout.vectors, out_shardings=NamedSharding(mesh, P(layout.axis)))(params)
+
+    def init_opt_state(self, tx: optax.GradientTransformation, params: Any, layout: ShardedLayout, mesh: Mesh) -> Any:
+        return jax.jit(tx.init, out_shardings=_shardings(mesh, layout.opt_specs))(params)
+
+    def compute_params(self, ctx: ReduceContext, layout: ShardedLayout, params: dict[str, jax.Array]) -> Any:
+        # lax.all_gather of a varying shard is varying: its transpose is a reduce-scatter (psum_scatter), so
+        # the gradient with respect to the shard arrives summed over the axis.
+        whole = {key: lax.all_gather(shard, ctx.axis, tiled=True) for key, shard in params.items()}
+        return cast(layout.flat.unflatten(whole), self.param_dtype)
+
+    def reduce(
+        self, ctx: ReduceContext, layout: ShardedLayout, grads: dict[str, jax.Array], stats: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return lax.psum(stats, ctx.axis), grads
+
+    def update(
+        self, ctx: ReduceContext, layout: ShardedLayout, state: Any, reduced: Any, denom: jax.Array
+    ) -> tuple[Any, Any, jax.Array | None]:
+        return _shard_update(ctx, state, state.params, reduced, denom)
+
+    def full_params(self, params: Any, layout: ShardedLayout, mesh: Mesh) -> Any:
+        return jax.jit(layout.flat.unflatten, out_shardings=NamedSharding(mesh, P()))(params)
 
 
 def resolve_strategy(fn: str, strategy: Strategy | str) -> Strategy:
     """The :class:`Strategy` for ``strategy`` (an object, or one of :data:`STRATEGIES`)."""
     if isinstance(strategy, Strategy):
         return strategy
-    by_name = {"ddp": DDP, "zero1": ZeRO1}
+    by_name = {"ddp": DDP, "zero1": ZeRO1, "zero2": ZeRO2, "fsdp": FSDP}
     if isinstance(strategy, str) and strategy in by_name:
         return by_name[strategy]()
     raise SpmdError(
         describe(
             fn,
             f"strategy={strategy!r} is not a strategy; expected one of {STRATEGIES} or a spmdcomm.Strategy.",
-            fix='pass strategy="ddp" (default), "zero1", or an object such as spmdcomm.DDP(bucket_bytes=...).',
+            fix='pass strategy="ddp" (default), "zero1", "zero2", "fsdp", or an object such as '
+            "spmdcomm.DDP(bucket_bytes=...) or spmdcomm.FSDP(param_dtype=jnp.bfloat16).",
         )
     )
 
 
-def cast(tree: Any, dtype: Any) -> Any:
-    """``tree`` with its float leaves cast to ``dtype`` (unchanged when ``dtype`` is None)."""
-    if dtype is None:
-        return tree
-    return jax.tree.map(lambda g: g.astype(dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g, tree)
-
-
-@dataclasses.dataclass(frozen=True)
-class FlatLayout:
-    """How a pytree maps to one flat vector per dtype (leaves in tree order)."""
-
-    treedef: Any
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-
-    @classmethod
-    def build(cls, tree: Any) -> FlatLayout:
-        leaves, treedef = jax.tree.flatten(tree)
-        return cls(treedef, tuple(tuple(x.shape) for x in leaves), tuple(jnp.dtype(x.dtype).name for x in leaves))
-
-    def sizes(self, pad_to: int = 1) -> dict[str, int]:
-        """Entries per dtype, rounded up to a multiple of ``pad_to``."""
-        total: dict[str, int] = collections.defaultdict(int)
-        for shape, dt in zip(self.shapes, self.dtypes, strict=True):
-            total[dt] += math.prod(shape)
-        return {dt: -(-size // pad_to) * pad_to for dt, size in total.items()}
-
-    def flatten(self, tree: Any, pad_to: int = 1) -> dict[str, jax.Array]:
-        """One vector per dtype, zero-padded to a multiple of ``pad_to``."""
-        groups: dict[str, list[jax.Array]] = collections.defaultdict(list)
-        for leaf, dt in zip(jax.tree.leaves(tree), self.dtypes, strict=True):
-            groups[dt].append(jnp.ravel(leaf))
-        out = {}
-        for dt, size in self.sizes(pad_to).items():
-            vec = jnp.concatenate(groups[dt]) if len(groups[dt]) > 1 else groups[dt][0]
-            out[dt] = jnp.pad(vec, (0, size - vec.shape[0])) if size > vec.shape[0] else vec
-        return out
-
-    def unflatten(self, vectors: dict[str, jax.Array]) -> Any:
-        """The tree back from :meth:`flatten`'s vectors (padding dropped)."""
-        offsets: dict[str, int] = collections.defaultdict(int)
-        leaves = []
-        for shape, dt in zip(self.shapes, self.dtypes, strict=True):
-            size = math.prod(shape)
-            leaves.append(vectors[dt][offsets[dt] : offsets[dt] + size].reshape(shape))
-            offsets[dt] += size
-        return jax.tree.unflatten(self.treedef, leaves)
+def check_strategy_backend(fn: str, strategy: Strategy, backend: str) -> None:
+    """Raises :class:`~spmdcomm.errors.BackendError` if ``strategy`` cannot run on ``backend``."""
+    if backend not in strategy.backends:
+        raise BackendError(
+            describe(
+                fn,
+                f"strategy {strategy!r} runs on the {' or '.join(strategy.backends)} backend, not {backend!r} "
+                "(it needs shard_map's per-device varying values for its sharded gradients).",
+                fix='build the step with backend="shard_map" (the default), or use strategy="ddp" or "zero1" '
+                "with the pmap backend.",
+            )
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -279,31 +357,32 @@ class _Buckets:
     bucket_bytes: int
 
 
-@dataclasses.dataclass(frozen=True)
-class _ZeroLayout:
-    """The optimizer works on flat per-dtype parameter vectors split evenly over ``axis``."""
+def _shardings(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
-    flat: FlatLayout
-    axis: str
-    shards: int
-    spec_treedef: Any
-    spec_leaves: tuple[P, ...]
 
-    @property
-    def opt_specs(self) -> Any:
-        """The PartitionSpec of every optimizer-state leaf: split vectors ``P(axis)``, scalars ``P()``."""
-        return jax.tree.unflatten(self.spec_treedef, self.spec_leaves)
+def _reduce_scatter(ctx: ReduceContext, vectors: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {
+        key: reduce_scatter(cast(vec, ctx.reduce_dtype), ctx.axis).astype(vec.dtype) for key, vec in vectors.items()
+    }
 
-    @classmethod
-    def build(cls, params: Any, tx: optax.GradientTransformation, axis: str, n: int) -> _ZeroLayout:
-        flat = FlatLayout.build(params)
-        _check_elementwise(tx, flat, n)
-        shard = {dt: jax.ShapeDtypeStruct((size // n,), dt) for dt, size in flat.sizes(pad_to=n).items()}
-        abstract = jax.eval_shape(tx.init, shard)
-        shard_shapes = {s.shape for s in shard.values()}
-        leaves, treedef = jax.tree.flatten(abstract)
-        specs = tuple(P(axis) if a.ndim == 1 and a.shape in shard_shapes else P() for a in leaves)
-        return cls(flat, axis, n, treedef, specs)
+
+def _shard_update(
+    ctx: ReduceContext,
+    state: Any,
+    param_shards: dict[str, jax.Array],
+    grad_sums: dict[str, jax.Array],
+    denom: jax.Array,
+) -> tuple[dict[str, jax.Array], Any, jax.Array | None]:
+    """The optax update of this device's shards; ``finite`` agreed over the axis (each device sees a slice)."""
+    grad_shards = {key: (g / denom).astype(g.dtype) for key, g in grad_sums.items()}
+    updates, opt_state = state.tx.update(grad_shards, state.opt_state, param_shards)
+    new_shards = optax.apply_updates(param_shards, updates)
+    finite = None
+    if ctx.skip_nonfinite:
+        bad = sum(jnp.sum(~jnp.isfinite(g)) for g in grad_shards.values())
+        finite = lax.psum(bad, ctx.axis) == 0
+    return new_shards, opt_state, finite
 
 
 def _bucketed_psum(
@@ -330,55 +409,3 @@ def _bucketed_psum(
     if fused:
         stats, out[stats_key] = out[stats_key][: stats.shape[0]], out[stats_key][stats.shape[0] :]
     return stats, buckets.flat.unflatten(out)
-
-
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
-
-
-def _check_elementwise(tx: optax.GradientTransformation, flat: FlatLayout, n: int) -> None:
-    """Raises unless ``tx`` treats every parameter entry independently (its state and its updates)."""
-    fix = (
-        'use strategy="ddp", or an element-wise optax transformation (sgd, momentum, adam, adamw, rmsprop, '
-        "lion, ...); global-norm clipping and factored states need the whole gradient."
-    )
-    dtypes = sorted(set(flat.dtypes))
-    rng = np.random.default_rng(0)
-    size = 4 * n
-    g = [{dt: (rng.standard_normal(size) * 100).astype(dt) for dt in dtypes} for _ in range(2)]
-    p = {dt: rng.standard_normal(size).astype(dt) for dt in dtypes}
-
-    def run(grads: list[dict[str, Any]], params: dict[str, Any]) -> dict[str, np.ndarray]:
-        state = tx.init(params)
-        for gi in grads:
-            upd, state = tx.update(gi, state, params)
-            params = optax.apply_updates(params, upd)
-        return params
-
-    try:
-        whole = run(g, p)
-        halves = [
-            run([{dt: v[sl] for dt, v in gi.items()} for gi in g], {dt: v[sl] for dt, v in p.items()})
-            for sl in (slice(0, size // 2), slice(size // 2, size))
-        ]
-    except Exception as e:  # noqa: BLE001 - any failure on flat vectors means the transform is not supported
-        raise SpmdError(
-            describe(
-                "TrainState.create",
-                f'strategy="zero1": the optax transformation fails on flat parameter slices ({type(e).__name__}: {e}).',
-                fix=fix,
-            )
-        ) from e
-    for dt in dtypes:
-        joined = np.concatenate([np.asarray(h[dt]) for h in halves])
-        if not np.allclose(np.asarray(whole[dt]), joined, rtol=1e-4, atol=1e-6):
-            raise SpmdError(
-                describe(
-                    "TrainState.create",
-                    'strategy="zero1" needs an optimizer that updates each parameter entry independently, but '
-                    "this one gives different updates on slices of the parameters than on the whole (e.g. "
-                    "clipping by global norm).",
-                    fix=fix,
-                )
-            )

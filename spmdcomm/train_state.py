@@ -95,6 +95,7 @@ class TrainState:
             placement.place("TrainState.create", host, NamedSharding(mesh, P()), host_input="global"), key_impls
         )
         layout = strategy.layout(params, tx, mesh, axis)
+        params = strategy.place_params(params, layout, mesh)
         return cls(
             step=jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, P())),
             params=params,
@@ -132,8 +133,23 @@ class TrainState:
     def specs(self) -> TrainState:
         """The state with a ``PartitionSpec`` in place of each array (prefix tree): how it is split."""
         return self.replace(
-            step=P(), params=P(), opt_state=self.strategy.opt_specs(self.layout), model_state=P(), rng=P()
+            step=P(),
+            params=self.strategy.param_specs(self.layout),
+            opt_state=self.strategy.opt_specs(self.layout),
+            model_state=P(),
+            rng=P(),
         )
+
+    def full_params(self) -> Any:
+        """The model's whole parameter tree, replicated on the mesh: ``params`` itself, except for a
+        strategy that stores shards (:class:`~spmdcomm.FSDP`), whose shards it gathers.
+
+        >>> import optax
+        >>> s = sc.TrainState.create(params={"w": np.arange(3.0, dtype=np.float32)}, tx=optax.sgd(0.1), strategy="fsdp")
+        >>> s.params["w/float32"].shape, s.full_params()["w"].tolist()
+        ((8,), [0.0, 1.0, 2.0])
+        """
+        return self.strategy.full_params(self.params, self.layout, self.mesh)
 
 
 def optimizer_state_bytes(state: TrainState) -> int:

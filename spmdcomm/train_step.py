@@ -76,7 +76,7 @@ from spmdcomm.errors import SpmdError, describe
 from spmdcomm.placement import HostInput, check_host_input
 from spmdcomm.rng import RNG_MODES, is_key_leaf, per_example_key
 from spmdcomm.spmd import check_backend
-from spmdcomm.strategies import ReduceContext
+from spmdcomm.strategies import ReduceContext, check_strategy_backend
 from spmdcomm.train_state import TrainState
 
 __all__ = ["TrainStep", "make_train_step", "masked_mean"]
@@ -248,10 +248,11 @@ def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
     strategy, layout, axis = state.strategy, state.layout, state.axis
     ctx = ReduceContext(axis, state.mesh.shape[axis], o.reduce_dtype, o.skip_nonfinite)
     varying = o.backend == "shard_map"
+    check_strategy_backend("make_train_step", strategy, o.backend)
 
     def body(state: TrainState, data: Any, mask: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         data = data if mask is None else zero_masked_rows(data, mask)
-        grad_sum, metric_sums, model_state, count = _accumulate(o, state, data, mask, varying)
+        grad_sum, metric_sums, model_state, count = _accumulate(o, ctx, state, data, mask, varying)
         # The example count, the metrics and the model state travel in one f32 vector (XLA:CPU pays
         # per buffer); XLA fuses its all-reduce with the gradients' into one collective.
         masked = mask is not None
@@ -293,32 +294,41 @@ def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
     return compile_step("make_train_step", body, state, (specs, P()), backend=o.backend, donate=o.donate)
 
 
-def _accumulate(o: StepOptions, state: TrainState, data: Any, mask: Any, varying: bool) -> tuple[Any, ...]:
+def _accumulate(
+    o: StepOptions, ctx: ReduceContext, state: TrainState, data: Any, mask: Any, varying: bool
+) -> tuple[Any, ...]:
     """Runs loss_fn over the micro-batches.
 
-    Returns the sums over micro-batches of gradients and metrics (weighted by real-example count
-    when the batch is masked), the last model state and this device's real-example count.
+    Returns the sums over micro-batches of gradients (in the strategy's accumulated form) and metrics
+    (weighted by real-example count when the batch is masked), the last model state and this device's
+    real-example count.
     """
     axis, k, masked = state.axis, o.accum_steps, mask is not None
+    strategy, layout = state.strategy, state.layout
     mask = full_mask(data) if mask is None else mask
-    params = _vary(state.params, axis, varying)
     micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), (data, mask))
     micro_rng = _micro_rng(o, state, mask.shape[0] // k)
-    grad_fn = jax.value_and_grad(_loss_with_aux(o.loss_fn), has_aux=True)
+    # Replicated parameters are marked varying so that each device differentiates its own loss; stored
+    # shards (FSDP) already vary, and their gradient comes out summed over the axis by the transpose of the
+    # gather, so a masked block's weight must be applied to the loss before differentiating.
+    params = state.params if strategy.shards_params else _vary(state.params, axis, varying)
+    weigh_loss = masked and strategy.shards_params
+    grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, weigh_loss), has_aux=True)
 
     def one(model_state: Any, batch: Any, m: jax.Array, j: Any) -> tuple[Any, ...]:
-        (loss, aux), grads = grad_fn(
-            params, batch, apply_fn=state.apply_fn, model_state=model_state, rng=micro_rng(j), mask=m
+        c = jnp.sum(m, dtype=jnp.float32)
+        (_, (loss, aux)), grads = grad_fn(
+            params, batch, apply_fn=state.apply_fn, model_state=model_state, rng=micro_rng(j), mask=m, count=c
         )
         new_model_state = aux.pop("model_state", model_state)
         _check_same_tree(model_state, new_model_state)
-        c = jnp.sum(m, dtype=jnp.float32)
         # Masked, a block without real examples may give a NaN mean: its weight is zero, and so is
         # its contribution. Unmasked, every block has the same count: plain sums, divided once by
         # the number of blocks after the reduction.
         weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v)
         metrics = jax.tree.map(lambda v: weigh(v.astype(sum_dtype(v.dtype))), {"loss": loss, **aux})
-        return jax.tree.map(weigh, grads), metrics, new_model_state, c
+        grads = grads if weigh_loss else jax.tree.map(weigh, grads)
+        return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 
     first = one(_vary(state.model_state, axis, varying), *jax.tree.map(lambda x: x[0], micro), 0)
     if k == 1:
@@ -349,12 +359,25 @@ def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], 
     return lambda j: jax.random.fold_in(device_rng, j)
 
 
-def _loss_with_aux(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapped(params: Any, batch: Any, **kwargs: Any) -> tuple[jax.Array, dict[str, Any]]:
-        loss, aux = split_loss_output(loss_fn(params, batch, **kwargs), "make_train_step")
+def _differentiable_loss(o: StepOptions, ctx: ReduceContext, state: TrainState, weigh_loss: bool) -> Callable[..., Any]:
+    """``f(params, batch, ..., count) -> (differentiated value, (loss, aux))`` for ``jax.value_and_grad``."""
+    strategy, layout = state.strategy, state.layout
+    reshard = strategy.shards_params and getattr(strategy, "reshard_after_forward", False)
+
+    def wrapped(params: Any, batch: Any, *, count: jax.Array, **kwargs: Any) -> tuple[jax.Array, Any]:
+        def forward(p: Any) -> Any:
+            return o.loss_fn(strategy.compute_params(ctx, layout, p), batch, **kwargs)
+
+        if reshard:
+            # Keep nothing of the forward pass but its inputs (the shards): the backward pass gathers the
+            # parameters again and recomputes the forward pass. (A policy that keeps every value except the
+            # gathered ones still keeps values derived from them, e.g. XLA's precision markers.)
+            forward = jax.checkpoint(forward)
+        loss, aux = split_loss_output(forward(params), "make_train_step")
         scalars = {"loss": loss, **{k: v for k, v in aux.items() if k != "model_state"}}
         check_scalars("make_train_step", scalars, "loss_fn")
-        return loss, dict(aux)
+        value = jnp.where(count > 0, count * loss, jnp.zeros_like(loss)) if weigh_loss else loss
+        return value, (loss, dict(aux))
 
     return wrapped
 

@@ -35,7 +35,7 @@ class Config:
     lr: float = 2e-3  # peak Adam learning rate, cosine decay to 0 by the last step
     backend: str = "shard_map"  # or "pmap"
     accum_steps: int = 1
-    strategy: str = "ddp"  # one of sc.STRATEGIES: "ddp" (replicated) or "zero1" (Adam state split over devices)
+    strategy: str = "ddp"  # one of sc.STRATEGIES: "ddp" (replicated), "zero1"/"zero2" (Adam state split), "fsdp"
     seed: int = 0
     max_steps: int | None = None  # stop each epoch after this many steps
     checkpoint_dir: str | None = None  # save after every epoch; resume from the latest

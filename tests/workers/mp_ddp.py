@@ -25,28 +25,29 @@ def main(out_dir: Path) -> None:
     mesh = sc.data_mesh()
     apply_fn, params, _ = init("mlp", seed=jax.process_index())
     batches = [sc.pad_batch(example_batch("mlp", 15, seed=s), 4) for s in range(5)]
-    for zero in (False, True):
+    for strategy in sc.STRATEGIES:
         state = sc.TrainState.create(
-            params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, strategy="zero1" if zero else "ddp"
+            params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, strategy=strategy
         )
         step = sc.make_train_step(loss_fn)
         local = [sc.MaskedBatch(*local_rows((b.data, b.mask), mesh)) for b in batches]
-        if not zero:
+        if strategy == "ddp":
             # Across processes the default DDP reduces ONE flat float32 buffer per step: the 212 parameters
             # after the example count, loss and accuracy.
             hlo = step.lower(state, local[0]).compile().as_text()
             reduces = [line for line in hlo.splitlines() if " all-reduce(" in line or " all-reduce-start(" in line]
             assert len(reduces) == 1 and "f32[215]" in reduces[0].split(" all-reduce")[0], reduces
         state, history = sc.fit(step, state, local)
-        sc.assert_replicated(state.params)
+        full = state.full_params()
+        sc.assert_replicated(full)
         flat = {
             jax.tree_util.keystr(p): np.asarray(jax.device_get(x.addressable_data(0)))
-            for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+            for p, x in jax.tree_util.tree_flatten_with_path(full)[0]
         }
         if jax.process_index() == 0:
-            np.savez(out_dir / f"params_zero{int(zero)}.npz", **flat)
-            np.save(out_dir / f"losses_zero{int(zero)}.npy", [h["loss"] for h in history])
-        print("DDP OK", zero, flush=True)
+            np.savez(out_dir / f"params_{strategy}.npz", **flat)
+            np.save(out_dir / f"losses_{strategy}.npy", [h["loss"] for h in history])
+        print("DDP OK", strategy, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,296 @@
+"""Sharded strategies (ZeRO-2, FSDP): N devices train what one device trains, with 1/N of the state each."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from ddp_models import (
+    BATCHES,
+    STEPS,
+    assert_trees_close,
+    example_batch,
+    init,
+    loss_fn,
+    mesh_of,
+    optimizer,
+    run_ddp,
+    run_reference,
+)
+from flax import nnx
+
+import spmdcomm as sc
+
+SHARDED = ["zero2", "fsdp", sc.FSDP(reshard_after_forward=False)]
+IDS = ["zero2", "fsdp", "fsdp-keep"]
+
+
+def needs(n):
+    return pytest.mark.skipif(jax.device_count() < n, reason=f"needs {n} devices")
+
+
+@pytest.mark.parametrize("strategy", SHARDED, ids=IDS)
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_mlp_equals_one_device(n, opt, strategy):
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices")
+    state, history = run_ddp("mlp", n, opt, batches=BATCHES["mlp"], strategy=strategy)
+    ref_params, _, ref_losses = run_reference("mlp", opt, BATCHES["mlp"])
+    assert_trees_close(state.full_params(), ref_params)
+    np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
+    assert int(state.step) == STEPS
+
+
+@pytest.mark.parametrize("strategy", SHARDED, ids=IDS)
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
+@needs(4)
+def test_cnn_with_cross_replica_batchnorm_equals_one_device(opt, strategy):
+    state, _ = run_ddp("cnn", 4, opt, batches=BATCHES["cnn"], strategy=strategy)
+    ref_params, ref_model_state, _ = run_reference("cnn", opt, BATCHES["cnn"])
+    assert_trees_close(state.full_params(), ref_params)
+    assert_trees_close(state.model_state, ref_model_state)
+    sc.assert_replicated(state.model_state)
+
+
+@pytest.mark.parametrize("strategy", SHARDED, ids=IDS)
+@needs(8)
+def test_uneven_batches_with_accumulation_equal_one_device(strategy):
+    # 30 real rows padded to 32 over 8 devices x 2 micro-batches: whole padding blocks included.
+    batches = [example_batch("mlp", 30, seed=s) for s in range(3)]
+    state, history = run_ddp(
+        "mlp", 8, "adam", batches=[sc.pad_batch(b, 16) for b in batches], strategy=strategy, accum_steps=2
+    )
+    ref_params, _, ref_losses = run_reference("mlp", "adam", batches)
+    assert_trees_close(state.full_params(), ref_params)
+    np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
+    assert all(h["examples"] == 30 for h in history)
+    assert int(state.opt_state[0].count) == 3
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_skip_nonfinite_skips_on_every_device(strategy):
+    bad = example_batch("mlp", 16, seed=9)
+    bad["x"][13, 0] = np.inf  # only the last device sees it
+    state, history = run_ddp(
+        "mlp", 4, "adam", batches=[BATCHES["mlp"][0], bad, BATCHES["mlp"][1]], strategy=strategy, skip_nonfinite=True
+    )
+    assert [h["skipped"] for h in history] == [0.0, 1.0, 0.0]
+    ref_params, _, _ = run_reference("mlp", "adam", [BATCHES["mlp"][0], BATCHES["mlp"][1]])
+    assert_trees_close(state.full_params(), ref_params)
+
+
+def test_fsdp_stores_one_nth_of_the_state_and_pads_never_drops():
+    apply_fn, params, _ = init("mlp")  # 212 float32 parameters in 2 layers: 144 and 68 entries
+    ddp = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-3), mesh=mesh_of(8))
+    fsdp = sc.TrainState.create(params=params, apply_fn=apply_fn, tx=optax.adam(1e-3), mesh=mesh_of(8), strategy="fsdp")
+    assert {k: v.shape for k, v in fsdp.params.items()} == {"Dense_0/float32": (144,), "Dense_1/float32": (72,)}
+    assert all(v.sharding.spec == sc.P("data") for v in fsdp.params.values())
+    assert {s.data.shape for v in fsdp.params.values() for s in v.addressable_shards} == {(18,), (9,)}
+    padding = np.asarray(fsdp.params["Dense_1/float32"])[68:]
+    np.testing.assert_array_equal(padding, 0.0)
+    assert_trees_close(fsdp.full_params(), params, rtol=0, atol=0)
+
+    def per_device_bytes(state):
+        per = {}
+        for leaf in jax.tree.leaves((state.params, state.opt_state)):
+            for shard in leaf.addressable_shards:
+                per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+        return max(per.values())
+
+    # Params + two Adam moments: 3 x 212 floats whole; 3 x 27 floats (216 padded / 8) per device, plus the count.
+    assert per_device_bytes(ddp) == 3 * 212 * 4 + 4
+    assert per_device_bytes(fsdp) == 3 * 27 * 4 + 4
+
+
+def explain(strategy, accum_steps=1, rows=16):
+    apply_fn, params, _ = init("mlp")
+    state = sc.TrainState.create(
+        params=params, apply_fn=apply_fn, tx=optax.adam(1e-3), mesh=mesh_of(4), strategy=strategy
+    )
+    step = sc.make_train_step(loss_fn, accum_steps=accum_steps)
+    return sc.explain(step, state, example_batch("mlp", rows, seed=0))
+
+
+def ops(report, kind):
+    """``[(bytes, where), ...]`` of one kind of collective, one entry per occurrence."""
+    return sorted((c.bytes, c.where) for c in report.collectives if c.kind == kind for _ in range(c.count))
+
+
+@needs(4)
+def test_explain_inventory_of_each_sharded_strategy():
+    # The MLP's 212 float32 parameters (4 x 53) are one 848-byte vector for ZeRO, or 144 + 68 floats per layer for FSDP;
+    # the 12-byte all-reduce carries the example count, loss and accuracy.
+    zero2 = explain("zero2")
+    assert ops(zero2, "reduce-scatter") == [(848, "entry")]
+    assert ops(zero2, "all-gather") == [(848, "entry")]
+    assert ops(zero2, "all-reduce") == [(12, "entry")]
+    for strategy in ("fsdp", sc.FSDP(reshard_after_forward=False)):
+        report = explain(strategy)
+        # Each layer's parameters are gathered for the forward pass; the backward pass reduce-scatters each
+        # layer's gradient; nothing is gathered after the update (the parameters stay sharded).
+        assert ops(report, "all-gather") == [(272, "entry"), (576, "entry")], report
+        assert ops(report, "reduce-scatter") == [(272, "entry"), (576, "entry")], report
+        assert ops(report, "all-reduce") == [(12, "entry")], report
+
+
+@needs(4)
+def test_resharding_gathers_again_for_the_backward_pass():
+    # In the program JAX hands to XLA, resharding gathers each layer twice (the forward pass, and again for the
+    # backward pass, which recomputes it); keeping the gathered parameters gathers once. XLA:CPU then merges the
+    # identical gathers (it drops the rematerialisation barrier before its CSE pass), so on CPU the compiled
+    # programs gather alike (test above).
+    apply_fn, params, _ = init("mlp")
+    counts = {}
+    for reshard in (True, False):
+        state = sc.TrainState.create(
+            params=params,
+            apply_fn=apply_fn,
+            tx=optax.adam(1e-3),
+            mesh=mesh_of(4),
+            strategy=sc.FSDP(reshard_after_forward=reshard),
+        )
+        text = sc.make_train_step(loss_fn).lower(state, BATCHES["mlp"][0]).as_text()
+        counts[reshard] = text.count('"stablehlo.all_gather"')
+    assert counts == {True: 4, False: 2}
+
+
+@needs(4)
+def test_zero2_reduces_each_micro_batch_and_zero1_once():
+    assert ops(explain("zero1"), "reduce-scatter") == ops(explain("zero2"), "reduce-scatter")
+    zero1 = explain("zero1", accum_steps=4, rows=32)
+    zero2 = explain("zero2", accum_steps=4, rows=32)
+    assert ops(zero1, "reduce-scatter") == [(848, "entry")]
+    # ZeRO-2: the first micro-batch's reduce-scatter, then one in the accumulation loop's body.
+    assert ops(zero2, "reduce-scatter") == [(848, "entry"), (848, "while")]
+
+
+def test_param_dtype_computes_in_bf16_with_float32_master_shards():
+    bf16, _ = run_ddp("mlp", 4, "adam", batches=BATCHES["mlp"], strategy=sc.FSDP(param_dtype=jnp.bfloat16))
+    f32, _ = run_ddp("mlp", 4, "adam", batches=BATCHES["mlp"], strategy="fsdp")
+    assert all(v.dtype == jnp.float32 for v in bf16.params.values())
+    assert_trees_close(bf16.full_params(), f32.full_params(), rtol=5e-2, atol=5e-3)
+    assert not np.array_equal(bf16.full_params()["Dense_0"]["kernel"], f32.full_params()["Dense_0"]["kernel"])
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_pmap_backend_is_refused(strategy):
+    apply_fn, params, _ = init("mlp")
+    state = sc.TrainState.create(
+        params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh_of(2), strategy=strategy
+    )
+    with pytest.raises(sc.BackendError, match=r"runs on the shard_map backend, not 'pmap'.*Fix: build the step"):
+        sc.make_train_step(loss_fn, backend="pmap")(state, BATCHES["mlp"][0])
+    with pytest.raises(sc.BackendError, match="not 'pmap'"):
+        sc.make_eval_step(lambda p, b, **kw: jnp.mean(b["x"]), backend="pmap")(state, BATCHES["mlp"][0])
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), optax.adafactor(1e-3)],
+    ids=["clip", "adafactor"],
+)
+def test_fsdp_rejects_optimizers_that_are_not_elementwise(tx):
+    _, params, _ = init("mlp")
+    with pytest.raises(sc.SpmdError, match='strategy="fsdp".*(independently|fails)'):
+        sc.TrainState.create(params=params, tx=tx, mesh=mesh_of(4), strategy="fsdp")
+
+
+def test_fsdp_eval_step_and_checkpoint_resume_are_exact(tmp_path):
+    apply_fn, params, model_state = init("cnn", axis_name="data")
+    batches = [example_batch("cnn", 8, seed=s) for s in range(6)]
+
+    def fresh():
+        return sc.TrainState.create(
+            params=params,
+            model_state=model_state,
+            apply_fn=apply_fn,
+            tx=optax.adam(1e-2),
+            mesh=mesh_of(4),
+            rng=3,
+            strategy="fsdp",
+        )
+
+    step = sc.make_train_step(loss_fn)
+    straight, _ = sc.fit(step, fresh(), batches)
+    first, _ = sc.fit(step, fresh(), batches[:3])
+    sc.save_checkpoint(tmp_path, first)
+    resumed, _ = sc.fit(step, sc.restore_checkpoint(tmp_path, fresh()), batches[3:])
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+    def metric_fn(params, batch, *, apply_fn, model_state, mask):
+        loss, aux = loss_fn(params, batch, apply_fn=apply_fn, model_state=model_state, rng=None, mask=mask)
+        return {"loss": loss}
+
+    ddp = sc.TrainState.create(
+        params=straight.full_params(),
+        model_state=straight.model_state,
+        apply_fn=apply_fn,
+        tx=optax.adam(1e-2),
+        mesh=mesh_of(4),
+    )
+    evaluate = sc.make_eval_step(metric_fn)
+    batch = sc.pad_batch(example_batch("cnn", 7, seed=11), 4)
+    np.testing.assert_allclose(float(evaluate(straight, batch)["loss"]), float(evaluate(ddp, batch)["loss"]), rtol=1e-6)
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(8, 16, rngs=rngs)
+        self.l2 = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def nnx_ce(model, batch, *, rng, mask):
+    logits = model(batch["x"])
+    return sc.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_nnx_models_train_like_ddp(strategy):
+    def run(strategy):
+        state = sc.TrainState.create_nnx(NnxMLP(nnx.Rngs(0)), tx=optimizer("adam"), mesh=mesh_of(4), strategy=strategy)
+        state, _ = sc.fit(sc.make_train_step(sc.nnx_loss_fn(nnx_ce)), state, BATCHES["mlp"])
+        return state.full_params()
+
+    assert_trees_close(run(strategy), run("ddp"))
+
+
+@pytest.mark.parametrize(
+    "source,target",
+    [(("fsdp", 8), ("fsdp", 4)), (("fsdp", 4), ("ddp", 2)), (("zero1", 4), ("fsdp", 8)), (("ddp", 2), ("zero2", 8))],
+    ids=lambda s: f"{s[0]}x{s[1]}",
+)
+@needs(8)
+def test_checkpoint_restores_onto_another_strategy_and_device_count(tmp_path, source, target):
+    # A run stopped after 3 steps and resumed elsewhere reaches the parameters of a run that never stopped.
+    apply_fn, params, model_state = init("cnn", axis_name="data")
+    batches = [example_batch("cnn", 16, seed=s) for s in range(6)]
+
+    def fresh(strategy, n):
+        return sc.TrainState.create(
+            params=params,
+            model_state=model_state,
+            apply_fn=apply_fn,
+            tx=optax.adam(1e-2),
+            mesh=mesh_of(n),
+            rng=3,
+            strategy=strategy,
+        )
+
+    step = sc.make_train_step(loss_fn)
+    straight, _ = sc.fit(step, fresh("ddp", 8), batches)
+    first, _ = sc.fit(step, fresh(*source), batches[:3])
+    sc.save_checkpoint(tmp_path, first)
+    template = fresh(*target)
+    resumed = sc.restore_checkpoint(tmp_path, template)
+    assert jax.tree.structure(resumed) == jax.tree.structure(template)
+    for got, want in zip(jax.tree.leaves(resumed), jax.tree.leaves(template), strict=True):
+        assert got.shape == want.shape and got.sharding == want.sharding
+    assert int(resumed.opt_state[0].count) == 3
+    resumed, _ = sc.fit(step, resumed, batches[3:])
+    assert_trees_close(resumed.full_params(), straight.params)
+    assert_trees_close(resumed.model_state, straight.model_state)
