@@ -48,7 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="fake CPU devices per process (CPU only)")
     p.add_argument("--backend", choices=["shard_map", "pmap"])
     p.add_argument("--accum-steps", type=int, help="micro-batches per step")
-    p.add_argument("--strategy", choices=["ddp", "zero1", "zero2", "fsdp"], help="ddp (default), zero1/zero2 (Adam state split), fsdp (all split)")
+    p.add_argument(
+        "--strategy",
+        choices=["ddp", "zero1", "zero2", "fsdp"],
+        help="ddp (default), zero1/zero2 (Adam state split), fsdp (all split)",
+    )
     p.add_argument("--seed", type=int)
     p.add_argument("--max-steps", type=int, help="stop each epoch after this many steps")
     p.add_argument("--checkpoint-dir", help="save a checkpoint after every epoch here; resume from the latest")
