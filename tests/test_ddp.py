@@ -352,7 +352,10 @@ def test_bad_step_options(kwargs, match):
 @pytest.mark.parametrize(
     "make,match",
     [
-        (lambda: simple_state(mesh_of(2), strategy="zero3"), r"strategy='zero3' is not a strategy.*\('ddp', 'zero1'\)"),
+        (
+            lambda: simple_state(mesh_of(2), strategy="zero3"),
+            r"strategy='zero3' is not a strategy.*\('ddp', 'zero1', 'zero2', 'fsdp'\)",
+        ),
         (lambda: simple_state(mesh_of(2), strategy=sc.DDP(bucket_bytes=-1)), "DDP: bucket_bytes=-1 must be a positive"),
         (lambda: sc.DDP(bucket_bytes=True), "bucket_bytes=True must be a positive"),
         (lambda: simple_state(mesh_of(2), axis="model"), "axis 'model' is not an axis of the mesh"),
