@@ -73,6 +73,7 @@ from spmdcomm.runtime import (
     is_main_process,
     local_rank,
     process_devices,
+    restart_count,
 )
 from spmdcomm.spmd import SpmdFunction, spmd
 from spmdcomm.strategies import DDP, FSDP, STRATEGIES, Strategy, ZeRO1, ZeRO2
@@ -183,6 +184,7 @@ __all__ = [
     "is_main_process",
     "local_rank",
     "process_devices",
+    "restart_count",
     # barriers and host-level collectives across processes
     "barrier",
     "sync_devices",

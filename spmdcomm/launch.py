@@ -4,19 +4,21 @@
 spmdcomm.launch``) picks a free loopback port for the coordinator, starts two copies of
 ``train.py`` with the environment that :func:`spmdcomm.initialize` reads (``SPMDCOMM_COORDINATOR``,
 ``SPMDCOMM_NUM_PROCESSES``, ``SPMDCOMM_PROCESS_ID``, ``SPMDCOMM_LOCAL_RANK``,
-``SPMDCOMM_LOCAL_WORLD_SIZE``; see :mod:`spmdcomm.runtime`), and prefixes every output line with
-``[rank i]``.
+``SPMDCOMM_LOCAL_WORLD_SIZE``, ``SPMDCOMM_RESTART_COUNT``; see :mod:`spmdcomm.runtime`), and
+prefixes every output line with ``[rank i]``.
 
-It fails fast: as soon as one process exits with a non-zero status or is killed, the others get
-SIGTERM and, after a grace period, SIGKILL (JAX catches SIGTERM and keeps running), and the
-launcher exits non-zero naming the rank and its exit status or signal. Ctrl-C or SIGTERM to the
-launcher is passed on to every process in the same way. Each process runs in its own session
-and, on Linux, is killed by the kernel if the launcher dies, so no process outlives the
-launcher.
+It fails fast: as soon as one process exits with a non-zero status or is killed, or the attempt's
+``--timeout`` expires, the others get SIGTERM and, after a grace period, SIGKILL (JAX catches
+SIGTERM and keeps running). With ``--max-restarts K`` the launcher then starts all processes again
+on a fresh coordinator port, up to K times (``SPMDCOMM_RESTART_COUNT`` tells each attempt apart).
+Ctrl-C or SIGTERM to the launcher is a stop, not a failure: it is passed on to every process in
+the same way and never restarted. Each process runs in its own session and, on Linux, is killed by
+the kernel if the launcher dies, so no process outlives the launcher. Each event is one line on
+stderr, prefixed ``spmdcomm-launch:``.
 
-Exit status: 0 when every process exited 0; otherwise the first failing process's status (``128
-+ signal`` when it was killed by a signal), ``124`` when ``--timeout`` expired, ``128 + signal``
-when the launcher itself was interrupted.
+Exit status: 0 when every process of an attempt exited 0; otherwise that of the last attempt's
+failure: the first failing process's status (``128 + signal`` when it was killed by a signal) or
+``124`` when ``--timeout`` expired; ``128 + signal`` when the launcher itself was interrupted.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from spmdcomm.runtime import (
     ENV_LOCAL_WORLD_SIZE,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
+    ENV_RESTART_COUNT,
 )
 
 __all__ = [
@@ -57,6 +60,7 @@ GRACE_SECONDS = 3.0
 
 _POLL_SECONDS = 0.05
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+_TIMEOUT_STATUS = 124  # as coreutils' timeout(1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error("give a script to run (script.py [args...]) or -m module [args...]")
     target = ["-m", args.module, *args.command] if args.module else list(args.command)
     try:
-        _check_counts(args.nprocs, args.devices_per_process, args.gpus_per_process)
+        _check_options(args.nprocs, args.devices_per_process, args.gpus_per_process, args.max_restarts)
+        _split_coordinator(args.coordinator)
     except SpmdError as e:  # on the command line, a usage error (exit status 2), not a traceback
         _parser().error(str(e))
     return launch(
@@ -77,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         coordinator=args.coordinator,
         timeout=args.timeout,
         grace=args.grace,
+        max_restarts=args.max_restarts,
     )
 
 
@@ -89,6 +95,7 @@ def launch(
     coordinator: str | None = None,
     timeout: float | None = None,
     grace: float = GRACE_SECONDS,
+    max_restarts: int = 0,
     env: dict[str, str] | None = None,
 ) -> int:
     """Runs ``python *target`` as ``nprocs`` processes and returns the launcher's exit status.
@@ -99,43 +106,69 @@ def launch(
     already set). ``gpus_per_process`` gives rank ``r`` the local accelerators ``r*K .. r*K+K-1``
     (through ``SPMDCOMM_LOCAL_DEVICE_IDS``, which :func:`spmdcomm.initialize` passes to JAX as
     ``local_device_ids``). ``coordinator`` is ``HOST:PORT`` (default: ``127.0.0.1`` and a free port).
-    ``timeout`` ends the whole job after that many seconds (status 124). ``env`` replaces
+    ``timeout`` ends an attempt after that many seconds (status 124). ``env`` replaces
     ``os.environ`` as the base environment.
 
-    A count below 1 (``nprocs``, ``devices_per_process``, ``gpus_per_process``) raises
+    ``max_restarts``: when a process fails (non-zero exit, killed, or the timeout expired), all are
+    stopped and started again, up to that many times, each restart on a free coordinator port that
+    no earlier attempt used (on ``coordinator``'s host when one is given). Every process sees the
+    attempt's number in ``SPMDCOMM_RESTART_COUNT`` (0 first; :func:`spmdcomm.restart_count`). A
+    SIGINT or SIGTERM to the launcher stops the job without a restart.
+
+    A count below 1 (``nprocs``, ``devices_per_process``, ``gpus_per_process``), a negative
+    ``max_restarts`` or a ``coordinator`` that is not ``HOST:PORT`` raises
     :class:`~spmdcomm.errors.SpmdError` before any process starts.
     """
-    _check_counts(nprocs, devices_per_process, gpus_per_process)
-    address = coordinator or f"127.0.0.1:{free_port()}"
+    _check_options(nprocs, devices_per_process, gpus_per_process, max_restarts)
+    host, port = _split_coordinator(coordinator)
     base = dict(os.environ if env is None else env)
     base.setdefault("PYTHONUNBUFFERED", "1")
     if devices_per_process is not None:
         base["XLA_FLAGS"] = _with_device_count(base.get("XLA_FLAGS", ""), devices_per_process)
         base.setdefault("JAX_PLATFORMS", "cpu")
     job = _Job(grace=grace)
+    used_ports: set[int] = set()
     with _forward_signals(job):
-        for rank in range(nprocs):
-            child_env = dict(base)
-            child_env.update(
-                {
-                    ENV_COORDINATOR: address,
-                    ENV_NUM_PROCESSES: str(nprocs),
-                    ENV_PROCESS_ID: str(rank),
-                    ENV_LOCAL_RANK: str(rank),
-                    ENV_LOCAL_WORLD_SIZE: str(nprocs),
-                }
-            )
-            if gpus_per_process:
-                ids = range(rank * gpus_per_process, (rank + 1) * gpus_per_process)
-                child_env[ENV_LOCAL_DEVICE_IDS] = ",".join(map(str, ids))
-            job.start(rank, [sys.executable, *target], child_env)
-        job.forward_output()  # only now start threads: every fork above happened without them
-        return job.wait(timeout)
+        for attempt in range(max_restarts + 1):
+            # A restart never reuses a port: the old coordinator's may still be held by a dying process.
+            if port is None or attempt > 0:
+                port = _fresh_port(host, used_ports)
+            used_ports.add(port)
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            if attempt > 0:
+                job.say(f"restart {attempt} of {max_restarts}: starting {nprocs} process(es), coordinator {address}.")
+            job.begin()
+            for rank in range(nprocs):
+                child_env = dict(base)
+                child_env.update(
+                    {
+                        ENV_COORDINATOR: address,
+                        ENV_NUM_PROCESSES: str(nprocs),
+                        ENV_PROCESS_ID: str(rank),
+                        ENV_LOCAL_RANK: str(rank),
+                        ENV_LOCAL_WORLD_SIZE: str(nprocs),
+                        ENV_RESTART_COUNT: str(attempt),
+                    }
+                )
+                if gpus_per_process:
+                    ids = range(rank * gpus_per_process, (rank + 1) * gpus_per_process)
+                    child_env[ENV_LOCAL_DEVICE_IDS] = ",".join(map(str, ids))
+                job.start(rank, [sys.executable, *target], child_env)
+            job.forward_output()  # only now start threads: every fork above happened without them
+            status = job.wait(timeout)
+            if job.interrupted is not None:  # a stop from outside is never restarted
+                return 128 + job.interrupted
+            if status == 0:
+                return 0
+        if max_restarts:
+            job.say(f"all {max_restarts} restart(s) used; exiting with status {status}.")
+        return status
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -147,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="spmdcomm-launch",
         description="Run a script as N cooperating JAX processes on this machine.",
-        usage="spmdcomm-launch -n N [--devices-per-process K] [--coordinator HOST:PORT] "
+        usage="spmdcomm-launch -n N [--devices-per-process K] [--coordinator HOST:PORT] [--max-restarts K] "
         "(script.py | -m module) [args...]",
     )
     p.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
@@ -165,14 +198,14 @@ def _parser() -> argparse.ArgumentParser:
         "--coordinator",
         default=None,
         metavar="HOST:PORT",
-        help="coordinator address (default: 127.0.0.1 and a free port)",
+        help="coordinator address (default: 127.0.0.1 and a free port; restarts use a free port on HOST)",
     )
     p.add_argument(
         "--timeout",
         type=float,
         default=None,
         metavar="SECONDS",
-        help="end the whole job after this many seconds (exit status 124)",
+        help="end an attempt after this many seconds (a failure; exit status 124)",
     )
     p.add_argument(
         "--grace",
@@ -181,30 +214,79 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"seconds between SIGTERM and SIGKILL (default {GRACE_SECONDS})",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="when a process fails, stop all and start them again on a fresh coordinator port, "
+        "up to K times (default 0); each sees SPMDCOMM_RESTART_COUNT",
+    )
     p.add_argument("-m", dest="module", default=None, help="run a module, like python -m")
     p.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...], or the module's args")
     return p
 
 
-def _check_counts(nprocs: int, devices_per_process: int | None, gpus_per_process: int | None) -> None:
+def _check_options(
+    nprocs: int, devices_per_process: int | None, gpus_per_process: int | None, max_restarts: int
+) -> None:
     # Checked up front: a zero device count would only fail later, inside every child's XLA start-up.
-    for flag, name, value, fix in [
-        ("-n", "nprocs", nprocs, "pass -n N with N >= 1, the number of processes to start"),
+    for flag, name, value, least, fix in [
+        ("-n", "nprocs", nprocs, 1, "pass -n N with N >= 1, the number of processes to start"),
         (
             "--devices-per-process",
             "devices_per_process",
             devices_per_process,
+            1,
             "pass --devices-per-process K with K >= 1, or leave it out to keep the device count",
         ),
         (
             "--gpus-per-process",
             "gpus_per_process",
             gpus_per_process,
+            1,
             "pass --gpus-per-process K with K >= 1, or leave it out to let every process see all GPUs",
         ),
+        (
+            "--max-restarts",
+            "max_restarts",
+            max_restarts,
+            0,
+            "pass --max-restarts K with K >= 0, the number of times to restart a failed job",
+        ),
     ]:
-        if value is not None and value < 1:
-            raise SpmdError(describe("launch", f"{flag} ({name}) must be at least 1, got {value}.", fix=fix + "."))
+        if value is not None and value < least:
+            raise SpmdError(
+                describe("launch", f"{flag} ({name}) must be at least {least}, got {value}.", fix=fix + ".")
+            )
+
+
+def _split_coordinator(coordinator: str | None) -> tuple[str, int | None]:
+    """``HOST:PORT`` as (host without IPv6 brackets, port); no address gives loopback and no port yet."""
+    if coordinator is None:
+        return "127.0.0.1", None
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise SpmdError(
+            describe(
+                "launch",
+                f"--coordinator (coordinator) must be HOST:PORT, got {coordinator!r}.",
+                fix="pass e.g. 127.0.0.1:1234 (an IPv6 host goes in brackets: [::1]:1234), or leave it out "
+                "to use 127.0.0.1 and a free port.",
+            )
+        )
+    return host.strip("[]"), int(port)
+
+
+def _fresh_port(host: str, used: set[int]) -> int:
+    # Bound where the coordinator will listen: on a loopback host itself, otherwise on every interface
+    # (as spmdcomm.initialize does).
+    loopback = host in ("localhost", "::1") or host.startswith("127.")
+    bind_host = host if loopback else ("::" if ":" in host else "0.0.0.0")
+    port = free_port(bind_host)
+    while port in used:  # the OS rarely hands out the same ephemeral port twice in a row
+        port = free_port(bind_host)
+    return port
 
 
 def _with_device_count(flags: str, count: int) -> str:
@@ -237,11 +319,18 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 @dataclass
 class _Job:
+    """The processes of the current attempt, and a stop requested from outside (any attempt)."""
+
     grace: float
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
     threads: list[threading.Thread] = field(default_factory=list)
     interrupted: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def begin(self) -> None:
+        """Forgets the previous attempt's processes (all ended and drained by :meth:`stop`)."""
+        self.procs = {}
+        self.threads = []
 
     def start(self, rank: int, cmd: list[str], env: dict[str, str]) -> None:
         self.procs[rank] = subprocess.Popen(
@@ -263,32 +352,38 @@ class _Job:
                 self.threads.append(t)
 
     def wait(self, timeout: float | None) -> int:
+        """Waits for the attempt to end, stops what still runs and returns the exit status."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.interrupted is not None:
-                name = signal.Signals(self.interrupted).name
-                self._say(f"received {name}; stopping all processes.")
-                self.stop(self.interrupted)
-                return 128 + self.interrupted
+                return self._interrupt()
             codes = {rank: p.poll() for rank, p in self.procs.items()}
             failed = [(r, c) for r, c in codes.items() if c not in (None, 0)]
             if failed:
                 rank, code = failed[0]
                 running = sum(c is None for c in codes.values())
-                self._say(
+                self.say(
                     f"rank {rank} (pid {self.procs[rank].pid}) {_describe_status(code)}; "
                     f"stopping the other {running} running process(es)."
                 )
                 self.stop()
-                return _exit_status(code)
+                status = _exit_status(code)
+                break
             if all(c == 0 for c in codes.values()):
                 self._drain()
                 return 0
             if deadline is not None and time.monotonic() > deadline:
-                self._say(f"timeout of {timeout:g} s expired; stopping all processes.")
+                running = ", ".join(str(r) for r, c in codes.items() if c is None)
+                self.say(
+                    f"timed out: the timeout of {timeout:g} s expired with rank(s) {running} still running; "
+                    "stopping all processes."
+                )
                 self.stop()
-                return 124
+                status = _TIMEOUT_STATUS
+                break
             time.sleep(_POLL_SECONDS)
+        # A stop requested while the failed attempt was being stopped still wins over its failure.
+        return self._interrupt() if self.interrupted is not None else status
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Sends ``sig`` to every running process group, then SIGKILL after the grace period."""
@@ -301,6 +396,16 @@ class _Job:
             p.wait()
         self._drain()
 
+    def say(self, message: str) -> None:
+        with self.lock:
+            print(f"spmdcomm-launch: {message}", file=sys.stderr, flush=True)
+
+    def _interrupt(self) -> int:
+        name = signal.Signals(self.interrupted).name
+        self.say(f"received {name}; stopping all processes (a stop, not a failure: no restart).")
+        self.stop(self.interrupted)
+        return 128 + self.interrupted
+
     def _signal_all(self, sig: int) -> None:
         for p in self.procs.values():
             if p.poll() is None:
@@ -312,10 +417,6 @@ class _Job:
     def _drain(self) -> None:
         for t in self.threads:
             t.join(timeout=2.0)
-
-    def _say(self, message: str) -> None:
-        with self.lock:
-            print(f"spmdcomm-launch: {message}", file=sys.stderr, flush=True)
 
 
 def _pump(rank: int, src: IO[bytes], dst: IO[str], lock: threading.Lock) -> None:

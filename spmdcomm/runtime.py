@@ -32,6 +32,7 @@ __all__ = [
     "is_initialized",
     "is_main_process",
     "local_rank",
+    "restart_count",
     "process_devices",
     "coordination_client",
     "DEFAULT_INIT_TIMEOUT",
@@ -41,6 +42,7 @@ __all__ = [
     "ENV_LOCAL_RANK",
     "ENV_LOCAL_DEVICE_IDS",
     "ENV_LOCAL_WORLD_SIZE",
+    "ENV_RESTART_COUNT",
 ]
 
 # The environment that spmdcomm-launch sets for each process and initialize() reads.
@@ -50,6 +52,7 @@ ENV_PROCESS_ID = "SPMDCOMM_PROCESS_ID"
 ENV_LOCAL_RANK = "SPMDCOMM_LOCAL_RANK"  # index among the processes on this host
 ENV_LOCAL_DEVICE_IDS = "SPMDCOMM_LOCAL_DEVICE_IDS"  # comma-separated accelerator ids for this process
 ENV_LOCAL_WORLD_SIZE = "SPMDCOMM_LOCAL_WORLD_SIZE"  # number of processes on this host
+ENV_RESTART_COUNT = "SPMDCOMM_RESTART_COUNT"  # how often the launcher restarted the job (--max-restarts)
 
 # Seconds initialize() waits for the coordinator to be reachable and for every process to join.
 DEFAULT_INIT_TIMEOUT = 120.0
@@ -165,6 +168,17 @@ def local_rank() -> int:
     )
 
 
+def restart_count() -> int:
+    """How many times ``spmdcomm-launch --max-restarts`` has restarted this job: 0 on the first attempt
+    and outside the launcher (read from ``SPMDCOMM_RESTART_COUNT``). A script can use it to resume from
+    its last checkpoint instead of starting over.
+
+    >>> sc.restart_count()
+    0
+    """
+    return _env_int(ENV_RESTART_COUNT, "restart_count") or 0
+
+
 def process_devices(process: int | None = None) -> list[jax.Device]:
     """The devices attached to process ``process`` (default: this one), in device-id order.
 
@@ -233,7 +247,7 @@ def _auto_detect(
     return auto_detect_cluster(address, count, pid, device_ids, timeout=max(1, math.ceil(timeout)))
 
 
-def _env_int(var: str) -> int | None:
+def _env_int(var: str, fn: str = "initialize") -> int | None:
     text = os.environ.get(var)
     if text is None or text == "":
         return None
@@ -242,7 +256,7 @@ def _env_int(var: str) -> int | None:
     except ValueError:
         raise DistributedError(
             describe(
-                "initialize",
+                fn,
                 f"environment variable {var}={text!r} is not an integer.",
                 fix=f"set {var} to an integer or unset it.",
             )

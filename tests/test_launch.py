@@ -1,6 +1,7 @@
 """The launcher, on small plain-Python scripts (no JAX in the children, so each test is fast)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+import spmdcomm as sc
 from spmdcomm import launch as launcher
-from spmdcomm.errors import SpmdError
+from spmdcomm.errors import DistributedError, SpmdError
 
 # The children are forked from this (JAX-using) test process; they exec Python at once.
 pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
@@ -119,16 +121,118 @@ def test_killed_rank_and_sigterm_escalation(launch, tmp_path):
 def test_timeout(tmp_path, capsys):
     path = script(tmp_path, "time.sleep(60)\n")
     assert launcher.launch([path], 2, timeout=0.5, grace=0.5) == 124
-    assert "timeout of 0.5 s expired" in capsys.readouterr().err
+    assert "timed out: the timeout of 0.5 s expired with rank(s) 0, 1 still running" in capsys.readouterr().err
+
+
+# Every process prints its attempt's restart count and coordinator address first.
+ATTEMPT = """attempt = int(os.environ['SPMDCOMM_RESTART_COUNT'])
+print('attempt', attempt, os.environ['SPMDCOMM_COORDINATOR'], flush=True)
+"""
+
+
+def attempts(out):
+    """{restart count: coordinator address}, from the ``attempt`` lines every rank printed."""
+    seen = {}
+    for line in out.splitlines():
+        _, rank, word, attempt, address = line.replace("]", "").split()
+        assert word == "attempt"
+        seen.setdefault(int(attempt), set()).add(address)
+    assert all(len(addresses) == 1 for addresses in seen.values()), seen  # one address per attempt
+    return {attempt: addresses.pop() for attempt, addresses in seen.items()}
+
+
+def test_restart_after_a_failure(tmp_path, capsys):
+    # Attempt 0: rank 1 exits 3 once both run, and rank 0 would sleep past the timeout unless stopped.
+    path = script(
+        tmp_path,
+        ATTEMPT + "if attempt == 0:\n    all_started(2)\n    if rank == 1:\n        sys.exit(3)\n    time.sleep(600)\n",
+    )
+    assert launcher.main(["-n", "2", "--max-restarts", "1", "--timeout", "60", "--grace", "1", path]) == 0
+    out, err = capsys.readouterr()
+    ports = attempts(out)
+    assert sorted(ports) == [0, 1]
+    assert ports[0] != ports[1] and all(a.startswith("127.0.0.1:") for a in ports.values())
+    log = [ln for ln in err.splitlines() if ln.startswith("spmdcomm-launch: ")]
+    assert len(log) == 2, err
+    assert re.fullmatch(
+        r"spmdcomm-launch: rank 1 \(pid \d+\) exited with status 3; stopping the other 1 running process\(es\)\.",
+        log[0],
+    )
+    assert log[1] == f"spmdcomm-launch: restart 1 of 1: starting 2 process(es), coordinator {ports[1]}."
+
+
+def test_restarts_run_out_and_exit_with_the_failure(tmp_path, capsys):
+    path = script(tmp_path, ATTEMPT + "sys.exit(5)\n")
+    assert launcher.main(["-n", "2", "--max-restarts", "2", "--timeout", "60", path]) == 5
+    out, err = capsys.readouterr()
+    ports = attempts(out)
+    assert sorted(ports) == [0, 1, 2] and len(set(ports.values())) == 3  # a fresh port for every attempt
+    assert err.count("exited with status 5") == 3
+    assert "restart 1 of 2: " in err and "restart 2 of 2: " in err and "restart 3" not in err
+    assert err.rstrip().endswith("spmdcomm-launch: all 2 restart(s) used; exiting with status 5.")
+
+
+def test_killed_rank_is_restarted(tmp_path, capsys):
+    path = script(
+        tmp_path,
+        ATTEMPT + "if attempt == 0:\n    all_started(2)\n    if rank == 1:\n        os.kill(os.getpid(), "
+        "signal.SIGKILL)\n    time.sleep(600)\n",
+    )
+    assert launcher.launch([path], 2, max_restarts=3, timeout=60, grace=1) == 0
+    out, err = capsys.readouterr()
+    assert sorted(attempts(out)) == [0, 1]
+    assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL; stopping the other 1 ", err)
+    assert "restart 1 of 3: starting 2 process(es)" in err and "restart 2" not in err
+
+
+def test_timeout_applies_per_attempt(tmp_path, capsys):
+    # Attempt 0 outlives its timeout; attempt 1 gets a whole timeout of its own and finishes.
+    path = script(tmp_path, ATTEMPT + "if attempt == 0:\n    time.sleep(600)\n")
+    assert launcher.launch([path], 2, max_restarts=1, timeout=3, grace=0.5) == 0
+    out, err = capsys.readouterr()
+    assert sorted(attempts(out)) == [0, 1]
+    assert "timed out: the timeout of 3 s expired with rank(s) 0, 1 still running" in err
+    assert "restart 1 of 1" in err
+
+
+def test_fixed_coordinator_restarts_on_a_fresh_port(tmp_path, capsys):
+    port = launcher.free_port()
+    path = script(tmp_path, ATTEMPT + "sys.exit(attempt == 0)\n")
+    assert launcher.launch([path], 2, coordinator=f"127.0.0.1:{port}", max_restarts=1, timeout=60) == 0
+    ports = attempts(capsys.readouterr().out)
+    assert ports[0] == f"127.0.0.1:{port}" and ports[1].startswith("127.0.0.1:") and ports[1] != ports[0]
+
+
+def test_restart_options_errors(capsys):
+    with pytest.raises(SpmdError, match=r"--max-restarts \(max_restarts\) must be at least 0, got -1\. Fix: pass"):
+        launcher.launch(["x.py"], 2, max_restarts=-1)
+    with pytest.raises(SpmdError, match=r"--coordinator \(coordinator\) must be HOST:PORT, got 'localhost'"):
+        launcher.launch(["x.py"], 2, coordinator="localhost")
+    with pytest.raises(SystemExit) as exit_:
+        launcher.main(["-n", "2", "--max-restarts", "-1", "x.py"])
+    assert exit_.value.code == 2
+    assert "--max-restarts (max_restarts) must be at least 0, got -1" in capsys.readouterr().err
+
+
+def test_restart_count(monkeypatch):
+    monkeypatch.delenv("SPMDCOMM_RESTART_COUNT", raising=False)
+    assert sc.restart_count() == 0
+    monkeypatch.setenv("SPMDCOMM_RESTART_COUNT", "2")
+    assert sc.restart_count() == 2
+    monkeypatch.setenv("SPMDCOMM_RESTART_COUNT", "two")
+    with pytest.raises(DistributedError, match=r"^spmdcomm.restart_count: environment variable SPMDCOMM_RESTART_"):
+        sc.restart_count()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_launcher_signal_leaves_no_process(tmp_path, sig):
-    # SIGTERM is passed on to the children; SIGKILL of the launcher kills them through PDEATHSIG.
+    # SIGTERM is passed on to the children and is a stop, not a failure: with restarts allowed, none happens.
+    # SIGKILL of the launcher kills them through PDEATHSIG.
     pids = tmp_path / "pids"
     path = script(tmp_path, f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\ntime.sleep(60)\n")
-    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--grace", "1", path]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
+    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--grace", "1", "--max-restarts", "2", path]
+    cmd += ["--timeout", "60"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (not pids.exists() or len(pids.read_text().split()) < 2):
@@ -141,6 +245,40 @@ def test_launcher_signal_leaves_no_process(tmp_path, sig):
         while any(map(_alive, children)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(map(_alive, children))
+        assert len(pids.read_text().split()) == 2  # no process was started again
+        if sig == signal.SIGTERM:
+            err = proc.stderr.read()
+            assert "received SIGTERM; stopping all processes (a stop, not a failure: no restart)." in err
+            assert "restart 1" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_while_a_failed_attempt_stops_is_not_restarted(tmp_path):
+    # Rank 1 fails; rank 0 notes the launcher's SIGTERM and keeps running through the grace period, during which
+    # the launcher itself gets SIGTERM: the job ends with 128 + SIGTERM instead of restarting.
+    path = script(
+        tmp_path,
+        ATTEMPT + f"signal.signal(signal.SIGTERM, lambda *_: open({str(tmp_path / 'term')!r}, 'w').close())\n"
+        "all_started(2)\nif rank == 1:\n    sys.exit(3)\ntime.sleep(600)\n",
+    )
+    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--grace", "3", "--max-restarts", "2", path]
+    cmd += ["--timeout", "60"]
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (tmp_path / "term").exists():
+            time.sleep(0.05)
+        assert (tmp_path / "term").exists()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert sorted(attempts(out)) == [0]
+        assert "exited with status 3" in err and "received SIGTERM" in err and "restart 1" not in err
     finally:
         if proc.poll() is None:
             proc.kill()
