@@ -418,6 +418,9 @@ def _call_contexts(module: _Module) -> dict[str, str]:
 
 
 def _groups(attrs: str, devices: int) -> tuple[tuple[int, ...], ...]:
+    by_axes = re.search(r"replica_groups=mesh\[([^\]]*)\](?:<=\[([\d,]+)\](?:T\(([\d,]+)\))?)?\s*\{([^}]*)\}", attrs)
+    if by_axes:  # newer XLA: groups named by mesh axes, e.g. mesh['data'=2,'model'=4] {'data'}
+        return _mesh_axis_groups(*by_axes.groups())
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if iota:
         count, size = int(iota.group(1)), int(iota.group(2))
@@ -428,6 +431,22 @@ def _groups(attrs: str, devices: int) -> tuple[tuple[int, ...], ...]:
     listed = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", attrs)
     groups = () if listed is None else tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", listed.group(1)))
     return groups or (tuple(range(devices)),)  # no groups, or {}, means one group of every device
+
+
+def _mesh_axis_groups(mesh: str, dims: str | None, perm: str | None, axes: str) -> tuple[tuple[int, ...], ...]:
+    """The device groups of ``mesh['a'=2,'b'=4] {'a'}``: devices that differ only along the named axes."""
+    named = re.findall(r"'([^']*)'\s*=\s*(\d+)", mesh)
+    names, sizes = [n for n, _ in named], [int(s) for _, s in named]
+    ids = np.arange(math.prod(sizes))
+    if dims:  # an explicit device order, as in the iota form
+        ids = ids.reshape(_ints(dims))
+        if perm:
+            ids = ids.transpose(_ints(perm))
+    ids = ids.reshape(sizes)
+    chosen = [names.index(a) for a in re.findall(r"'([^']*)'", axes)]
+    rest = [i for i in range(len(names)) if i not in chosen]
+    size = math.prod(sizes[i] for i in chosen)
+    return tuple(tuple(int(d) for d in g) for g in ids.transpose(rest + chosen).reshape(-1, size))
 
 
 def _pairs(attrs: str) -> tuple[tuple[int, int], ...]:

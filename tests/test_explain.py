@@ -343,6 +343,22 @@ def test_async_collectives_count_once_with_their_groups_and_places(mesh_2x4):
     ]
 
 
+@pytest.mark.parametrize(
+    "attrs,groups",
+    [
+        ("mesh['data'=2,'model'=4] {'data'}", ((0, 4), (1, 5), (2, 6), (3, 7))),
+        ("mesh['data'=2,'model'=4] {'model'}", ((0, 1, 2, 3), (4, 5, 6, 7))),
+        ("mesh['data'=2,'model'=4] {'data','model'}", ((0, 1, 2, 3, 4, 5, 6, 7),)),
+        ("mesh['data'=2,'model'=4]<=[4,2]T(1,0) {'model'}", ((0, 2, 4, 6), (1, 3, 5, 7))),
+    ],
+)
+def test_groups_named_by_mesh_axes(attrs, groups, mesh_2x4):
+    # The form newer XLA versions print (seen with jax 0.11): replica_groups=mesh[...] {axes}.
+    text = GPU_STYLE.replace("replica_groups=[2,4]<=[8]", f"replica_groups={attrs}")
+    (first,) = [c for c in _inventory(_parse_module(text), mesh_2x4) if c.kind == "reduce-scatter"]
+    assert first.replica_groups == groups
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad input
 
