@@ -3,7 +3,7 @@
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm._version import __version__ as __version__  # written in _version.py only
-from spmdcomm.checkpoint import latest_checkpoint_step, restore_checkpoint, save_checkpoint
+from spmdcomm.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from spmdcomm.collectives import (
     REDUCE_OPS,
     all_gather,
@@ -51,6 +51,7 @@ from spmdcomm.errors import (
 )
 from spmdcomm.eval_step import EvalStep, make_eval_step
 from spmdcomm.explain import COLLECTIVE_KINDS, Collective, DeviceMemory, Explanation, explain
+from spmdcomm.loader import Loader
 from spmdcomm.loop import fit
 from spmdcomm.mesh import (
     data_mesh,
@@ -119,6 +120,7 @@ __all__ = [
     "ShardedSampler",
     "take_batches",
     "join_batches",
+    "Loader",
     # prefetch
     "prefetch_to_device",
     "aligned_empty",
@@ -146,6 +148,7 @@ __all__ = [
     "assert_replicated",
     "check_replicas_in_sync",
     "latest_checkpoint_step",
+    "checkpoint_extra",
     "restore_checkpoint",
     "save_checkpoint",
     # what a compiled step communicates and holds

@@ -29,6 +29,7 @@ the uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -41,7 +42,7 @@ from spmdcomm._flat import FlatLayout
 from spmdcomm.errors import SpmdError, check_not_deleted, describe
 from spmdcomm.train_state import TrainState
 
-__all__ = ["save_checkpoint", "restore_checkpoint", "latest_checkpoint_step"]
+__all__ = ["save_checkpoint", "restore_checkpoint", "latest_checkpoint_step", "checkpoint_extra"]
 
 
 def save_checkpoint(
@@ -50,12 +51,15 @@ def save_checkpoint(
     *,
     step: int | None = None,
     max_to_keep: int | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> int:
     """Saves ``state`` as checkpoint ``step`` (default ``state.step``) under ``directory``; returns
     the step.
 
     Blocks until the checkpoint is complete. ``max_to_keep`` deletes the oldest checkpoints beyond
-    that many. Every process must call it (each writes its own shards).
+    that many. ``extra`` is a small JSON-serialisable dict saved in the same checkpoint (atomically with
+    the arrays; process 0's is written), read back by :func:`checkpoint_extra`: e.g. the data position
+    that :func:`spmdcomm.fit` records. Every process must call it (each writes its own shards).
     """
     import orbax.checkpoint as ocp
 
@@ -70,7 +74,8 @@ def save_checkpoint(
     )
     step = int(jax.device_get(state.step)) if step is None else int(step)
     with _manager(directory, max_to_keep=max_to_keep) as mgr:
-        mgr.save(step, args=ocp.args.StandardSave(_arrays(state), custom_metadata=_layout_of(state)), force=True)
+        args = ocp.args.StandardSave(_arrays(state), custom_metadata=_layout_of(state))
+        mgr.save(step, args=args, custom_metadata=_json_dict("save_checkpoint", extra), force=True)
         mgr.wait_until_finished()
     return step
 
@@ -86,16 +91,7 @@ def restore_checkpoint(directory: str | os.PathLike[str], state: TrainState, *, 
 
     _check_state("restore_checkpoint", state)
     with _manager(directory) as mgr:
-        step = mgr.latest_step() if step is None else step
-        if step is None or step not in mgr.all_steps():
-            raise SpmdError(
-                describe(
-                    "restore_checkpoint",
-                    f"no checkpoint {'at all' if step is None else f'for step {step}'} in "
-                    f"{os.fspath(directory)!r} (it has steps {sorted(mgr.all_steps())}).",
-                    fix="check the directory, or save first with spmdcomm.save_checkpoint.",
-                )
-            )
+        step = _existing_step("restore_checkpoint", directory, mgr, step)
         saved = mgr.item_metadata(step).custom_metadata or _layout_of(state)
         if saved == _layout_of(state):
             target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _arrays(state))
@@ -111,6 +107,14 @@ def latest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
         return mgr.latest_step()
 
 
+def checkpoint_extra(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
+    """The ``extra`` dict saved with checkpoint ``step`` (default: the latest) by :func:`save_checkpoint`;
+    ``{}`` when it was saved without one."""
+    with _manager(directory) as mgr:
+        step = _existing_step("checkpoint_extra", directory, mgr, step)
+        return dict(mgr.metadata(step).custom_metadata or {})
+
+
 def _arrays(state: TrainState) -> dict[str, Any]:
     return {
         "step": state.step,
@@ -119,6 +123,40 @@ def _arrays(state: TrainState) -> dict[str, Any]:
         "model_state": state.model_state,
         "rng": state.rng,
     }
+
+
+def _existing_step(fn: str, directory: str | os.PathLike[str], mgr: Any, step: int | None) -> int:
+    """``step``, or the latest step when it is None, if that checkpoint exists; raises otherwise."""
+    step = mgr.latest_step() if step is None else step
+    if step is None or step not in mgr.all_steps():
+        raise SpmdError(
+            describe(
+                fn,
+                f"no checkpoint {'at all' if step is None else f'for step {step}'} in "
+                f"{os.fspath(directory)!r} (it has steps {sorted(mgr.all_steps())}).",
+                fix="check the directory, or save first with spmdcomm.save_checkpoint.",
+            )
+        )
+    return step
+
+
+def _json_dict(fn: str, extra: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``extra`` if it is a dict that JSON can store unchanged; raises naming the problem otherwise."""
+    if extra is None:
+        return None
+    try:
+        ok = isinstance(extra, dict) and json.loads(json.dumps(extra)) == extra
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise SpmdError(
+            describe(
+                fn,
+                f"extra={extra!r} is not a dict that JSON stores unchanged.",
+                fix="pass a dict with string keys and str/int/float/bool/None/list/dict values.",
+            )
+        )
+    return extra
 
 
 def _check_state(fn: str, state: Any) -> None:

@@ -105,9 +105,12 @@ class ShardedSampler:
     only full global batches are used: the few examples left over (different ones each shuffled epoch)
     are skipped.
 
-    ``shuffle`` draws a new order every epoch from ``(seed, epoch)``; every shard draws the same one,
-    so the shards must share ``seed``. The epoch is an argument, or, left out, an internal counter that
-    each :meth:`batches` call advances, so a forgotten ``set_epoch`` cannot repeat an epoch's order.
+    ``shuffle`` draws a new order every epoch from ``(seed, epoch)`` alone; every shard draws the same
+    one, so the shards must share ``seed``. The epoch is an argument, or, left out, the sampler's
+    position (:meth:`state_dict`), which each :meth:`batches` call moves to the next epoch, so a
+    forgotten ``set_epoch`` cannot repeat an epoch's order. Since an epoch's order depends only on
+    ``(seed, epoch)``, a sampler restored to a position mid-epoch (:meth:`load_state_dict`) yields exactly
+    that epoch's remaining batches.
 
     >>> s = sc.ShardedSampler(10, shard_index=1, num_shards=2, shuffle=False)
     >>> [(b.data.tolist(), b.mask.tolist()) for b in s.batches(3)]
@@ -141,7 +144,36 @@ class ShardedSampler:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_remainder = drop_remainder
-        self.epoch = 0
+        self.epoch = 0  # the position: the epoch and the index of the next batch not yet consumed
+        self.batch = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """The position as ``{"epoch": e, "batch": b}``: batch ``b`` of epoch ``e`` is the next one not yet consumed.
+
+        :meth:`batches` without ``epoch`` starts there. A :class:`spmdcomm.Loader` moves the position as
+        the training loop takes each batch (not as prefetch fetches it), so a position saved with a
+        checkpoint names exactly the batches the saved state has not trained on.
+
+        >>> s = sc.ShardedSampler(8, shard_index=0, num_shards=1, shuffle=False)
+        >>> s.load_state_dict({"epoch": 2, "batch": 1})
+        >>> [b.data.tolist() for b in s.batches(3)], s.state_dict()
+        ([[3, 4, 5], [6, 7, 0]], {'epoch': 3, 'batch': 0})
+        """
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Moves the position to ``state`` (as :meth:`state_dict` returns it)."""
+        keys = {"epoch", "batch"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise SpmdError(
+                describe(
+                    "ShardedSampler.load_state_dict",
+                    f"state={state!r} is not a position.",
+                    fix='pass what state_dict() returned: {"epoch": int, "batch": int}.',
+                )
+            )
+        self.epoch = _non_negative("ShardedSampler.load_state_dict", "state['epoch']", state["epoch"])
+        self.batch = _non_negative("ShardedSampler.load_state_dict", "state['batch']", state["batch"])
 
     def num_batches(self, batch_size: int) -> int:
         """The number of batches every shard gets per epoch for a per-shard ``batch_size``."""
@@ -156,15 +188,21 @@ class ShardedSampler:
             return np.arange(self.num_examples)
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
 
-    def batches(self, batch_size: int, *, epoch: int | None = None) -> Iterator[MaskedBatch]:
-        """This shard's index batches for one epoch: ``MaskedBatch(indices, mask)`` of ``batch_size`` each.
+    def batches(self, batch_size: int, *, epoch: int | None = None, start: int | None = None) -> Iterator[MaskedBatch]:
+        """This shard's index batches for one epoch: ``MaskedBatch(indices, mask)`` of ``batch_size`` each,
+        from batch ``start`` on (the earlier ones skipped).
 
-        ``epoch=None`` uses the internal counter and advances it by one (at this call, not lazily).
-        Padded positions hold index 0 and ``mask`` False, so gathering them never fails.
+        ``epoch=None`` starts at the position (:meth:`state_dict`; ``start`` defaults to its batch) and
+        moves it to the start of the next epoch (at this call, not lazily). An explicit ``epoch`` leaves the
+        position alone; ``start`` then defaults to 0. Padded positions hold index 0 and ``mask`` False, so
+        gathering them never fails.
         """
         n = self.num_batches(batch_size)
+        if start is not None:
+            start = _non_negative("ShardedSampler.batches", "start", start)
         if epoch is None:
-            epoch, self.epoch = self.epoch, self.epoch + 1
+            epoch, start = self.epoch, (self.batch if start is None else start)
+            self.epoch, self.batch = epoch + 1, 0
         order = self.order(epoch)
         step = self.num_shards * batch_size
         full = order[: (n if self.drop_remainder else self.num_examples // step) * step]
@@ -178,7 +216,7 @@ class ShardedSampler:
                 if len(part)
                 else MaskedBatch(np.zeros(batch_size, order.dtype), np.zeros(batch_size, bool))
             )
-        return iter(out)
+        return iter(out[start or 0 :])
 
 
 def take_batches(dataset: Any, index_batches: Iterable[Any]) -> Iterator[MaskedBatch]:
@@ -293,6 +331,12 @@ _END = object()
 def _positive(fn: str, name: str, value: Any) -> int:
     if not isinstance(value, (int, np.integer)) or value < 1:
         raise SpmdError(describe(fn, f"{name}={value!r} must be a positive int."))
+    return int(value)
+
+
+def _non_negative(fn: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise SpmdError(describe(fn, f"{name}={value!r} must be an int >= 0."))
     return int(value)
 
 

@@ -1,13 +1,19 @@
-"""The training loop: runs a train step over batches with a bounded number of steps in flight."""
+"""The training loop: runs a train step over batches with a bounded number of steps in flight, and with a
+``checkpoint_dir`` saves and resumes the run (state and data position) so that a restarted job continues
+where it stopped."""
 
 from __future__ import annotations
 
 import collections
+import itertools
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 
+from spmdcomm.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
+from spmdcomm.errors import SpmdError, describe
 from spmdcomm.train_state import TrainState
 from spmdcomm.train_step import TrainStep
 
@@ -17,16 +23,31 @@ __all__ = ["fit"]
 def fit(
     step: TrainStep,
     state: TrainState,
-    batches: Iterable[Any],
+    data: Iterable[Any],
     *,
     callback: Callable[[int, dict[str, float]], None] | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    save_every: int | None = None,
+    max_to_keep: int | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
-    """Runs ``step`` over ``batches``; returns the final state and every step's metrics as Python
-    floats.
+    """Runs ``step`` over the batches of ``data``; returns the final state and this call's metrics, one
+    dict of Python floats per step.
 
     Metrics are fetched to the host one in-flight window late (the step's ``max_in_flight``), so the
     loop never stalls on the newest step and never queues more executions than XLA:CPU can hold.
-    ``callback(step_index, metrics)`` sees each step's metrics in order.
+    ``callback(i, metrics)`` sees each step's metrics in order (``i`` counts this call's steps from 0).
+
+    With ``checkpoint_dir``, the run survives being killed and restarted: ``fit`` first restores the
+    latest complete checkpoint there, if any (the state, whose ``rng`` and ``step`` fix every later
+    random draw, and the data position), then skips the batches that state has trained on, saves every
+    ``save_every`` steps (counted by ``state.step``, so a restarted run saves at the same steps) and at
+    the end, and keeps the newest ``max_to_keep`` checkpoints (default: all). A restarted run then ends
+    with bitwise the parameters of one that never stopped. ``data`` must be able to resume: an object
+    with ``state_dict()`` (a JSON-serialisable position of the next batch not yet handed out) and
+    ``load_state_dict()``, such as :class:`spmdcomm.Loader`. ``state`` is the template the checkpoint is
+    restored into (see :func:`spmdcomm.restore_checkpoint`). Each save is atomic (a process killed while
+    saving leaves the previous checkpoint as the latest), and every process must call ``fit`` alike:
+    each writes its own shards, and process 0's data position is saved.
 
     >>> import optax
     >>> def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
@@ -37,6 +58,18 @@ def fit(
     >>> len(history), round(float(state.params["c"]), 4)
     (20, 4.0)
     """
+    checkpoints = None
+    if checkpoint_dir is not None:
+        checkpoints = _Checkpoints(checkpoint_dir, data, save_every=save_every, max_to_keep=max_to_keep)
+        state = checkpoints.resume(state)
+    elif save_every is not None or max_to_keep is not None:
+        raise SpmdError(
+            describe(
+                "fit",
+                "save_every and max_to_keep need a checkpoint_dir.",
+                fix="pass checkpoint_dir=<a directory every process can reach>, or leave them out.",
+            )
+        )
     pending: collections.deque[tuple[int, Any]] = collections.deque()
     history: list[dict[str, float]] = []
 
@@ -48,9 +81,96 @@ def fit(
             if callback is not None:
                 callback(i, host)
 
-    for i, batch in enumerate(batches):
-        state, metrics = step(state, batch)
-        pending.append((i, metrics))
-        drain(step.max_in_flight)
-    drain(0)
+    source = iter(data)
+    try:
+        for i in itertools.count():
+            batch = next(source, _END)  # waiting for data
+            if batch is _END:
+                break
+            state, metrics = step(state, batch)  # dispatching
+            pending.append((i, metrics))
+            drain(step.max_in_flight)  # waiting for devices: metrics of the step one window back
+            if checkpoints is not None and checkpoints.stepped():
+                checkpoints.save(state)  # saving (blocks until the checkpoint is complete)
+        drain(0)
+        if checkpoints is not None and not checkpoints.saved_last:
+            checkpoints.save(state)
+    finally:
+        # Stops a loader's prefetch threads when the loop ends early (an exception here or in a callback).
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
     return state, history
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+_END = object()
+
+
+class _Checkpoints:
+    """``fit``'s checkpoints: what to restore at the start, when to save, and the data position saved with each."""
+
+    def __init__(self, directory: str | os.PathLike[str], data: Any, *, save_every: Any, max_to_keep: Any):
+        if not all(callable(getattr(data, name, None)) for name in ("state_dict", "load_state_dict")):
+            raise SpmdError(
+                describe(
+                    "fit",
+                    f"data is a {type(data).__name__}, which cannot resume: with checkpoint_dir, a restarted "
+                    "run must skip the batches the restored state has trained on, so data needs "
+                    "state_dict() and load_state_dict().",
+                    fix="pass sc.Loader(dataset, sampler, batch_size=...) (or another source with state_dict "
+                    "and load_state_dict), or leave checkpoint_dir out and checkpoint yourself.",
+                )
+            )
+        for name, value in (("save_every", save_every), ("max_to_keep", max_to_keep)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise SpmdError(
+                    describe("fit", f"{name}={value!r} must be a positive int or None.", fix=f"e.g. {name}=100.")
+                )
+        self.directory = directory
+        self.data = data
+        self.save_every = save_every
+        self.max_to_keep = max_to_keep
+        self.step = 0  # state.step of the newest state the loop holds, counted on the host
+        self.saved_last = False  # whether that state is saved
+
+    def resume(self, state: TrainState) -> TrainState:
+        """``state`` restored from the latest checkpoint, with ``data`` moved to its position; ``state`` itself
+        when there is none."""
+        latest = latest_checkpoint_step(self.directory)
+        if latest is None:
+            self.step = int(jax.device_get(state.step))
+            return state
+        extra = checkpoint_extra(self.directory, step=latest)
+        if "data" not in extra:
+            raise SpmdError(
+                describe(
+                    "fit",
+                    f"checkpoint {latest} in {os.fspath(self.directory)!r} has no data position (it was not "
+                    "saved by fit), so fit cannot tell which batches its state has trained on.",
+                    fix="give fit a checkpoint_dir of its own, or restore that checkpoint with "
+                    "sc.restore_checkpoint and pass data that starts at the right batch.",
+                )
+            )
+        state = restore_checkpoint(self.directory, state, step=latest)
+        self.data.load_state_dict(extra["data"])
+        self.step, self.saved_last = int(jax.device_get(state.step)), True
+        return state
+
+    def stepped(self) -> bool:
+        """Counts one step; whether a save is due after it."""
+        self.step += 1
+        self.saved_last = False
+        return self.save_every is not None and self.step % self.save_every == 0
+
+    def save(self, state: TrainState) -> None:
+        save_checkpoint(
+            self.directory,
+            state,
+            step=self.step,
+            max_to_keep=self.max_to_keep,
+            extra={"data": self.data.state_dict()},
+        )
+        self.saved_last = True

@@ -38,9 +38,11 @@ def mesh(request):
 
 @pytest.fixture
 def launch(tmp_path):
-    """``launch(script, *args, processes=2, devices_per_process=2, timeout=..., env=None, returncode=0)``.
+    """``launch(script, *args, processes=2, devices_per_process=2, timeout=..., env=None, returncode=0,
+    max_restarts=0)``.
 
-    Runs ``python -m spmdcomm.launch -n PROCESSES [--devices-per-process K] --timeout T --grace 2 script *args``
+    Runs ``python -m spmdcomm.launch -n PROCESSES [--devices-per-process K] [--max-restarts R] --timeout T
+    --grace 2 script *args``
     (a relative ``script`` names one in tests/workers/) in ``tmp_path``, with the repository on ``PYTHONPATH``,
     and returns the ``subprocess.CompletedProcess`` (text output, ``[rank i]``-prefixed). The test fails,
     showing the command and its whole output, when the exit status is not ``returncode`` or the job outlives
@@ -57,9 +59,11 @@ def launch(tmp_path):
         timeout: float = LAUNCH_TIMEOUT,
         env: dict[str, str] | None = None,
         returncode: int = 0,
+        max_restarts: int = 0,
     ) -> subprocess.CompletedProcess:
         devices = [] if devices_per_process is None else ["--devices-per-process", str(devices_per_process)]
-        cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", str(processes), *devices]
+        restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
+        cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", str(processes), *devices, *restarts]
         cmd += ["--timeout", f"{timeout:g}", "--grace", str(_GRACE), str(WORKERS / script), *map(str, args)]
         full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the launcher sets the devices
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

@@ -1,0 +1,141 @@
+"""A resumable data source: a data set's batches in a :class:`~spmdcomm.ShardedSampler`'s order, prefetched.
+
+A :class:`Loader` remembers how far the training loop has got (the epoch and the next batch it has not yet
+consumed, counted as batches reach the loop, not as prefetch fetches them). ``state_dict()`` saved with a
+checkpoint and ``load_state_dict()`` after restoring it make the loader yield exactly the batches the saved
+state has not trained on; :func:`spmdcomm.fit` does both when given a ``checkpoint_dir``.
+
+>>> sampler = sc.ShardedSampler(10, shard_index=0, num_shards=1, shuffle=False)
+>>> loader = sc.Loader({"x": np.arange(10.0)}, sampler, batch_size=4, epochs=2, prefetch=0)
+>>> it = iter(loader)
+>>> next(it).data["x"].tolist(), loader.state_dict()
+([0.0, 1.0, 2.0, 3.0], {'epoch': 0, 'batch': 1, 'batch_size': 4})
+>>> again = sc.Loader({"x": np.arange(10.0)}, sc.ShardedSampler(10, shard_index=0, num_shards=1, shuffle=False),
+...                   batch_size=4, epochs=2, prefetch=0)
+>>> again.load_state_dict(loader.state_dict())
+>>> len(again), [b.mask.sum().item() for b in again]  # the 5 batches left: 2 of epoch 0, 3 of epoch 1
+(5, [4, 2, 4, 4, 2])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from jax.sharding import Mesh
+
+from spmdcomm.data import MaskedBatch, ShardedSampler, take_batches
+from spmdcomm.errors import SpmdError, describe
+from spmdcomm.prefetch import PrefetchStats, prefetch_to_device
+
+__all__ = ["Loader"]
+
+
+class Loader:
+    """Yields ``dataset``'s rows in ``sampler``'s batches of ``batch_size`` for ``epochs`` epochs, from the
+    sampler's position on, as :class:`~spmdcomm.MaskedBatch` es placed on the mesh ``prefetch`` batches ahead.
+
+    ``dataset`` is a pytree of arrays indexed along dimension 0 (see :func:`spmdcomm.take_batches`);
+    ``sampler`` is this process's shard and ``batch_size`` its rows per step, so every global batch is the
+    processes' batches side by side. ``prefetch=k`` places batches through
+    :func:`spmdcomm.prefetch_to_device` on ``mesh`` (default :func:`spmdcomm.default_mesh`) split over
+    ``axis``; ``prefetch=0`` yields host batches (the train step places them). Each pass over the loader
+    starts at the position and moves it as batches reach the caller, so the position always names the
+    next batch the caller has not received; the epochs after the last one yield nothing.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        sampler: ShardedSampler,
+        *,
+        batch_size: int,
+        epochs: int = 1,
+        prefetch: int = 2,
+        mesh: Mesh | None = None,
+        axis: str | tuple[str, ...] = "data",
+    ):
+        if not isinstance(sampler, ShardedSampler):
+            raise SpmdError(
+                describe(
+                    "Loader",
+                    f"sampler is a {type(sampler).__name__}, not a ShardedSampler.",
+                    fix="pass sc.ShardedSampler(len(dataset), shard_index=sc.process_index(), "
+                    "num_shards=sc.process_count(), seed=...).",
+                )
+            )
+        for name, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 0), ("prefetch", prefetch, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise SpmdError(describe("Loader", f"{name}={value!r} must be an int >= {low}."))
+        self.dataset = dataset
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.prefetch = prefetch
+        self.mesh = mesh
+        self.axis = axis
+        self.stats: PrefetchStats | None = None  # the latest pass's waits for data (None without prefetch)
+
+    def __iter__(self) -> Iterator[MaskedBatch]:
+        epoch, batch = self._position()
+        per_epoch = self.sampler.num_batches(self.batch_size)
+        batches: Iterator[MaskedBatch] = self._host_batches(epoch, batch)
+        if self.prefetch:
+            batches = prefetch_to_device(batches, self.prefetch, mesh=self.mesh, axis=self.axis)
+            self.stats = batches.stats
+        try:
+            for item in batches:
+                # Moved before the hand-over: from here on the caller holds this batch.
+                epoch, batch = (epoch + 1, 0) if batch + 1 == per_epoch else (epoch, batch + 1)
+                self.sampler.load_state_dict({"epoch": epoch, "batch": batch})
+                yield item
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+
+    def __len__(self) -> int:
+        """The number of batches a pass from the current position yields."""
+        epoch, batch = self._position()
+        if epoch >= self.epochs:
+            return 0
+        return (self.epochs - epoch) * self.sampler.num_batches(self.batch_size) - batch
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: ``{"epoch", "batch"}`` of the next batch not yet handed out, and ``batch_size``."""
+        return {**self.sampler.state_dict(), "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Moves the position to ``state`` (as :meth:`state_dict` returns it; the batch size must match)."""
+        if not isinstance(state, dict) or "batch_size" not in state:
+            raise SpmdError(
+                describe(
+                    "Loader.load_state_dict",
+                    f"state={state!r} is not a Loader position.",
+                    fix='pass what Loader.state_dict() returned: {"epoch", "batch", "batch_size"}.',
+                )
+            )
+        if state["batch_size"] != self.batch_size:
+            raise SpmdError(
+                describe(
+                    "Loader.load_state_dict",
+                    f"the position was saved with batch_size={state['batch_size']!r}, but this loader has "
+                    f"batch_size={self.batch_size}: its batch indices would name other examples.",
+                    fix="resume with the batch_size of the saved run.",
+                )
+            )
+        self.sampler.load_state_dict({k: v for k, v in state.items() if k != "batch_size"})
+
+    def _position(self) -> tuple[int, int]:
+        """The sampler's position, with a batch index past the end of its epoch moved into the next epochs."""
+        per_epoch = self.sampler.num_batches(self.batch_size)
+        position = self.sampler.state_dict()
+        epoch, batch = position["epoch"], position["batch"]
+        if per_epoch and batch >= per_epoch:
+            epoch, batch = epoch + batch // per_epoch, batch % per_epoch
+        return epoch, batch
+
+    def _host_batches(self, epoch: int, batch: int) -> Iterator[MaskedBatch]:
+        for e in range(epoch, self.epochs):
+            index_batches = self.sampler.batches(self.batch_size, epoch=e, start=batch if e == epoch else 0)
+            yield from take_batches(self.dataset, index_batches)

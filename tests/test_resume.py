@@ -1,0 +1,301 @@
+"""Exact resume: the sampler's and the loader's positions, fit's checkpoints (a run stopped after any step and
+resumed through fit ends bitwise like one that never stopped, with dropout and BatchNorm), a process SIGKILLed
+while saving, and a 2 x 2 process job whose rank is SIGKILLed mid-epoch and restarted.
+
+The training job (model, data, loader) is tests/workers/resume_job.py, shared with the subprocess tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import spmdcomm as sc
+import spmdcomm.prefetch
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB_PATH = ROOT / "tests" / "workers" / "resume_job.py"
+_spec = importlib.util.spec_from_file_location("resume_job", JOB_PATH)
+job = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(job)
+
+STEPS = job.EPOCHS * -(-job.EXAMPLES // job.GLOBAL_BATCH)  # 3 epochs x 6 batches
+DEVICES = 2  # the subprocess job runs on 2 devices too, so its checkpoints resume here unchanged
+
+
+class Interrupted(Exception):
+    pass
+
+
+class StopAfter:
+    """The train step, except that call ``calls + 1`` raises :class:`Interrupted` instead of running."""
+
+    def __init__(self, step: sc.TrainStep, calls: int):
+        self.step, self.left = step, calls
+        self.max_in_flight = step.max_in_flight
+
+    def __call__(self, state, batch):
+        if self.left == 0:
+            raise Interrupted
+        self.left -= 1
+        return self.step(state, batch)
+
+
+def mesh():
+    return sc.data_mesh(devices=jax.devices()[:DEVICES])
+
+
+def host_leaves(tree) -> dict[str, np.ndarray]:
+    return {
+        jax.tree_util.keystr(p): np.asarray(jax.device_get(x)) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def assert_bitwise(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    assert actual.keys() == expected.keys()
+    assert any("rng" in k for k in actual) and any("batch_stats" in k for k in actual)  # RNG and model state too
+    for key, value in expected.items():
+        assert actual[key].dtype == value.dtype and actual[key].shape == value.shape, key
+        assert actual[key].tobytes() == value.tobytes(), key
+
+
+@pytest.fixture(scope="module")
+def step():
+    return sc.make_train_step(job.loss_fn)
+
+
+@pytest.fixture(scope="module")
+def straight(step):
+    """Every leaf of the final state of the run that never stopped (no checkpoints)."""
+    state, history = sc.fit(step, job.fresh_state(mesh()), job.loader(mesh()))
+    assert len(history) == STEPS and int(state.step) == STEPS
+    return host_leaves(state)
+
+
+# ---- ShardedSampler and Loader positions -----------------------------------------------------------------
+
+
+def test_sampler_resumes_mid_epoch_with_exactly_the_remaining_batches():
+    sampler = sc.ShardedSampler(23, shard_index=1, num_shards=2, seed=5)
+    full = list(sampler.batches(3, epoch=4))
+    assert len(full) == 4 and not full[-1].mask.all()  # the last batch is padded
+    for start in range(len(full) + 1):
+        part = list(sampler.batches(3, epoch=4, start=start))
+        assert [(b.data.tolist(), b.mask.tolist()) for b in part] == [
+            (b.data.tolist(), b.mask.tolist()) for b in full[start:]
+        ]
+    assert sampler.state_dict() == {"epoch": 0, "batch": 0}  # an explicit epoch leaves the position alone
+
+    # The order depends only on (seed, epoch): a sampler that went through epochs 0..3 first agrees.
+    used = sc.ShardedSampler(23, shard_index=1, num_shards=2, seed=5)
+    for _ in range(4):
+        list(used.batches(3))
+    assert used.state_dict() == {"epoch": 4, "batch": 0}
+    assert [b.data.tolist() for b in used.batches(3)] == [b.data.tolist() for b in full]
+
+    restored = sc.ShardedSampler(23, shard_index=1, num_shards=2, seed=5)
+    restored.load_state_dict(json.loads(json.dumps({"epoch": 4, "batch": 2})))  # as a checkpoint stores it
+    assert [b.data.tolist() for b in restored.batches(3)] == [b.data.tolist() for b in full[2:]]
+    assert restored.state_dict() == {"epoch": 5, "batch": 0}  # the next call starts the next epoch
+
+
+@pytest.mark.parametrize(
+    ("position", "message"),
+    [
+        ({"epoch": -1, "batch": 0}, r"state\['epoch'\]=-1 must be an int >= 0"),
+        ({"epoch": 0, "batch": 1.5}, r"state\['batch'\]=1.5 must be an int >= 0"),
+        ({"epoch": 0}, r"state=\{'epoch': 0\} is not a position"),
+    ],
+)
+def test_sampler_rejects_bad_positions(position, message):
+    sampler = sc.ShardedSampler(10, shard_index=0, num_shards=1)
+    with pytest.raises(sc.SpmdError, match=r"ShardedSampler\.load_state_dict: " + message):
+        sampler.load_state_dict(position)
+    with pytest.raises(sc.SpmdError, match=r"ShardedSampler\.batches: start=-1 must be an int >= 0"):
+        sampler.batches(2, start=-1)
+
+
+class CountingRows:
+    """A data set leaf that counts how many index batches were read from it."""
+
+    def __init__(self, rows: np.ndarray):
+        self.rows, self.reads = rows, 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return self.rows[index]
+
+
+def test_loader_position_counts_batches_handed_out_not_prefetched(monkeypatch):
+    monkeypatch.setattr(spmdcomm.prefetch, "INLINE_LOAD_SECONDS", 0)  # background threads from the start
+    data = job.dataset()
+    counting = {"x": CountingRows(data["x"]), "y": data["y"]}
+    sampler = sc.ShardedSampler(job.EXAMPLES, shard_index=0, num_shards=1, seed=3)
+    loader = sc.Loader(counting, sampler, batch_size=8, epochs=2, prefetch=2, mesh=mesh())
+    it = iter(loader)
+    first = next(it)
+    deadline = time.monotonic() + 60
+    while counting["x"].reads < 3 and time.monotonic() < deadline:  # prefetch reads ahead of the loop
+        time.sleep(0.01)
+    assert counting["x"].reads >= 3
+    assert loader.state_dict() == sampler.state_dict() | {"batch_size": 8} == {"epoch": 0, "batch": 1, "batch_size": 8}
+    it.close()
+
+    expected = list(job.loader(mesh(), prefetch=0))[:12]  # two epochs
+    assert np.array_equal(np.asarray(first.data["x"]), expected[0].data["x"])
+    resumed = job.loader(mesh())
+    resumed.load_state_dict(json.loads(json.dumps(loader.state_dict())))
+    resumed.epochs = 2
+    assert len(resumed) == 11
+    got = list(resumed)
+    assert len(got) == 11 and resumed.state_dict() == {"epoch": 2, "batch": 0, "batch_size": 8}
+    for placed, host in zip(got, expected[1:], strict=True):
+        assert isinstance(placed.data["x"], jax.Array)
+        assert np.array_equal(np.asarray(placed.data["x"]), host.data["x"])
+        assert np.array_equal(np.asarray(placed.mask), host.mask)
+    assert list(resumed) == [] and len(resumed) == 0  # past the last epoch
+
+
+def test_loader_rejects_bad_arguments_and_another_batch_size():
+    sampler = sc.ShardedSampler(10, shard_index=0, num_shards=1)
+    with pytest.raises(sc.SpmdError, match=r"Loader: sampler is a list, not a ShardedSampler"):
+        sc.Loader({"x": np.zeros(10)}, [0, 1], batch_size=2)
+    with pytest.raises(sc.SpmdError, match=r"Loader: batch_size=0 must be an int >= 1"):
+        sc.Loader({"x": np.zeros(10)}, sampler, batch_size=0)
+    loader = sc.Loader({"x": np.zeros(10)}, sampler, batch_size=4)
+    with pytest.raises(
+        sc.SpmdError,
+        match=r"saved with batch_size=2, but this loader has batch_size=4.*the batch_size of the saved run",
+    ):
+        loader.load_state_dict({"epoch": 0, "batch": 1, "batch_size": 2})
+    with pytest.raises(sc.SpmdError, match=r"Loader\.load_state_dict: state=\{'epoch': 0\} is not a Loader position"):
+        loader.load_state_dict({"epoch": 0})
+
+
+# ---- fit with a checkpoint_dir ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stop_after", "save_every"),
+    [(7, 4), (13, 3), (3, 4)],
+    ids=["mid-epoch", "epoch-boundary", "before-first-save"],
+)
+def test_fit_stopped_after_any_step_resumes_bitwise(tmp_path, step, straight, stop_after, save_every):
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(Interrupted):
+        sc.fit(
+            StopAfter(step, stop_after),
+            job.fresh_state(mesh()),
+            job.loader(mesh()),
+            checkpoint_dir=ckpt,
+            save_every=save_every,
+        )
+    saved = stop_after // save_every * save_every
+    assert sc.latest_checkpoint_step(ckpt) == (saved or None)
+    if saved:
+        position = sc.checkpoint_extra(ckpt)["data"]
+        assert position == {"epoch": saved // 6, "batch": saved % 6, "batch_size": job.GLOBAL_BATCH}
+
+    # The restarted script builds everything afresh, as a new process would.
+    state, history = sc.fit(
+        step, job.fresh_state(mesh()), job.loader(mesh()), checkpoint_dir=ckpt, save_every=save_every, max_to_keep=2
+    )
+    assert len(history) == STEPS - saved
+    assert_bitwise(host_leaves(state), straight)
+    # Saved every save_every steps and at the end; the newest two kept.
+    saves = sorted({*range(save_every, STEPS + 1, save_every), STEPS})
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == saves[-2:]
+
+    # Restarted once more after it finished: nothing left to train, the same state.
+    again, history = sc.fit(
+        step, job.fresh_state(mesh()), job.loader(mesh()), checkpoint_dir=ckpt, save_every=save_every
+    )
+    assert history == [] and sc.latest_checkpoint_step(ckpt) == STEPS
+    assert_bitwise(host_leaves(again), straight)
+
+
+def test_fit_refuses_what_it_cannot_resume(tmp_path, step):
+    state = job.fresh_state(mesh())
+    batches = list(job.loader(mesh(), prefetch=0))[:2]
+    with pytest.raises(sc.SpmdError, match=r"fit: data is a list, which cannot resume.*sc\.Loader\(dataset, sampler"):
+        sc.fit(step, state, batches, checkpoint_dir=tmp_path)
+    with pytest.raises(sc.SpmdError, match=r"fit: save_every and max_to_keep need a checkpoint_dir"):
+        sc.fit(step, state, batches, save_every=2)
+    for bad in (0, True, 1.5):
+        with pytest.raises(sc.SpmdError, match=rf"fit: save_every={bad!r} must be a positive int or None"):
+            sc.fit(step, state, job.loader(mesh()), checkpoint_dir=tmp_path, save_every=bad)
+    assert sc.latest_checkpoint_step(tmp_path) is None and int(state.step) == 0  # nothing ran or was saved
+
+    sc.save_checkpoint(tmp_path, state)  # by hand: no data position
+    with pytest.raises(sc.SpmdError, match=r"fit: checkpoint 0 in .* has no data position.*checkpoint_dir of its own"):
+        sc.fit(step, state, job.loader(mesh()), checkpoint_dir=tmp_path)
+
+
+def test_checkpoint_extra_round_trips_json_only(tmp_path):
+    state = sc.TrainState.create(params={"w": np.zeros(3, np.float32)}, tx=optax.sgd(0.1), mesh=mesh())
+    sc.save_checkpoint(tmp_path, state, step=1)
+    sc.save_checkpoint(tmp_path, state, step=2, extra={"data": {"epoch": 1, "batch": 2}, "note": [1.5, None]})
+    assert sc.checkpoint_extra(tmp_path) == {"data": {"epoch": 1, "batch": 2}, "note": [1.5, None]}
+    assert sc.checkpoint_extra(tmp_path, step=1) == {}
+    with pytest.raises(sc.SpmdError, match=r"save_checkpoint: extra=\{'t': \(1, 2\)\} is not a dict that JSON stores"):
+        sc.save_checkpoint(tmp_path, state, step=3, extra={"t": (1, 2)})
+    with pytest.raises(sc.SpmdError, match=r"checkpoint_extra: no checkpoint for step 3"):
+        sc.checkpoint_extra(tmp_path, step=3)
+    assert sc.latest_checkpoint_step(tmp_path) == 2
+
+
+# ---- killed processes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["arrays", "rename"])
+def test_process_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, step, straight, where):
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "saving"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(JOB_PATH), str(ckpt), str(tmp_path / "out.npz"), "--save-every", "4"]
+    cmd += ["--hang-in-save", "8", "--marker", str(marker), "--hang-at", where]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        saving = marker.exists()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        output = proc.communicate(timeout=60)[0]
+    assert saving, f"the job never reached the save of checkpoint 8:\n{output}"
+    assert proc.returncode == -signal.SIGKILL
+    assert any(p.name.startswith("8.") for p in ckpt.iterdir())  # the half-done save is still on disk
+    assert sc.latest_checkpoint_step(ckpt) == 4
+    assert sc.checkpoint_extra(ckpt)["data"] == {"epoch": 0, "batch": 4, "batch_size": job.GLOBAL_BATCH}
+
+    state, history = sc.fit(step, job.fresh_state(mesh()), job.loader(mesh()), checkpoint_dir=ckpt, save_every=4)
+    assert len(history) == STEPS - 4
+    assert_bitwise(host_leaves(state), straight)
+    assert not any(p.name.startswith("8.") for p in ckpt.iterdir())  # orbax removed the unfinished save
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_job_with_a_rank_killed_mid_epoch_restarts_to_the_same_parameters(launch, tmp_path):
+    launch("resume_job.py", "-", tmp_path / "straight.npz")  # 2 processes x 2 devices, no checkpoints
+    ckpt = tmp_path / "ckpt"
+    # On the first attempt rank 1 SIGKILLs itself instead of running step 11 (epoch 1, batch 4); the launcher
+    # stops the job and starts it again, and fit resumes from checkpoint 8 (epoch 1, batch 2).
+    out = launch("resume_job.py", ckpt, tmp_path / "resumed.npz", "--kill-at", 11, "--kill-rank", 1, max_restarts=1)
+    assert "was killed by SIGKILL" in out.stderr + out.stdout and "restart 1 of 1" in out.stderr + out.stdout
+    assert f"[rank 0] trained {STEPS - 8} steps, state.step {STEPS}" in out.stdout, out.stdout
+    assert sc.checkpoint_extra(ckpt)["data"] == {"epoch": job.EPOCHS, "batch": 0, "batch_size": job.GLOBAL_BATCH // 2}
+    with np.load(tmp_path / "straight.npz") as a, np.load(tmp_path / "resumed.npz") as b:
+        assert_bitwise(dict(b), dict(a))
