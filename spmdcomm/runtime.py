@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -129,6 +130,7 @@ def initialize(
         coordinator_bind_address=f"{host}:{port}" if _is_loopback(host) else None,
     )
     _publish_host(pid, timeout)
+    _exit_at_once_on_uncaught_errors()
 
 
 def is_initialized() -> bool:
@@ -331,6 +333,24 @@ def _check_port_free(address: str, host: str, port: int) -> None:
                     "given), or stop what listens on it.",
                 )
             ) from None
+
+
+def _exit_at_once_on_uncaught_errors() -> None:
+    """An uncaught exception ends the process at once with status 1, after printing its traceback.
+
+    JAX's exit handler waits at a shutdown barrier for every process (up to 5 minutes); the other processes
+    are meanwhile waiting for this one inside a collective, so a plain exit would hang the job instead of
+    failing it, and the launcher (and ``--max-restarts``) would see the failure only at its timeout.
+    """
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous(kind, value, tb)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
 
 
 def _publish_host(pid: int, timeout: float) -> None:

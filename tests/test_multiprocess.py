@@ -99,6 +99,15 @@ def test_killed_process_ends_the_job(launch):
     assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL; stopping the other 2", err)
 
 
+@pytest.mark.multiprocess
+def test_uncaught_exception_ends_the_job_at_once(launch):
+    # The job's timeout (60 s) is far below JAX's 5-minute shutdown barrier: a status 124 here means the
+    # failing process waited at that barrier instead of exiting.
+    res = launch("mp_failures.py", "raise", timeout=60, returncode=1)
+    assert "RuntimeError: loss is NaN" in res.stdout + res.stderr
+    assert re.search(r"rank 1 \(pid \d+\) exited with status 1; stopping the other 1", res.stderr)
+
+
 def test_initialize_fails_cleanly_without_coordinator(tmp_path):
     port = free_port()
     code = f"""

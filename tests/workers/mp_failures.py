@@ -6,6 +6,10 @@ raise the right error on every process (printed as ``CAUGHT <name>: <message>``)
 bug: process 0 calls ``barrier`` twice, process 1 once, so process 0 must time out naming process 1
 and exit 1.
 
+``mp_failures.py raise``: process 1 raises an uncaught exception while process 0 waits for it in a
+barrier; process 1 must exit with status 1 at once (not at JAX's shutdown barrier) so that the launcher
+stops the job.
+
 ``mp_failures.py kill``: process 1 kills itself with SIGKILL while the others wait in a barrier
 with a long timeout; the launcher must end them. Process 1 prints ``KILLING <time>`` first.
 """
@@ -79,4 +83,15 @@ def kill():
     sc.barrier("never complete", timeout=120)
 
 
-{"errors": errors, "kill": kill}[sys.argv[1]]()
+def raise_():
+    # Process 1 dies of an uncaught exception while process 0 waits for it (here in a barrier with a long
+    # timeout, as in host-side work). Without spmdcomm's exit hook, process 1 would then wait at JAX's
+    # shutdown barrier for process 0 (up to 5 minutes) and the job would end only at the launcher's timeout.
+    f = sc.spmd(lambda x: sc.psum(x, "data"), in_specs=sc.P("data"), out_specs=sc.P())
+    f(np.ones(sc.local_device_count(), np.float32))
+    if pid == 1:
+        raise RuntimeError("loss is NaN")
+    sc.barrier("never complete", timeout=120)
+
+
+{"errors": errors, "kill": kill, "raise": raise_}[sys.argv[1]]()
