@@ -64,8 +64,11 @@ from spmdcomm.mesh import (
     process_index,
     replicated_sharding,
 )
+from spmdcomm.metrics import MetricsWriter
 from spmdcomm.nnx import nnx_loss_fn, nnx_metric_fn
+from spmdcomm.phases import PHASE_DESCRIPTIONS, PHASES, PhaseTimer
 from spmdcomm.placement import shard_batch
+from spmdcomm.preemption import PREEMPTED_EXIT_CODE, Preemption
 from spmdcomm.prefetch import Prefetcher, PrefetchStats, aligned_empty, prefetch_to_device
 from spmdcomm.replicas import Divergence, assert_replicated, check_replicas_in_sync
 from spmdcomm.runtime import (
@@ -90,6 +93,7 @@ from spmdcomm.sync import (
 )
 from spmdcomm.train_state import TrainState, optimizer_state_bytes
 from spmdcomm.train_step import DEFAULT_MAX_IN_FLIGHT, TrainStep, make_train_step, masked_mean
+from spmdcomm.watchdog import STUCK_EXIT_CODE, Watchdog
 
 __all__ = [
     "P",
@@ -197,6 +201,15 @@ __all__ = [
     "host_broadcast",
     "broadcast_object",
     "all_gather_object",
+    # failure recovery: stuck steps, preemption, where the time goes
+    "Watchdog",
+    "STUCK_EXIT_CODE",
+    "Preemption",
+    "PREEMPTED_EXIT_CODE",
+    "PhaseTimer",
+    "PHASES",
+    "PHASE_DESCRIPTIONS",
+    "MetricsWriter",
     # debug mode
     "set_debug",
     "debug_enabled",

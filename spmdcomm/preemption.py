@@ -1,0 +1,269 @@
+"""Stopping every process of a job at one agreed step when the scheduler asks (SIGTERM).
+
+SLURM and Kubernetes send SIGTERM some seconds before they kill a job; ``spmdcomm-launch`` passes it on to
+every process. :class:`Preemption` turns the signal into one step number on which all processes agree, so
+that the training loop can save a checkpoint there and exit with :data:`PREEMPTED_EXIT_CODE`:
+
+>>> import spmdcomm as sc
+>>> with sc.Preemption() as preemption:
+...     for step in range(100):
+...         if preemption.should_stop(step):
+...             break  # save a checkpoint of `step` completed steps, then sys.exit(sc.PREEMPTED_EXIT_CODE)
+...         if step == 2:
+...             preemption.request()  # what SIGTERM does
+>>> step, preemption.stop_step
+(3, 3)
+
+How the processes agree (the protocol of JAX's ``multihost_utils.reached_preemption_sync_point``, with
+timeouts and named processes): the signal handler only notes the request; a background thread of that
+process publishes a notice in the coordination service's key-value store, where a background thread of every
+process waits for it (a long-poll: one RPC every few seconds, nothing per step). On the notice, each process publishes
+the last step it has checked, all meet at a bounded barrier, and the stop step is the largest of them plus
+one: the first step boundary that every process can still stop at. While its process takes part in the
+agreement, :meth:`Preemption.should_stop` waits for it (a few milliseconds); otherwise it is a lock and a
+comparison. With one process nothing is exchanged: the next :meth:`~Preemption.should_stop` stops.
+
+Why not JAX's own sync point: it exists only in multi-process jobs, reacts to SIGTERM only, and when a
+process does not take part it logs an error after 3 minutes and lets the job train on until it is killed;
+here the stop step is known in milliseconds and a missing process is named in a
+:class:`~spmdcomm.errors.BarrierTimeoutError` after ``timeout`` seconds. While a :class:`Preemption` is
+active its handler replaces any other handler of its signals, JAX's preemption notifier included (so
+``reached_preemption_sync_point`` and orbax's use of it do not see the signal).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType, TracebackType
+from typing import Any
+
+import jax
+
+from spmdcomm.errors import BarrierTimeoutError, DistributedError, SpmdError, describe
+from spmdcomm.mesh import process_count, process_index
+from spmdcomm.runtime import coordination_client
+
+__all__ = ["Preemption", "PREEMPTED_EXIT_CODE", "DEFAULT_PREEMPTION_TIMEOUT"]
+
+# The exit status of a process that stopped at the agreed step after saving: 128 + SIGTERM, what a shell
+# and a scheduler report for a process ended by SIGTERM (spmdcomm-launch exits with it too when it receives
+# SIGTERM).
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+
+# Seconds the processes wait for each other to agree on the stop step: well inside the grace period of
+# schedulers (Kubernetes: 30 s), leaving the rest for the checkpoint.
+DEFAULT_PREEMPTION_TIMEOUT = 20.0
+
+
+class Preemption:
+    """Notes a stop request (a signal, or :meth:`request`) and agrees with the other processes on the step
+    at which all of them stop.
+
+    ``signals`` are the signals that request a stop (default SIGTERM; SLURM's ``--signal=USR1@60`` wants
+    ``signal.SIGUSR1`` too). Their handlers are installed when the object is created, which must happen in
+    the main thread, and the previous ones restored by :meth:`close` (or leaving the ``with`` block); a
+    handler installed outside Python (JAX's preemption notifier) is restored as the default action.
+    ``timeout`` bounds the agreement. With several processes two daemon threads wait for a request (this
+    process's, and any process's notice in the coordination service); :meth:`close` ends them.
+    """
+
+    def __init__(
+        self,
+        *,
+        signals: Sequence[int] = (signal.SIGTERM,),
+        timeout: float = DEFAULT_PREEMPTION_TIMEOUT,
+    ):
+        signals = _check_signals(signals)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise SpmdError(
+                describe(
+                    "Preemption",
+                    f"timeout={timeout!r} is not a positive number of seconds.",
+                    fix="pass e.g. timeout=20, well below the scheduler's grace period.",
+                )
+            )
+        if threading.current_thread() is not threading.main_thread():
+            raise SpmdError(
+                describe(
+                    "Preemption",
+                    f"was created in thread {threading.current_thread().name!r}; Python runs signal handlers "
+                    "only in the main thread, so only there can it install them.",
+                    fix="create the Preemption in the main thread (e.g. before starting worker threads).",
+                )
+            )
+        self._timeout = float(timeout)
+        self._lock = threading.Lock()
+        self._requested: str | None = None  # why this process asked; set by the signal handler
+        self._notice: dict[str, Any] | None = None
+        self._last_step = -1
+        self._stop_step: int | None = None
+        self._failure: DistributedError | None = None
+        self._wanted, self._closed = threading.Event(), threading.Event()
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+        self._me, self._n = process_index(), process_count()
+        self._agreeing = self._n > 1
+        if self._agreeing:
+            self._client = coordination_client("Preemption")
+            self._prefix = f"spmdcomm/preemption/{next(_INSTANCES)}/"
+            for target in (self._announce, self._listen):
+                threading.Thread(target=target, name=f"spmdcomm-preemption{target.__name__}", daemon=True).start()
+
+    def request(self, reason: str = "request()") -> None:
+        """Asks every process to stop, as the signals do (e.g. from a scheduler's API or a health check)."""
+        # This runs inside signal handlers, which may interrupt any code of the main thread, a handler included:
+        # the assignment comes first, so that a nested call returns before taking the event's lock again.
+        if self._requested is None:
+            self._requested = reason
+            self._wanted.set()
+
+    def should_stop(self, step: int) -> bool:
+        """True when the loop must stop before running step ``step`` (after ``step`` completed steps).
+
+        Call it at every step boundary, with consecutive step numbers that are the same on every process;
+        then it returns True at the same step on all of them, once, after a stop was requested anywhere.
+        Raises :class:`~spmdcomm.errors.BarrierTimeoutError` naming the processes that did not take part in
+        the agreement within ``timeout`` seconds, and :class:`~spmdcomm.errors.DistributedError` when a step
+        number jumps past the agreed step.
+        """
+        with self._lock:  # held by the background thread while the processes agree
+            if self._failure is not None:
+                raise self._failure
+            self._last_step = step
+            if not self._agreeing and self._requested is not None and self._stop_step is None:
+                self._stop_step = step  # a single process has no one to agree with
+                self._notice = {"process": 0, "reason": self._requested}
+            stop = self._stop_step
+        if stop is not None and step > stop:
+            raise DistributedError(
+                describe(
+                    "Preemption.should_stop",
+                    f"step={step} on process {self._me} is past the agreed stop step {stop}: the "
+                    "processes would stop at different steps.",
+                    fix="call should_stop at every step boundary with consecutive step numbers.",
+                )
+            )
+        return stop == step
+
+    @property
+    def stop_step(self) -> int | None:
+        """The agreed step at which every process stops (None while no stop was agreed)."""
+        return self._stop_step
+
+    @property
+    def reason(self) -> str | None:
+        """Which process asked to stop, and why (e.g. ``"SIGTERM on process 1"``); None before that."""
+        notice = self._notice
+        return None if notice is None else f"{notice['reason']} on process {notice['process']}"
+
+    def close(self) -> None:
+        """Restores the previous signal handlers and stops the background threads (within a few seconds)."""
+        self._closed.set()
+        self._wanted.set()
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous = {}
+
+    def __enter__(self) -> Preemption:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.request(signal.Signals(signum).name)
+
+    def _announce(self) -> None:
+        """Thread: publishes this process's request as the job's notice (the first request wins)."""
+        self._wanted.wait()
+        notice = json.dumps({"process": self._me, "reason": self._requested})
+        key = self._prefix + "notice"
+        while not self._closed.is_set():
+            if _try(lambda: self._client.key_value_set(key, notice, allow_overwrite=True)):
+                return
+            self._closed.wait(_POLL_SECONDS)
+
+    def _listen(self) -> None:
+        """Thread: waits for the job's notice, then agrees with the other processes on the stop step."""
+        while not self._closed.is_set():
+            start = time.monotonic()
+            try:
+                text = self._client.blocking_key_value_get(self._prefix + "notice", _ms(_POLL_SECONDS))
+            except jax.errors.JaxRuntimeError:
+                # A timed-out poll took its time; a failing service answers at once: do not spin.
+                self._closed.wait(max(0.0, _POLL_SECONDS - (time.monotonic() - start)))
+                continue
+            self._agree(json.loads(text))
+            return
+
+    def _agree(self, notice: dict[str, Any]) -> None:
+        client, n = self._client, self._n
+        key = f"{self._prefix}step/{self._me}"
+        with self._lock:  # should_stop waits: this process's last checked step must not move meanwhile
+            self._notice = notice
+            reported = _try(lambda: client.key_value_set(key, str(self._last_step), allow_overwrite=True))
+            if not reported or not _try(lambda: client.wait_at_barrier(self._prefix + "agree", _ms(self._timeout))):
+                steps = _steps(client, self._prefix)
+                missing = [p for p in range(n) if p not in steps]
+                self._failure = BarrierTimeoutError(
+                    describe(
+                        "Preemption.should_stop",
+                        f"{self.reason} asked every process to stop, but process(es) {missing} did not report "
+                        f"their step within {self._timeout:g} s, so no stop step was agreed (seen on process "
+                        f"{self._me}; steps reported: {steps}).",
+                        fix="check that every process created its Preemption and is alive; a process that is "
+                        "stuck is named by spmdcomm.Watchdog.",
+                    )
+                )
+                return
+            self._stop_step = max(_steps(client, self._prefix).values()) + 1
+
+
+# ------------------------------------------------------------------------------------------------
+
+# Numbers the Preemption objects of a process, so that every process's k-th object uses the same keys.
+_INSTANCES = itertools.count(1)
+# Seconds a background thread waits for the notice in one call (it notices close() after at most that long).
+_POLL_SECONDS = 5.0
+
+
+def _check_signals(signals: Sequence[int]) -> list[signal.Signals]:
+    try:
+        checked = [signal.Signals(s) for s in signals]
+    except (TypeError, ValueError):
+        checked = []
+    if not checked or signal.SIGKILL in checked:
+        raise SpmdError(
+            describe(
+                "Preemption",
+                f"signals={signals!r} is not a non-empty sequence of catchable signals.",
+                fix="pass e.g. signals=(signal.SIGTERM,) or (signal.SIGTERM, signal.SIGUSR1).",
+            )
+        )
+    return checked
+
+
+def _steps(client: Any, prefix: str) -> dict[int, int]:
+    try:
+        entries = client.key_value_dir_get(prefix + "step/")
+    except jax.errors.JaxRuntimeError:
+        return {}
+    return {int(k.rsplit("/", 1)[1]): int(v) for k, v in entries}
+
+
+def _try(call: Any) -> bool:
+    """Whether a call to the coordination service succeeded (it fails when the service is unreachable, or a
+    barrier timed out)."""
+    try:
+        call()
+    except jax.errors.JaxRuntimeError:
+        return False
+    return True
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))

@@ -1,0 +1,310 @@
+"""A watchdog that ends a stuck job, naming the process that holds it up, so that it can be restarted.
+
+A multi-process job hangs as a whole: when one process stops making progress (a data loader that never
+returns, a deadlock, a lost device), the others wait for it inside a device collective that has no timeout.
+:class:`Watchdog` watches the :class:`~spmdcomm.PhaseTimer` of the training loop. When no step completes
+within ``timeout`` seconds, every process prints one table - process, host, last completed step, phase and
+seconds in that phase - that marks the stuck process(es), and exits with :data:`STUCK_EXIT_CODE`, which
+``spmdcomm-launch --max-restarts`` (or the scheduler) answers with a restart from the last checkpoint.
+
+How it works, and what it costs:
+
+- Each process runs two daemon threads. A *monitor* reads the timer's snapshot every ``interval`` seconds and
+  needs nothing else, so it acts even when the training thread never returns (blocked in Python, or in a
+  device collective: such waits release the GIL) and when the coordination service cannot be reached.
+- A *publisher* writes the process's state (last step, phase, when it began) to the coordination service's
+  key-value store when it changed, at most once per ``interval`` (one small write per step for steps slower
+  than that), and long-polls an alarm key in between (no cost while it is unset). The training thread
+  itself never waits for the service.
+- The first process whose step exceeds the timeout sets the alarm and reads every process's state (one
+  directory read); the others see the alarm at once and do the same. Each prints the table (with the stack
+  of its own training thread), the processes meet at a barrier bounded by a few seconds, and every process
+  ends with ``os._exit``, which works from any thread. Waits for the service are bounded (by
+  ``_SERVICE_SECONDS`` and ``_EXIT_SECONDS``): a process that cannot reach it prints its own row only and
+  still exits, within ``timeout + interval + 6`` seconds of its last completed step.
+
+Which processes are stuck: those that never reported their state, and among the processes with the lowest
+last completed step those that are not waiting for the others (:data:`~spmdcomm.phases.WAITING_PHASES`:
+waiting for devices, in a barrier); when all of those wait, all of them (a hang inside the devices).
+
+>>> import spmdcomm as sc
+>>> timer = sc.PhaseTimer()
+>>> with sc.Watchdog(timer, timeout=600):
+...     for step in range(3):
+...         with timer.phase("dispatch"):
+...             pass
+...         _ = timer.end_step(step)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, NamedTuple
+
+import jax
+
+from spmdcomm.errors import SpmdError, describe
+from spmdcomm.mesh import process_count, process_index
+from spmdcomm.phases import PHASE_DESCRIPTIONS, WAITING_PHASES, PhaseTimer
+from spmdcomm.runtime import coordination_client
+
+__all__ = ["Watchdog", "ProcessState", "STUCK_EXIT_CODE", "stuck_processes", "format_table"]
+
+# The exit status of every process of a job the watchdog ends: EX_TEMPFAIL of sysexits.h, "a temporary
+# failure; retrying may succeed".
+STUCK_EXIT_CODE = 75
+
+
+class ProcessState(NamedTuple):
+    """One process's row of the watchdog's table."""
+
+    process: int
+    host: str
+    step: int | None  # last completed step; None before the first
+    phase: str  # a phase name of spmdcomm.phases, or the loop's own
+    seconds: float  # seconds in that phase
+
+
+class Watchdog:
+    """Ends every process of the job, naming the stuck one(s), when a step takes longer than ``timeout`` s.
+
+    ``timer`` is the :class:`~spmdcomm.PhaseTimer` the training loop drives: a step is complete at
+    ``timer.end_step``. ``first_step_timeout`` (default ``timeout``) applies until the first step
+    completes, which includes compilation. ``interval`` is the period in seconds of the checks and the
+    most frequent publication of this process's state. The watchdog runs from creation until
+    :meth:`close` (or the end of the ``with`` block); with several processes every process must run one
+    (create them in the same order on every process).
+    """
+
+    def __init__(
+        self,
+        timer: PhaseTimer,
+        *,
+        timeout: float,
+        first_step_timeout: float | None = None,
+        interval: float = 1.0,
+    ):
+        if not isinstance(timer, PhaseTimer):
+            raise SpmdError(
+                describe(
+                    "Watchdog",
+                    f"timer is a {type(timer).__name__}, not a PhaseTimer.",
+                    fix="pass the sc.PhaseTimer() whose phase() and end_step() the training loop calls.",
+                )
+            )
+        first_step_timeout = timeout if first_step_timeout is None else first_step_timeout
+        for name, value in (("timeout", timeout), ("first_step_timeout", first_step_timeout), ("interval", interval)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise SpmdError(
+                    describe(
+                        "Watchdog",
+                        f"{name}={value!r} is not a positive number of seconds.",
+                        fix="pass e.g. timeout=600 (longer than the slowest step, saving included) and interval=1.",
+                    )
+                )
+        self._timer = timer
+        self._timeouts = (float(first_step_timeout), float(timeout))
+        self._interval = float(interval)
+        self._me, self._n, self._host = process_index(), process_count(), socket.gethostname()
+        self._client = coordination_client("Watchdog") if self._n > 1 else None
+        self._prefix = f"spmdcomm/watchdog/{next(_INSTANCES)}/"
+        self._alarm: dict[str, Any] | None = None
+        self._wake, self._closed = threading.Event(), threading.Event()
+        threads = [self._monitor] + ([self._publish] if self._client is not None else [])
+        for target in threads:
+            threading.Thread(target=target, name=f"spmdcomm-watchdog{target.__name__}", daemon=True).start()
+
+    def close(self) -> None:
+        """Stops watching (the threads end within ``interval``)."""
+        self._closed.set()
+        self._wake.set()
+
+    def __enter__(self) -> Watchdog:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def _monitor(self) -> None:
+        """Thread: fires when this process's step is over its timeout, or another process raised the alarm."""
+        while True:
+            self._wake.wait(self._interval)
+            if self._closed.is_set():
+                return
+            if self._alarm is not None:
+                self._fire(f"process {self._alarm['process']} raised the alarm: {self._alarm['why']}")
+            p = self._timer.snapshot()
+            limit = self._timeouts[p.step is not None]
+            waited = self._timer.clock() - p.step_start
+            if waited > limit:
+                after = "the last completed step" if p.step is not None else "the watchdog started"
+                self._fire(
+                    f"process {self._me} completed no step for {waited:.1f} s after {after} (timeout {limit:g} s)"
+                )
+
+    def _publish(self) -> None:
+        """Thread: publishes this process's state when it changes, and waits for the alarm in between."""
+        client, published = self._client, None
+        while not self._closed.is_set():
+            p = self._timer.snapshot()
+            state = {"host": self._host, "step": p.step, "phase": p.phase, "since": p.phase_start_wall}
+            if state != published and _answers(
+                lambda s=state: client.key_value_set(
+                    self._prefix + f"state/{self._me}", json.dumps(s), allow_overwrite=True
+                )
+            ):
+                published = state
+            start = time.monotonic()
+            try:
+                alarm = client.blocking_key_value_get(self._prefix + "alarm", _ms(self._interval))
+            except jax.errors.JaxRuntimeError:
+                # A timed-out poll took `interval`; a failing service answers at once: do not spin.
+                self._closed.wait(max(0.0, self._interval - (time.monotonic() - start)))
+                continue
+            self._alarm = json.loads(alarm)
+            self._wake.set()
+            return
+
+    def _fire(self, why: str) -> None:
+        """Prints the table, meets the other processes for a bounded time, and ends the process."""
+        p = self._timer.snapshot()
+        states = {self._me: ProcessState(self._me, self._host, p.step, p.phase, self._timer.clock() - p.phase_start)}
+        unknown = None  # why the other processes' state is unknown
+        if self._client is not None:
+            alarm = json.dumps({"process": self._me, "why": why})
+            client, prefix = self._client, self._prefix
+
+            def gather() -> list[tuple[str, str]]:
+                if self._alarm is None:
+                    client.key_value_set(prefix + "alarm", alarm, allow_overwrite=True)
+                return client.key_value_dir_get(prefix + "state/")
+
+            entries, error = _bounded(gather, _SERVICE_SECONDS)
+            if error is None:
+                now = time.time()
+                for key, text in entries:
+                    other, s = int(key.rsplit("/", 1)[1]), json.loads(text)
+                    if other != self._me:
+                        states[other] = ProcessState(other, s["host"], s["step"], s["phase"], now - s["since"])
+            else:
+                unknown = f"the coordination service {error}"
+        if unknown is None:
+            stuck = stuck_processes(states, self._n)
+            named = ", ".join(
+                f"process {q} ({_describe(states[q].phase)})" if q in states else f"process {q} (no report)"
+                for q in stuck
+            )
+        else:
+            stuck, named = [], f"unknown, the other processes' state is unknown: {unknown}"
+        lines = [
+            f"spmdcomm.Watchdog: {why}. Stuck: {named}. Every process exits with status {STUCK_EXIT_CODE} so that "
+            "the job can be restarted from its last checkpoint.",
+            format_table(states, self._n, stuck=stuck, absent="no report" if unknown is None else "unknown"),
+            f"Training thread of process {self._me}:",
+            _stack(p.thread),
+        ]
+        sys.stdout.flush()
+        sys.stderr.write("\n".join(lines) + "\n")
+        sys.stderr.flush()
+        if self._client is not None:
+            _bounded(lambda: self._client.wait_at_barrier(self._prefix + "exit", _ms(_EXIT_SECONDS)), _EXIT_SECONDS + 1)
+            if self._me == 0:
+                # Process 0 hosts the coordination service: when it goes, JAX aborts the other processes with a
+                # fatal error that hides their exit status. Let them exit first.
+                time.sleep(_COORDINATOR_LINGER_SECONDS)
+        os._exit(STUCK_EXIT_CODE)
+
+
+def stuck_processes(states: Mapping[int, ProcessState], n: int) -> list[int]:
+    """The processes of a job of ``n`` that hold it up, from each process's state (absent: no report).
+
+    Those that never reported, then, among the processes with the lowest last completed step, those that are
+    not waiting for the others (not in :data:`~spmdcomm.phases.WAITING_PHASES`); when all of those wait, all
+    of them.
+    """
+    missing = [q for q in range(n) if q not in states]
+    if len(missing) == n:
+        return missing
+    lowest = min(-1 if s.step is None else s.step for s in states.values())
+    behind = [q for q, s in sorted(states.items()) if (-1 if s.step is None else s.step) == lowest]
+    busy = [q for q in behind if states[q].phase not in WAITING_PHASES]
+    return missing + (busy if busy or missing else behind)
+
+
+def format_table(states: Mapping[int, ProcessState], n: int, *, stuck: list[int], absent: str = "no report") -> str:
+    """The watchdog's table: one row per process of a job of ``n``, the stuck ones marked, ``absent`` in the
+    phase column of the processes without a state."""
+    rows = [("process", "host", "last step", "phase", "seconds in phase", "")]
+    for q in range(n):
+        s = states.get(q)
+        mark = "<- stuck" if q in stuck else ""
+        if s is None:
+            rows.append((str(q), "?", "?", absent, "?", mark))
+        else:
+            step = "none" if s.step is None else str(s.step)
+            rows.append((str(q), s.host, step, _describe(s.phase), f"{s.seconds:.1f}", mark))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# ------------------------------------------------------------------------------------------------
+
+# Numbers the Watchdog objects of a process, so that every process's k-th watchdog uses the same keys.
+_INSTANCES = itertools.count(1)
+# Bounds of the waits for the coordination service once the watchdog fires: reading the states, and the
+# barrier at which the processes meet after printing (so that none is ended before it printed).
+_SERVICE_SECONDS = 2.0
+_EXIT_SECONDS = 3.0
+_COORDINATOR_LINGER_SECONDS = 1.0
+_STACK_FRAMES = 12
+
+
+def _describe(phase: str) -> str:
+    return PHASE_DESCRIPTIONS.get(phase, phase)
+
+
+def _stack(thread: int) -> str:
+    frame = sys._current_frames().get(thread)
+    if frame is None:
+        return "  (the thread has ended)"
+    return "".join(traceback.format_stack(frame)[-_STACK_FRAMES:]).rstrip()
+
+
+def _answers(call: Callable[[], Any]) -> bool:
+    try:
+        call()
+    except jax.errors.JaxRuntimeError:
+        return False
+    return True
+
+
+def _bounded(call: Callable[[], Any], seconds: float) -> tuple[Any, str | None]:
+    """``(result, None)``, or ``(None, why)`` when ``call`` raised or did not return within ``seconds``.
+
+    The call runs in a daemon thread: a call to an unreachable service may never return.
+    """
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((call(), None))
+        except jax.errors.JaxRuntimeError as e:
+            box.append((None, f"failed: {str(e).splitlines()[0]}"))
+
+    thread = threading.Thread(target=run, name="spmdcomm-watchdog-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return box[0] if box else (None, f"did not answer within {seconds:g} s")
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))

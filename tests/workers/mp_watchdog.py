@@ -1,0 +1,86 @@
+"""Worker for tests/test_watchdog.py: a stand-in for ``fit`` that drives a PhaseTimer, a Watchdog and a
+Preemption around a step with a device collective over every process's devices.
+
+``mp_watchdog.py stuck TIMEOUT``: the last process sleeps forever in the "data" phase of step 3 (a data loader
+that never returns); the others block inside the step's collective. Every process must print the watchdog's
+table and exit with STUCK_EXIT_CODE.
+
+``mp_watchdog.py unreachable TIMEOUT``: the same, but the last process's watchdog cannot reach the coordination
+service (its calls never return, as in a network partition): it must still print its own row and exit.
+
+``mp_watchdog.py preempt self|external``: steps run until the processes agree to stop. ``self``: process 1 (or
+the only process) sends itself SIGTERM at step 5. ``external``: every process prints ``READY`` at step 3 and the
+test sends SIGTERM to the launcher, which passes it on. Each process prints ``STOPPED AT <step> (<reason>)`` and
+exits with PREEMPTED_EXIT_CODE, as fit does after saving its checkpoint.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import spmdcomm as sc
+
+sc.initialize(timeout=60)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import spmdcomm.watchdog  # noqa: E402
+
+mode, arg = sys.argv[1], sys.argv[2]
+me, last = sc.process_index(), sc.process_count() - 1
+total = sc.spmd(lambda x: sc.psum(x, "data"), in_specs=sc.P("data"), out_specs=sc.P())
+rows = np.ones(jax.local_device_count(), np.float32)
+
+
+class _Unreachable:
+    """A coordination client whose calls never return."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: time.sleep(1e9)
+
+
+def step(timer, i):
+    with timer.phase("data"):
+        if mode in ("stuck", "unreachable") and i == 3 and me == last:
+            print(f"SLEEPING at step {i}", flush=True)
+            time.sleep(1e9)
+        batch = rows * (i + 1)
+    with timer.phase("dispatch"):
+        out = total(batch)
+    with timer.phase("devices"):
+        assert np.asarray(out.addressable_data(0)).tolist() == [(i + 1) * jax.device_count()]
+    timer.end_step(i)
+
+
+def watched(timeout):
+    if mode == "unreachable" and me == last:
+        spmdcomm.watchdog.coordination_client = lambda fn: _Unreachable()
+    timer = sc.PhaseTimer()
+    with sc.Preemption(), sc.Watchdog(timer, timeout=timeout, interval=0.5):
+        for i in range(10_000):
+            step(timer, i)
+    raise AssertionError("the watchdog did not end the process")
+
+
+def preempted(how):
+    timer = sc.PhaseTimer()
+    with sc.Preemption() as preemption:
+        for i in range(100_000):
+            if preemption.should_stop(i):
+                print(f"STOPPED AT {i} ({preemption.reason})", flush=True)
+                sys.exit(sc.PREEMPTED_EXIT_CODE)
+            if how == "self" and i == 5 and me == min(1, last):
+                os.kill(os.getpid(), signal.SIGTERM)
+            if how == "external" and i == 3:
+                print("READY", flush=True)
+            step(timer, i)
+            time.sleep(0.02)
+    raise AssertionError("no stop was agreed")
+
+
+if mode == "preempt":
+    preempted(arg)
+else:
+    watched(float(arg))
