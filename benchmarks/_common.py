@@ -128,6 +128,43 @@ def plot_train_step(result: dict, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def plot_strategies(result: dict, path: Path) -> Path:
+    """Parameters + optimizer state per device against the device count, per model and strategy, and each
+    strategy's samples/s relative to DDP."""
+    plt = _pyplot()
+    models = list(dict.fromkeys(r["model"] for r in result["memory"]))
+    speed = result.get("speed", {})
+    panels = len(models) + bool(speed)
+    fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 3.8), squeeze=False, layout="constrained")
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in result["memory"] if r["model"] == model]
+        for k, strategy in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
+            pts = [(r["devices"], r["persistent_bytes"] / 2**20) for r in rows if r["strategy"] == strategy]
+            # Shrinking markers: strategies with equal bytes (ZeRO-1 and ZeRO-2) stay visible on one another.
+            ax.plot(*zip(*pts), marker="o", ms=10 - 2 * k, label=strategy)
+        ddp = [(r["devices"], r["persistent_bytes"] / r["devices"] / 2**20) for r in rows if r["strategy"] == "ddp"]
+        ax.plot(*zip(*ddp), color="gray", ls="--", label="DDP / N")
+        ax.set(xscale="log", title=model, xlabel="devices N", ylabel="params + optimizer state, MiB/device")
+        ax.set_ylim(bottom=0)
+        ax.set_xticks([n for n, _ in ddp], [str(n) for n, _ in ddp])
+        ax.set_xticks([], minor=True)
+        ax.legend(fontsize=7)
+    if speed:
+        ax = axes[0][-1]
+        names = list(next(iter(speed.values())))
+        width = 0.8 / len(speed)
+        for i, (model, variants) in enumerate(speed.items()):
+            xs = [j + i * width for j in range(len(names))]
+            ax.bar(xs, [variants[n]["ratio_vs_ddp"] for n in names], width, label=model)
+        ax.axhline(0.85, color="gray", ls="--", label="goal for FSDP: 0.85")
+        labels = [n.replace(", reshard_after_forward=False", "\nno reshard") for n in names]
+        ax.set_xticks([j + width * (len(speed) - 1) / 2 for j in range(len(names))], labels, fontsize=7)
+        ax.set(title=f"samples/s vs DDP, {result['devices']} devices", ylabel="ratio to DDP", ylim=(0, 1.35))
+        ax.legend(fontsize=7, loc="upper center", ncol=3)  # above the bars, which stay near 1
+    fig.suptitle(f"Data-parallel strategies, Adam, global batch {result['global_batch']}, {result['date']}")
+    return _save(plt, fig, path)
+
+
 def train_step_rows(result: dict) -> list[tuple[str, float]]:
     """(configuration, samples/s) pairs from benchmarks/train_step.py's flat JSON (ratios and bytes left out)."""
     skip = ("ratio", "bytes", "(ms)")
@@ -138,7 +175,12 @@ def train_step_rows(result: dict) -> list[tuple[str, float]]:
     ]
 
 
-PLOTS = {"collectives": plot_collectives, "prefetch": plot_prefetch, "train_step": plot_train_step}
+PLOTS = {
+    "collectives": plot_collectives,
+    "prefetch": plot_prefetch,
+    "train_step": plot_train_step,
+    "strategies": plot_strategies,
+}
 
 
 def _pyplot():

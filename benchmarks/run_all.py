@@ -5,7 +5,8 @@
 
 Each benchmark runs in its own process (the fake device count must be set before JAX starts) and streams its
 progress. Plots: busbw vs message size per collective (spmdcomm vs jax.lax vs the memcpy line), steps/s vs
-loader latency for prefetch, samples/s per train-step configuration.
+loader latency for prefetch, samples/s per train-step configuration, memory per device and samples/s
+relative to DDP per data-parallel strategy.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ BENCHMARKS = {
     "collectives": ["collectives.py", "--devices", "8", "--trials", "5", "--step", "16"],
     "prefetch": ["prefetch.py", "--reps", "5"],
     "train_step": ["train_step.py", "--rounds", "5"],
+    "strategies": ["strategies.py", "--rounds", "5"],
 }
 SMOKE = {
     "collectives": [
@@ -43,6 +45,7 @@ SMOKE = {
     ],
     "prefetch": ["prefetch.py", "--reps", "1", "--steps", "3"],
     "train_step": ["train_step.py", "--rounds", "1", "--steps", "2", "--skip-multiprocess"],
+    "strategies": ["strategies.py", "--rounds", "1", "--steps", "2", "--sizes", "2", "--models", "mlp"],
 }
 
 
