@@ -15,6 +15,7 @@ sc.initialize(timeout=60)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from checks import expect  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from spmdcomm import sync  # noqa: E402
@@ -23,15 +24,6 @@ pid = sc.process_index()
 assert sc.process_count() == 2
 mesh = sc.data_mesh()
 FIX = "build it the same way everywhere."
-
-
-def expect(name, error_type, fn):
-    try:
-        fn()
-    except error_type as e:
-        print(f"CAUGHT {name}: {e}", flush=True)
-    else:
-        raise AssertionError(f"{name}: no {error_type.__name__} raised")
 
 
 def ok(name, condition):

@@ -14,6 +14,7 @@ sc.initialize(timeout=60)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from checks import check, checks  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 P = sc.P
@@ -21,7 +22,6 @@ shared = sys.argv[1]
 pid, nproc = sc.process_index(), sc.process_count()
 n = sc.device_count()
 mesh = sc.data_mesh()
-checks = []
 
 
 def host(tree):
@@ -33,11 +33,6 @@ def host(tree):
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(one, tree)
-
-
-def check(name, got, want):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
-    checks.append(name)
 
 
 def run(fn, x, in_specs=None, out_specs=None, backend="shard_map"):

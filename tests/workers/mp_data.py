@@ -9,6 +9,7 @@ import spmdcomm as sc
 sc.initialize(timeout=60)
 
 import numpy as np  # noqa: E402
+from checks import check, checks  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from spmdcomm import prefetch  # noqa: E402
@@ -16,12 +17,6 @@ from spmdcomm import prefetch  # noqa: E402
 pid, nproc = sc.process_index(), sc.process_count()
 mesh = sc.data_mesh()
 local = sc.local_device_count()
-checks = []
-
-
-def check(name, got, want):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
-    checks.append(name)
 
 
 def check_placement(name, arr, global_host):

@@ -24,17 +24,9 @@ import spmdcomm as sc
 sc.initialize(timeout=60)
 
 import numpy as np  # noqa: E402
+from checks import expect  # noqa: E402
 
 pid = sc.process_index()
-
-
-def expect(name, error_type, fn):
-    try:
-        fn()
-    except error_type as e:
-        print(f"CAUGHT {name}: {e}", flush=True)
-    else:
-        raise AssertionError(f"{name}: no {error_type.__name__} raised")
 
 
 def enter_first():

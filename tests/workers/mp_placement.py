@@ -11,6 +11,7 @@ sc.initialize(timeout=60)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from checks import check, checks  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from spmdcomm import prefetch  # noqa: E402
@@ -18,12 +19,6 @@ from spmdcomm import prefetch  # noqa: E402
 pid, nproc = sc.process_index(), sc.process_count()
 mesh = sc.data_mesh()
 local = sc.local_device_count()
-checks = []
-
-
-def check(name, got, want):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
-    checks.append(name)
 
 
 def check_global(name, arr, want):
