@@ -17,7 +17,7 @@ that the training loop can save a checkpoint there and exit with :data:`PREEMPTE
 How the processes agree (the protocol of JAX's ``multihost_utils.reached_preemption_sync_point``, with
 timeouts and named processes): the signal handler only notes the request; a background thread of that
 process publishes a notice in the coordination service's key-value store, where a background thread of every
-process waits for it (a long-poll: one RPC every few seconds, nothing per step). On the notice, each process publishes
+process looks for it (one small RPC per second, nothing per step). On the notice, each process publishes
 the last step it has checked, all meet at a bounded barrier, and the stop step is the largest of them plus
 one: the first step boundary that every process can still stop at. While its process takes part in the
 agreement, :meth:`Preemption.should_stop` waits for it (a few milliseconds); otherwise it is a lock and a
@@ -37,7 +37,6 @@ import itertools
 import json
 import signal
 import threading
-import time
 from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import Any
@@ -106,12 +105,15 @@ class Preemption:
         self._wanted, self._closed = threading.Event(), threading.Event()
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
         self._me, self._n = process_index(), process_count()
+        self._threads: list[threading.Thread] = []
         self._agreeing = self._n > 1
         if self._agreeing:
             self._client = coordination_client("Preemption")
             self._prefix = f"spmdcomm/preemption/{next(_INSTANCES)}/"
             for target in (self._announce, self._listen):
-                threading.Thread(target=target, name=f"spmdcomm-preemption{target.__name__}", daemon=True).start()
+                thread = threading.Thread(target=target, name=f"spmdcomm-preemption{target.__name__}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     def request(self, reason: str = "request()") -> None:
         """Asks every process to stop, as the signals do (e.g. from a scheduler's API or a health check)."""
@@ -161,9 +163,12 @@ class Preemption:
         return None if notice is None else f"{notice['reason']} on process {notice['process']}"
 
     def close(self) -> None:
-        """Restores the previous signal handlers and stops the background threads (within a few seconds)."""
+        """Restores the previous signal handlers and stops the background threads: returns at once, unless the
+        processes are agreeing on a stop step right then (then within ``timeout``)."""
         self._closed.set()
         self._wanted.set()
+        for thread in self._threads:
+            thread.join(self._timeout + _POLL_SECONDS)
         for sig, previous in self._previous.items():
             signal.signal(sig, signal.SIG_DFL if previous is None else previous)
         self._previous = {}
@@ -188,14 +193,13 @@ class Preemption:
             self._closed.wait(_POLL_SECONDS)
 
     def _listen(self) -> None:
-        """Thread: waits for the job's notice, then agrees with the other processes on the stop step."""
-        while not self._closed.is_set():
-            start = time.monotonic()
+        """Thread: looks for the job's notice every second, then agrees with the other processes on the stop step."""
+        # Polls instead of a blocking get: a daemon thread inside a blocking call when Python exits aborts the
+        # process.
+        while not self._closed.wait(_POLL_SECONDS):
             try:
-                text = self._client.blocking_key_value_get(self._prefix + "notice", _ms(_POLL_SECONDS))
-            except jax.errors.JaxRuntimeError:
-                # A timed-out poll took its time; a failing service answers at once: do not spin.
-                self._closed.wait(max(0.0, _POLL_SECONDS - (time.monotonic() - start)))
+                text = self._client.key_value_try_get(self._prefix + "notice")
+            except jax.errors.JaxRuntimeError:  # not set (or the service is unreachable)
                 continue
             self._agree(json.loads(text))
             return
@@ -227,8 +231,8 @@ class Preemption:
 
 # Numbers the Preemption objects of a process, so that every process's k-th object uses the same keys.
 _INSTANCES = itertools.count(1)
-# Seconds a background thread waits for the notice in one call (it notices close() after at most that long).
-_POLL_SECONDS = 5.0
+# Seconds between two looks for the notice.
+_POLL_SECONDS = 1.0
 
 
 def _check_signals(signals: Sequence[int]) -> list[signal.Signals]:

@@ -13,11 +13,11 @@ How it works, and what it costs:
   needs nothing else, so it acts even when the training thread never returns (blocked in Python, or in a
   device collective: such waits release the GIL) and when the coordination service cannot be reached.
 - A *publisher* writes the process's state (last step, phase, when it began) to the coordination service's
-  key-value store when it changed, at most once per ``interval`` (one small write per step for steps slower
-  than that), and long-polls an alarm key in between (no cost while it is unset). The training thread
-  itself never waits for the service.
+  key-value store when it changed, and reads an alarm key, once per ``interval``: at most two small RPCs
+  per ``interval``. The training thread itself never waits for the service. (No call blocks for long: a
+  daemon thread inside a blocking call when Python exits would abort the process.)
 - The first process whose step exceeds the timeout sets the alarm and reads every process's state (one
-  directory read); the others see the alarm at once and do the same. Each prints the table (with the stack
+  directory read); the others see the alarm within ``interval`` and do the same. Each prints the table (with the stack
   of its own training thread), the processes meet at a barrier bounded by a few seconds, and every process
   ends with ``os._exit``, which works from any thread. Waits for the service are bounded (by
   ``_SERVICE_SECONDS`` and ``_EXIT_SECONDS``): a process that cannot reach it prints its own row only and
@@ -119,14 +119,20 @@ class Watchdog:
         self._prefix = f"spmdcomm/watchdog/{next(_INSTANCES)}/"
         self._alarm: dict[str, Any] | None = None
         self._wake, self._closed = threading.Event(), threading.Event()
-        threads = [self._monitor] + ([self._publish] if self._client is not None else [])
-        for target in threads:
-            threading.Thread(target=target, name=f"spmdcomm-watchdog{target.__name__}", daemon=True).start()
+        targets = [self._monitor] + ([self._publish] if self._client is not None else [])
+        self._threads = [
+            threading.Thread(target=t, name=f"spmdcomm-watchdog{t.__name__}", daemon=True) for t in targets
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def close(self) -> None:
-        """Stops watching (the threads end within ``interval``)."""
+        """Stops watching; returns when the threads have ended (at once, unless a call to the coordination
+        service is under way: then within ``_SERVICE_SECONDS``)."""
         self._closed.set()
         self._wake.set()
+        for thread in self._threads:
+            thread.join(_SERVICE_SECONDS)
 
     def __enter__(self) -> Watchdog:
         return self
@@ -152,9 +158,9 @@ class Watchdog:
                 )
 
     def _publish(self) -> None:
-        """Thread: publishes this process's state when it changes, and waits for the alarm in between."""
+        """Thread: publishes this process's state when it changed and looks for the alarm, every ``interval``."""
         client, published = self._client, None
-        while not self._closed.is_set():
+        while not self._closed.wait(self._interval):
             p = self._timer.snapshot()
             state = {"host": self._host, "step": p.step, "phase": p.phase, "since": p.phase_start_wall}
             if state != published and _answers(
@@ -163,12 +169,9 @@ class Watchdog:
                 )
             ):
                 published = state
-            start = time.monotonic()
             try:
-                alarm = client.blocking_key_value_get(self._prefix + "alarm", _ms(self._interval))
-            except jax.errors.JaxRuntimeError:
-                # A timed-out poll took `interval`; a failing service answers at once: do not spin.
-                self._closed.wait(max(0.0, self._interval - (time.monotonic() - start)))
+                alarm = client.key_value_try_get(self._prefix + "alarm")
+            except jax.errors.JaxRuntimeError:  # not set (or the service is unreachable)
                 continue
             self._alarm = json.loads(alarm)
             self._wake.set()

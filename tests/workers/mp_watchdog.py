@@ -5,6 +5,9 @@ Preemption around a step with a device collective over every process's devices.
 that never returns); the others block inside the step's collective. Every process must print the watchdog's
 table and exit with STUCK_EXIT_CODE.
 
+``mp_watchdog.py stuck-once TIMEOUT``: stuck as above on the first attempt only; a restarted job
+(``--max-restarts``) runs 10 steps and prints ``DONE``.
+
 ``mp_watchdog.py unreachable TIMEOUT``: the same, but the last process's watchdog cannot reach the coordination
 service (its calls never return, as in a network partition): it must still print its own row and exit.
 
@@ -29,6 +32,7 @@ import numpy as np  # noqa: E402
 import spmdcomm.watchdog  # noqa: E402
 
 mode, arg = sys.argv[1], sys.argv[2]
+stuck = mode in ("stuck", "unreachable") or (mode == "stuck-once" and sc.restart_count() == 0)
 me, last = sc.process_index(), sc.process_count() - 1
 total = sc.spmd(lambda x: sc.psum(x, "data"), in_specs=sc.P("data"), out_specs=sc.P())
 rows = np.ones(jax.local_device_count(), np.float32)
@@ -43,7 +47,7 @@ class _Unreachable:
 
 def step(timer, i):
     with timer.phase("data"):
-        if mode in ("stuck", "unreachable") and i == 3 and me == last:
+        if stuck and i == 3 and me == last:
             print(f"SLEEPING at step {i}", flush=True)
             time.sleep(1e9)
         batch = rows * (i + 1)
@@ -59,9 +63,11 @@ def watched(timeout):
         spmdcomm.watchdog.coordination_client = lambda fn: _Unreachable()
     timer = sc.PhaseTimer()
     with sc.Preemption(), sc.Watchdog(timer, timeout=timeout, interval=0.5):
-        for i in range(10_000):
+        for i in range(10 if mode == "stuck-once" else 10_000):
             step(timer, i)
-    raise AssertionError("the watchdog did not end the process")
+    if stuck:
+        raise AssertionError("the watchdog did not end the process")
+    print(f"DONE after attempt {sc.restart_count()}", flush=True)
 
 
 def preempted(how):

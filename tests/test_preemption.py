@@ -1,0 +1,172 @@
+"""Preemption: a stop request (SIGTERM, or request()) becomes one stop step on every process. In one process here,
+and in 2 x 2 jobs on 127.0.0.1 through tests/workers/mp_watchdog.py (a stand-in for fit)."""
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import spmdcomm as sc
+from spmdcomm.launch import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STOPPED = re.compile(r"^\[rank (\d)\] STOPPED AT (\d+) \((SIGTERM|request\(\)) on process (\d)\)$", re.M)
+
+
+def run_until_stopped(preemption, *, request_at=None, steps=50):
+    for step in range(steps):
+        if preemption.should_stop(step):
+            return step
+        if step == request_at:
+            preemption.request()
+    return None
+
+
+def test_a_single_process_stops_at_the_next_step_after_a_request():
+    with sc.Preemption() as preemption:
+        assert (preemption.stop_step, preemption.reason) == (None, None)
+        assert run_until_stopped(preemption, request_at=6) == 7
+        assert (preemption.stop_step, preemption.reason) == (7, "request() on process 0")
+        assert preemption.should_stop(7)  # asked again at the same step, the answer stays
+
+
+def test_no_request_no_stop():
+    with sc.Preemption() as preemption:
+        assert run_until_stopped(preemption) is None and preemption.stop_step is None
+
+
+def test_sigterm_requests_the_stop_and_close_restores_the_previous_handler():
+    previous = signal.getsignal(signal.SIGTERM)
+    with sc.Preemption() as preemption:
+        assert signal.getsignal(signal.SIGTERM) != previous
+        assert not preemption.should_stop(0)
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs in this (the main) thread before the next line
+        assert preemption.should_stop(1) and preemption.reason == "SIGTERM on process 0"
+    assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_other_signals_can_request_the_stop():
+    with sc.Preemption(signals=(signal.SIGTERM, signal.SIGUSR1)) as preemption:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.should_stop(3) and preemption.reason == "SIGUSR1 on process 0"
+
+
+def test_a_step_past_the_agreed_stop_step_raises():
+    with sc.Preemption() as preemption:
+        preemption.request()
+        assert preemption.should_stop(4)
+        with pytest.raises(sc.DistributedError, match=r"step=6 on process 0 is past the agreed stop step 4"):
+            preemption.should_stop(6)
+
+
+@pytest.mark.parametrize("signals", [(), (signal.SIGKILL,), ("TERM",), (10_000,)])
+def test_signals_must_be_catchable_signals(signals):
+    with pytest.raises(
+        sc.SpmdError, match=r"^spmdcomm\.Preemption: signals=.* is not a non-empty sequence of catchable"
+    ):
+        sc.Preemption(signals=signals)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, True, "20"])
+def test_timeout_must_be_positive_seconds(timeout):
+    with pytest.raises(sc.SpmdError, match=rf"^spmdcomm\.Preemption: timeout={re.escape(repr(timeout))} is not a"):
+        sc.Preemption(timeout=timeout)
+
+
+def test_handlers_can_only_be_installed_from_the_main_thread():
+    errors = []
+
+    def create():
+        try:
+            sc.Preemption()
+        except sc.SpmdError as e:
+            errors.append(str(e))
+
+    thread = threading.Thread(target=create, name="worker")
+    thread.start()
+    thread.join()
+    (message,) = errors
+    assert message.startswith("spmdcomm.Preemption: was created in thread 'worker'; Python runs signal handlers")
+
+
+def stops(out):
+    """{rank: (step, reason)} from the workers' STOPPED lines."""
+    return {int(r): (int(step), f"{why} on process {p}") for r, step, why, p in STOPPED.findall(out)}
+
+
+@pytest.mark.multiprocess
+def test_a_sigterm_to_one_process_stops_every_process_at_the_same_step(launch):
+    res = launch("mp_watchdog.py", "preempt", "self", returncode=sc.PREEMPTED_EXIT_CODE)
+    got = stops(res.stdout)
+    assert sorted(got) == [0, 1], res.stdout
+    (stop,) = {step for step, _ in got.values()}
+    assert stop > 5  # process 1 was signalled at step 5; the others learn it through the coordination service
+    assert {why for _, why in got.values()} == {"SIGTERM on process 1"}
+
+
+@pytest.mark.multiprocess
+def test_a_single_process_job_stops_after_sigterm(launch):
+    res = launch("mp_watchdog.py", "preempt", "self", processes=1, returncode=sc.PREEMPTED_EXIT_CODE)
+    assert stops(res.stdout) == {0: (6, "SIGTERM on process 0")}
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_launcher_stops_every_process_at_the_same_step(tmp_path):
+    """The launcher passes SIGTERM on to every process; they agree on one step and exit with the preempted code."""
+    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--devices-per-process", "2", "--timeout", "150"]
+    cmd += [
+        "--grace",
+        "30",
+        "--coordinator",
+        f"127.0.0.1:{free_port()}",
+        str(ROOT / "tests" / "workers" / "mp_watchdog.py"),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        [*cmd, "preempt", "external"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines: queue.Queue = queue.Queue()
+    out: list[str] = []
+    err: list[str] = []
+
+    def read(stream, into, notify):
+        for line in stream:
+            into.append(line)
+            if notify:
+                lines.put(line)
+
+    readers = [
+        threading.Thread(target=read, args=(proc.stdout, out, True), daemon=True),
+        threading.Thread(target=read, args=(proc.stderr, err, False), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        ready = set()
+        while ready != {"0", "1"}:
+            line = lines.get(timeout=120)  # raises queue.Empty when the job never gets going
+            if line.rstrip().endswith("] READY"):
+                ready.add(line[len("[rank ") : line.index("]")])
+        proc.send_signal(signal.SIGTERM)  # the launcher, the only process this test started
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for reader in readers:
+        reader.join(10)
+    text, err = "".join(out), "".join(err)
+    assert proc.returncode == 128 + signal.SIGTERM, text + err
+    got = stops(text)
+    assert sorted(got) == [0, 1], text + err
+    assert len({step for step, _ in got.values()}) == 1, got
+    assert {why for _, why in got.values()} <= {"SIGTERM on process 0", "SIGTERM on process 1"}
+    assert "received SIGTERM; stopping all processes" in err

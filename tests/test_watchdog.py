@@ -1,0 +1,134 @@
+"""The watchdog: which processes it names, its table, and real stuck jobs on 127.0.0.1 (tests/workers/mp_watchdog.py,
+a stand-in for fit whose last process sleeps forever in the data phase of step 3)."""
+
+import re
+
+import pytest
+
+import spmdcomm as sc
+from spmdcomm.watchdog import ProcessState, format_table, stuck_processes
+
+TIMEOUT = 5  # the watchdog's, in the jobs below
+# A row of the table: process, host, last step, phase, seconds in phase, mark.
+ROW = re.compile(r"^\[rank (\d)\] (\d+)\s+(\S+)\s+(\S+)\s+(.+?)\s{2,}([\d.?]+)(\s+<- stuck)?$", re.M)
+
+
+def state(process, step, phase, seconds=1.0):
+    return ProcessState(process, "host", step, phase, seconds)
+
+
+@pytest.mark.parametrize(
+    "states,n,stuck",
+    [
+        # a process behind the others, busy with its own work: the cause
+        ({0: state(0, 5, "devices"), 1: state(1, 4, "data")}, 2, [1]),
+        # the same step, one waits for the others inside a collective, one does not
+        ({0: state(0, 4, "devices"), 1: state(1, 4, "dispatch")}, 2, [1]),
+        # everyone waits at the lowest step: a hang inside the devices or a barrier names all of them
+        ({0: state(0, 4, "devices"), 1: state(1, 4, "sync"), 2: state(2, 6, "devices")}, 3, [0, 1]),
+        # a process without a report comes first; the waiting ones are its victims
+        ({0: state(0, 4, "devices"), 1: state(1, 4, "devices")}, 3, [2]),
+        ({0: state(0, 4, "devices"), 1: state(1, 4, "data")}, 3, [2, 1]),
+        # no step completed yet counts as the lowest
+        ({0: state(0, 0, "data"), 1: state(1, None, "other")}, 2, [1]),
+        ({}, 2, [0, 1]),
+    ],
+)
+def test_stuck_processes_are_the_ones_behind_that_do_not_wait_for_others(states, n, stuck):
+    assert stuck_processes(states, n) == stuck
+
+
+def test_table_has_one_aligned_row_per_process_and_marks_the_stuck_ones():
+    states = {0: ProcessState(0, "node-a", 12, "devices", 10.25), 2: ProcessState(2, "b", None, "eval", 3.0)}
+    assert format_table(states, 3, stuck=[1]) == (
+        "process  host    last step  phase                seconds in phase\n"
+        "0        node-a  12         waiting for devices  10.2\n"
+        "1        ?       ?          no report            ?                 <- stuck\n"
+        "2        b       none       eval                 3.0"
+    )
+    assert "1        ?       ?          unknown" in format_table(states, 3, stuck=[], absent="unknown")
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"timeout": 0}, "timeout=0 is not a positive number of seconds"),
+        ({"timeout": True}, "timeout=True is not a positive number of seconds"),
+        ({"timeout": 10, "interval": -1}, "interval=-1 is not a positive number of seconds"),
+        ({"timeout": 10, "first_step_timeout": "5"}, "first_step_timeout='5' is not a positive number of seconds"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(sc.SpmdError, match=rf"^spmdcomm\.Watchdog: {re.escape(message)}\. Fix: pass e\.g\."):
+        sc.Watchdog(sc.PhaseTimer(), **kwargs)
+
+
+def test_the_watchdog_watches_a_phase_timer():
+    with pytest.raises(sc.SpmdError, match=r"^spmdcomm\.Watchdog: timer is a dict, not a PhaseTimer"):
+        sc.Watchdog({}, timeout=10)
+
+
+def tables(out):
+    """{rank: {process: (host, step, phase, seconds, stuck)}} from each rank's printed table."""
+    found = {}
+    for rank, process, host, step, phase, seconds, mark in ROW.findall(out):
+        found.setdefault(int(rank), {})[int(process)] = (host, step, phase, seconds, bool(mark))
+    return found
+
+
+@pytest.mark.multiprocess
+def test_every_process_names_the_stuck_one_and_the_job_exits_with_the_stuck_code(launch):
+    res = launch("mp_watchdog.py", "stuck", TIMEOUT, returncode=sc.STUCK_EXIT_CODE)
+    out, err = res.stdout, res.stderr
+    assert re.search(r"^\[rank 1\] SLEEPING at step 3$", out, re.M)
+    found = tables(err)
+    assert sorted(found) == [0, 1], err  # every process printed one table...
+    for rank in (0, 1):
+        assert len(re.findall(rf"^\[rank {rank}\] spmdcomm\.Watchdog: ", err, re.M)) == 1, err  # ...once
+        rows = found[rank]
+        _, step, phase, seconds, stuck = rows[1]
+        assert (step, phase, stuck) == ("2", "waiting for data", True), rows
+        # Detected within timeout + 10 s of entering the phase (the table's own figure).
+        assert TIMEOUT <= float(seconds) < TIMEOUT + 10, rows
+        # Process 0 waits inside the step's device collective, a victim: its watchdog thread acted all the same.
+        _, step, phase, _, stuck = rows[0]
+        assert (step, phase, stuck) == ("2", "waiting for devices", False), rows
+    assert re.search(r"^\[rank 0\] spmdcomm\.Watchdog: process 0 completed no step for [\d.]+ s", err, re.M) or (
+        re.search(r"^\[rank 1\] spmdcomm\.Watchdog: process 1 completed no step for [\d.]+ s", err, re.M)
+    )
+    assert "Stuck: process 1 (waiting for data). Every process exits with status 75" in err
+    # The stuck process shows where its training thread is.
+    assert re.search(r"^\[rank 1\]\s+time\.sleep\(1e9\)$", err, re.M), err
+    assert "exited with status 75" in err
+
+
+@pytest.mark.multiprocess
+def test_a_single_stuck_process_reports_and_exits(launch):
+    res = launch("mp_watchdog.py", "stuck", TIMEOUT, processes=1, returncode=sc.STUCK_EXIT_CODE)
+    rows = tables(res.stderr)[0]
+    assert list(rows) == [0]
+    _, step, phase, seconds, stuck = rows[0]
+    assert (step, phase, stuck) == ("2", "waiting for data", True)
+    assert TIMEOUT <= float(seconds) < TIMEOUT + 10
+
+
+@pytest.mark.multiprocess
+def test_a_process_that_cannot_reach_the_coordination_service_still_exits(launch):
+    res = launch("mp_watchdog.py", "unreachable", TIMEOUT, returncode=sc.STUCK_EXIT_CODE)
+    err = res.stderr
+    found = tables(err)
+    # Process 1's watchdog calls never return: it prints its own row and exits all the same.
+    assert found[1][1][1:3] == ("2", "waiting for data") and found[1][0][2:] == ("unknown", "?", False), found
+    assert "Stuck: unknown, the other processes' state is unknown: the coordination service did not answer" in err
+    # Process 0 never received process 1's state: it names it as the process without a report.
+    assert found[0][1] == ("?", "?", "no report", "?", True), found
+    assert "[rank 0] spmdcomm.Watchdog: process 0 completed no step" in err
+    assert "Stuck: process 1 (no report)." in err
+
+
+@pytest.mark.multiprocess
+def test_the_launcher_restarts_a_job_the_watchdog_ended(launch):
+    res = launch("mp_watchdog.py", "stuck-once", TIMEOUT, max_restarts=1)
+    assert "Stuck: process 1 (waiting for data)" in res.stderr
+    assert re.search(r"exited with status 75.*\n(.*\n)*.*restart 1 of 1", res.stderr), res.stderr
+    assert sorted(re.findall(r"^\[rank (\d)\] DONE after attempt 1$", res.stdout, re.M)) == ["0", "1"]
