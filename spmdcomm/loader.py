@@ -9,7 +9,7 @@ state has not trained on; :func:`spmdcomm.fit` does both when given a ``checkpoi
 >>> loader = sc.Loader({"x": np.arange(10.0)}, sampler, batch_size=4, epochs=2, prefetch=0)
 >>> it = iter(loader)
 >>> next(it).data["x"].tolist(), loader.state_dict()
-([0.0, 1.0, 2.0, 3.0], {'epoch': 0, 'batch': 1, 'batch_size': 4})
+([0.0, 1.0, 2.0, 3.0], {'epoch': 0, 'batch': 1, 'global_batch_size': 4})
 >>> again = sc.Loader({"x": np.arange(10.0)}, sc.ShardedSampler(10, shard_index=0, num_shards=1, shuffle=False),
 ...                   batch_size=4, epochs=2, prefetch=0)
 >>> again.load_state_dict(loader.state_dict())
@@ -102,29 +102,38 @@ class Loader:
         return (self.epochs - epoch) * self.sampler.num_batches(self.batch_size) - batch
 
     def state_dict(self) -> dict[str, int]:
-        """The position: ``{"epoch", "batch"}`` of the next batch not yet handed out, and ``batch_size``."""
-        return {**self.sampler.state_dict(), "batch_size": self.batch_size}
+        """The position: ``{"epoch", "batch"}`` of the next batch not yet handed out, and the
+        ``global_batch_size`` (``batch_size`` x the sampler's ``num_shards``) that batch indices count in."""
+        return {**self.sampler.state_dict(), "global_batch_size": self._global_batch_size()}
 
     def load_state_dict(self, state: Any) -> None:
-        """Moves the position to ``state`` (as :meth:`state_dict` returns it; the batch size must match)."""
-        if not isinstance(state, dict) or "batch_size" not in state:
+        """Moves the position to ``state`` (as :meth:`state_dict` returns it).
+
+        The global batch size must match; the number of shards (processes) may differ, since batch ``b``
+        of an epoch holds the same examples for any split of one global batch size.
+        """
+        if not isinstance(state, dict) or "global_batch_size" not in state:
             raise SpmdError(
                 describe(
                     "Loader.load_state_dict",
                     f"state={state!r} is not a Loader position.",
-                    fix='pass what Loader.state_dict() returned: {"epoch", "batch", "batch_size"}.',
+                    fix='pass what Loader.state_dict() returned: {"epoch", "batch", "global_batch_size"}.',
                 )
             )
-        if state["batch_size"] != self.batch_size:
+        if state["global_batch_size"] != self._global_batch_size():
             raise SpmdError(
                 describe(
                     "Loader.load_state_dict",
-                    f"the position was saved with batch_size={state['batch_size']!r}, but this loader has "
-                    f"batch_size={self.batch_size}: its batch indices would name other examples.",
-                    fix="resume with the batch_size of the saved run.",
+                    f"the position was saved with a global batch of {state['global_batch_size']!r} examples, but "
+                    f"this loader's is {self._global_batch_size()} (batch_size={self.batch_size} x "
+                    f"num_shards={self.sampler.num_shards}): its batch indices would name other examples.",
+                    fix="resume with the global batch size of the saved run (batch_size x number of processes).",
                 )
             )
-        self.sampler.load_state_dict({k: v for k, v in state.items() if k != "batch_size"})
+        self.sampler.load_state_dict({k: v for k, v in state.items() if k != "global_batch_size"})
+
+    def _global_batch_size(self) -> int:
+        return self.batch_size * self.sampler.num_shards
 
     def _position(self) -> tuple[int, int]:
         """The sampler's position, with a batch index past the end of its epoch moved into the next epochs."""

@@ -148,7 +148,11 @@ def test_loader_position_counts_batches_handed_out_not_prefetched(monkeypatch):
     while counting["x"].reads < 3 and time.monotonic() < deadline:  # prefetch reads ahead of the loop
         time.sleep(0.01)
     assert counting["x"].reads >= 3
-    assert loader.state_dict() == sampler.state_dict() | {"batch_size": 8} == {"epoch": 0, "batch": 1, "batch_size": 8}
+    assert (
+        loader.state_dict()
+        == sampler.state_dict() | {"global_batch_size": 8}
+        == {"epoch": 0, "batch": 1, "global_batch_size": 8}
+    )
     it.close()
 
     expected = list(job.loader(mesh(), prefetch=0))[:12]  # two epochs
@@ -158,7 +162,7 @@ def test_loader_position_counts_batches_handed_out_not_prefetched(monkeypatch):
     resumed.epochs = 2
     assert len(resumed) == 11
     got = list(resumed)
-    assert len(got) == 11 and resumed.state_dict() == {"epoch": 2, "batch": 0, "batch_size": 8}
+    assert len(got) == 11 and resumed.state_dict() == {"epoch": 2, "batch": 0, "global_batch_size": 8}
     for placed, host in zip(got, expected[1:], strict=True):
         assert isinstance(placed.data["x"], jax.Array)
         assert np.array_equal(np.asarray(placed.data["x"]), host.data["x"])
@@ -166,18 +170,40 @@ def test_loader_position_counts_batches_handed_out_not_prefetched(monkeypatch):
     assert list(resumed) == [] and len(resumed) == 0  # past the last epoch
 
 
-def test_loader_rejects_bad_arguments_and_another_batch_size():
-    sampler = sc.ShardedSampler(10, shard_index=0, num_shards=1)
+def test_loader_position_resumes_on_another_process_count():
+    data = job.dataset()
+
+    def shard(i, n):
+        sampler = sc.ShardedSampler(job.EXAMPLES, shard_index=i, num_shards=n, seed=3)
+        return sc.Loader(data, sampler, batch_size=job.GLOBAL_BATCH // n, epochs=2, prefetch=0)
+
+    two = [shard(0, 2), shard(1, 2)]
+    for loader in two:  # two processes consume 8 global batches (into epoch 1)
+        it = iter(loader)
+        for _ in range(8):
+            next(it)
+    assert two[0].state_dict() == two[1].state_dict() == {"epoch": 1, "batch": 2, "global_batch_size": 8}
+    one = shard(0, 1)
+    one.load_state_dict(two[0].state_dict())
+    # Global batch b holds the same real examples however the processes split it.
+    for whole, *parts in zip(one, *two, strict=True):
+        real = np.concatenate([p.data["x"][p.mask] for p in parts])
+        assert sorted(map(tuple, whole.data["x"][whole.mask])) == sorted(map(tuple, real))
+
+
+def test_loader_rejects_bad_arguments_and_another_global_batch_size():
+    sampler = sc.ShardedSampler(10, shard_index=0, num_shards=2)
     with pytest.raises(sc.SpmdError, match=r"Loader: sampler is a list, not a ShardedSampler"):
         sc.Loader({"x": np.zeros(10)}, [0, 1], batch_size=2)
     with pytest.raises(sc.SpmdError, match=r"Loader: batch_size=0 must be an int >= 1"):
         sc.Loader({"x": np.zeros(10)}, sampler, batch_size=0)
-    loader = sc.Loader({"x": np.zeros(10)}, sampler, batch_size=4)
+    loader = sc.Loader({"x": np.zeros(10)}, sampler, batch_size=2)
     with pytest.raises(
         sc.SpmdError,
-        match=r"saved with batch_size=2, but this loader has batch_size=4.*the batch_size of the saved run",
+        match=r"saved with a global batch of 8 examples, but this loader's is 4 \(batch_size=2 x num_shards=2\)"
+        r".*Fix: resume with the global batch size of the saved run",
     ):
-        loader.load_state_dict({"epoch": 0, "batch": 1, "batch_size": 2})
+        loader.load_state_dict({"epoch": 0, "batch": 1, "global_batch_size": 8})
     with pytest.raises(sc.SpmdError, match=r"Loader\.load_state_dict: state=\{'epoch': 0\} is not a Loader position"):
         loader.load_state_dict({"epoch": 0})
 
@@ -204,7 +230,7 @@ def test_fit_stopped_after_any_step_resumes_bitwise(tmp_path, step, straight, st
     assert sc.latest_checkpoint_step(ckpt) == (saved or None)
     if saved:
         position = sc.checkpoint_extra(ckpt)["data"]
-        assert position == {"epoch": saved // 6, "batch": saved % 6, "batch_size": job.GLOBAL_BATCH}
+        assert position == {"epoch": saved // 6, "batch": saved % 6, "global_batch_size": job.GLOBAL_BATCH}
 
     # The restarted script builds everything afresh, as a new process would.
     state, history = sc.fit(
@@ -278,7 +304,7 @@ def test_process_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, st
     assert proc.returncode == -signal.SIGKILL
     assert any(p.name.startswith("8.") for p in ckpt.iterdir())  # the half-done save is still on disk
     assert sc.latest_checkpoint_step(ckpt) == 4
-    assert sc.checkpoint_extra(ckpt)["data"] == {"epoch": 0, "batch": 4, "batch_size": job.GLOBAL_BATCH}
+    assert sc.checkpoint_extra(ckpt)["data"] == {"epoch": 0, "batch": 4, "global_batch_size": job.GLOBAL_BATCH}
 
     state, history = sc.fit(step, job.fresh_state(mesh()), job.loader(mesh()), checkpoint_dir=ckpt, save_every=4)
     assert len(history) == STEPS - 4
@@ -296,6 +322,6 @@ def test_job_with_a_rank_killed_mid_epoch_restarts_to_the_same_parameters(launch
     out = launch("resume_job.py", ckpt, tmp_path / "resumed.npz", "--kill-at", 11, "--kill-rank", 1, max_restarts=1)
     assert "was killed by SIGKILL" in out.stderr + out.stdout and "restart 1 of 1" in out.stderr + out.stdout
     assert f"[rank 0] trained {STEPS - 8} steps, state.step {STEPS}" in out.stdout, out.stdout
-    assert sc.checkpoint_extra(ckpt)["data"] == {"epoch": job.EPOCHS, "batch": 0, "batch_size": job.GLOBAL_BATCH // 2}
+    assert sc.checkpoint_extra(ckpt)["data"] == {"epoch": job.EPOCHS, "batch": 0, "global_batch_size": job.GLOBAL_BATCH}
     with np.load(tmp_path / "straight.npz") as a, np.load(tmp_path / "resumed.npz") as b:
         assert_bitwise(dict(b), dict(a))
