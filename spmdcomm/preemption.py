@@ -138,7 +138,7 @@ class Preemption:
             self._last_step = step
             if not self._agreeing and self._requested is not None and self._stop_step is None:
                 self._stop_step = step  # a single process has no one to agree with
-                self._notice = {"process": 0, "reason": self._requested}
+                self._notice = {"process": self._me, "reason": self._requested}
             stop = self._stop_step
         if stop is not None and step > stop:
             raise DistributedError(
@@ -210,21 +210,22 @@ class Preemption:
         with self._lock:  # should_stop waits: this process's last checked step must not move meanwhile
             self._notice = notice
             reported = _try(lambda: client.key_value_set(key, str(self._last_step), allow_overwrite=True))
-            if not reported or not _try(lambda: client.wait_at_barrier(self._prefix + "agree", _ms(self._timeout))):
-                steps = _steps(client, self._prefix)
-                missing = [p for p in range(n) if p not in steps]
+            met = reported and _try(lambda: client.wait_at_barrier(self._prefix + "agree", _ms(self._timeout)))
+            steps = _steps(client, self._prefix)
+            missing = [p for p in range(n) if p not in steps]
+            if not met or missing:
+                who = f"process(es) {missing} did not report their step" if missing else "not every process arrived"
                 self._failure = BarrierTimeoutError(
                     describe(
                         "Preemption.should_stop",
-                        f"{self.reason} asked every process to stop, but process(es) {missing} did not report "
-                        f"their step within {self._timeout:g} s, so no stop step was agreed (seen on process "
-                        f"{self._me}; steps reported: {steps}).",
+                        f"{self.reason} asked every process to stop, but {who} within {self._timeout:g} s, so no "
+                        f"stop step was agreed (seen on process {self._me}; steps reported: {steps}).",
                         fix="check that every process created its Preemption and is alive; a process that is "
                         "stuck is named by spmdcomm.Watchdog.",
                     )
                 )
                 return
-            self._stop_step = max(_steps(client, self._prefix).values()) + 1
+            self._stop_step = max(steps.values()) + 1
 
 
 # ------------------------------------------------------------------------------------------------

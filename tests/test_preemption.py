@@ -112,6 +112,17 @@ def test_a_sigterm_to_one_process_stops_every_process_at_the_same_step(launch):
 
 
 @pytest.mark.multiprocess
+def test_a_process_that_does_not_take_part_is_named(launch):
+    res = launch("mp_watchdog.py", "preempt", "lonely", returncode=1)
+    (message,) = re.findall(r"^\[rank 0\] CAUGHT (.*)$", res.stdout, re.M)
+    assert message.startswith(
+        "spmdcomm.Preemption.should_stop: request() on process 0 asked every process to stop, but process(es) [1] "
+        "did not report their step within 3 s, so no stop step was agreed (seen on process 0; steps reported: {0: "
+    ), message
+    assert "Fix: check that every process created its Preemption and is alive" in message
+
+
+@pytest.mark.multiprocess
 def test_a_single_process_job_stops_after_sigterm(launch):
     res = launch("mp_watchdog.py", "preempt", "self", processes=1, returncode=sc.PREEMPTED_EXIT_CODE)
     assert stops(res.stdout) == {0: (6, "SIGTERM on process 0")}

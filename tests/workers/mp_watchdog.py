@@ -15,6 +15,9 @@ service (its calls never return, as in a network partition): it must still print
 the only process) sends itself SIGTERM at step 5. ``external``: every process prints ``READY`` at step 3 and the
 test sends SIGTERM to the launcher, which passes it on. Each process prints ``STOPPED AT <step> (<reason>)`` and
 exits with PREEMPTED_EXIT_CODE, as fit does after saving its checkpoint.
+
+``mp_watchdog.py preempt lonely``: only process 0 creates a Preemption (timeout 3 s) and asks to stop; it must
+raise BarrierTimeoutError naming process 1 (printed as ``CAUGHT <message>``) and exit 1.
 """
 
 import os
@@ -86,7 +89,23 @@ def preempted(how):
     raise AssertionError("no stop was agreed")
 
 
-if mode == "preempt":
+def lonely():
+    if me != 0:
+        time.sleep(120)
+    with sc.Preemption(timeout=3) as preemption:
+        preemption.request()
+        try:
+            for i in range(100_000):
+                preemption.should_stop(i)
+                time.sleep(0.01)
+        except sc.BarrierTimeoutError as e:
+            print(f"CAUGHT {e}", flush=True)
+            raise  # uncaught after initialize: the process exits 1 at once (spmdcomm.runtime)
+
+
+if mode == "preempt" and arg == "lonely":
+    lonely()
+elif mode == "preempt":
     preempted(arg)
 else:
     watched(float(arg))
