@@ -141,14 +141,15 @@ def plot_strategies(result: dict, path: Path) -> Path:
         for k, strategy in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
             pts = [(r["devices"], r["persistent_bytes"] / 2**20) for r in rows if r["strategy"] == strategy]
             # Shrinking markers: strategies with equal bytes (ZeRO-1 and ZeRO-2) stay visible on one another.
-            ax.plot(*zip(*pts), marker="o", ms=10 - 2 * k, label=strategy)
+            label = strategy.replace("reshard_after_forward=False", "no reshard")
+            ax.plot(*zip(*pts), marker="o", ms=10 - 2 * k, label=label)
         ddp = [(r["devices"], r["persistent_bytes"] / r["devices"] / 2**20) for r in rows if r["strategy"] == "ddp"]
         ax.plot(*zip(*ddp), color="gray", ls="--", label="DDP / N")
         ax.set(xscale="log", title=model, xlabel="devices N", ylabel="params + optimizer state, MiB/device")
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.45 * max(r["persistent_bytes"] for r in rows) / 2**20)  # room for the legend on top
         ax.set_xticks([n for n, _ in ddp], [str(n) for n, _ in ddp])
         ax.set_xticks([], minor=True)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", ncol=3)
     if speed:
         ax = axes[0][-1]
         names = list(next(iter(speed.values())))
@@ -157,7 +158,7 @@ def plot_strategies(result: dict, path: Path) -> Path:
             xs = [j + i * width for j in range(len(names))]
             ax.bar(xs, [variants[n]["ratio_vs_ddp"] for n in names], width, label=model)
         ax.axhline(0.85, color="gray", ls="--", label="goal for FSDP: 0.85")
-        labels = [n.replace(", reshard_after_forward=False", "\nno reshard") for n in names]
+        labels = [n.replace(" reshard_after_forward=False", "\nno reshard") for n in names]
         ax.set_xticks([j + width * (len(speed) - 1) / 2 for j in range(len(names))], labels, fontsize=7)
         ax.set(title=f"samples/s vs DDP, {result['devices']} devices", ylabel="ratio to DDP", ylim=(0, 1.35))
         ax.legend(fontsize=7, loc="upper center", ncol=3)  # above the bars, which stay near 1

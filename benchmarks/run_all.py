@@ -45,7 +45,19 @@ SMOKE = {
     ],
     "prefetch": ["prefetch.py", "--reps", "1", "--steps", "3"],
     "train_step": ["train_step.py", "--rounds", "1", "--steps", "2", "--skip-multiprocess"],
-    "strategies": ["strategies.py", "--rounds", "1", "--steps", "2", "--sizes", "2", "--models", "mlp"],
+    "strategies": [
+        "strategies.py",
+        "--rounds",
+        "1",
+        "--steps",
+        "2",
+        "--sizes",
+        "2",
+        "--models",
+        "mlp",
+        "--strategies",
+        "fsdp",
+    ],
 }
 
 

@@ -2,8 +2,9 @@
 
 Run: ``python benchmarks/strategies.py [--rounds 11] [--steps 8] [--sizes 2,4,8] [--models mlp,cnn] [--json PATH]``.
 
-Models: the MLP 784-512-512-10 of ``train_step.py`` and the MNIST example's CNN (``examples/mnist/models.py``),
-cross-entropy, Adam, global batch 256.
+Strategies: DDP, ZeRO-1, ZeRO-2, FSDP, and FSDP with ``reshard_after_forward=False``. Models: the MLP
+784-512-512-10 of ``train_step.py`` and the MNIST example's CNN (``examples/mnist/models.py``), cross-entropy,
+Adam, global batch 256.
 
 Memory, on N = 2, 4 and 8 fake CPU devices, per device (the largest one where devices differ): the bytes of the
 parameters and of the optimizer state, read from the placed arrays (``addressable_shards``); the gradient each
@@ -12,12 +13,11 @@ compiled step (``sc.explain(step, state, batch).memory``: arguments, outputs, te
 batch, and at one example per device, with ``accum_steps`` 1 and 4, where the activations are too small to
 hide the parameter-sized temporaries. These numbers do not depend on timing: one run measures them.
 
-Speed, on 8 fake CPU devices: samples/s of every strategy, and of FSDP with ``reshard_after_forward=False``,
-next to DDP in one process; the variants are interleaved round by round (the order reversed every other
-round), each number is a median over rounds, and each ratio is the median over rounds of that round's ratio
-to DDP. Every loop keeps at most 8 steps in flight (``_common.time_calls``). With the speed comes each
-compiled step's floating-point operations per device (XLA's cost analysis): the cost of recomputing the
-forward pass.
+Speed, on 8 fake CPU devices: samples/s of every strategy next to DDP in one process; the variants are
+interleaved round by round (the order reversed every other round), each number is a median over rounds, and
+each ratio is the median over rounds of that round's ratio to DDP. Every loop keeps at most 8 steps in flight
+(``_common.time_calls``). With the speed comes each compiled step's floating-point operations per device
+(XLA's cost analysis): the cost of recomputing the forward pass.
 """
 
 from __future__ import annotations
@@ -42,13 +42,12 @@ from train_step import BATCH, MLP, data, loss_fn  # noqa: E402
 import spmdcomm as sc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-MEMORY_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
-SPEED_STRATEGIES = {
+STRATEGIES = {
     "ddp": "ddp",
     "zero1": "zero1",
     "zero2": "zero2",
     "fsdp": "fsdp",
-    "fsdp, reshard_after_forward=False": sc.FSDP(reshard_after_forward=False),
+    "fsdp reshard_after_forward=False": sc.FSDP(reshard_after_forward=False),
 }
 ACCUM = 4  # micro-batches of the accumulation column
 
@@ -79,13 +78,13 @@ def make_state(model_name: str, mesh, strategy) -> sc.TrainState:
 # --- memory ----------------------------------------------------------------------------------------
 
 
-def memory(model_name: str, n: int) -> list[dict]:
-    """One row per strategy: bytes per device on a mesh of ``n`` devices (see the module docstring)."""
+def memory(model_name: str, n: int, names: list[str]) -> list[dict]:
+    """One row per strategy of ``names``: bytes per device on a mesh of ``n`` devices (module docstring)."""
     mesh = sc.data_mesh(devices=jax.devices()[:n])
     step, accum = sc.make_train_step(loss_fn), sc.make_train_step(loss_fn, accum_steps=ACCUM)
     rows = []
-    for name in MEMORY_STRATEGIES:
-        state = make_state(model_name, mesh, name)
+    for name in names:
+        state = make_state(model_name, mesh, STRATEGIES[name])
         row = {
             "model": model_name,
             "devices": n,
@@ -103,16 +102,16 @@ def memory(model_name: str, n: int) -> list[dict]:
             temp_bytes_1_per_device=sc.explain(step, state, _rows(n)).memory.temp_bytes,
             temp_bytes_accum_1_per_device=sc.explain(accum, state, _rows(ACCUM * n)).memory.temp_bytes,
         )
-        if name == "fsdp":
+        if state.strategy.shards_params:
             row["padding_allowance_bytes"] = padding_allowance(state)
         rows.append(row)
     ddp = rows[0]
     for row in rows:
         for key in ("persistent_bytes", "grad_bytes", "argument_bytes", "temp_bytes", "temp_bytes_1_per_device"):
             row[f"{key} vs ddp"] = row[key] / ddp[key]
-    fsdp = rows[MEMORY_STRATEGIES.index("fsdp")]
-    fsdp["goal_bound_bytes"] = ddp["persistent_bytes"] / n + fsdp["padding_allowance_bytes"]
-    fsdp["goal_met"] = fsdp["persistent_bytes"] <= fsdp["goal_bound_bytes"]
+        if "padding_allowance_bytes" in row:  # the goal: FSDP persistent state <= DDP / N + padding
+            row["goal_bound_bytes"] = ddp["persistent_bytes"] / n + row["padding_allowance_bytes"]
+            row["goal_met"] = row["persistent_bytes"] <= row["goal_bound_bytes"]
     return rows
 
 
@@ -162,10 +161,10 @@ def padding_allowance(state: sc.TrainState) -> float:
 # --- speed -----------------------------------------------------------------------------------------
 
 
-def speed(model_names: list[str], rounds: int, steps: int) -> dict:
-    """Samples/s of each strategy on every device, interleaved; medians and paired ratios to DDP."""
+def speed(model_names: list[str], names: list[str], rounds: int, steps: int) -> dict:
+    """Samples/s of each strategy of ``names`` on every device, interleaved; medians and paired ratios to DDP."""
     mesh = sc.data_mesh()
-    runs = {(m, name): runner(m, mesh, strategy) for m in model_names for name, strategy in SPEED_STRATEGIES.items()}
+    runs = {(m, name): runner(m, mesh, STRATEGIES[name]) for m in model_names for name in names}
     for run in runs.values():  # compile and warm up
         run(3)
     rates: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
@@ -181,7 +180,7 @@ def speed(model_names: list[str], rounds: int, steps: int) -> dict:
                 "ratio_vs_ddp": float(np.median(np.array(rates[(m, name)]) / ddp)),
                 "gflops_per_device": runs[(m, name)].gflops,
             }
-            for name in SPEED_STRATEGIES
+            for name in names
         }
     return out
 
@@ -224,7 +223,7 @@ def print_tables(result: dict) -> None:
             verdict = "met" if row["goal_met"] else "MISSED"
             goal = f"  goal <= {row['goal_bound_bytes'] / kib:.1f}: {verdict}"
         print(
-            f"{row['model']:4s} N={row['devices']} {row['strategy']:6s}"
+            f"{row['model']:4s} N={row['devices']} {row['strategy']:33s}"
             f" persistent {row['persistent_bytes'] / kib:9.1f} ({row['persistent_bytes vs ddp']:.3f}x)"
             f" grad {row['grad_bytes'] / kib:8.1f} args {row['argument_bytes'] / kib:9.1f}"
             f" temps {row['temp_bytes'] / kib:9.1f} / 1 per device {row['temp_bytes_1_per_device'] / kib:8.1f}"
@@ -233,7 +232,7 @@ def print_tables(result: dict) -> None:
     for model, variants in result.get("speed", {}).items():
         for name, v in variants.items():
             flops = "" if v["gflops_per_device"] is None else f"  {v['gflops_per_device']:.3f} GFLOP/device"
-            print(f"{model:4s} {name:34s} {v['samples_per_s']:9.0f} samples/s  {v['ratio_vs_ddp']:.3f}x ddp{flops}")
+            print(f"{model:4s} {name:33s} {v['samples_per_s']:9.0f} samples/s  {v['ratio_vs_ddp']:.3f}x ddp{flops}")
 
 
 def main() -> None:
@@ -242,10 +241,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--sizes", default="2,4,8", help="device counts of the memory table")
     parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="a subset; ddp, the baseline, always runs")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     models = args.models.split(",")
+    names = ["ddp", *(name for name in args.strategies.split(",") if name != "ddp")]
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "jax": jax.__version__,
@@ -253,10 +254,10 @@ def main() -> None:
         "devices": jax.device_count(),
         "cpu_cores": os.cpu_count(),
         "global_batch": BATCH,
-        "memory": [row for m in models for n in map(int, args.sizes.split(",")) for row in memory(m, n)],
+        "memory": [row for m in models for n in map(int, args.sizes.split(",")) for row in memory(m, n, names)],
     }
     if not args.skip_speed:
-        result["speed"] = speed(models, args.rounds, args.steps)
+        result["speed"] = speed(models, names, args.rounds, args.steps)
     print_tables(result)
     write_json(args.json, result)
 
