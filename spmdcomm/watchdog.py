@@ -207,7 +207,7 @@ class Watchdog:
                 for q in stuck
             )
         else:
-            stuck, named = [], f"unknown, the other processes' state is unknown: {unknown}"
+            stuck, named = [], f"unknown ({unknown}, so the other processes' state is unknown)"
         lines = [
             f"spmdcomm.Watchdog: {why}. Stuck: {named}. Every process exits with status {STUCK_EXIT_CODE} so that "
             "the job can be restarted from its last checkpoint.",
@@ -219,6 +219,8 @@ class Watchdog:
         sys.stderr.write("\n".join(lines) + "\n")
         sys.stderr.flush()
         if self._client is not None:
+            # The processes meet before exiting: the first to exit makes the launcher stop the others, which
+            # must have printed by then.
             _bounded(lambda: self._client.wait_at_barrier(self._prefix + "exit", _ms(_EXIT_SECONDS)), _EXIT_SECONDS + 1)
             if self._me == 0:
                 # Process 0 hosts the coordination service: when it goes, JAX aborts the other processes with a

@@ -119,7 +119,7 @@ def test_a_process_that_cannot_reach_the_coordination_service_still_exits(launch
     found = tables(err)
     # Process 1's watchdog calls never return: it prints its own row and exits all the same.
     assert found[1][1][1:3] == ("2", "waiting for data") and found[1][0][2:] == ("unknown", "?", False), found
-    assert "Stuck: unknown, the other processes' state is unknown: the coordination service did not answer" in err
+    assert "Stuck: unknown (the coordination service did not answer within 2 s, so the other processes' state" in err
     # Process 0 never received process 1's state: it names it as the process without a report.
     assert found[0][1] == ("?", "?", "no report", "?", True), found
     assert "[rank 0] spmdcomm.Watchdog: process 0 completed no step" in err
