@@ -1,6 +1,6 @@
 """Runs every benchmark at a short setting, writes their JSON, and draws the PNG plots.
 
-    python benchmarks/run_all.py --out bench-results          # about 10 minutes on a 2-core CPU
+    python benchmarks/run_all.py --out bench-results          # about 15 minutes on a 2-core CPU
     python benchmarks/run_all.py --out bench-results --plot-only
 
 Each benchmark runs in its own process (the fake device count must be set before JAX starts) and streams its
