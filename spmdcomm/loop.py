@@ -5,8 +5,10 @@ where it stopped."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -14,8 +16,12 @@ import jax
 
 from spmdcomm.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from spmdcomm.errors import SpmdError, describe
+from spmdcomm.metrics import MetricsWriter
+from spmdcomm.phases import PhaseTimer
+from spmdcomm.preemption import PREEMPTED_EXIT_CODE, Preemption
 from spmdcomm.train_state import TrainState
 from spmdcomm.train_step import TrainStep
+from spmdcomm.watchdog import Watchdog
 
 __all__ = ["fit"]
 
@@ -29,6 +35,10 @@ def fit(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     save_every: int | None = None,
     max_to_keep: int | None = None,
+    watchdog_timeout: float | None = None,
+    preemption: bool | None = None,
+    metrics_log: str | os.PathLike[str] | None = None,
+    tensorboard_dir: str | os.PathLike[str] | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
     """Runs ``step`` over the batches of ``data``; returns the final state and this call's metrics, one
     dict of Python floats per step.
@@ -48,6 +58,20 @@ def fit(
     restored into (see :func:`spmdcomm.restore_checkpoint`). Each save is atomic (a process killed while
     saving leaves the previous checkpoint as the latest), and every process must call ``fit`` alike:
     each writes its own shards, and process 0's data position is saved.
+
+    Where each step's time goes: every step's metrics also hold the seconds it spent in each phase,
+    ``"time/data"`` (waiting for data), ``"time/dispatch"``, ``"time/devices"`` (waiting for the devices,
+    one in-flight window back), ``"time/save"`` and ``"time/other"`` (:class:`spmdcomm.PhaseTimer`);
+    ``metrics_log`` appends them with the metrics to a JSON-lines file and ``tensorboard_dir`` writes
+    TensorBoard scalars (:class:`spmdcomm.MetricsWriter`; ``{process}`` in a path is the process index).
+
+    Failures: ``watchdog_timeout`` (seconds) starts a :class:`spmdcomm.Watchdog`: when a step takes longer
+    (the first step gets 10x, for compilation), every process prints one table naming the stuck
+    process(es) and their phase, and exits with status :data:`spmdcomm.STUCK_EXIT_CODE` (75), so that
+    ``spmdcomm-launch --max-restarts`` restarts the job. ``preemption`` (default: on with a
+    ``checkpoint_dir``; create ``fit`` in the main thread) makes SIGTERM stop every process at one agreed
+    step, save a checkpoint there and exit with status :data:`spmdcomm.PREEMPTED_EXIT_CODE` (143); the next
+    start resumes from it.
 
     >>> import optax
     >>> def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
@@ -70,36 +94,56 @@ def fit(
                 fix="pass checkpoint_dir=<a directory every process can reach>, or leave them out.",
             )
         )
+    timer = PhaseTimer()
     pending: collections.deque[tuple[int, Any]] = collections.deque()
+    times: dict[int, dict[str, float]] = {}
     history: list[dict[str, float]] = []
+    first = checkpoints.step if checkpoints is not None else int(jax.device_get(state.step))
+    with contextlib.ExitStack() as stack:
+        # Closed in reverse: the writer, the preemption handlers and the watchdog's threads end with the loop;
+        # a loader's prefetch threads stop even when the loop ends early (an exception here or in a callback).
+        if watchdog_timeout is not None:
+            stack.enter_context(Watchdog(timer, timeout=watchdog_timeout, first_step_timeout=10 * watchdog_timeout))
+        stop = stack.enter_context(Preemption()) if _wants_preemption(preemption, checkpoints) else None
+        writer = None
+        if metrics_log is not None or tensorboard_dir is not None:
+            writer = stack.enter_context(MetricsWriter(metrics_log, tensorboard_dir=tensorboard_dir))
+        source = iter(data)
+        stack.callback(getattr(source, "close", lambda: None))
 
-    def drain(keep: int) -> None:
-        while len(pending) > keep:
-            i, metrics = pending.popleft()
-            host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            history.append(host)
-            if callback is not None:
-                callback(i, host)
+        def drain(keep: int) -> None:
+            with timer.phase("devices"):
+                while len(pending) > keep:
+                    i, metrics = pending.popleft()
+                    host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    host.update({f"time/{k}": v for k, v in times.pop(i).items()})
+                    history.append(host)
+                    if writer is not None:
+                        writer.write(first + i + 1, host)
+                    if callback is not None:
+                        callback(i, host)
 
-    source = iter(data)
-    try:
         for i in itertools.count():
-            batch = next(source, _END)  # waiting for data
+            if stop is not None and stop.should_stop(first + i):
+                drain(0)
+                with timer.phase("save"):
+                    checkpoints.save(state)
+                sys.exit(PREEMPTED_EXIT_CODE)
+            with timer.phase("data"):
+                batch = next(source, _END)
             if batch is _END:
                 break
-            state, metrics = step(state, batch)  # dispatching
+            with timer.phase("dispatch"):
+                state, metrics = step(state, batch)
             pending.append((i, metrics))
-            drain(step.max_in_flight)  # waiting for devices: metrics of the step one window back
+            drain(step.max_in_flight)  # the metrics of the step one in-flight window back
             if checkpoints is not None and checkpoints.stepped():
-                checkpoints.save(state)  # saving (blocks until the checkpoint is complete)
+                with timer.phase("save"):  # blocks until the checkpoint is complete
+                    checkpoints.save(state)
+            times[i] = timer.end_step(first + i + 1)
         drain(0)
         if checkpoints is not None and not checkpoints.saved_last:
             checkpoints.save(state)
-    finally:
-        # Stops a loader's prefetch threads when the loop ends early (an exception here or in a callback).
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()
     return state, history
 
 
@@ -107,6 +151,18 @@ def fit(
 
 
 _END = object()
+
+
+def _wants_preemption(preemption: bool | None, checkpoints: Any) -> bool:
+    if preemption and checkpoints is None:
+        raise SpmdError(
+            describe(
+                "fit",
+                "preemption=True saves a checkpoint at the agreed stop step, so it needs a checkpoint_dir.",
+                fix="pass checkpoint_dir=..., or leave preemption out.",
+            )
+        )
+    return checkpoints is not None if preemption is None else bool(preemption)
 
 
 class _Checkpoints:
