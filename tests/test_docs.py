@@ -105,13 +105,17 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
         env=env,
         timeout=480,
     )
-    names = ("collectives", "prefetch", "train_step")
+    names = ("collectives", "prefetch", "train_step", "strategies")
     results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in names}
     ops = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
     assert {r["op"] for r in results["collectives"]["rows"]} == ops
     assert all(r["time_us"] > 0 for r in results["collectives"]["rows"])
     assert {"io", "cpu"} <= set(results["prefetch"]["loader_vs_step"]) and results["prefetch"]["hidden_transfer"]
     assert results["train_step"]["mlp/ours"] > 0 and results["train_step"]["cnn/hand-written shard_map"] > 0
+    memory = results["strategies"]["memory"]
+    assert [(r["strategy"], r["devices"]) for r in memory] == [("ddp", 2), ("fsdp", 2)]
+    assert memory[1]["goal_met"] and memory[1]["persistent_bytes vs ddp"] < 0.51
+    assert results["strategies"]["speed"]["mlp"]["fsdp"]["samples_per_s"] > 0
     for name in results:
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
