@@ -258,7 +258,7 @@ class FSDP(Strategy):
     ``loss_fn`` runs under ``jax.checkpoint``, so the backward pass gathers the parameters again and
     recomputes the forward pass (activation checkpointing comes with it: less memory, one more forward
     pass). ``False`` keeps the gathered parameters and activations from the forward to the backward pass
-    (one all-gather per layer instead of two). XLA:CPU merges the second gathers with the first (it drops
+    (one all-gather per layer instead of two). XLA:CPU in jax 0.10 merges the second gathers with the first (it drops
     the rematerialisation barrier before its common-subexpression pass), so on CPU both compile alike.
     ``param_dtype`` (e.g. ``jnp.bfloat16``): the model
     computes with low-precision copies of the gathered parameters while the shards, the gradients and the

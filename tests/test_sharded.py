@@ -125,11 +125,14 @@ def test_explain_inventory_of_each_sharded_strategy():
     assert ops(zero2, "reduce-scatter") == [(848, "entry")]
     assert ops(zero2, "all-gather") == [(848, "entry")]
     assert ops(zero2, "all-reduce") == [(12, "entry")]
-    for strategy in ("fsdp", sc.FSDP(reshard_after_forward=False)):
+    # XLA:CPU in jax 0.10 merges resharding's second gathers with the first (test below); jax 0.11's keeps them.
+    regather = 2 if jax.__version_info__ >= (0, 11) else 1
+    for strategy, gathers in (("fsdp", regather), (sc.FSDP(reshard_after_forward=False), 1)):
         report = explain(strategy)
-        # Each layer's parameters are gathered for the forward pass; the backward pass reduce-scatters each
-        # layer's gradient; nothing is gathered after the update (the parameters stay sharded).
-        assert ops(report, "all-gather") == [(272, "entry"), (576, "entry")], report
+        # Each layer's parameters are gathered for the forward pass (and again for the backward pass when
+        # resharding); the backward pass reduce-scatters each layer's gradient; nothing is gathered after the
+        # update (the parameters stay sharded).
+        assert ops(report, "all-gather") == sorted([(272, "entry"), (576, "entry")] * gathers), report
         assert ops(report, "reduce-scatter") == [(272, "entry"), (576, "entry")], report
         assert ops(report, "all-reduce") == [(12, "entry")], report
 
@@ -137,8 +140,8 @@ def test_explain_inventory_of_each_sharded_strategy():
 @needs(4)
 def test_resharding_gathers_again_for_the_backward_pass():
     # In the program JAX hands to XLA, resharding gathers each layer twice (the forward pass, and again for the
-    # backward pass, which recomputes it); keeping the gathered parameters gathers once. XLA:CPU then merges the
-    # identical gathers (it drops the rematerialisation barrier before its CSE pass), so on CPU the compiled
+    # backward pass, which recomputes it); keeping the gathered parameters gathers once. XLA:CPU in jax 0.10 then merges
+    # the identical gathers (it drops the rematerialisation barrier before its CSE pass), so there the compiled
     # programs gather alike (test above).
     apply_fn, params, _ = init("mlp")
     counts = {}
