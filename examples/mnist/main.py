@@ -2,21 +2,27 @@
 
     python examples/mnist/main.py --devices 2                           # one process, 2 fake CPU devices
     spmdcomm-launch -n 2 --devices-per-process 2 examples/mnist/main.py  # 2 processes, the same code
+    spmdcomm-launch -n 2 --max-restarts 3 examples/mnist/main.py --checkpoint-dir ckpt  # restarted on failure
 
-Without MNIST on disk (--data-dir, or --download) it trains on scikit-learn's bundled digits. The last line
-printed is the JSON summary (also written to --json). The training logic is in train.py.
+Without MNIST on disk (--data-dir, or --download) it trains on scikit-learn's bundled digits. With
+--checkpoint-dir a killed or preempted run started again continues where its latest checkpoint was taken.
+The last line printed is the JSON summary (also written to --json). The training logic is in train.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = vars(_parser().parse_args(argv))
+    parser = _parser()
+    args = vars(parser.parse_args(argv))
+    if args.get("tensorboard_dir") and importlib.util.find_spec("tensorboardX") is None:
+        parser.error("--tensorboard-dir needs tensorboardX: pip install 'spmdcomm[tensorboard]' (or tensorboardX)")
     devices, json_path = args.pop("devices", None), args.pop("json", None)
     if devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Before JAX starts; under spmdcomm-launch --devices-per-process the launcher has set it.
@@ -54,8 +60,12 @@ def _parser() -> argparse.ArgumentParser:
         help="ddp (default), zero1/zero2 (Adam state split), fsdp (all split)",
     )
     p.add_argument("--seed", type=int)
-    p.add_argument("--max-steps", type=int, help="stop each epoch after this many steps")
-    p.add_argument("--checkpoint-dir", help="save a checkpoint after every epoch here; resume from the latest")
+    p.add_argument("--max-steps", type=int, help="stop the run at this step (saved with --checkpoint-dir)")
+    p.add_argument("--checkpoint-dir", help="save checkpoints here; a run started again resumes from the latest")
+    p.add_argument("--save-every", type=int, help="steps between checkpoints (default 100), and at each epoch end")
+    p.add_argument("--watchdog-timeout", type=float, help="seconds: a longer step ends the job, naming who is stuck")
+    p.add_argument("--metrics-log", help="JSON-lines file, one record per step; {process} for one per process")
+    p.add_argument("--tensorboard-dir", help="TensorBoard scalars of the same records (needs tensorboardX)")
     p.add_argument("--json", help="write the summary to this file")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
