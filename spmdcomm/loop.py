@@ -126,8 +126,9 @@ def fit(
         for i in itertools.count():
             if stop is not None and stop.should_stop(first + i):
                 drain(0)
-                with timer.phase("save"):
-                    checkpoints.save(state)
+                if not checkpoints.saved_last:  # a stop right after a periodic save (or the resume) keeps that one
+                    with timer.phase("save"):
+                        checkpoints.save(state)
                 sys.exit(PREEMPTED_EXIT_CODE)
             with timer.phase("data"):
                 batch = next(source, _END)

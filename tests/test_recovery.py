@@ -1,0 +1,277 @@
+"""End-to-end proof that a long run survives failures: 2 processes x 2 devices on 127.0.0.1 under
+``spmdcomm-launch`` train tests/workers/recovery_job.py (resume_job.py's MLP with BatchNorm and dropout, Adam,
+30 steps through ``sc.fit``, checkpoints every 4 steps) while the test kills a rank twice (once inside a
+checkpoint save), stalls one, or preempts the job; each run must end with every leaf of the state (parameters,
+optimizer state, step, model state, RNG) bitwise equal to an uninterrupted run's, launched in the same test on
+the same device layout. The steps, ranks and attempts of the failures are drawn from a seeded generator.
+
+The figures of docs/reliability.md (time to detection, steps redone, time to stop) come from these runs."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from test_watchdog import tables
+
+import spmdcomm as sc
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = ROOT / "tests" / "workers"
+_spec = importlib.util.spec_from_file_location("resume_job", WORKERS / "resume_job.py")
+job = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(job)
+
+SEED = 20261122
+PER_EPOCH = -(-job.EXAMPLES // job.GLOBAL_BATCH)  # 6 global batches, the last one padded
+EPOCHS, SAVE_EVERY = 5, 4  # recovery_job.py's defaults
+STEPS = EPOCHS * PER_EPOCH  # 30
+WATCHDOG_TIMEOUT = 5.0
+
+
+def mid_epoch(step: int) -> bool:
+    """Whether ``state.step == step`` falls inside an epoch (neither its first nor its last batch is next)."""
+    return step % PER_EPOCH not in (0, 1, PER_EPOCH - 1)
+
+
+def last_save(step: int) -> int:
+    """The newest periodic checkpoint once ``step`` steps completed."""
+    return step // SAVE_EVERY * SAVE_EVERY
+
+
+def assert_bitwise(actual_file: Path, expected_file: Path) -> None:
+    with np.load(actual_file) as actual, np.load(expected_file) as expected:
+        assert sorted(actual) == sorted(expected)
+        for part in (".step", ".params", ".opt_state", ".model_state", ".rng"):  # the whole state is compared
+            assert any(key.startswith(part) for key in expected), part
+        for key in expected:
+            assert actual[key].dtype == expected[key].dtype and actual[key].shape == expected[key].shape, key
+            assert actual[key].tobytes() == expected[key].tobytes(), key
+        assert int(actual[".step"]) == STEPS
+
+
+def lines(pattern: str, text: str) -> list[tuple[str, ...]]:
+    return re.findall(pattern, text, re.M)
+
+
+def uninterrupted(launch, tmp_path: Path) -> Path:
+    out = tmp_path / "straight.npz"
+    launch("recovery_job.py", "-", out)
+    return out
+
+
+# ---- 1 and 4: SIGKILL mid-epoch and inside a checkpoint save ---------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_killed(launch, tmp_path):
+    rng = random.Random(SEED)
+    kill_step = rng.choice([s for s in range(5, 15) if mid_epoch(s - 1)])  # rank dies instead of running it
+    save_step = rng.choice([s for s in range(kill_step + 1, STEPS - 1) if s % SAVE_EVERY == 0 and mid_epoch(s)])
+    kill_rank, save_rank = rng.randrange(2), rng.randrange(2)
+    straight = uninterrupted(launch, tmp_path)
+
+    ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
+    faults = ["--fault", f"0:{kill_rank}:{kill_step}:kill", "--fault", f"1:{save_rank}:{save_step}:kill-in-save"]
+    res = launch("recovery_job.py", ckpt, resumed, *faults, max_restarts=3)
+    out, err = res.stdout, res.stderr
+    chosen = f"kill rank {kill_rank} before step {kill_step}, rank {save_rank} in the save of {save_step}"
+
+    # Attempt 0: the rank dies mid-epoch; attempt 1 resumes from the last checkpoint before it.
+    assert lines(r"^\[rank (\d)\] KILLING before step (\d+)$", out) == [(str(kill_rank), str(kill_step))], chosen
+    assert f"rank {kill_rank} (pid" in err and err.count("was killed by SIGKILL") == 2, err
+    first_resume = last_save(kill_step - 1)
+    assert sorted(lines(r"^\[rank (\d)\] ATTEMPT 1 resumes from step (\d+)$", out)) == [
+        ("0", str(first_resume)),
+        ("1", str(first_resume)),
+    ], out
+    # Attempt 1: the rank dies after writing its shards of checkpoint save_step, before the save completes.
+    (on_disk,) = lines(rf"^\[rank {save_rank}\] KILLING in the save of checkpoint {save_step}; on disk: (.*)$", out)
+    on_disk = ast.literal_eval(on_disk)
+    assert str(save_step) not in on_disk and any(name.startswith(f"{save_step}.") for name in on_disk), on_disk
+    # 4: the previous checkpoint is still the latest complete one, and attempt 2 resumes from it.
+    assert sorted(lines(r"^\[rank (\d)\] ATTEMPT 2 resumes from step (\d+)$", out)) == [
+        ("0", str(save_step - SAVE_EVERY)),
+        ("1", str(save_step - SAVE_EVERY)),
+    ], out
+    assert "restart 2 of 3" in err and "restart 3 of 3" not in err, err
+    done = lines(r"^\[rank (\d)\] DONE attempt 2: trained (\d+) steps from step (\d+) to step (\d+)$", out)
+    left = str(STEPS - save_step + SAVE_EVERY)
+    assert sorted(done) == [(r, left, str(save_step - SAVE_EVERY), str(STEPS)) for r in "01"], out
+    assert_bitwise(resumed, straight)
+    assert sc.latest_checkpoint_step(ckpt) == STEPS
+    assert sc.checkpoint_extra(ckpt)["data"] == {"epoch": EPOCHS, "batch": 0, "global_batch_size": job.GLOBAL_BATCH}
+    assert not any(p.name.startswith(f"{save_step}.") for p in ckpt.iterdir())  # the unfinished save was removed
+
+
+# ---- 2: a rank that sleeps forever in its data source ----------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwise(launch, tmp_path):
+    rng = random.Random(SEED + 2)
+    stall_step, stall_rank = rng.choice([s for s in range(6, 20) if mid_epoch(s - 1)]), rng.randrange(2)
+    straight = uninterrupted(launch, tmp_path)
+
+    ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
+    args = ["recovery_job.py", ckpt, resumed, "--watchdog-timeout", WATCHDOG_TIMEOUT]
+    args += ["--fault", f"0:{stall_rank}:{stall_step}:stall"]
+    res = launch(*args, returncode=sc.STUCK_EXIT_CODE)
+    out, err = res.stdout, res.stderr
+    assert lines(r"^\[rank (\d)\] SLEEPING before step (\d+) at [\d.]+$", out) == [(str(stall_rank), str(stall_step))]
+    found = tables(err)
+    assert sorted(found) == [0, 1], err  # every process printed the table...
+    for rank in (0, 1):
+        assert len(lines(rf"^\[rank {rank}\] spmdcomm\.Watchdog: ", err)) == 1, err  # ...once
+        _, step, phase, seconds, stuck = found[rank][stall_rank]
+        assert (step, phase, stuck) == (str(stall_step - 1), "waiting for data", True), found
+        # Printed within timeout + 10 s of the stall (the table's seconds in phase of the stalled process).
+        assert WATCHDOG_TIMEOUT <= float(seconds) < WATCHDOG_TIMEOUT + 10, found
+        assert not found[rank][1 - stall_rank][4], found  # the other process is its victim, not named
+    assert f"Stuck: process {stall_rank} (waiting for data)." in err
+    assert "restart" not in err and f"exited with status {sc.STUCK_EXIT_CODE}" in err, err
+    assert not resumed.exists()
+
+    # The same command with one restart: attempt 0 resumes from the checkpoint the stalled run left, stalls
+    # again and is ended; attempt 1 completes.
+    saved = last_save(stall_step - 1)
+    res = launch(*args, max_restarts=1)
+    out, err = res.stdout, res.stderr
+    assert f"Stuck: process {stall_rank} (waiting for data)." in err and "restart 1 of 1" in err, err
+    assert sorted(lines(r"^\[rank (\d)\] ATTEMPT (\d) resumes from step (\d+)$", out)) == [
+        (r, a, str(saved)) for r in "01" for a in "01"
+    ], out
+    assert sorted(lines(r"^\[rank (\d)\] DONE attempt (\d)", out)) == [("0", "1"), ("1", "1")], out
+    assert_bitwise(resumed, straight)
+
+
+# ---- 3: SIGTERM to the launcher ----------------------------------------------------------------------------
+
+GRACE = 30  # seconds the launcher gives its processes after passing SIGTERM on: enough to agree and save
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bitwise(launch, tmp_path):
+    ready = random.Random(SEED + 3).choice([s for s in range(3, 10) if mid_epoch(s)])
+    straight = uninterrupted(launch, tmp_path)
+
+    ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
+    status, out, err = preempted_run(tmp_path, ckpt, resumed, ready)
+    assert status == sc.PREEMPTED_EXIT_CODE == 143, out + err
+    assert "received SIGTERM; stopping all processes (a stop, not a failure: no restart)" in err
+    stops = lines(r"^\[rank (\d)\] PREEMPTED at step (\d+) \(status (\d+)\)$", out)
+    assert sorted(rank for rank, _, _ in stops) == ["0", "1"], out + err
+    assert len({step for _, step, _ in stops}) == 1 and {code for _, _, code in stops} == {"143"}, stops
+    stop = int(stops[0][1])
+    assert ready < stop < STEPS, stops  # the SIGTERM came after step `ready`; the run had not ended
+    assert sc.latest_checkpoint_step(ckpt) == stop  # saved where every process stopped
+    position = {"epoch": stop // PER_EPOCH, "batch": stop % PER_EPOCH, "global_batch_size": job.GLOBAL_BATCH}
+    assert sc.checkpoint_extra(ckpt)["data"] == position
+    assert not resumed.exists()
+
+    res = launch("recovery_job.py", ckpt, resumed)
+    done = lines(r"^\[rank (\d)\] DONE attempt 0: trained (\d+) steps from step (\d+) to step (\d+)$", res.stdout)
+    assert sorted(done) == [(r, str(STEPS - stop), str(stop), str(STEPS)) for r in "01"], res.stdout
+    assert_bitwise(resumed, straight)
+
+
+def preempted_run(tmp_path: Path, ckpt: Path, out_file: Path, ready: int) -> tuple[int, str, str]:
+    """Launches recovery_job.py, sends the launcher SIGTERM once every process printed ``READY`` (after step
+    ``ready``), and returns its exit status and output."""
+    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--devices-per-process", "2", "--timeout", "150"]
+    cmd += ["--grace", str(GRACE), str(WORKERS / "recovery_job.py"), str(ckpt), str(out_file)]
+    cmd += ["--ready-at", str(ready)]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: queue.Queue[str] = queue.Queue()
+    out: list[str] = []
+    err: list[str] = []
+
+    def read(stream, into, notify):
+        for line in stream:
+            into.append(line)
+            if notify:
+                seen.put(line)
+
+    readers = [
+        threading.Thread(target=read, args=(proc.stdout, out, True), daemon=True),
+        threading.Thread(target=read, args=(proc.stderr, err, False), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        waiting, deadline = {"0", "1"}, time.monotonic() + 150
+        while waiting:
+            line = seen.get(timeout=max(0.0, deadline - time.monotonic()))  # queue.Empty: the job never got there
+            match = re.match(rf"\[rank (\d)\] READY at step {ready}$", line)
+            if match:
+                waiting.discard(match[1])
+        proc.send_signal(signal.SIGTERM)  # the launcher, the only process this test started
+        proc.wait(timeout=GRACE + 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for reader in readers:
+        reader.join(10)
+    return proc.returncode, "".join(out), "".join(err)
+
+
+# ---- a preemption right after a periodic save ------------------------------------------------------------
+
+
+class SigtermBefore:
+    """The train step, except that before running step ``at`` (the step that makes ``state.step == at``) the
+    process sends itself SIGTERM, as a scheduler would."""
+
+    def __init__(self, step: sc.TrainStep, at: int):
+        self.step, self.at, self.calls = step, at, 0
+        self.max_in_flight = step.max_in_flight
+
+    def __call__(self, state, batch):
+        self.calls += 1
+        if self.calls == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.step(state, batch)
+
+
+def test_a_stop_agreed_right_after_a_periodic_save_exits_with_that_checkpoint(tmp_path):
+    """The stop step is the step fit has just saved: fit exits 143 keeping that checkpoint (saving the same
+    step again used to fail in orbax with StepAlreadyExistsError), and the resumed run ends bitwise."""
+    mesh = sc.data_mesh(devices=jax.devices()[:2])
+    step = sc.make_train_step(job.loss_fn)
+
+    def loader():
+        data = job.loader(mesh)
+        data.epochs = 1
+        return data
+
+    straight, _ = sc.fit(step, job.fresh_state(mesh), loader())
+    with pytest.raises(SystemExit) as stopped:
+        sc.fit(SigtermBefore(step, 4), job.fresh_state(mesh), loader(), checkpoint_dir=tmp_path, save_every=2)
+    assert stopped.value.code == sc.PREEMPTED_EXIT_CODE
+    assert sc.latest_checkpoint_step(tmp_path) == 4
+    assert sc.checkpoint_extra(tmp_path)["data"] == {"epoch": 0, "batch": 4, "global_batch_size": job.GLOBAL_BATCH}
+
+    state, history = sc.fit(step, job.fresh_state(mesh), loader(), checkpoint_dir=tmp_path, save_every=2)
+    assert len(history) == PER_EPOCH - 4
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    for (path, got), want in zip(leaves, jax.tree.leaves(straight), strict=True):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), jax.tree_util.keystr(path)
