@@ -1,10 +1,13 @@
 """The data-parallel MNIST example (examples/mnist): its training logic in this process, its command line as
-one process and as two processes through the launcher, and checkpoint resume. Each run learns."""
+one process and as two processes through the launcher, stopping and resuming mid-epoch (bitwise), a killed
+process restarted by the launcher, and the per-step metrics log. Each run learns."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +21,16 @@ from tiny_mnist import write_tiny_mnist
 pytestmark = pytest.mark.slow
 
 MAIN = Path(train.__file__).with_name("main.py")
+PHASES = ("time/data", "time/dispatch", "time/devices", "time/save", "time/other")
 
 
 def losses(summary: dict) -> list[float]:
     return [e["train_loss"] for e in summary["epochs"]]
+
+
+def records(path: Path) -> dict[int, dict]:
+    """The metrics log, the last record of each step (a step re-run after a restart appears again)."""
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
 @pytest.fixture
@@ -35,16 +44,21 @@ def test_train_and_evaluate_learns_tiny_mnist(tiny_mnist):
     config = train.Config(dataset="mnist", data_dir=tiny_mnist, epochs=2, batch_size=32, progress=False)
     s = train.train_and_evaluate(config)
     assert s["dataset"] == "mnist" and s["devices"] == jax.device_count() and s["processes"] == 1
-    assert [e["steps"] for e in s["epochs"]] == [8, 8]  # 256 examples / 32
+    assert [e["steps"] for e in s["epochs"]] == [8, 8] and s["step"] == 16  # 256 examples / 32
     first, last = losses(s)
     assert last < 0.1 * first, losses(s)
     assert s["final_test_accuracy"] >= 0.95  # the label is a bright 7x7 block: 100% after one epoch here
+    for row in s["epochs"]:
+        assert set(train.PHASE_KEYS) <= set(row) and all(row[k] >= 0 for k in train.PHASE_KEYS), row
+        assert row["dispatch_s"] > 0 and row["save_s"] == 0  # no checkpoint_dir: nothing saved
+    assert re.fullmatch(r"[0-9a-f]{64}", s["params_sha256"])
 
 
-def test_command_line_single_process_prints_and_writes_the_summary(tiny_mnist, tmp_path):
-    out = tmp_path / "summary.json"
+def test_command_line_single_process_prints_and_writes_the_summary_and_metrics(tiny_mnist, tmp_path):
+    out, log, tb = tmp_path / "summary.json", tmp_path / "logs" / "metrics.jsonl", tmp_path / "tb"
     cmd = [sys.executable, str(MAIN), "--devices", "4", "--dataset", "mnist", "--data-dir", tiny_mnist]
     cmd += ["--epochs", "1", "--batch-size", "32", "--no-progress", "--json", str(out)]
+    cmd += ["--metrics-log", str(log), "--tensorboard-dir", str(tb)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # --devices sets the device count
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -52,31 +66,116 @@ def test_command_line_single_process_prints_and_writes_the_summary(tiny_mnist, t
     assert printed == json.loads(out.read_text())
     assert printed["devices"] == 4 and printed["global_batch"] == 32 and printed["epochs"][0]["steps"] == 8
     assert printed["final_test_accuracy"] >= 0.95
+    assert re.search(r"epoch 1: .* ms per step: data [\d.]+, dispatch [\d.]+, devices [\d.]+", proc.stdout)
+    # One record per step with the step's loss and its seconds per phase; the epoch row holds their means.
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 9))
+    assert all({"loss", "accuracy", "examples", *PHASES} <= set(r) for r in lines), lines[0]
+    row = printed["epochs"][0]
+    for key, name in train.PHASE_KEYS.items():
+        assert row[key] == pytest.approx(np.mean([r[name] for r in lines]), rel=1e-9), key
+    assert row["train_loss"] == pytest.approx(np.mean([r["loss"] for r in lines]), rel=1e-6)  # 32 real each
+    assert [p.name for p in tb.iterdir() if p.name.startswith("events.out.tfevents")]
 
 
-def test_two_processes_train_like_one_process_on_the_digits_fallback(launch, tmp_path):
-    # 2 processes x 2 devices split every global batch of 32 as 8 devices in this process do, so the two runs
-    # train the same model; only the order of float additions differs.
-    args = ["--data-dir", str(tmp_path / "empty"), "--epochs", "2", "--max-steps", "12", "--no-progress"]
-    res = launch(MAIN, *args, "--json", tmp_path / "summary.json", timeout=240)
-    s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["dataset"] == "digits" and s["processes"] == 2 and s["devices"] == 4
-    assert "training on scikit-learn's bundled digits" in res.stdout
-    here = train.train_and_evaluate(
-        train.Config(data_dir=str(tmp_path / "empty"), epochs=2, max_steps=12, progress=False)
+def test_run_stopped_mid_epoch_resumes_to_the_same_bits(tiny_mnist, tmp_path, capsys):
+    common = dict(dataset="mnist", data_dir=tiny_mnist, epochs=2, batch_size=32, save_every=3, progress=False)
+    straight_log, log, ckpt = tmp_path / "straight.jsonl", tmp_path / "metrics.jsonl", str(tmp_path / "ckpt")
+    straight = train.train_and_evaluate(
+        train.Config(checkpoint_dir=str(tmp_path / "straight"), metrics_log=str(straight_log), **common)
     )
-    np.testing.assert_allclose(losses(s), losses(here), rtol=1e-3)
-    first, last = losses(s)
-    assert last < 0.8 * first, losses(s)
+    stopped = train.train_and_evaluate(train.Config(checkpoint_dir=ckpt, max_steps=5, metrics_log=str(log), **common))
+    resumed = train.train_and_evaluate(train.Config(checkpoint_dir=ckpt, metrics_log=str(log), **common))
+    printed = capsys.readouterr().out
+    assert "stopped at step 5 of 16 (max_steps)" in printed
+    assert f"resuming from {ckpt} at step 5 (epoch 1, batch 6 of 8), restart 0" in printed
+    assert stopped["step"] == 5 and [e["steps"] for e in stopped["epochs"]] == [5]
+    assert [(e["epoch"], e["steps"]) for e in resumed["epochs"]] == [(1, 3), (2, 8)] and resumed["step"] == 16
+    # Bitwise the run that never stopped: the same parameters, test metrics and the loss of every step.
+    assert resumed["params_sha256"] == straight["params_sha256"] != stopped["params_sha256"]
+    assert resumed["epochs"][-1]["test_loss"] == straight["epochs"][-1]["test_loss"]
+    assert resumed["final_test_accuracy"] == straight["final_test_accuracy"] >= 0.95
+    steps = list(range(1, 17))
+    # Each step logged once: the stop at step 5 was saved, so the resumed run re-ran nothing.
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == steps
+    assert [records(log)[i]["loss"] for i in steps] == [records(straight_log)[i]["loss"] for i in steps]
+    assert sorted(int(p.name) for p in Path(ckpt).iterdir() if p.name.isdigit()) == [12, 15, 16]  # 3 kept
+    assert records(log)[12]["time/save"] > 0 and records(log)[11]["time/save"] == 0  # save_every=3
+    # Started again once finished: nothing left to train, the final state is restored and reported.
+    again = train.train_and_evaluate(train.Config(checkpoint_dir=ckpt, **common))
+    assert again["epochs"] == [] and again["step"] == 16
+    assert again["params_sha256"] == straight["params_sha256"]
+    assert again["final_test_accuracy"] == straight["final_test_accuracy"]
+
+
+KILLER = """
+import os, signal, sys
+sys.path.insert(0, {example!r})
+import main
+import spmdcomm as sc
+
+fit = sc.fit
+
+
+def fit_killed_on_the_first_attempt(*args, callback, **kwargs):
+    def die_mid_epoch(i, metrics):  # rank 1 of the first attempt, when step {kill_at}'s metrics arrive
+        if sc.restart_count() == 0 and sc.process_index() == 1 and i + 1 == {kill_at}:
+            os.kill(os.getpid(), signal.SIGKILL)
+        callback(i, metrics)
+
+    return fit(*args, callback=die_mid_epoch, **kwargs)
+
+
+sc.fit = fit_killed_on_the_first_attempt
+main.main()
+"""
+
+
+def test_two_processes_killed_mid_epoch_restart_and_train_like_one_process(launch, tmp_path):
+    # Rank 1 SIGKILLs itself in the first attempt's step 13 of 24 (checkpoints every 5 steps); the launcher
+    # restarts both processes, which resume from the latest checkpoint. 2 processes x 2 devices split every
+    # global batch of 32 as 8 devices in this process do, so the job trains the same model as the run here;
+    # only the order of float additions differs.
+    script = tmp_path / "killed_main.py"
+    script.write_text(KILLER.format(example=str(MAIN.parent), kill_at=13))
+    ckpt, empty = tmp_path / "ckpt", str(tmp_path / "empty")
+    args = ["--data-dir", empty, "--epochs", "1", "--max-steps", "24", "--no-progress", "--checkpoint-dir", ckpt]
+    args += ["--save-every", "5", "--watchdog-timeout", "60", "--metrics-log", tmp_path / "metrics.{process}.jsonl"]
+    res = launch(script, *args, "--json", tmp_path / "summary.json", timeout=300, max_restarts=1)
+    output = res.stdout + res.stderr
+    assert "training on scikit-learn's bundled digits" in output
+    assert "was killed by SIGKILL" in output and "restart 1 of 1" in output
+    resumed_at = int(re.search(r"\[rank 0\] resuming from \S+ at step (\d+) \(epoch 1, ", res.stdout)[1])
+    assert resumed_at in (5, 10, 15, 20)  # a checkpoint mid-epoch (44 steps), before the stop at 24
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["dataset"] == "digits" and s["processes"] == 2 and s["devices"] == 4 and s["restarts"] == 1
+    assert s["step"] == 24 and [e["steps"] for e in s["epochs"]] == [24 - resumed_at]
+
+    here_log = tmp_path / "here.jsonl"
+    here = train.train_and_evaluate(
+        train.Config(data_dir=empty, epochs=1, max_steps=24, metrics_log=str(here_log), progress=False)
+    )
+    job, job_1, mine = (records(p) for p in (tmp_path / "metrics.0.jsonl", tmp_path / "metrics.1.jsonl", here_log))
+    # Each process logs every step it ran after the restart. Before the kill, a step's record is written one
+    # in-flight window after its dispatch, so the records of the steps just before the checkpoint the job
+    # resumed from may be missing; every step that is there has the same (global) metrics on both processes.
+    assert sorted(mine) == list(range(1, 25)) and set(range(1, 14)) | set(range(resumed_at + 1, 25)) <= set(job_1)
+    assert set(range(resumed_at + 1, 25)) <= set(job) and all(set(PHASES) <= set(r) for r in job.values())
+    assert all(job_1[i]["loss"] == job[i]["loss"] for i in set(job) & set(job_1))
+    logged = sorted(job)
+    job_losses, my_losses = ([m[i]["loss"] for i in logged] for m in (job, mine))
+    np.testing.assert_allclose(job_losses, my_losses, rtol=1e-3)
+    assert np.mean(job_losses[-4:]) < 0.8 * np.mean(job_losses[:4]), job_losses
     assert s["final_test_accuracy"] >= 0.6  # 24 steps; guessing gives 0.1, 3 full epochs 0.98
     assert abs(s["final_test_accuracy"] - here["final_test_accuracy"]) <= 2 / 360  # 360 test images
 
 
-def test_checkpoint_resume_continues_from_the_last_epoch(tiny_mnist, tmp_path, capsys):
-    common = dict(dataset="mnist", data_dir=tiny_mnist, batch_size=32, checkpoint_dir=str(tmp_path / "ckpt"))
-    first = train.train_and_evaluate(train.Config(epochs=1, progress=False, **common))
-    resumed = train.train_and_evaluate(train.Config(epochs=2, progress=False, **common))
-    printed = capsys.readouterr().out
-    assert f"resumed from {common['checkpoint_dir']} at step 8 (epoch 1)" in printed.split("epoch 1:", 1)[1]
-    assert [e["epoch"] for e in resumed["epochs"]] == [2]
-    assert resumed["epochs"][0]["train_loss"] < first["epochs"][0]["train_loss"]
+def test_tensorboard_dir_without_tensorboardX_says_what_to_install(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("mnist_main", MAIN)
+    main = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(main)
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if it were not installed
+    with pytest.raises(SystemExit) as exit_info:
+        main.main(["--tensorboard-dir", "tb"])
+    assert exit_info.value.code == 2
+    assert "--tensorboard-dir needs tensorboardX: pip install 'spmdcomm[tensorboard]'" in capsys.readouterr().err
