@@ -39,6 +39,7 @@ P('data',)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
@@ -262,9 +263,10 @@ class FSDP(Strategy):
     the rematerialisation barrier before its common-subexpression pass), so on CPU both compile alike.
     ``param_dtype`` (e.g. ``jnp.bfloat16``): the model
     computes with low-precision copies of the gathered parameters while the shards, the gradients and the
-    optimizer stay float32 (torch's ``MixedPrecisionPolicy(param_dtype=...)``; the step's ``reduce_dtype``
-    is its ``reduce_dtype``). The optimizer must be element-wise, as for :class:`ZeRO1`. ``shard_map``
-    backend only.
+    optimizer stay float32 (torch's ``MixedPrecisionPolicy(param_dtype=...)``): the shards are gathered in
+    ``param_dtype`` (half the bytes for bfloat16) and the gradients reduce-scattered in it, or in the step's
+    ``reduce_dtype`` when given (its ``reduce_dtype``). The optimizer must be element-wise, as for
+    :class:`ZeRO1`. ``shard_map`` backend only.
     """
 
     name: ClassVar[str] = "fsdp"
@@ -298,10 +300,15 @@ class FSDP(Strategy):
         return jax.jit(tx.init, out_shardings=_shardings(mesh, layout.opt_specs))(params)
 
     def compute_params(self, ctx: ReduceContext, layout: ShardedLayout, params: dict[str, jax.Array]) -> Any:
-        # lax.all_gather of a varying shard is varying: its transpose is a reduce-scatter (psum_scatter), so
-        # the gradient with respect to the shard arrives summed over the axis.
-        whole = {key: lax.all_gather(shard, ctx.axis, tiled=True) for key, shard in params.items()}
-        return cast(layout.flat.unflatten(whole), self.param_dtype)
+        # Each shard is gathered in the compute dtype; the backward pass reduce-scatters the gradient in the
+        # step's reduce_dtype (else the compute dtype), so the gradient with respect to the shard arrives
+        # summed over the axis.
+        whole = {}
+        for key, shard in params.items():
+            compute = self.param_dtype if self.param_dtype is not None and _is_float(shard) else shard.dtype
+            low = ctx.reduce_dtype if ctx.reduce_dtype is not None and _is_float(shard) else compute
+            whole[key] = _gather_shards(shard, ctx.axis, jnp.dtype(compute), jnp.dtype(low))
+        return layout.flat.unflatten(whole)
 
     def reduce(
         self, ctx: ReduceContext, layout: ShardedLayout, grads: dict[str, jax.Array], stats: jax.Array
@@ -355,6 +362,27 @@ def check_strategy_backend(fn: str, strategy: Strategy, backend: str) -> None:
 class _Buckets:
     flat: FlatLayout
     bucket_bytes: int
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather_shards(shard: jax.Array, axis: str, compute: Any, reduce: Any) -> jax.Array:
+    """All-gathers ``shard`` over ``axis`` in dtype ``compute``; its derivative reduce-scatters in ``reduce``."""
+    return lax.all_gather(shard.astype(compute), axis, tiled=True)
+
+
+def _gather_shards_fwd(shard: jax.Array, axis: str, compute: Any, reduce: Any) -> tuple[jax.Array, Any]:
+    return _gather_shards(shard, axis, compute, reduce), jnp.zeros((), shard.dtype)
+
+
+def _gather_shards_bwd(axis: str, compute: Any, reduce: Any, like: jax.Array, ct: jax.Array) -> tuple[jax.Array]:
+    return (lax.psum_scatter(ct.astype(reduce), axis, tiled=True).astype(like.dtype),)
+
+
+_gather_shards.defvjp(_gather_shards_fwd, _gather_shards_bwd)
+
+
+def _is_float(x: jax.Array) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _shardings(mesh: Mesh, specs: Any) -> Any:

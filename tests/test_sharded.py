@@ -1,5 +1,7 @@
 """Sharded strategies (ZeRO-2, FSDP): N devices train what one device trains, with 1/N of the state each."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,6 +176,33 @@ def test_param_dtype_computes_in_bf16_with_float32_master_shards():
     assert all(v.dtype == jnp.float32 for v in bf16.params.values())
     assert_trees_close(bf16.full_params(), f32.full_params(), rtol=5e-2, atol=5e-3)
     assert not np.array_equal(bf16.full_params()["Dense_0"]["kernel"], f32.full_params()["Dense_0"]["kernel"])
+
+
+@needs(4)
+@pytest.mark.parametrize(
+    "strategy,reduce_dtype,gathered,reduced",
+    [
+        (sc.FSDP(param_dtype=jnp.bfloat16), None, "bf16", "bf16"),
+        ("fsdp", jnp.bfloat16, "f32", "bf16"),
+        ("fsdp", None, "f32", "f32"),
+        ("zero2", jnp.bfloat16, "f32", "bf16"),
+    ],
+)
+def test_gathers_and_reductions_run_in_the_chosen_dtypes(strategy, reduce_dtype, gathered, reduced):
+    # As handed to XLA (XLA:CPU may widen a bf16 reduction for its kernel; GPUs run it in bf16).
+    apply_fn, params, _ = init("mlp")
+    state = sc.TrainState.create(
+        params=params, apply_fn=apply_fn, tx=optax.adam(1e-3), mesh=mesh_of(4), strategy=strategy
+    )
+    text = sc.make_train_step(loss_fn, reduce_dtype=reduce_dtype).lower(state, BATCHES["mlp"][0]).as_text()
+    # The operand type after each op (a reduce-scatter's comes after its reduction region).
+    results = lambda op: set(re.findall(rf'"stablehlo\.{op}".*?: \(tensor<\d+x(\w+)>\) ->', text, re.S))
+    assert results("reduce_scatter") == {reduced}
+    assert results("all_gather") == {gathered}
+    if reduce_dtype is not None:
+        trained, _ = run_ddp("mlp", 4, "adam", batches=BATCHES["mlp"], strategy=strategy, reduce_dtype=reduce_dtype)
+        exact, _ = run_ddp("mlp", 4, "adam", batches=BATCHES["mlp"], strategy=strategy)
+        assert_trees_close(trained.full_params(), exact.full_params(), rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
