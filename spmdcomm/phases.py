@@ -48,8 +48,9 @@ PHASE_DESCRIPTIONS: dict[str, str] = {
 }
 PHASES: tuple[str, ...] = tuple(PHASE_DESCRIPTIONS)
 # Phases in which a process waits for the other processes: when a job hangs, a process in one of these is
-# more likely a victim than the cause (the watchdog names the others first).
-WAITING_PHASES: frozenset[str] = frozenset({"devices", "sync"})
+# more likely a victim than the cause (the watchdog names the others first). A checkpoint save is one: every
+# process saves the same step and meets the others at the save's barriers.
+WAITING_PHASES: frozenset[str] = frozenset({"devices", "sync", "save"})
 
 _OTHER = "other"
 

@@ -25,7 +25,7 @@ How it works, and what it costs:
 
 Which processes are stuck: those that never reported their state, and among the processes with the lowest
 last completed step those that are not waiting for the others (:data:`~spmdcomm.phases.WAITING_PHASES`:
-waiting for devices, in a barrier); when all of those wait, all of them (a hang inside the devices).
+waiting for devices, in a barrier, saving); when all of those wait, all of them (a hang inside the devices).
 
 >>> import spmdcomm as sc
 >>> timer = sc.PhaseTimer()

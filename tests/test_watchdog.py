@@ -24,6 +24,9 @@ def state(process, step, phase, seconds=1.0):
         ({0: state(0, 5, "devices"), 1: state(1, 4, "data")}, 2, [1]),
         # the same step, one waits for the others inside a collective, one does not
         ({0: state(0, 4, "devices"), 1: state(1, 4, "dispatch")}, 2, [1]),
+        # a checkpoint save is collective: one process saving step 8 waits for the one whose data never came
+        ({0: state(0, 7, "data"), 1: state(1, 7, "save")}, 2, [0]),
+        ({0: state(0, 7, "save"), 1: state(1, 7, "save")}, 2, [0, 1]),
         # everyone waits at the lowest step: a hang inside the devices or a barrier names all of them
         ({0: state(0, 4, "devices"), 1: state(1, 4, "sync"), 2: state(2, 6, "devices")}, 3, [0, 1]),
         # a process without a report comes first; the waiting ones are its victims
