@@ -123,7 +123,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     if not history and done:  # the checkpoint has already trained every step asked for: report it
         state = sc.restore_checkpoint(config.checkpoint_dir, state)
     if main_proc and done < total:
-        print(f"stopped at step {done} of {total} (max_steps); run again without it to continue", flush=True)
+        then = "; run again without it to continue" if config.checkpoint_dir else ""
+        print(f"stopped at step {done} of {total} (max_steps){then}", flush=True)
     return {
         "dataset": ds.name,
         "processes": n_proc,
