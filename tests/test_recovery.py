@@ -1,6 +1,6 @@
 """End-to-end proof that a long run survives failures: 2 processes x 2 devices on 127.0.0.1 under
 ``spmdcomm-launch`` train tests/workers/recovery_job.py (resume_job.py's MLP with BatchNorm and dropout, Adam,
-30 steps through ``sc.fit``, checkpoints every 4 steps) while the test kills a rank twice (once inside a
+24 steps through ``sc.fit``, checkpoints every 4 steps) while the test kills a rank twice (once inside a
 checkpoint save), stalls one, or preempts the job; each run must end with every leaf of the state (parameters,
 optimizer state, step, model state, RNG) bitwise equal to an uninterrupted run's, launched in the same test on
 the same device layout. The steps, ranks and attempts of the failures are drawn from a seeded generator.
@@ -37,8 +37,8 @@ _spec.loader.exec_module(job)
 
 SEED = 20261122
 PER_EPOCH = -(-job.EXAMPLES // job.GLOBAL_BATCH)  # 6 global batches, the last one padded
-EPOCHS, SAVE_EVERY = 5, 4  # recovery_job.py's defaults
-STEPS = EPOCHS * PER_EPOCH  # 30
+EPOCHS, SAVE_EVERY = 4, 4  # recovery_job.py's defaults
+STEPS = EPOCHS * PER_EPOCH  # 24
 WATCHDOG_TIMEOUT = 5.0
 
 
@@ -80,7 +80,8 @@ def uninterrupted(launch, tmp_path: Path) -> Path:
 @pytest.mark.slow
 def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_killed(launch, tmp_path):
     rng = random.Random(SEED)
-    kill_step = rng.choice([s for s in range(5, 15) if mid_epoch(s - 1)])  # rank dies instead of running it
+    # The rank dies instead of running kill_step, mid-epoch and between two saves (so steps are redone).
+    kill_step = rng.choice([s for s in range(5, 18) if mid_epoch(s - 1) and (s - 1) % SAVE_EVERY])
     save_step = rng.choice([s for s in range(kill_step + 1, STEPS - 1) if s % SAVE_EVERY == 0 and mid_epoch(s)])
     kill_rank, save_rank = rng.randrange(2), rng.randrange(2)
     straight = uninterrupted(launch, tmp_path)

@@ -18,7 +18,7 @@ RANK only:
   instead of handing over the batch of step STEP (``--watchdog-timeout`` must end the job).
 
 ``--ready-at STEP``: on attempt 0 every process prints ``READY at step STEP`` once its data source hands over
-that step's batch, and from then on waits 0.2 s before each batch, so that the test can send SIGTERM while
+that step's batch, and from then on waits 0.3 s before each batch, so that the test can send SIGTERM while
 the job is mid-epoch. The faults are hooks of this script; the library is not patched.
 
 Every process prints ``ATTEMPT a resumes from step s`` at its first step, ``PREEMPTED at step s (status c)``
@@ -89,7 +89,7 @@ class Data:
                 if self.ready_at is not None and handed >= self.ready_at:
                     if handed == self.ready_at:
                         print(f"READY at step {handed}", flush=True)
-                    time.sleep(0.2)
+                    time.sleep(0.3)
                 yield batch
         finally:
             batches.close()
@@ -114,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("ckpt_dir")
     parser.add_argument("out_file", type=Path)
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--watchdog-timeout", type=float)
     parser.add_argument("--fault", action="append", default=[])
