@@ -138,10 +138,16 @@ def fit(
                 state, metrics = step(state, batch)
             pending.append((i, metrics))
             drain(step.max_in_flight)  # the metrics of the step one in-flight window back
-            if checkpoints is not None and checkpoints.stepped():
+            saving = checkpoints is not None and checkpoints.stepped()
+            if saving:
+                # The steps before this one are reported before their state is saved: a run killed after the
+                # save does not train them again, so their records must not wait in the window.
+                drain(1)
                 with timer.phase("save"):  # blocks until the checkpoint is complete
                     checkpoints.save(state)
             times[i] = timer.end_step(first + i + 1)
+            if saving:
+                drain(0)
         drain(0)
         if checkpoints is not None and not checkpoints.saved_last:
             checkpoints.save(state)
