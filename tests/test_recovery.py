@@ -217,21 +217,25 @@ def preempted_run(tmp_path: Path, ckpt: Path, out_file: Path, ready: int) -> tup
     ]
     for reader in readers:
         reader.start()
+    waiting, deadline = {"0", "1"}, time.monotonic() + 150
     try:
-        waiting, deadline = {"0", "1"}, time.monotonic() + 150
-        while waiting:
-            line = seen.get(timeout=max(0.0, deadline - time.monotonic()))  # queue.Empty: the job never got there
-            match = re.match(rf"\[rank (\d)\] READY at step {ready}$", line)
+        while waiting and proc.poll() is None and time.monotonic() < deadline:
+            try:
+                match = re.match(rf"\[rank (\d)\] READY at step {ready}$", seen.get(timeout=1))
+            except queue.Empty:
+                continue
             if match:
                 waiting.discard(match[1])
-        proc.send_signal(signal.SIGTERM)  # the launcher, the only process this test started
-        proc.wait(timeout=GRACE + 30)
+        if not waiting:
+            proc.send_signal(signal.SIGTERM)  # the launcher, the only process this test started
+            proc.wait(timeout=GRACE + 30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     for reader in readers:
         reader.join(10)
+    assert not waiting, f"rank(s) {sorted(waiting)} never printed READY:\n{''.join(out)}{''.join(err)}"
     return proc.returncode, "".join(out), "".join(err)
 
 
