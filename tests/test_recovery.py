@@ -94,7 +94,9 @@ def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_kille
 
     # Attempt 0: the rank dies mid-epoch; attempt 1 resumes from the last checkpoint before it.
     assert lines(r"^\[rank (\d)\] KILLING before step (\d+)$", out) == [(str(kill_rank), str(kill_step))], chosen
-    assert f"rank {kill_rank} (pid" in err and err.count("was killed by SIGKILL") == 2, err
+    # The launcher names the first failure it polls in each attempt: the killed rank, or its peer whose
+    # collective lost it (an uncaught exception exits at once); the KILLING lines above say who was killed.
+    assert len(re.findall(r"rank \d \(pid \d+\) (?:was killed by SIGKILL|exited with status 1)", err)) == 2, err
     first_resume = last_save(kill_step - 1)
     assert sorted(lines(r"^\[rank (\d)\] ATTEMPT 1 resumes from step (\d+)$", out)) == [
         ("0", str(first_resume)),
