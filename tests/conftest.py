@@ -8,9 +8,13 @@ examples do, and the tests import them the same way (``import train``, ``import 
 from __future__ import annotations
 
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -39,7 +43,7 @@ def mesh(request):
 @pytest.fixture
 def launch(tmp_path):
     """``launch(script, *args, processes=2, devices_per_process=2, timeout=..., env=None, returncode=0,
-    max_restarts=0)``.
+    max_restarts=0, grace=2, sigterm_after=None)``.
 
     Runs ``python -m spmdcomm.launch -n PROCESSES [--devices-per-process K] [--max-restarts R] --timeout T
     --grace 2 script *args``
@@ -48,7 +52,9 @@ def launch(tmp_path):
     showing the command and its whole output, when the exit status is not ``returncode`` or the job outlives
     ``timeout`` (the launcher's own ``--timeout`` ends it with status 124; should even that not end it, the
     fixture stops the launcher, the only process it started). ``env`` entries are added to the environment;
-    ``devices_per_process=None`` leaves the device count to the script.
+    ``devices_per_process=None`` leaves the device count to the script. ``sigterm_after`` (a regular
+    expression) sends the launcher SIGTERM, as a scheduler would, once every rank has printed a line matching
+    it (after its ``[rank i] `` prefix); a job that ends first, or never gets there, fails the test.
     """
 
     def run(
@@ -60,23 +66,28 @@ def launch(tmp_path):
         env: dict[str, str] | None = None,
         returncode: int = 0,
         max_restarts: int = 0,
+        grace: float = _GRACE,
+        sigterm_after: str | None = None,
     ) -> subprocess.CompletedProcess:
         devices = [] if devices_per_process is None else ["--devices-per-process", str(devices_per_process)]
         restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
         cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", str(processes), *devices, *restarts]
-        cmd += ["--timeout", f"{timeout:g}", "--grace", str(_GRACE), str(WORKERS / script), *map(str, args)]
+        cmd += ["--timeout", f"{timeout:g}", "--grace", f"{grace:g}", str(WORKERS / script), *map(str, args)]
         full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the launcher sets the devices
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         full_env.update(env or {})
         proc = subprocess.Popen(
             cmd, cwd=tmp_path, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
+        limit = timeout + grace + 30  # the launcher needs `timeout` plus the grace period to end the job itself
         try:
-            # The launcher needs `timeout` plus the grace period to end the job itself.
-            out, err = proc.communicate(timeout=timeout + _GRACE + 30)
+            if sigterm_after is None:
+                out, err = proc.communicate(timeout=limit)
+            else:
+                out, err = _sigterm_when_every_rank_printed(proc, cmd, re.compile(sigterm_after), processes, limit)
         except subprocess.TimeoutExpired:
             out, err = _stop(proc)
-            pytest.fail(_report(cmd, f"did not end within {timeout + _GRACE + 30:g} s", out, err), pytrace=False)
+            pytest.fail(_report(cmd, f"did not end within {limit:g} s", out, err), pytrace=False)
         if proc.returncode != returncode:
             why = f"exited with status {proc.returncode}, expected {returncode}"
             if proc.returncode == 124:
@@ -99,6 +110,48 @@ def _stop(proc: subprocess.Popen) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.communicate()
+
+
+def _sigterm_when_every_rank_printed(
+    proc: subprocess.Popen, cmd: list[str], pattern: re.Pattern[str], processes: int, limit: float
+) -> tuple[str, str]:
+    """Reads the launcher's output as it comes; sends it SIGTERM once every rank printed a line matching
+    ``pattern``; returns everything it wrote."""
+    lines: queue.Queue[str] = queue.Queue()
+    out: list[str] = []
+    err: list[str] = []
+
+    def read(stream, into, notify):
+        for line in stream:
+            into.append(line)
+            if notify:
+                lines.put(line)
+
+    readers = [
+        threading.Thread(target=read, args=(proc.stdout, out, True), daemon=True),
+        threading.Thread(target=read, args=(proc.stderr, err, False), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    waiting, deadline = {str(r) for r in range(processes)}, time.monotonic() + limit
+    while waiting and proc.poll() is None and time.monotonic() < deadline:
+        try:
+            match = re.match(r"\[rank (\d+)\] (.*)$", lines.get(timeout=1))
+        except queue.Empty:
+            continue
+        if match and pattern.search(match[2]):
+            waiting.discard(match[1])
+    if waiting:
+        _stop(proc)
+        for reader in readers:
+            reader.join(10)
+        why = f"rank(s) {sorted(waiting)} never printed a line matching {pattern.pattern!r}"
+        pytest.fail(_report(cmd, why, "".join(out), "".join(err)), pytrace=False)
+    proc.send_signal(signal.SIGTERM)  # the launcher, the only process this fixture started
+    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    for reader in readers:
+        reader.join(10)
+    return "".join(out), "".join(err)
 
 
 def _report(cmd: list[str], why: str, out: str | None, err: str | None) -> str:

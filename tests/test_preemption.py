@@ -2,18 +2,14 @@
 and in 2 x 2 jobs on 127.0.0.1 through tests/workers/mp_watchdog.py (a stand-in for fit)."""
 
 import os
-import queue
 import re
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 import spmdcomm as sc
-from spmdcomm.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,53 +125,12 @@ def test_a_single_process_job_stops_after_sigterm(launch):
 
 
 @pytest.mark.multiprocess
-def test_sigterm_to_the_launcher_stops_every_process_at_the_same_step(tmp_path):
+def test_sigterm_to_the_launcher_stops_every_process_at_the_same_step(launch):
     """The launcher passes SIGTERM on to every process; they agree on one step and exit with the preempted code."""
-    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--devices-per-process", "2", "--timeout", "150"]
-    cmd += [
-        "--grace",
-        "30",
-        "--coordinator",
-        f"127.0.0.1:{free_port()}",
-        str(ROOT / "tests" / "workers" / "mp_watchdog.py"),
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.Popen(
-        [*cmd, "preempt", "external"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    res = launch(
+        "mp_watchdog.py", "preempt", "external", grace=30, sigterm_after=r"^READY$", returncode=128 + signal.SIGTERM
     )
-    lines: queue.Queue = queue.Queue()
-    out: list[str] = []
-    err: list[str] = []
-
-    def read(stream, into, notify):
-        for line in stream:
-            into.append(line)
-            if notify:
-                lines.put(line)
-
-    readers = [
-        threading.Thread(target=read, args=(proc.stdout, out, True), daemon=True),
-        threading.Thread(target=read, args=(proc.stderr, err, False), daemon=True),
-    ]
-    for reader in readers:
-        reader.start()
-    try:
-        ready = set()
-        while ready != {"0", "1"}:
-            line = lines.get(timeout=120)  # raises queue.Empty when the job never gets going
-            if line.rstrip().endswith("] READY"):
-                ready.add(line[len("[rank ") : line.index("]")])
-        proc.send_signal(signal.SIGTERM)  # the launcher, the only process this test started
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    for reader in readers:
-        reader.join(10)
-    text, err = "".join(out), "".join(err)
-    assert proc.returncode == 128 + signal.SIGTERM, text + err
+    text, err = res.stdout, res.stderr
     got = stops(text)
     assert sorted(got) == [0, 1], text + err
     assert len({step for step, _ in got.values()}) == 1, got

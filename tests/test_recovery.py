@@ -12,14 +12,9 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import queue
 import random
 import re
 import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import jax
@@ -175,8 +170,17 @@ def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bi
     straight = uninterrupted(launch, tmp_path)
 
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
-    status, out, err = preempted_run(tmp_path, ckpt, resumed, ready)
-    assert status == sc.PREEMPTED_EXIT_CODE == 143, out + err
+    res = launch(
+        "recovery_job.py",
+        ckpt,
+        resumed,
+        "--ready-at",
+        ready,
+        grace=GRACE,
+        sigterm_after=rf"^READY at step {ready}$",
+        returncode=sc.PREEMPTED_EXIT_CODE,
+    )
+    out, err = res.stdout, res.stderr
     assert "received SIGTERM; stopping all processes (a stop, not a failure: no restart)" in err
     stops = lines(r"^\[rank (\d)\] PREEMPTED at step (\d+) \(status (\d+)\)$", out)
     assert sorted(rank for rank, _, _ in stops) == ["0", "1"], out + err
@@ -192,53 +196,6 @@ def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bi
     done = lines(r"^\[rank (\d)\] DONE attempt 0: trained (\d+) steps from step (\d+) to step (\d+)$", res.stdout)
     assert sorted(done) == [(r, str(STEPS - stop), str(stop), str(STEPS)) for r in "01"], res.stdout
     assert_bitwise(resumed, straight)
-
-
-def preempted_run(tmp_path: Path, ckpt: Path, out_file: Path, ready: int) -> tuple[int, str, str]:
-    """Launches recovery_job.py, sends the launcher SIGTERM once every process printed ``READY`` (after step
-    ``ready``), and returns its exit status and output."""
-    cmd = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--devices-per-process", "2", "--timeout", "150"]
-    cmd += ["--grace", str(GRACE), str(WORKERS / "recovery_job.py"), str(ckpt), str(out_file)]
-    cmd += ["--ready-at", str(ready)]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen: queue.Queue[str] = queue.Queue()
-    out: list[str] = []
-    err: list[str] = []
-
-    def read(stream, into, notify):
-        for line in stream:
-            into.append(line)
-            if notify:
-                seen.put(line)
-
-    readers = [
-        threading.Thread(target=read, args=(proc.stdout, out, True), daemon=True),
-        threading.Thread(target=read, args=(proc.stderr, err, False), daemon=True),
-    ]
-    for reader in readers:
-        reader.start()
-    waiting, deadline = {"0", "1"}, time.monotonic() + 150
-    try:
-        while waiting and proc.poll() is None and time.monotonic() < deadline:
-            try:
-                match = re.match(rf"\[rank (\d)\] READY at step {ready}$", seen.get(timeout=1))
-            except queue.Empty:
-                continue
-            if match:
-                waiting.discard(match[1])
-        if not waiting:
-            proc.send_signal(signal.SIGTERM)  # the launcher, the only process this test started
-            proc.wait(timeout=GRACE + 30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    for reader in readers:
-        reader.join(10)
-    assert not waiting, f"rank(s) {sorted(waiting)} never printed READY:\n{''.join(out)}{''.join(err)}"
-    return proc.returncode, "".join(out), "".join(err)
 
 
 # ---- a preemption right after a periodic save ------------------------------------------------------------
