@@ -46,6 +46,8 @@ from spmdcomm.runtime import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_RESTART_COUNT,
+    host_and_port,
+    is_loopback,
 )
 
 __all__ = [
@@ -265,8 +267,8 @@ def _split_coordinator(coordinator: str | None) -> tuple[str, int | None]:
     """``HOST:PORT`` as (host without IPv6 brackets, port); no address gives loopback and no port yet."""
     if coordinator is None:
         return "127.0.0.1", None
-    host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit():
+    parsed = host_and_port(coordinator)
+    if parsed is None:
         raise SpmdError(
             describe(
                 "launch",
@@ -275,14 +277,13 @@ def _split_coordinator(coordinator: str | None) -> tuple[str, int | None]:
                 "to use 127.0.0.1 and a free port.",
             )
         )
-    return host.strip("[]"), int(port)
+    return parsed
 
 
 def _fresh_port(host: str, used: set[int]) -> int:
     # Bound where the coordinator will listen: on a loopback host itself, otherwise on every interface
     # (as spmdcomm.initialize does).
-    loopback = host in ("localhost", "::1") or host.startswith("127.")
-    bind_host = host if loopback else ("::" if ":" in host else "0.0.0.0")
+    bind_host = host if is_loopback(host) else ("::" if ":" in host else "0.0.0.0")
     port = free_port(bind_host)
     while port in used:  # the OS rarely hands out the same ephemeral port twice in a row
         port = free_port(bind_host)

@@ -127,7 +127,7 @@ def initialize(
         local_device_ids=device_ids,
         cluster_detection_method="deactivate",
         initialization_timeout=max(1, math.ceil(deadline - time.monotonic())),
-        coordinator_bind_address=f"{host}:{port}" if _is_loopback(host) else None,
+        coordinator_bind_address=f"{host}:{port}" if is_loopback(host) else None,
     )
     _publish_host(pid, timeout)
     _exit_at_once_on_uncaught_errors()
@@ -199,6 +199,17 @@ def process_devices(process: int | None = None) -> list[jax.Device]:
             )
         )
     return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
+
+
+def host_and_port(address: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` as (host without IPv6 brackets, port), or None when it is not of that form."""
+    host, _, port = address.rpartition(":")
+    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface."""
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def coordination_client(fn: str) -> Any:
@@ -278,8 +289,8 @@ def _check_same_job(count: int | None, pid: int | None) -> None:
 
 
 def _split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
+    parsed = host_and_port(address)
+    if parsed is None:
         raise DistributedError(
             describe(
                 "initialize",
@@ -287,11 +298,7 @@ def _split_address(address: str) -> tuple[str, int]:
                 fix="pass e.g. '10.0.0.1:1234' (an IPv6 host goes in brackets: '[::1]:1234').",
             )
         )
-    return host.strip("[]"), int(port)
-
-
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    return parsed
 
 
 def _wait_reachable(address: str, host: str, port: int, pid: int, timeout: float, deadline: float) -> None:
@@ -319,7 +326,7 @@ def _wait_reachable(address: str, host: str, port: int, pid: int, timeout: float
 
 def _check_port_free(address: str, host: str, port: int) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    bind_host = host if _is_loopback(host) else ("::" if family == socket.AF_INET6 else "")
+    bind_host = host if is_loopback(host) else ("::" if family == socket.AF_INET6 else "")
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
