@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm import placement
@@ -141,6 +141,36 @@ def compile_step(
     # The state is already placed (by TrainState.create and the previous step), the batch by place_batch:
     # the program runs without the wrapper's per-call placement.
     return sf.program()
+
+
+def compile_global_step(
+    fn: str,
+    local: Callable[..., Any],
+    local_specs: Any,
+    finish: Callable[..., Any],
+    state: TrainState,
+    *,
+    donate: bool,
+) -> Callable[..., Any]:
+    """The compiled step ``finish(state, data, mask, local(state, data, mask))`` on the state's mesh.
+
+    ``local`` runs per device (``shard_map``, manual over the state's axis, the batch split over it) and returns
+    arrays laid out as ``local_specs``; ``finish`` runs in the global view on the sharded arrays (XLA inserts
+    whatever collectives it needs). The new state keeps the input state's shardings.
+    """
+    mapped = jax.shard_map(
+        local,
+        mesh=state.mesh,
+        in_specs=(state.specs(), P(state.axis), P(state.axis)),
+        out_specs=local_specs,
+        check_vma=True,
+    )
+    replicated = NamedSharding(state.mesh, P())
+    return jax.jit(
+        lambda state, data, mask: finish(state, data, mask, mapped(state, data, mask)),
+        out_shardings=(state.shardings(), replicated),
+        donate_argnums=(0,) if donate else (),
+    )
 
 
 def place_batch(fn: str, batch: Any, state: TrainState, multiple_of: int, host_input: str) -> tuple[Any, Any]:

@@ -2,8 +2,10 @@
 
 A strategy is chosen once, with ``TrainState.create(..., strategy=...)``. The state carries it (with its
 mesh and axis), so every train and eval step built for that state follows it and a checkpoint restores
-into it. Each device always computes its local gradient on its block of the batch; the strategies differ
-in what happens next:
+into it. Under every strategy the state holds the model's own tree: ``state.params`` has the parameter tree's
+structure and leaf shapes, and ``state.opt_state`` is exactly what ``tx.init(params)`` gives on one device. The
+strategies differ only in the ``NamedSharding`` of each leaf (torch FSDP2's per-parameter sharding) and in the
+collectives the step runs:
 
 ============================  =====================================  ==============  ===============
 strategy                      gradients                              parameters      optimizer state
@@ -13,33 +15,35 @@ strategy                      gradients                              parameters 
                               one flat buffer across processes
 ``DDP(bucket_bytes=B)``       all-reduced in flat buffers of at      replicated      replicated
                               most ``B`` bytes
-``ZeRO1()`` (``"zero1"``)     reduce-scattered as flat vectors;      replicated      1/N per device
-                              each device updates its slice, then
+``ZeRO1()`` (``"zero1"``)     reduce-scattered (one buffer per       replicated      split per leaf
+                              dtype) into per-leaf blocks; the
+                              optimizer updates the blocks, then
                               the parameters are all-gathered
-``ZeRO2()`` (``"zero2"``)     as ZeRO-1, but with ``accum_steps``    replicated      1/N per device
+``ZeRO2()`` (``"zero2"``)     as ZeRO-1, but with ``accum_steps``    replicated      split per leaf
                               each micro-batch is reduce-scattered
-                              into a 1/N accumulator
-``FSDP()`` (``"fsdp"``)       reduce-scattered by the backward       1/N per         1/N per device
-                              pass (the transpose of the forward     device,
-                              pass's all-gather)                     gathered for
+                              into a split accumulator
+``FSDP()`` (``"fsdp"``)       reduce-scattered by the backward       split per       split per leaf
+                              pass (the transpose of the forward     leaf, gathered
+                              pass's all-gather, one per layer)      per layer for
                                                                      compute
 ============================  =====================================  ==============  ===============
 
-Gradients are never whole after the reduction in ZeRO-1, ZeRO-2 and FSDP, and only FSDP keeps the
-parameters split between steps. ZeRO-2 and FSDP run on the ``shard_map`` backend only.
+"Split per leaf" means each leaf is split over the data axis on its first dimension that the axis size divides
+(:func:`spmdcomm._layout.shard_spec`); a leaf no dimension of which divides stays replicated, so no leaf is ever
+padded or reshaped. The optimizer runs in the global view (``jax.jit`` over these sharded arrays): optax sees the
+model's tree with its true shapes, so masks and labels by path or shape, global-norm clipping, per-leaf trust
+ratios (LAMB, LARS) and factored statistics (Adafactor) are exactly those of one device, and XLA inserts the small
+reductions they need. ZeRO-1, ZeRO-2 and FSDP run on the ``shard_map`` backend only.
 
 >>> import optax
->>> state = sc.TrainState.create(params={"w": np.zeros(8, np.float32)}, tx=optax.adam(1e-3), strategy="zero1")
->>> state.strategy
-ZeRO1()
->>> state.opt_state[0].mu["float32"].sharding.spec
-P('data',)
+>>> state = sc.TrainState.create(params={"w": np.zeros((8, 3), np.float32)}, tx=optax.adam(1e-3), strategy="zero1")
+>>> state.strategy, state.params["w"].shape, state.opt_state[0].mu["w"].sharding.spec
+(ZeRO1(), (8, 3), PartitionSpec('data',))
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar
 
 import jax
@@ -47,11 +51,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm._flat import FlatLayout, ShardedLayout, all_finite, cast
-from spmdcomm.collectives import all_gather, reduce_scatter
+from spmdcomm._flat import FlatLayout, cast
+from spmdcomm._layout import TreeLayout
 from spmdcomm.errors import BackendError, SpmdError, describe
 
 __all__ = ["Strategy", "DDP", "ZeRO1", "ZeRO2", "FSDP", "STRATEGIES"]
@@ -66,60 +70,43 @@ _ONE_BUFFER = 2**40  # a bucket size no model reaches: one flat all-reduce buffe
 class Strategy:
     """Base class of the data-parallel strategies (:class:`DDP`, :class:`ZeRO1`, :class:`ZeRO2`, :class:`FSDP`).
 
-    The methods are the parts of the train step that differ between strategies. When the state is created:
-    ``layout`` (static data derived from the parameters), ``place_params``, ``init_opt_state``. Inside the
-    compiled step: ``compute_params`` (the parameters the model sees), then per micro-batch ``micro_grads``
-    (the local gradient in the form the strategy accumulates), then ``reduce`` (sum over the data axis)
-    and ``update`` (the optax update on that form).
+    ``layout`` (when the state is created) decides each leaf's ``PartitionSpec``. Inside the compiled step,
+    which is manual over the data axis: ``compute_params`` (the parameter tree the model sees), per micro-batch
+    ``micro_grads`` (the local gradient in the form the strategy accumulates), then ``reduce`` (its sum over
+    the axis, each leaf in its ``grad_specs`` form). The optimizer then runs in the global view on that tree.
     """
 
     name: ClassVar[str]
-    #: True when the stored parameters are this device's shards: the step differentiates with respect to
-    #: them, and the gradient comes out already summed over the axis (the transpose of the gather).
+    #: True when the stored parameters are split: the step differentiates with respect to the blocks, and the
+    #: gradient of a split leaf comes out already summed over the axis (the transpose of the gather).
     shards_params: ClassVar[bool] = False
+    #: True when reduced gradients and the optimizer state are split per leaf.
+    shards_optimizer: ClassVar[bool] = False
     backends: ClassVar[tuple[str, ...]] = ("shard_map", "pmap")
 
-    def layout(self, params: Any, tx: optax.GradientTransformation, mesh: Mesh, axis: str) -> Any:
-        """Static data the strategy derives from the (replicated) parameters; hashable, stored in the state."""
-        return None
+    def layout(self, params: Any, tx: optax.GradientTransformation, mesh: Mesh, axis: str) -> TreeLayout:
+        """The per-leaf specs for ``params`` on ``mesh``: hashable, stored in the state."""
+        return TreeLayout.build(
+            params, tx, mesh, axis, shard_params=self.shards_params, shard_grads=self.shards_optimizer
+        )
 
-    def param_specs(self, layout: Any) -> Any:
-        """The ``PartitionSpec`` of the stored parameters (a prefix tree)."""
-        return P()
+    @property
+    def recomputes_forward(self) -> bool:
+        """True when ``loss_fn`` runs under ``jax.checkpoint`` so that nothing gathered outlives the forward pass."""
+        return False
 
-    def opt_specs(self, layout: Any) -> Any:
-        """The ``PartitionSpec`` of the optimizer state (a prefix tree)."""
-        return P()
-
-    def place_params(self, params: Any, layout: Any, mesh: Mesh) -> Any:
-        """The stored form of the placed, replicated ``params``."""
-        return params
-
-    def init_opt_state(self, tx: optax.GradientTransformation, params: Any, layout: Any, mesh: Mesh) -> Any:
-        """The placed initial optimizer state for the stored ``params``."""
-        return jax.jit(tx.init, out_shardings=NamedSharding(mesh, P()))(params)
-
-    def compute_params(self, ctx: ReduceContext, layout: Any, params: Any) -> Any:
+    def compute_params(self, ctx: ReduceContext, layout: TreeLayout, params: Any) -> Any:
         """Inside the step: the parameter tree the model is applied to."""
         return params
 
-    def micro_grads(self, ctx: ReduceContext, layout: Any, grads: Any) -> Any:
+    def micro_grads(self, ctx: ReduceContext, layout: TreeLayout, grads: Any) -> Any:
         """Inside the step: one micro-batch's gradient in the form it is accumulated in."""
         return grads
 
-    def reduce(self, ctx: ReduceContext, layout: Any, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
-        """Sums the f32 ``stats`` vector and the accumulated gradients over the axis: ``(stats, reduced)``."""
+    def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
+        """Sums the f32 ``stats`` vector and the accumulated gradients over the axis: ``(stats, reduced)``, each
+        gradient leaf as ``layout.grad_specs`` says (whole, or this device's block)."""
         raise NotImplementedError
-
-    def update(
-        self, ctx: ReduceContext, layout: Any, state: Any, reduced: Any, denom: jax.Array
-    ) -> tuple[Any, Any, jax.Array | None]:
-        """Applies the optimizer: ``(params, opt_state, finite)`` (``finite`` only with ``skip_nonfinite``)."""
-        raise NotImplementedError
-
-    def full_params(self, params: Any, layout: Any, mesh: Mesh) -> Any:
-        """The whole parameter tree, replicated, from the stored form (outside the step)."""
-        return params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,117 +147,82 @@ class DDP(Strategy):
                 )
             )
 
-    def layout(self, params: Any, tx: optax.GradientTransformation, mesh: Mesh, axis: str) -> _Buckets | None:
+    def layout(self, params: Any, tx: optax.GradientTransformation, mesh: Mesh, axis: str) -> TreeLayout:
         size = self.bucket_bytes
         if size is None and len({d.process_index for d in mesh.devices.flat}) > 1:
             size = _ONE_BUFFER
-        return None if size is None else _Buckets(FlatLayout.build(params), int(size))
+        layout = super().layout(params, tx, mesh, axis)
+        return dataclasses.replace(layout, bucket_bytes=None if size is None else int(size))
 
-    def reduce(self, ctx: ReduceContext, layout: Any, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
-        if layout is None:
+    def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
+        if layout.bucket_bytes is None:
             stats, low = lax.psum((stats, cast(grads, ctx.reduce_dtype)), ctx.axis)
             return stats, jax.tree.map(lambda g, ref: g.astype(ref.dtype), low, grads)
-        return _bucketed_psum(grads, stats, layout, ctx.reduce_dtype, ctx.axis)
-
-    def update(
-        self, ctx: ReduceContext, layout: Any, state: Any, reduced: Any, denom: jax.Array
-    ) -> tuple[Any, Any, jax.Array | None]:
-        grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), reduced)
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        return params, opt_state, all_finite(grads) if ctx.skip_nonfinite else None
+        return _bucketed_psum(grads, stats, layout.bucket_bytes, ctx.reduce_dtype, ctx.axis)
 
 
 @dataclasses.dataclass(frozen=True)
 class ZeRO1(Strategy):
     """ZeRO stage 1: optimizer state split over the data axis (torch ``ZeroRedundancyOptimizer``).
 
-    The gradients are flattened into one vector per dtype (padded to a multiple of the axis size, never
-    dropped) and reduce-scattered once per step; each device updates its slice of the flat parameters and
-    optimizer state, and the parameters are all-gathered. Optimizer memory per device is 1/N of DDP's. The
-    optax transformation must treat every parameter entry independently (sgd, momentum, adam, adamw,
-    rmsprop, lion, ...): ``TrainState.create`` checks it and raises for global-norm clipping or factored
-    states.
+    Each gradient leaf is reduce-scattered into this device's block (all split leaves of one dtype in one
+    buffer, once per step); the optimizer updates the blocks of the parameters and its state in the global
+    view, and XLA all-gathers the new parameters. Optimizer memory per device is about 1/N of DDP's. Any optax
+    transformation works: it sees the model's tree.
     """
 
     name: ClassVar[str] = "zero1"
+    shards_optimizer: ClassVar[bool] = True
+    backends: ClassVar[tuple[str, ...]] = ("shard_map",)
 
-    def layout(self, params: Any, tx: optax.GradientTransformation, mesh: Mesh, axis: str) -> ShardedLayout:
-        return ShardedLayout.build(self.name, params, tx, axis, mesh.shape[axis])
-
-    def opt_specs(self, layout: ShardedLayout) -> Any:
-        return layout.opt_specs
-
-    def init_opt_state(self, tx: optax.GradientTransformation, params: Any, layout: ShardedLayout, mesh: Mesh) -> Any:
-        shardings = _shardings(mesh, layout.opt_specs)
-        return jax.jit(lambda p: tx.init(layout.vectors(p)), out_shardings=shardings)(params)
-
-    def reduce(
-        self, ctx: ReduceContext, layout: ShardedLayout, grads: Any, stats: jax.Array
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return lax.psum(stats, ctx.axis), _reduce_scatter(ctx, layout.vectors(grads))
-
-    def update(
-        self, ctx: ReduceContext, layout: ShardedLayout, state: Any, reduced: Any, denom: jax.Array
-    ) -> tuple[Any, Any, jax.Array | None]:
-        me, n = lax.axis_index(ctx.axis), ctx.size
-        param_shards = {
-            key: lax.dynamic_slice_in_dim(vec, me * (vec.shape[0] // n), vec.shape[0] // n)
-            for key, vec in layout.vectors(state.params).items()
-        }
-        new_shards, opt_state, finite = _shard_update(ctx, state, param_shards, reduced, denom)
-        return layout.flat.unflatten(all_gather(new_shards, ctx.axis)), opt_state, finite
+    def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
+        return _psum_whole(ctx, layout, layout.scatter_sum(grads, ctx.reduce_dtype), stats)
 
 
 @dataclasses.dataclass(frozen=True)
 class ZeRO2(ZeRO1):
     """ZeRO stage 2: as :class:`ZeRO1`, and the gradient accumulator is split too.
 
-    With ``make_train_step(..., accum_steps=k)`` each micro-batch's gradient is reduce-scattered into a 1/N
+    With ``make_train_step(..., accum_steps=k)`` each micro-batch's gradient is reduce-scattered into a split
     accumulator (k reduce-scatters per step: memory for communication, as DeepSpeed's stage 2), where ZeRO-1
     keeps a whole local accumulator and reduces once. With ``accum_steps=1`` the two compile to the same
-    program. ``shard_map`` backend only.
+    program.
     """
 
     name: ClassVar[str] = "zero2"
-    backends: ClassVar[tuple[str, ...]] = ("shard_map",)
 
-    def micro_grads(self, ctx: ReduceContext, layout: ShardedLayout, grads: Any) -> dict[str, jax.Array]:
-        return _reduce_scatter(ctx, layout.vectors(grads))
+    def micro_grads(self, ctx: ReduceContext, layout: TreeLayout, grads: Any) -> Any:
+        return layout.scatter_sum(grads, ctx.reduce_dtype)
 
-    def reduce(
-        self, ctx: ReduceContext, layout: ShardedLayout, grads: dict[str, jax.Array], stats: jax.Array
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return lax.psum(stats, ctx.axis), grads
+    def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
+        return _psum_whole(ctx, layout, grads, stats)
 
 
 @dataclasses.dataclass(frozen=True)
 class FSDP(Strategy):
-    """Fully sharded data parallelism (torch FSDP ``fully_shard``, ZeRO stage 3).
+    """Fully sharded data parallelism (torch FSDP2 ``fully_shard``, ZeRO stage 3).
 
-    Parameters, gradients and optimizer state live as 1/N shards on each device: the parameters are stored
-    as one flat vector per layer (top-level entry of the parameter tree) and dtype, padded to a multiple of
-    N (padding is zeros, never dropped). The step all-gathers each layer's vector for the forward pass; the
-    backward pass (the transpose of that all-gather) reduce-scatters the gradients straight into shards;
-    each device updates its shards of the parameters and optimizer state. ``state.params`` holds the shards;
-    :meth:`TrainState.full_params <spmdcomm.TrainState.full_params>` gathers the model tree.
+    Parameters, gradients and optimizer state are split per leaf over the data axis; ``state.params`` is the
+    model's tree of sharded arrays. The step all-gathers each layer's blocks (one buffer per top-level entry of
+    the tree and dtype) for the forward pass; the backward pass (the transpose of that all-gather)
+    reduce-scatters the gradients straight into blocks; the optimizer updates the blocks in the global view.
+    :meth:`TrainState.full_params <spmdcomm.TrainState.full_params>` gathers the whole tree.
 
     ``reshard_after_forward=True`` (default, as torch's): nothing gathered is kept for the backward pass:
     ``loss_fn`` runs under ``jax.checkpoint``, so the backward pass gathers the parameters again and
     recomputes the forward pass (activation checkpointing comes with it: less memory, one more forward
     pass). ``False`` keeps the gathered parameters and activations from the forward to the backward pass
-    (one all-gather per layer instead of two). XLA:CPU in jax 0.10 merges the second gathers with the first (it drops
-    the rematerialisation barrier before its common-subexpression pass), so on CPU both compile alike.
-    ``param_dtype`` (e.g. ``jnp.bfloat16``): the model
-    computes with low-precision copies of the gathered parameters while the shards, the gradients and the
-    optimizer stay float32 (torch's ``MixedPrecisionPolicy(param_dtype=...)``): the shards are gathered in
-    ``param_dtype`` (half the bytes for bfloat16) and the gradients reduce-scattered in it, or in the step's
-    ``reduce_dtype`` when given (its ``reduce_dtype``). The optimizer must be element-wise, as for
-    :class:`ZeRO1`. ``shard_map`` backend only.
+    (one all-gather per layer instead of two). XLA:CPU in jax 0.10 merges the second gathers with the first (it
+    drops the rematerialisation barrier before its common-subexpression pass), so on CPU both compile alike.
+    ``param_dtype`` (e.g. ``jnp.bfloat16``): the model computes with low-precision copies of the gathered
+    parameters while the blocks, the gradients and the optimizer stay float32 (torch's
+    ``MixedPrecisionPolicy(param_dtype=...)``): the blocks are gathered in ``param_dtype`` (half the bytes for
+    bfloat16) and the gradients reduce-scattered in it, or in the step's ``reduce_dtype`` when given.
     """
 
     name: ClassVar[str] = "fsdp"
     shards_params: ClassVar[bool] = True
+    shards_optimizer: ClassVar[bool] = True
     backends: ClassVar[tuple[str, ...]] = ("shard_map",)
     reshard_after_forward: bool = True
     param_dtype: Any = None
@@ -284,44 +236,25 @@ class FSDP(Strategy):
                 )
             object.__setattr__(self, "param_dtype", dtype)
 
-    def layout(self, params: Any, tx: optax.GradientTransformation, mesh: Mesh, axis: str) -> ShardedLayout:
-        return ShardedLayout.build(self.name, params, tx, axis, mesh.shape[axis], grouped=True)
+    @property
+    def recomputes_forward(self) -> bool:
+        return self.reshard_after_forward
 
-    def param_specs(self, layout: ShardedLayout) -> Any:
-        return P(layout.axis)
+    def compute_params(self, ctx: ReduceContext, layout: TreeLayout, params: Any) -> Any:
+        # Split leaves are gathered in the compute dtype; the backward pass reduce-scatters their gradient in the
+        # step's reduce_dtype (else the compute dtype). Replicated leaves are cast to the compute dtype here.
+        whole = layout.gather_params(params, self.param_dtype, ctx.reduce_dtype)
+        if self.param_dtype is None:
+            return whole
+        return jax.tree.map(
+            lambda x, spec: x.astype(self.param_dtype) if spec == P() and _is_float(x) else x,
+            whole,
+            layout.param_specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
-    def opt_specs(self, layout: ShardedLayout) -> Any:
-        return layout.opt_specs
-
-    def place_params(self, params: Any, layout: ShardedLayout, mesh: Mesh) -> dict[str, jax.Array]:
-        return jax.jit(layout.vectors, out_shardings=NamedSharding(mesh, P(layout.axis)))(params)
-
-    def init_opt_state(self, tx: optax.GradientTransformation, params: Any, layout: ShardedLayout, mesh: Mesh) -> Any:
-        return jax.jit(tx.init, out_shardings=_shardings(mesh, layout.opt_specs))(params)
-
-    def compute_params(self, ctx: ReduceContext, layout: ShardedLayout, params: dict[str, jax.Array]) -> Any:
-        # Each shard is gathered in the compute dtype; the backward pass reduce-scatters the gradient in the
-        # step's reduce_dtype (else the compute dtype), so the gradient with respect to the shard arrives
-        # summed over the axis.
-        whole = {}
-        for key, shard in params.items():
-            compute = self.param_dtype if self.param_dtype is not None and _is_float(shard) else shard.dtype
-            low = ctx.reduce_dtype if ctx.reduce_dtype is not None and _is_float(shard) else compute
-            whole[key] = _gather_shards(shard, ctx.axis, jnp.dtype(compute), jnp.dtype(low))
-        return layout.flat.unflatten(whole)
-
-    def reduce(
-        self, ctx: ReduceContext, layout: ShardedLayout, grads: dict[str, jax.Array], stats: jax.Array
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return lax.psum(stats, ctx.axis), grads
-
-    def update(
-        self, ctx: ReduceContext, layout: ShardedLayout, state: Any, reduced: Any, denom: jax.Array
-    ) -> tuple[Any, Any, jax.Array | None]:
-        return _shard_update(ctx, state, state.params, reduced, denom)
-
-    def full_params(self, params: Any, layout: ShardedLayout, mesh: Mesh) -> Any:
-        return jax.jit(layout.flat.unflatten, out_shardings=NamedSharding(mesh, P()))(params)
+    def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
+        return _psum_whole(ctx, layout, grads, stats)
 
 
 def resolve_strategy(fn: str, strategy: Strategy | str) -> Strategy:
@@ -348,9 +281,9 @@ def check_strategy_backend(fn: str, strategy: Strategy, backend: str) -> None:
             describe(
                 fn,
                 f"strategy {strategy!r} runs on the {' or '.join(strategy.backends)} backend, not {backend!r} "
-                "(it needs shard_map's per-device varying values for its sharded gradients).",
-                fix='build the step with backend="shard_map" (the default), or use strategy="ddp" or "zero1" '
-                "with the pmap backend.",
+                "(its optimizer runs in the global view over per-leaf sharded arrays, which pmap cannot express).",
+                fix='build the step with backend="shard_map" (the default), or use strategy="ddp" with the pmap '
+                "backend.",
             )
         )
 
@@ -358,70 +291,31 @@ def check_strategy_backend(fn: str, strategy: Strategy, backend: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Buckets:
-    flat: FlatLayout
-    bucket_bytes: int
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather_shards(shard: jax.Array, axis: str, compute: Any, reduce: Any) -> jax.Array:
-    """All-gathers ``shard`` over ``axis`` in dtype ``compute``; its derivative reduce-scatters in ``reduce``."""
-    return lax.all_gather(shard.astype(compute), axis, tiled=True)
-
-
-def _gather_shards_fwd(shard: jax.Array, axis: str, compute: Any, reduce: Any) -> tuple[jax.Array, Any]:
-    return _gather_shards(shard, axis, compute, reduce), jnp.zeros((), shard.dtype)
-
-
-def _gather_shards_bwd(axis: str, compute: Any, reduce: Any, like: jax.Array, ct: jax.Array) -> tuple[jax.Array]:
-    return (lax.psum_scatter(ct.astype(reduce), axis, tiled=True).astype(like.dtype),)
-
-
-_gather_shards.defvjp(_gather_shards_fwd, _gather_shards_bwd)
-
-
 def _is_float(x: jax.Array) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _shardings(mesh: Mesh, specs: Any) -> Any:
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def _reduce_scatter(ctx: ReduceContext, vectors: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    return {
-        key: reduce_scatter(cast(vec, ctx.reduce_dtype), ctx.axis).astype(vec.dtype) for key, vec in vectors.items()
-    }
-
-
-def _shard_update(
-    ctx: ReduceContext,
-    state: Any,
-    param_shards: dict[str, jax.Array],
-    grad_sums: dict[str, jax.Array],
-    denom: jax.Array,
-) -> tuple[dict[str, jax.Array], Any, jax.Array | None]:
-    """The optax update of this device's shards; ``finite`` agreed over the axis (each device sees a slice)."""
-    grad_shards = {key: (g / denom).astype(g.dtype) for key, g in grad_sums.items()}
-    updates, opt_state = state.tx.update(grad_shards, state.opt_state, param_shards)
-    new_shards = optax.apply_updates(param_shards, updates)
-    finite = None
-    if ctx.skip_nonfinite:
-        bad = sum(jnp.sum(~jnp.isfinite(g)) for g in grad_shards.values())
-        finite = lax.psum(bad, ctx.axis) == 0
-    return new_shards, opt_state, finite
+def _psum_whole(ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
+    """Sums ``stats`` and the leaves kept whole (replicated specs) over the axis, in one all-reduce; split
+    leaves are already this device's block of the sum."""
+    leaves = jax.tree.leaves(grads)
+    whole = [i for i, spec in enumerate(layout.grad_leaf_specs) if spec == P()]
+    stats, summed = lax.psum((stats, [cast(leaves[i], ctx.reduce_dtype) for i in whole]), ctx.axis)
+    for i, s in zip(whole, summed, strict=True):
+        leaves[i] = s.astype(leaves[i].dtype)
+    return stats, jax.tree.unflatten(layout.treedef, leaves)
 
 
 def _bucketed_psum(
-    grads: Any, stats: jax.Array, buckets: _Buckets, reduce_dtype: Any, axis: str
+    grads: Any, stats: jax.Array, bucket_bytes: int, reduce_dtype: Any, axis: str
 ) -> tuple[jax.Array, Any]:
     """Sums ``stats`` and the gradients over ``axis`` in flat buckets; returns both sums.
 
     Without ``reduce_dtype`` the f32 ``stats`` vector leads the float32 buffer, so a model whose gradients
     fit one bucket needs ONE all-reduce buffer per step (each costs a round trip on gloo).
     """
-    vectors = buckets.flat.flatten(grads)
+    flat = FlatLayout.build(grads)
+    vectors = flat.flatten(grads)
     fused = reduce_dtype is None
     stats_key = jnp.dtype(stats.dtype).name  # float64 under x64 when model state or metrics are float64
     if fused:
@@ -431,9 +325,9 @@ def _bucketed_psum(
     out = {}
     for name, vec in vectors.items():
         low = cast(vec, reduce_dtype)
-        step = max(1, buckets.bucket_bytes // low.dtype.itemsize)
+        step = max(1, bucket_bytes // low.dtype.itemsize)
         chunks = [lax.psum(low[i : i + step], axis) for i in range(0, low.shape[0], step)]
         out[name] = (jnp.concatenate(chunks) if len(chunks) > 1 else chunks[0]).astype(vec.dtype)
     if fused:
         stats, out[stats_key] = out[stats_key][: stats.shape[0]], out[stats_key][stats.shape[0] :]
-    return stats, buckets.flat.unflatten(out)
+    return stats, flat.unflatten(out)

@@ -36,7 +36,8 @@ class TrainState:
     and counts ...; ``{}`` when none) and ``rng`` a raw ``uint32[2]`` base key. The static fields are
     ``apply_fn`` (a Flax ``Module.apply``, an NNX ``GraphDef`` or any callable handed to ``loss_fn``),
     ``tx``, the ``mesh`` and data ``axis`` the state lives on, its ``strategy`` and the strategy's
-    ``layout`` (e.g. how ZeRO-1 splits the optimizer state).
+    ``layout`` (the ``PartitionSpec`` of every leaf). Under every strategy ``params`` is the model's parameter
+    tree and ``opt_state`` is ``tx.init(params)``, as on one device; only the leaves' shardings differ.
     """
 
     step: jax.Array
@@ -95,11 +96,12 @@ class TrainState:
             placement.place("TrainState.create", host, NamedSharding(mesh, P()), host_input="global"), key_impls
         )
         layout = strategy.layout(params, tx, mesh, axis)
-        params = strategy.place_params(params, layout, mesh)
+        params = _reshard(params, layout.shardings(mesh, "params"))
+        opt_state = jax.jit(tx.init, out_shardings=layout.shardings(mesh, "opt"))(params)
         return cls(
             step=jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, P())),
             params=params,
-            opt_state=strategy.init_opt_state(tx, params, layout, mesh),
+            opt_state=opt_state,
             model_state=model_state,
             rng=rng,
             apply_fn=apply_fn,
@@ -133,23 +135,25 @@ class TrainState:
     def specs(self) -> TrainState:
         """The state with a ``PartitionSpec`` in place of each array (prefix tree): how it is split."""
         return self.replace(
-            step=P(),
-            params=self.strategy.param_specs(self.layout),
-            opt_state=self.strategy.opt_specs(self.layout),
-            model_state=P(),
-            rng=P(),
+            step=P(), params=self.layout.param_specs, opt_state=self.layout.opt_specs, model_state=P(), rng=P()
         )
 
+    def shardings(self) -> TrainState:
+        """The state with the ``NamedSharding`` of each array in place of it (prefix tree)."""
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs(), is_leaf=lambda x: isinstance(x, P))
+
     def full_params(self) -> Any:
-        """The model's whole parameter tree, replicated on the mesh: ``params`` itself, except for a
-        strategy that stores shards (:class:`~spmdcomm.FSDP`), whose shards it gathers.
+        """The model's parameter tree, replicated on the mesh: ``params`` itself, or, under a strategy that
+        splits the parameters (:class:`~spmdcomm.FSDP`), ``params`` gathered.
 
         >>> import optax
-        >>> s = sc.TrainState.create(params={"w": np.arange(3.0, dtype=np.float32)}, tx=optax.sgd(0.1), strategy="fsdp")
-        >>> s.params["w/float32"].shape, s.full_params()["w"].tolist()
-        ((8,), [0.0, 1.0, 2.0])
+        >>> s = sc.TrainState.create(params={"w": np.ones((8, 3), np.float32)}, tx=optax.sgd(0.1), strategy="fsdp")
+        >>> s.params["w"].shape, s.params["w"].sharding.spec, s.full_params()["w"].sharding.spec
+        ((8, 3), PartitionSpec('data',), PartitionSpec())
         """
-        return self.strategy.full_params(self.params, self.layout, self.mesh)
+        if not self.strategy.shards_params:
+            return self.params
+        return _reshard(self.params, NamedSharding(self.mesh, P()))
 
 
 def optimizer_state_bytes(state: TrainState) -> int:
@@ -168,6 +172,11 @@ def optimizer_state_bytes(state: TrainState) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+def _reshard(tree: Any, shardings: Any) -> Any:
+    # A jitted identity moves each leaf to its sharding on the devices, in one process or many.
+    return jax.jit(lambda t: t, out_shardings=shardings)(tree)
 
 
 def _raw_key(rng: Any) -> np.ndarray:

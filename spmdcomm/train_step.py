@@ -54,10 +54,12 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm._flat import all_finite
 from spmdcomm._jax_compat import varying_axes
 from spmdcomm._step import (
     DEFAULT_MAX_IN_FLIGHT,  # re-exported: the public home of the default window
@@ -65,6 +67,7 @@ from spmdcomm._step import (
     Window,
     check_in_flight,
     check_scalars,
+    compile_global_step,
     compile_step,
     dispatch,
     full_mask,
@@ -250,7 +253,14 @@ def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
     varying = o.backend == "shard_map"
     check_strategy_backend("make_train_step", strategy, o.backend)
 
-    def body(state: TrainState, data: Any, mask: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    def denominator(total: jax.Array, masked: bool) -> jax.Array | float:
+        # Masked: sums of count-weighted means over the real-example count. Unmasked: sums of means
+        # over the number of (equal) blocks, which needs no per-gradient multiplication.
+        return jnp.maximum(total, 1.0) if masked else float(ctx.size * o.accum_steps)
+
+    def reduce(state: TrainState, data: Any, mask: Any) -> tuple[Any, ...]:
+        """Per device (manual over the axis): the gradient summed over the axis, each leaf whole or as this
+        device's block (``layout.grad_specs``), the real-example total, the metric sums and the new model state."""
         data = data if mask is None else zero_masked_rows(data, mask)
         grad_sum, metric_sums, model_state, count = _accumulate(o, ctx, state, data, mask, varying)
         # The example count, the metrics and the model state travel in one f32 vector (XLA:CPU pays
@@ -262,16 +272,26 @@ def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
         vec, unravel = ravel_pytree((count, metric_sums, weighted_state))
         vec, reduced = strategy.reduce(ctx, layout, grad_sum, vec)
         total, metric_sums, stats = unravel(vec)
-        # Masked: sums of count-weighted means over the real-example count. Unmasked: sums of means
-        # over the number of (equal) blocks, which needs no per-gradient multiplication.
-        denom = jnp.maximum(total, 1.0) if masked else float(ctx.size * o.accum_steps)
+        denom = denominator(total, masked)
         new_model_state = _merge_model_state(
             model_state, jax.tree.map(lambda v: v / denom, stats), axis, state.model_state
         )
-        params, opt_state, finite = strategy.update(ctx, layout, state, reduced, denom)
+        return reduced, total, metric_sums, new_model_state
+
+    def update(
+        state: TrainState, masked: bool, reduced: Any, total: jax.Array, metric_sums: Any, new_model_state: Any
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """The optimizer step on the model's tree: in the global view (shard_map backend), where each leaf is a
+        sharded array and XLA adds the reductions a global norm or a per-leaf statistic needs; inside pmap (DDP
+        only) on the replicated tree."""
+        denom = denominator(total, masked)
+        grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), reduced)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
         # Keep the old state where nothing real was seen (all padding) or a gradient was not finite.
         apply = total > 0 if masked else None
-        if o.skip_nonfinite:
+        finite = all_finite(grads) if o.skip_nonfinite else None
+        if finite is not None:
             apply = finite if apply is None else apply & finite
         keep = (
             (lambda new, old: new)
@@ -286,12 +306,23 @@ def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
         )
         metrics = {k: v / denom for k, v in metric_sums.items()}
         metrics["examples"] = total
-        if o.skip_nonfinite:
+        if finite is not None:
             metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         return new_state, metrics
 
     specs = state.specs()
-    return compile_step("make_train_step", body, state, (specs, P()), backend=o.backend, donate=o.donate)
+    if o.backend == "pmap":
+        body = lambda state, data, mask: update(state, mask is not None, *reduce(state, data, mask))
+        return compile_step("make_train_step", body, state, (specs, P()), backend=o.backend, donate=o.donate)
+    reduced_specs = (layout.grad_specs, P(), P(), P())
+    return compile_global_step(
+        "make_train_step",
+        reduce,
+        reduced_specs,
+        lambda state, data, mask, out: update(state, mask is not None, *out),
+        state,
+        donate=o.donate,
+    )
 
 
 def _accumulate(
@@ -308,10 +339,10 @@ def _accumulate(
     mask = full_mask(data) if mask is None else mask
     micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), (data, mask))
     micro_rng = _micro_rng(o, state, mask.shape[0] // k)
-    # Replicated parameters are marked varying so that each device differentiates its own loss; stored
-    # shards (FSDP) already vary, and their gradient comes out summed over the axis by the transpose of the
+    # Replicated parameters are marked varying so that each device differentiates its own loss; split
+    # parameters (FSDP) already vary, and their gradient comes out summed over the axis by the transpose of the
     # gather, so a masked block's weight must be applied to the loss before differentiating.
-    params = state.params if strategy.shards_params else _vary(state.params, axis, varying)
+    params = _vary(state.params, axis, varying)
     weigh_loss = masked and strategy.shards_params
     grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, weigh_loss), has_aux=True)
 
@@ -362,7 +393,7 @@ def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], 
 def _differentiable_loss(o: StepOptions, ctx: ReduceContext, state: TrainState, weigh_loss: bool) -> Callable[..., Any]:
     """``f(params, batch, ..., count) -> (differentiated value, (loss, aux))`` for ``jax.value_and_grad``."""
     strategy, layout = state.strategy, state.layout
-    reshard = strategy.shards_params and getattr(strategy, "reshard_after_forward", False)
+    reshard = strategy.recomputes_forward
 
     def wrapped(params: Any, batch: Any, *, count: jax.Array, **kwargs: Any) -> tuple[jax.Array, Any]:
         def forward(p: Any) -> Any:

@@ -1,0 +1,229 @@
+"""Per-leaf sharding of the model's tree: which dimension of each leaf a strategy splits over the data axis,
+and the packed collectives that move such leaves in one buffer per dtype (or per layer and dtype).
+
+A leaf is split over the data axis on its FIRST dimension whose size is a multiple of the axis size
+(torch FSDP2 splits dimension 0; the first divisible one keeps the split contiguous wherever it can). A leaf
+with no such dimension (a scalar, a bias of 10 entries on 8 devices) stays replicated: the optimizer always
+sees the leaf's true shape, and the cost is that leaf's bytes on every device (``TreeLayout.replicated_bytes``).
+The specs say what ``NamedSharding`` the state's arrays carry, so everything outside the step (optax in the
+global view, checkpoints, ``explain``) sees an ordinary sharded tree.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["TreeLayout", "shard_spec", "shard_dim"]
+
+
+def shard_dim(shape: tuple[int, ...], n: int) -> int | None:
+    """The dimension of ``shape`` split ``n`` ways: the first whose size is a positive multiple of ``n``."""
+    for dim, size in enumerate(shape):
+        if size >= n and size % n == 0:
+            return dim
+    return None
+
+
+def shard_spec(shape: tuple[int, ...], axis: str, n: int) -> P:
+    """The ``PartitionSpec`` that splits a leaf of ``shape`` over ``axis`` (``n`` devices), or ``P()``.
+
+    >>> shard_spec((3, 3, 16, 32), "data", 8), shard_spec((10,), "data", 8)
+    (PartitionSpec(None, None, 'data'), PartitionSpec())
+    """
+    dim = shard_dim(tuple(shape), n) if n > 1 else None
+    return P() if dim is None else P(*([None] * dim), axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeLayout:
+    """Where a strategy keeps each leaf: the spec of every stored parameter, of every reduced gradient leaf
+    (what the optimizer is handed) and of every optimizer-state leaf, as flattened tuples (hashable: the
+    layout is a static field of the state). ``bucket_bytes`` is DDP's flat-buffer size (None: leaf by leaf)."""
+
+    axis: str
+    size: int
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    groups: tuple[str, ...]
+    param_leaf_specs: tuple[P, ...]
+    grad_leaf_specs: tuple[P, ...]
+    opt_treedef: Any
+    opt_leaf_specs: tuple[P, ...]
+    bucket_bytes: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        params: Any,
+        tx: Any,
+        mesh: Mesh,
+        axis: str,
+        *,
+        shard_params: bool,
+        shard_grads: bool,
+        bucket_bytes: int | None = None,
+    ) -> TreeLayout:
+        n = int(mesh.shape[axis])
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+        shapes = tuple(tuple(np.shape(x)) for _, x in flat)
+        split = tuple(shard_spec(s, axis, n) for s in shapes)
+        whole = tuple(P() for _ in shapes)
+        abstract = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for _, x in flat])
+        opt_leaves, opt_treedef = jax.tree.flatten(jax.eval_shape(tx.init, abstract))
+        # Optimizer leaves follow the same rule by shape: moments and traces shaped like a parameter are split
+        # as it is; factored statistics, counts and hyperparameters by their own shapes.
+        opt_specs = tuple(shard_spec(np.shape(x), axis, n) if shard_grads else P() for x in opt_leaves)
+        return cls(
+            axis=axis,
+            size=n,
+            treedef=treedef,
+            shapes=shapes,
+            dtypes=tuple(jnp.dtype(x.dtype).name for _, x in flat),
+            groups=tuple(_group(path) for path, _ in flat),
+            param_leaf_specs=split if shard_params else whole,
+            grad_leaf_specs=split if shard_grads else whole,
+            opt_treedef=opt_treedef,
+            opt_leaf_specs=opt_specs,
+            bucket_bytes=bucket_bytes,
+        )
+
+    @property
+    def param_specs(self) -> Any:
+        return jax.tree.unflatten(self.treedef, self.param_leaf_specs)
+
+    @property
+    def grad_specs(self) -> Any:
+        return jax.tree.unflatten(self.treedef, self.grad_leaf_specs)
+
+    @property
+    def opt_specs(self) -> Any:
+        return jax.tree.unflatten(self.opt_treedef, self.opt_leaf_specs)
+
+    def shardings(self, mesh: Mesh, which: str) -> Any:
+        """``NamedSharding``s of ``"params"``, ``"grads"`` or ``"opt"`` on ``mesh`` (a tree)."""
+        specs = {"params": self.param_leaf_specs, "grads": self.grad_leaf_specs, "opt": self.opt_leaf_specs}[which]
+        treedef = self.opt_treedef if which == "opt" else self.treedef
+        return jax.tree.unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
+
+    def replicated_bytes(self) -> int:
+        """Bytes of parameter leaves that no dimension splits over the axis (kept whole on every device)."""
+        return sum(
+            math.prod(s) * jnp.dtype(d).itemsize
+            for s, d, spec in zip(self.shapes, self.dtypes, self.grad_leaf_specs, strict=True)
+            if spec == P()
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # Inside the step (manual over the axis)
+
+    def scatter_sum(self, grads: Any, reduce_dtype: Any) -> Any:
+        """Inside ``shard_map``: ``grads`` (whole local gradients) with every split leaf reduce-scattered to this
+        device's block of its sum over the axis, one reduce-scatter per dtype; replicated leaves unchanged."""
+        leaves = jax.tree.leaves(grads)
+        out = list(leaves)
+        buckets: dict[str, list[int]] = collections.defaultdict(list)
+        for i, spec in enumerate(self.grad_leaf_specs):
+            if spec != P():
+                buckets[self.dtypes[i]].append(i)
+        for idx in buckets.values():
+            dims = [_dim(self.grad_leaf_specs[i]) for i in idx]
+            rows = [_to_blocks(_cast(leaves[i], reduce_dtype), d, self.size) for i, d in zip(idx, dims, strict=True)]
+            packed = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+            summed = lax.psum_scatter(packed, self.axis, scatter_dimension=0, tiled=False)
+            for i, d, part in zip(idx, dims, _split(summed, [r.shape[1] for r in rows]), strict=True):
+                out[i] = part.reshape(_local_shape(self.shapes[i], d, self.size)).astype(leaves[i].dtype)
+        return jax.tree.unflatten(self.treedef, out)
+
+    def gather_params(self, params: Any, compute_dtype: Any, reduce_dtype: Any) -> Any:
+        """Inside ``shard_map``: the whole parameter tree from this device's blocks, one all-gather per layer and
+        dtype in ``compute_dtype`` (floats; None keeps each dtype). The derivative reduce-scatters the gradient in
+        one buffer per layer and dtype, in ``reduce_dtype`` (else the gathered dtype): the gradient with respect to
+        the blocks arrives summed over the axis."""
+        leaves = jax.tree.leaves(params)
+        out = list(leaves)
+        buckets: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
+        for i, spec in enumerate(self.param_leaf_specs):
+            if spec != P():
+                buckets[(self.groups[i], self.dtypes[i])].append(i)
+        for (_, dtype), idx in buckets.items():
+            is_float = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+            compute = jnp.dtype(compute_dtype if compute_dtype is not None and is_float else dtype)
+            low = jnp.dtype(reduce_dtype) if reduce_dtype is not None and is_float else compute
+            flat = [jnp.ravel(leaves[i]) for i in idx]
+            local = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+            rows = _gather_rows(local, self.axis, compute, low)
+            for i, part in zip(idx, _split(rows, [f.shape[0] for f in flat]), strict=True):
+                out[i] = _from_blocks(part, self.shapes[i], _dim(self.param_leaf_specs[i]), self.size)
+        return jax.tree.unflatten(self.treedef, out)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _group(path: tuple[Any, ...]) -> str:
+    """A readable name of a leaf's top-level entry (``Dense_0``), or ``"params"`` for a bare leaf."""
+    if not path:
+        return "params"
+    return jax.tree_util.keystr(path[:1]).strip("[]'\".") or "params"
+
+
+def _dim(spec: P) -> int:
+    return next(d for d, name in enumerate(spec) if name is not None)
+
+
+def _cast(x: jax.Array, dtype: Any) -> jax.Array:
+    return x.astype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def _local_shape(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
+    return shape[:dim] + (shape[dim] // n,) + shape[dim + 1 :]
+
+
+def _to_blocks(x: jax.Array, dim: int, n: int) -> jax.Array:
+    """``(n, block size)``: row ``i`` is the ``i``-th block of ``x`` along ``dim``, flattened."""
+    s = x.shape
+    x = x.reshape(s[:dim] + (n, s[dim] // n) + s[dim + 1 :])
+    return jnp.moveaxis(x, dim, 0).reshape(n, -1)
+
+
+def _from_blocks(rows: jax.Array, shape: tuple[int, ...], dim: int, n: int) -> jax.Array:
+    """The inverse of :func:`_to_blocks`: the whole leaf of ``shape`` from its ``n`` flattened blocks."""
+    x = rows.reshape((n,) + _local_shape(shape, dim, n))
+    return jnp.moveaxis(x, 0, dim).reshape(shape)
+
+
+def _split(x: jax.Array, sizes: list[int]) -> list[jax.Array]:
+    """``x`` cut along its last dimension into pieces of ``sizes``."""
+    offsets = np.cumsum([0, *sizes])
+    return [x[..., int(a) : int(b)] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather_rows(local: jax.Array, axis: str, compute: Any, reduce: Any) -> jax.Array:
+    """``(n, len(local))``: every device's ``local`` over ``axis``, gathered in ``compute``; its derivative
+    reduce-scatters the cotangent in ``reduce``."""
+    return lax.all_gather(local.astype(compute), axis, tiled=False)
+
+
+def _gather_rows_fwd(local: jax.Array, axis: str, compute: Any, reduce: Any) -> tuple[jax.Array, Any]:
+    return _gather_rows(local, axis, compute, reduce), jnp.zeros((), local.dtype)
+
+
+def _gather_rows_bwd(axis: str, compute: Any, reduce: Any, like: jax.Array, ct: jax.Array) -> tuple[jax.Array]:
+    summed = lax.psum_scatter(ct.astype(reduce), axis, scatter_dimension=0, tiled=False)
+    return (summed.astype(like.dtype),)
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
