@@ -39,7 +39,7 @@ def shard_spec(shape: tuple[int, ...], axis: str, n: int) -> P:
     """The ``PartitionSpec`` that splits a leaf of ``shape`` over ``axis`` (``n`` devices), or ``P()``.
 
     >>> shard_spec((3, 3, 16, 32), "data", 8), shard_spec((10,), "data", 8)
-    (PartitionSpec(None, None, 'data'), PartitionSpec())
+    (P(None, None, 'data'), P())
     """
     dim = shard_dim(tuple(shape), n) if n > 1 else None
     return P() if dim is None else P(*([None] * dim), axis)
@@ -146,26 +146,41 @@ class TreeLayout:
                 out[i] = part.reshape(_local_shape(self.shapes[i], d, self.size)).astype(leaves[i].dtype)
         return jax.tree.unflatten(self.treedef, out)
 
-    def gather_params(self, params: Any, compute_dtype: Any, reduce_dtype: Any) -> Any:
-        """Inside ``shard_map``: the whole parameter tree from this device's blocks, one all-gather per layer and
-        dtype in ``compute_dtype`` (floats; None keeps each dtype). The derivative reduce-scatters the gradient in
-        one buffer per layer and dtype, in ``reduce_dtype`` (else the gathered dtype): the gradient with respect to
-        the blocks arrives summed over the axis."""
-        leaves = jax.tree.leaves(params)
+    def gather(
+        self,
+        tree: Any,
+        which: str,
+        *,
+        per_layer: bool,
+        compute_dtype: Any = None,
+        reduce_dtype: Any = None,
+        invariant: bool = False,
+    ) -> Any:
+        """Inside ``shard_map``: the whole tree from this device's blocks of a tree laid out as ``which``
+        (``"params"`` or ``"grads"``), one all-gather per dtype (``per_layer``: per top-level entry and dtype),
+        floats gathered in ``compute_dtype`` (None keeps each dtype); leaves kept whole pass through. The
+        derivative reduce-scatters in the same buffers, in ``reduce_dtype`` (else the gathered dtype): the
+        gradient with respect to the blocks arrives summed over the axis. ``invariant``: the result is typed as
+        the same on every device (to leave ``shard_map`` as ``P()``); it has no such derivative."""
+        specs = self.param_leaf_specs if which == "params" else self.grad_leaf_specs
+        leaves = jax.tree.leaves(tree)
         out = list(leaves)
         buckets: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
-        for i, spec in enumerate(self.param_leaf_specs):
+        for i, spec in enumerate(specs):
             if spec != P():
-                buckets[(self.groups[i], self.dtypes[i])].append(i)
+                buckets[(self.groups[i] if per_layer else "", self.dtypes[i])].append(i)
         for (_, dtype), idx in buckets.items():
             is_float = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
             compute = jnp.dtype(compute_dtype if compute_dtype is not None and is_float else dtype)
             low = jnp.dtype(reduce_dtype) if reduce_dtype is not None and is_float else compute
             flat = [jnp.ravel(leaves[i]) for i in idx]
             local = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-            rows = _gather_rows(local, self.axis, compute, low)
-            for i, part in zip(idx, _split(rows, [f.shape[0] for f in flat]), strict=True):
-                out[i] = _from_blocks(part, self.shapes[i], _dim(self.param_leaf_specs[i]), self.size)
+            if invariant:
+                rows = lax.all_gather(local.astype(compute), self.axis, tiled=False, to="invarying")
+            else:
+                rows = _gather_rows(local, self.axis, compute, low)
+            for i, part in zip(idx, _split(rows, [x.shape[0] for x in flat]), strict=True):
+                out[i] = _from_blocks(part, self.shapes[i], _dim(specs[i]), self.size)
         return jax.tree.unflatten(self.treedef, out)
 
 

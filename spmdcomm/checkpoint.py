@@ -4,10 +4,11 @@ Each save writes ``DIRECTORY/STEP`` into a temporary directory first and renames
 so a save that fails (or a process that dies) part-way never damages the last good checkpoint.
 Restoring needs a template state (e.g. a freshly created one): it supplies the tree structure, the static
 fields and the sharding of every leaf. The template may use another strategy or device count than the
-saved state (a ZeRO or FSDP run restored onto 4 devices instead of 8, or onto DDP): each checkpoint records
-its strategy and axis size, and restoring converts the parameters and optimizer state to the template's
-layout on the devices (flat vectors are read split over the template's axis where their length allows,
-never gathered on one host first). Resuming from a checkpoint
+saved state (a ZeRO or FSDP run restored onto 4 devices instead of 8, or onto DDP): under every strategy the
+state is the model's own tree, so each leaf is read directly into the template leaf's sharding (every process
+reads only its blocks; nothing is gathered on one host). Each checkpoint records its strategy and axis size, and
+orbax's metadata each leaf's shape and dtype: a template whose leaves differ (another model configuration, even
+one of the same sizes) gets an error naming the leaf and both shapes. Resuming from a checkpoint
 reproduces the uninterrupted run bit for bit on CPU (the per-step RNG is derived from ``state.rng``
 and ``state.step``). Typed PRNG key leaves (Flax NNX ``RngKey``) are saved as keys and restored
 with the template's key implementation; NNX ``RngCount`` counters are plain integers. The template
@@ -28,17 +29,13 @@ the uninterrupted one.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from spmdcomm._flat import FlatLayout
 from spmdcomm.errors import SpmdError, check_not_deleted, describe
 from spmdcomm.train_state import TrainState
 
@@ -85,18 +82,21 @@ def restore_checkpoint(directory: str | os.PathLike[str], state: TrainState, *, 
 
     ``state`` is the template: the restored arrays get its shapes, dtypes and shardings, and its
     static fields (``apply_fn``, ``tx``, mesh, strategy and layout) are kept. A checkpoint of another
-    strategy or axis size is converted to the template's (see the module docstring).
+    strategy or axis size is read into the template's shardings (see the module docstring); one whose leaves
+    differ from the template's raises :class:`~spmdcomm.SpmdError` naming them.
     """
     import orbax.checkpoint as ocp
 
     _check_state("restore_checkpoint", state)
     with _manager(directory) as mgr:
         step = _existing_step("restore_checkpoint", directory, mgr, step)
-        saved = mgr.item_metadata(step).custom_metadata or _layout_of(state)
-        if saved == _layout_of(state):
-            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _arrays(state))
-            return state.replace(**mgr.restore(step, args=ocp.args.StandardRestore(target)))
-        return _restore_converted(mgr, step, state, saved)
+        saved = mgr.item_metadata(step)
+        _check_format(directory, step, saved.custom_metadata or {})
+        _check_leaves(directory, step, saved, state)
+        # Each leaf is read straight into the template's sharding: every process reads only its blocks, whatever
+        # strategy or device count wrote them.
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _arrays(state))
+        return state.replace(**mgr.restore(step, args=ocp.args.StandardRestore(target)))
 
 
 def latest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
@@ -185,98 +185,61 @@ def _manager(directory: str | os.PathLike[str], *, max_to_keep: int | None = Non
 
 
 def _layout_of(state: TrainState) -> dict[str, Any]:
-    """What a checkpoint records of its state's layout: the strategy and the axis size its vectors split over."""
-    return {"strategy": state.strategy.name, "shards": int(state.mesh.shape[state.axis])}
+    """What a checkpoint records of its state's layout: the format (2: the model's tree under every strategy),
+    the strategy and the size of the axis its leaves were split over."""
+    return {"format": _FORMAT, "strategy": state.strategy.name, "shards": int(state.mesh.shape[state.axis])}
 
 
-def _restore_converted(mgr: Any, step: int, state: TrainState, saved: dict[str, Any]) -> TrainState:
-    """Restores a checkpoint saved under another strategy or axis size into the template ``state``'s layout."""
-    import orbax.checkpoint as ocp
-
-    logical = _logical_params(state)
-    n = state.mesh.shape[state.axis]
-    source_params, source_opt = (_form(saved["strategy"], kind, logical, saved["shards"]) for kind in _KINDS)
-    target_params, target_opt = (_form(state.strategy.name, kind, logical, n) for kind in _KINDS)
-    split, whole = NamedSharding(state.mesh, P(state.axis)), NamedSharding(state.mesh, P())
-
-    def abstract(x: Any) -> jax.ShapeDtypeStruct:
-        # Vectors whose length divides over the template's axis are read split; others whole.
-        sharding = split if x.ndim == 1 and x.shape[0] % n == 0 and x.shape[0] >= n else whole
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    target = {
-        **jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _arrays(state)),
-        "params": jax.tree.map(abstract, source_params.abstract(logical)),
-        "opt_state": jax.tree.map(abstract, jax.eval_shape(state.tx.init, source_opt.abstract(logical))),
-    }
-    raw = mgr.restore(step, args=ocp.args.StandardRestore(target))
-    source_leaves, source_struct = jax.tree.flatten(source_opt.abstract(logical))
-    source_shapes = [x.shape for x in source_leaves]
-
-    def params_like(x: Any) -> bool:
-        # A parameter-shaped part of the optimizer state (optax's moments and traces), in the saved form.
-        return jax.tree.structure(x) == source_struct and [np.shape(v) for v in jax.tree.leaves(x)] == source_shapes
-
-    def convert_opt(x: Any) -> Any:
-        return target_opt.store(source_opt.load(x)) if params_like(x) else x
-
-    def convert(params: Any, opt_state: Any) -> tuple[Any, Any]:
-        params = target_params.store(source_params.load(params))
-        opt_state = jax.tree.map(convert_opt, opt_state, is_leaf=params_like)
-        return params, opt_state
-
-    out_shardings = jax.tree.map(lambda x: x.sharding, (state.params, state.opt_state))
-    params, opt_state = jax.jit(convert, out_shardings=out_shardings)(raw["params"], raw["opt_state"])
-    return state.replace(**{**raw, "params": params, "opt_state": opt_state})
+_FORMAT = 2
 
 
-@dataclasses.dataclass(frozen=True)
-class _Form:
-    """How a strategy stores a parameter-shaped tree: the tree itself, or flat vectors split ``shards`` ways."""
-
-    flat: FlatLayout | None
-    shards: int
-
-    def abstract(self, logical: Any) -> Any:
-        if self.flat is None:
-            return logical
-        return {
-            key: jax.ShapeDtypeStruct((size,), key.rsplit("/", 1)[-1])
-            for key, size in self.flat.sizes(self.shards).items()
-        }
-
-    def load(self, stored: Any) -> Any:
-        return stored if self.flat is None else self.flat.unflatten(stored)
-
-    def store(self, tree: Any) -> Any:
-        return tree if self.flat is None else self.flat.flatten(tree, pad_to=self.shards)
-
-
-_KINDS = ("params", "opt")
-
-
-def _form(strategy: str, kind: str, logical: Any, shards: int) -> _Form:
-    # DDP keeps trees; ZeRO keeps the parameters as a tree and the optimizer state as one flat vector per
-    # dtype; FSDP keeps both as flat vectors per layer and dtype.
-    if strategy == "fsdp":
-        return _Form(FlatLayout.build(logical, grouped=True), shards)
-    if strategy in ("zero1", "zero2") and kind == "opt":
-        return _Form(FlatLayout.build(logical), shards)
-    if strategy in ("ddp", "zero1", "zero2"):
-        return _Form(None, shards)
-    raise SpmdError(
-        describe(
-            "restore_checkpoint",
-            f"the checkpoint was saved with strategy {strategy!r}, which this version cannot convert.",
-            fix="restore it into a template with the same strategy and device count.",
+def _check_format(directory: str | os.PathLike[str], step: int, saved: dict[str, Any]) -> None:
+    # spmdcomm 0.2 stored ZeRO's optimizer state and FSDP's parameters as flat vectors keyed "<layer>/<dtype>".
+    if saved.get("format", 1) < _FORMAT and saved.get("strategy", "ddp") != "ddp":
+        raise SpmdError(
+            describe(
+                "restore_checkpoint",
+                f"checkpoint {step} in {os.fspath(directory)!r} was saved by spmdcomm 0.2 with strategy "
+                f"{saved['strategy']!r}, whose flat-vector layout this version no longer reads.",
+                fix="restore it with spmdcomm 0.2 into a DDP template (strategy='ddp') and save it again; "
+                "DDP checkpoints of 0.2 restore here into any strategy.",
+            )
         )
-    )
 
 
-def _logical_params(state: TrainState) -> Any:
-    """The model's parameter tree, abstract (shapes and dtypes), whatever form the state stores it in."""
-    flat = getattr(state.layout, "flat", None) if state.strategy.shards_params else None
-    if flat is None:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state.params)
-    leaves = [jax.ShapeDtypeStruct(s, d) for s, d in zip(flat.shapes, flat.dtypes, strict=True)]
-    return jax.tree.unflatten(flat.treedef, leaves)
+def _check_leaves(directory: str | os.PathLike[str], step: int, saved: Any, state: TrainState) -> None:
+    """Raises unless the checkpoint holds exactly the template's leaves, with the same shapes and dtypes."""
+    stored = {m.name: m for m in jax.tree.leaves(dict(saved)) if hasattr(m, "shape")}
+    wanted = {_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(_arrays(state))[0]}
+    problems = [f"{name}: missing from the checkpoint" for name in wanted if name not in stored]
+    problems += [f"{name}: in the checkpoint, not in the template" for name in stored if name not in wanted]
+    for name, leaf in wanted.items():
+        if name not in stored or jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+            continue  # typed PRNG keys are stored as key data and checked by orbax
+        have = stored[name]
+        if tuple(have.shape) != tuple(leaf.shape) or np.dtype(have.dtype) != np.dtype(leaf.dtype):
+            problems.append(
+                f"{name}: the checkpoint has {np.dtype(have.dtype).name}{list(have.shape)}, the template "
+                f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+            )
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise SpmdError(
+            describe(
+                "restore_checkpoint",
+                f"checkpoint {step} in {os.fspath(directory)!r} does not match the template state: {shown}.",
+                fix="build the template from the same model configuration and optax transformation the checkpoint "
+                "was trained with (the strategy and device count may differ).",
+            )
+        )
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    """A leaf's dotted name as orbax records it (``params.Dense_0.kernel``, ``opt_state.0.mu.Dense_0.bias``)."""
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return ".".join(parts)

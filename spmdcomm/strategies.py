@@ -38,7 +38,7 @@ reductions they need. ZeRO-1, ZeRO-2 and FSDP run on the ``shard_map`` backend o
 >>> import optax
 >>> state = sc.TrainState.create(params={"w": np.zeros((8, 3), np.float32)}, tx=optax.adam(1e-3), strategy="zero1")
 >>> state.strategy, state.params["w"].shape, state.opt_state[0].mu["w"].sharding.spec
-(ZeRO1(), (8, 3), PartitionSpec('data',))
+(ZeRO1(), (8, 3), P('data',))
 """
 
 from __future__ import annotations
@@ -102,6 +102,10 @@ class Strategy:
     def micro_grads(self, ctx: ReduceContext, layout: TreeLayout, grads: Any) -> Any:
         """Inside the step: one micro-batch's gradient in the form it is accumulated in."""
         return grads
+
+    def store_params(self, layout: TreeLayout, mesh: Mesh, params: Any) -> Any:
+        """In the global view, after the optimizer: the new parameters in their stored layout."""
+        return params
 
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
         """Sums the f32 ``stats`` vector and the accumulated gradients over the axis: ``(stats, reduced)``, each
@@ -178,6 +182,13 @@ class ZeRO1(Strategy):
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
         return _psum_whole(ctx, layout, layout.scatter_sum(grads, ctx.reduce_dtype), stats)
 
+    def store_params(self, layout: TreeLayout, mesh: Mesh, params: Any) -> Any:
+        # The optimizer produced each leaf's blocks (its gradient's layout); one all-gather per dtype makes the
+        # parameters whole again (XLA alone would gather leaf by leaf, and XLA:CPU pays per buffer).
+        blocks = lax.with_sharding_constraint(params, layout.shardings(mesh, "grads"))
+        gather = lambda p: layout.gather(p, "grads", per_layer=False, invariant=True)
+        return jax.shard_map(gather, mesh=mesh, in_specs=(layout.grad_specs,), out_specs=P(), check_vma=True)(blocks)
+
 
 @dataclasses.dataclass(frozen=True)
 class ZeRO2(ZeRO1):
@@ -243,7 +254,9 @@ class FSDP(Strategy):
     def compute_params(self, ctx: ReduceContext, layout: TreeLayout, params: Any) -> Any:
         # Split leaves are gathered in the compute dtype; the backward pass reduce-scatters their gradient in the
         # step's reduce_dtype (else the compute dtype). Replicated leaves are cast to the compute dtype here.
-        whole = layout.gather_params(params, self.param_dtype, ctx.reduce_dtype)
+        whole = layout.gather(
+            params, "params", per_layer=True, compute_dtype=self.param_dtype, reduce_dtype=ctx.reduce_dtype
+        )
         if self.param_dtype is None:
             return whole
         return jax.tree.map(

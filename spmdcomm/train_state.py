@@ -149,7 +149,7 @@ class TrainState:
         >>> import optax
         >>> s = sc.TrainState.create(params={"w": np.ones((8, 3), np.float32)}, tx=optax.sgd(0.1), strategy="fsdp")
         >>> s.params["w"].shape, s.params["w"].sharding.spec, s.full_params()["w"].sharding.spec
-        ((8, 3), PartitionSpec('data',), PartitionSpec())
+        ((8, 3), P('data',), P())
         """
         if not self.strategy.shards_params:
             return self.params

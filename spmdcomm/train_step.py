@@ -287,7 +287,7 @@ def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
         denom = denominator(total, masked)
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), reduced)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params = strategy.store_params(layout, state.mesh, optax.apply_updates(state.params, updates))
         # Keep the old state where nothing real was seen (all padding) or a gradient was not finite.
         apply = total > 0 if masked else None
         finite = all_finite(grads) if o.skip_nonfinite else None

@@ -46,7 +46,9 @@ def frozen_first_layer(params):
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=6)
 
 RECIPES = {
-    "adamw_mask_by_ndim": lambda: optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda a: a.ndim > 1, p)),
+    "adamw_mask_by_ndim": lambda: optax.adamw(
+        1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda a: a.ndim > 1, p)
+    ),
     "adamw_mask_by_path": lambda: optax.adamw(1e-2, weight_decay=0.5, mask=no_decay_by_path),
     "multi_transform_freeze": lambda: optax.multi_transform(
         {"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, frozen_first_layer
@@ -67,8 +69,17 @@ CASES = [
     (name, n, padded, accum)
     for (name, (n, padded, accum)) in zip(
         RECIPES,
-        [(8, False, 1), (4, True, 1), (2, False, 2), (8, True, 2), (4, False, 1), (2, True, 1), (8, False, 1),
-         (4, True, 2), (2, False, 1)],
+        [
+            (8, False, 1),
+            (4, True, 1),
+            (2, False, 2),
+            (8, True, 2),
+            (4, False, 1),
+            (2, True, 1),
+            (8, False, 1),
+            (4, True, 2),
+            (2, False, 1),
+        ],
         strict=True,
     )
 ]
@@ -85,7 +96,9 @@ def batches(padded, steps=4):
 
 def init():
     model = Net()
-    return model.apply, jax.tree.map(np.asarray, model.init(jax.random.PRNGKey(0), np.zeros((2, 12), np.float32)))["params"]
+    return model.apply, jax.tree.map(np.asarray, model.init(jax.random.PRNGKey(0), np.zeros((2, 12), np.float32)))[
+        "params"
+    ]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
