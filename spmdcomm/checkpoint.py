@@ -223,6 +223,8 @@ def _check_leaves(directory: str | os.PathLike[str], step: int, saved: Any, stat
                 f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
             )
     if problems:
+        # The parameters first: an optimizer leaf differs because its parameter does.
+        problems.sort(key=lambda p: not p.startswith("params."))
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise SpmdError(
             describe(

@@ -121,3 +121,66 @@ def test_optax_recipe_equals_one_device(recipe, n, padded, accum, strategy):
     # rounding a little, hence rtol 1e-4 on the few largest parameters.
     assert_trees_close(state.full_params(), ref_params, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
+
+
+class Attention(nn.Module):
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=8)(x, x)
+        return nn.Dense(5)(y.mean(axis=1))
+
+
+def test_checkpoint_of_other_leaf_shapes_of_the_same_sizes_raises_naming_the_leaf(tmp_path):
+    x = np.zeros((2, 3, 8), np.float32)
+    saved_params = Attention(heads=2).init(jax.random.PRNGKey(0), x)["params"]
+    other_params = Attention(heads=4).init(jax.random.PRNGKey(0), x)["params"]
+    # 2 heads of 4 features and 4 heads of 2: every leaf has the same number of entries.
+    sizes = lambda p: [a.size for a in jax.tree.leaves(p)]
+    assert sizes(saved_params) == sizes(other_params)
+    for strategy in STRATEGIES:
+        directory = tmp_path / strategy
+        state = sc.TrainState.create(params=saved_params, tx=optax.adam(1e-3), mesh=mesh_of(2), strategy=strategy)
+        sc.save_checkpoint(directory, state)
+        template = sc.TrainState.create(params=other_params, tx=optax.adam(1e-3), mesh=mesh_of(2), strategy="fsdp")
+        with pytest.raises(sc.SpmdError, match="does not match the template") as err:
+            sc.restore_checkpoint(directory, template)
+        text = str(err.value)
+        leaf = "params.MultiHeadDotProductAttention_0.query.kernel"
+        assert f"{leaf}: the checkpoint has float32[8, 2, 4], the template float32[8, 4, 2]" in text
+        assert "Fix: build the template from the same model configuration" in text
+
+
+def test_checkpoint_leaves_are_written_split_as_the_state_holds_them(tmp_path):
+    import orbax.checkpoint as ocp
+
+    apply_fn, params = init()
+    state = sc.TrainState.create(
+        params=params, apply_fn=apply_fn, tx=optax.adam(1e-3), mesh=mesh_of(4), strategy="fsdp"
+    )
+    sc.save_checkpoint(tmp_path, state)
+    metadata = ocp.StandardCheckpointer().metadata(tmp_path / "0" / "default").item_metadata
+    kernel = metadata["params"]["Dense_1"]["kernel"]
+    assert tuple(kernel.shape) == (128, 128) and tuple(kernel.sharding.partition_spec) == ("data",)
+    assert tuple(metadata["opt_state"][0]["mu"]["Dense_2"]["bias"].sharding.partition_spec) == ()  # 5 entries
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_resume_across_strategies_and_device_counts_with_factored_and_clipped_optimizer(tmp_path):
+    # FSDP on 8 -> ZeRO-1 on 4 -> DDP on 2, each two steps, equals 6 uninterrupted steps on one device.
+    apply_fn, params = init()
+    data = batches(False, steps=6)
+    make_tx = lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adafactor(1e-2))
+    ref_params, _, _ = reference_train(loss_fn, apply_fn, params, {}, make_tx(), data)
+    step = sc.make_train_step(loss_fn)
+    state = None
+    for i, (strategy, n) in enumerate([("fsdp", 8), ("zero1", 4), ("ddp", 2)]):
+        template = sc.TrainState.create(
+            params=params, apply_fn=apply_fn, tx=make_tx(), mesh=mesh_of(n), strategy=strategy
+        )
+        state = template if state is None else sc.restore_checkpoint(tmp_path, template)
+        assert int(state.step) == 2 * i
+        state, _ = sc.fit(step, state, data[2 * i : 2 * i + 2])
+        sc.save_checkpoint(tmp_path, state)
+    assert_trees_close(state.full_params(), ref_params, rtol=1e-4, atol=1e-5)
