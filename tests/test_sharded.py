@@ -213,7 +213,7 @@ def test_gathers_and_reductions_run_in_the_chosen_dtypes(strategy, reduce_dtype,
         assert_trees_close(trained.full_params(), exact.full_params(), rtol=2e-2, atol=2e-3)
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
 def test_pmap_backend_is_refused(strategy):
     apply_fn, params, _ = init("mlp")
     state = sc.TrainState.create(
