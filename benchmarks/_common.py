@@ -129,8 +129,8 @@ def plot_train_step(result: dict, path: Path) -> Path:
 
 
 def plot_strategies(result: dict, path: Path) -> Path:
-    """Parameters + optimizer state per device against the device count, per model and strategy, and each
-    strategy's samples/s relative to DDP."""
+    """Parameters + optimizer state per device against the device count, per model and strategy (the plain
+    ``jax.jit`` program among them), and each one's samples/s relative to DDP."""
     plt = _pyplot()
     models = list(dict.fromkeys(r["model"] for r in result["memory"]))
     speed = result.get("speed", {})
@@ -141,12 +141,12 @@ def plot_strategies(result: dict, path: Path) -> Path:
         for k, strategy in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
             pts = [(r["devices"], r["persistent_bytes"] / 2**20) for r in rows if r["strategy"] == strategy]
             # Shrinking markers: strategies with equal bytes (ZeRO-1 and ZeRO-2) stay visible on one another.
-            label = strategy.replace("reshard_after_forward=False", "no reshard")
-            ax.plot(*zip(*pts), marker="o", ms=10 - 2 * k, label=label)
+            label = strategy.replace("reshard_after_forward=False", "no reshard").replace("NamedSharding", "NS")
+            ax.plot(*zip(*pts), marker="o", ms=max(11 - 1.5 * k, 2), label=label)
         ddp = [(r["devices"], r["persistent_bytes"] / r["devices"] / 2**20) for r in rows if r["strategy"] == "ddp"]
         ax.plot(*zip(*ddp), color="gray", ls="--", label="DDP / N")
         ax.set(xscale="log", title=model, xlabel="devices N", ylabel="params + optimizer state, MiB/device")
-        ax.set_ylim(0, 1.45 * max(r["persistent_bytes"] for r in rows) / 2**20)  # room for the legend on top
+        ax.set_ylim(0, 1.6 * max(r["persistent_bytes"] for r in rows) / 2**20)  # room for the legend on top
         ax.set_xticks([n for n, _ in ddp], [str(n) for n, _ in ddp])
         ax.set_xticks([], minor=True)
         ax.legend(fontsize=7, loc="upper center", ncol=3)
@@ -158,11 +158,18 @@ def plot_strategies(result: dict, path: Path) -> Path:
             xs = [j + i * width for j in range(len(names))]
             ax.bar(xs, [variants[n]["ratio_vs_ddp"] for n in names], width, label=model)
         ax.axhline(0.85, color="gray", ls="--", label="goal for FSDP: 0.85")
-        labels = [n.replace(" reshard_after_forward=False", "\nno reshard") for n in names]
+        labels = [
+            n.replace(" reshard_after_forward=False", "\nno reshard").replace("jit+NamedSharding ", "jit\n")
+            for n in names
+        ]
         ax.set_xticks([j + width * (len(speed) - 1) / 2 for j in range(len(names))], labels, fontsize=7)
-        ax.set(title=f"samples/s vs DDP, {result['devices']} devices", ylabel="ratio to DDP", ylim=(0, 1.35))
-        ax.legend(fontsize=7, loc="upper center", ncol=3)  # above the bars, which stay near 1
-    fig.suptitle(f"Data-parallel strategies, Adam, global batch {result['global_batch']}, {result['date']}")
+        ax.set(title=f"samples/s vs DDP, {result['devices']} devices", ylabel="ratio to DDP", ylim=(0, 1.5))
+        ax.legend(fontsize=7, loc="upper center", ncol=2)  # above the bars, which stay near 1
+    batch = result.get("batch_per_model") or {}
+    batches = f"global batch {result['global_batch']}"
+    if any(b != result["global_batch"] for b in batch.values()):  # the transformer's batch is smaller
+        batches += "".join(f", {m} {b}" for m, b in batch.items() if b != result["global_batch"])
+    fig.suptitle(f"Data-parallel strategies, Adam, {batches}, {result['date']}")
     return _save(plt, fig, path)
 
 

@@ -1,5 +1,5 @@
 """Per-leaf sharding of the model's tree: which dimension of each leaf a strategy splits over the data axis,
-and the packed collectives that move such leaves in one buffer per dtype (or per layer and dtype).
+and the collectives that move such leaves (ZeRO's packed in one buffer per dtype, FSDP's leaf by leaf).
 
 A leaf is split over the data axis on its FIRST dimension whose size is a multiple of the axis size
 (torch FSDP2 splits dimension 0; the first divisible one keeps the split contiguous wherever it can). A leaf
@@ -56,7 +56,6 @@ class TreeLayout:
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
-    groups: tuple[str, ...]
     param_leaf_specs: tuple[P, ...]
     grad_leaf_specs: tuple[P, ...]
     opt_treedef: Any
@@ -91,7 +90,6 @@ class TreeLayout:
             treedef=treedef,
             shapes=shapes,
             dtypes=tuple(jnp.dtype(x.dtype).name for _, x in flat),
-            groups=tuple(_group(path) for path, _ in flat),
             param_leaf_specs=split if shard_params else whole,
             grad_leaf_specs=split if shard_grads else whole,
             opt_treedef=opt_treedef,
@@ -133,11 +131,7 @@ class TreeLayout:
         device's block of its sum over the axis, one reduce-scatter per dtype; replicated leaves unchanged."""
         leaves = jax.tree.leaves(grads)
         out = list(leaves)
-        buckets: dict[str, list[int]] = collections.defaultdict(list)
-        for i, spec in enumerate(self.grad_leaf_specs):
-            if spec != P():
-                buckets[self.dtypes[i]].append(i)
-        for idx in buckets.values():
+        for idx in self._by_dtype(self.grad_leaf_specs).values():
             dims = [_dim(self.grad_leaf_specs[i]) for i in idx]
             rows = [_to_blocks(_cast(leaves[i], reduce_dtype), d, self.size) for i, d in zip(idx, dims, strict=True)]
             packed = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
@@ -146,52 +140,50 @@ class TreeLayout:
                 out[i] = part.reshape(_local_shape(self.shapes[i], d, self.size)).astype(leaves[i].dtype)
         return jax.tree.unflatten(self.treedef, out)
 
-    def gather(
-        self,
-        tree: Any,
-        which: str,
-        *,
-        per_layer: bool,
-        compute_dtype: Any = None,
-        reduce_dtype: Any = None,
-        invariant: bool = False,
-    ) -> Any:
-        """Inside ``shard_map``: the whole tree from this device's blocks of a tree laid out as ``which``
-        (``"params"`` or ``"grads"``), one all-gather per dtype (``per_layer``: per top-level entry and dtype),
-        floats gathered in ``compute_dtype`` (None keeps each dtype); leaves kept whole pass through. The
-        derivative reduce-scatters in the same buffers, in ``reduce_dtype`` (else the gathered dtype): the
-        gradient with respect to the blocks arrives summed over the axis. ``invariant``: the result is typed as
-        the same on every device (to leave ``shard_map`` as ``P()``); it has no such derivative."""
-        specs = self.param_leaf_specs if which == "params" else self.grad_leaf_specs
-        leaves = jax.tree.leaves(tree)
+    def gather_params(self, params: Any, compute_dtype: Any = None, reduce_dtype: Any = None) -> Any:
+        """Inside ``shard_map``: the whole parameter tree from this device's blocks, one all-gather per split
+        leaf, floats gathered in ``compute_dtype`` (None keeps each dtype); whole leaves pass through. The
+        derivative reduce-scatters each leaf's cotangent in ``reduce_dtype`` (else the gathered dtype), so the
+        gradient with respect to the blocks arrives summed over the axis.
+
+        Leaf by leaf, not packed: a packed buffer is sliced into leaves by copies, which XLA keeps beside the
+        gathered buffer (measured: 1.6 MiB more temporaries for a 1.6 MiB CNN, and FSDP's peak memory no lower
+        than DDP's); per-leaf gathers hand each layer its parameters in place, and XLA may still combine them."""
+        leaves = jax.tree.leaves(params)
         out = list(leaves)
-        buckets: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
-        for i, spec in enumerate(specs):
-            if spec != P():
-                buckets[(self.groups[i] if per_layer else "", self.dtypes[i])].append(i)
-        for (_, dtype), idx in buckets.items():
-            is_float = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-            compute = jnp.dtype(compute_dtype if compute_dtype is not None and is_float else dtype)
+        for i, spec in enumerate(self.param_leaf_specs):
+            if spec == P():
+                continue
+            is_float = jnp.issubdtype(leaves[i].dtype, jnp.floating)
+            compute = jnp.dtype(compute_dtype if compute_dtype is not None and is_float else leaves[i].dtype)
             low = jnp.dtype(reduce_dtype) if reduce_dtype is not None and is_float else compute
+            out[i] = _gather_leaf(leaves[i], self.axis, _dim(spec), compute, low)
+        return jax.tree.unflatten(self.treedef, out)
+
+    def gather_blocks(self, blocks: Any) -> Any:
+        """Inside ``shard_map``: the whole tree from this device's blocks of a tree laid out as ``grad_specs``, in
+        one all-gather per dtype, typed as the same on every device (to leave ``shard_map`` as ``P()``). No
+        derivative: ZeRO gathers its updated parameters with it, after the optimizer."""
+        leaves = jax.tree.leaves(blocks)
+        out = list(leaves)
+        for idx in self._by_dtype(self.grad_leaf_specs).values():
             flat = [jnp.ravel(leaves[i]) for i in idx]
             local = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-            if invariant:
-                rows = lax.all_gather(local.astype(compute), self.axis, tiled=False, to="invarying")
-            else:
-                rows = _gather_rows(local, self.axis, compute, low)
+            rows = lax.all_gather(local, self.axis, tiled=False, to="invarying")
             for i, part in zip(idx, _split(rows, [x.shape[0] for x in flat]), strict=True):
-                out[i] = _from_blocks(part, self.shapes[i], _dim(specs[i]), self.size)
+                out[i] = _from_blocks(part, self.shapes[i], _dim(self.grad_leaf_specs[i]), self.size)
         return jax.tree.unflatten(self.treedef, out)
+
+    def _by_dtype(self, specs: tuple[P, ...]) -> dict[str, list[int]]:
+        """The indices of the split leaves of ``specs``, by dtype."""
+        buckets: dict[str, list[int]] = collections.defaultdict(list)
+        for i, spec in enumerate(specs):
+            if spec != P():
+                buckets[self.dtypes[i]].append(i)
+        return buckets
 
 
 # --------------------------------------------------------------------------------------------------
-
-
-def _group(path: tuple[Any, ...]) -> str:
-    """A readable name of a leaf's top-level entry (``Dense_0``), or ``"params"`` for a bare leaf."""
-    if not path:
-        return "params"
-    return jax.tree_util.keystr(path[:1]).strip("[]'\".") or "params"
 
 
 def _dim(spec: P) -> int:
@@ -225,20 +217,19 @@ def _split(x: jax.Array, sizes: list[int]) -> list[jax.Array]:
     return [x[..., int(a) : int(b)] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather_rows(local: jax.Array, axis: str, compute: Any, reduce: Any) -> jax.Array:
-    """``(n, len(local))``: every device's ``local`` over ``axis``, gathered in ``compute``; its derivative
-    reduce-scatters the cotangent in ``reduce``."""
-    return lax.all_gather(local.astype(compute), axis, tiled=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather_leaf(block: jax.Array, axis: str, dim: int, compute: Any, reduce: Any) -> jax.Array:
+    """The whole leaf from every device's ``block`` along ``dim``, gathered in ``compute``; its derivative
+    reduce-scatters the cotangent along ``dim`` in ``reduce``."""
+    return lax.all_gather(block.astype(compute), axis, axis=dim, tiled=True)
 
 
-def _gather_rows_fwd(local: jax.Array, axis: str, compute: Any, reduce: Any) -> tuple[jax.Array, Any]:
-    return _gather_rows(local, axis, compute, reduce), jnp.zeros((), local.dtype)
+def _gather_leaf_fwd(block: jax.Array, axis: str, dim: int, compute: Any, reduce: Any) -> tuple[jax.Array, Any]:
+    return _gather_leaf(block, axis, dim, compute, reduce), jnp.zeros((), block.dtype)
 
 
-def _gather_rows_bwd(axis: str, compute: Any, reduce: Any, like: jax.Array, ct: jax.Array) -> tuple[jax.Array]:
-    summed = lax.psum_scatter(ct.astype(reduce), axis, scatter_dimension=0, tiled=False)
-    return (summed.astype(like.dtype),)
+def _gather_leaf_bwd(axis: str, dim: int, compute: Any, reduce: Any, like: jax.Array, ct: jax.Array) -> tuple[Any]:
+    return (lax.psum_scatter(ct.astype(reduce), axis, scatter_dimension=dim, tiled=True).astype(like.dtype),)
 
 
-_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+_gather_leaf.defvjp(_gather_leaf_fwd, _gather_leaf_bwd)

@@ -24,8 +24,8 @@ strategy                      gradients                              parameters 
                               into a split accumulator
 ``FSDP()`` (``"fsdp"``)       reduce-scattered by the backward       split per       split per leaf
                               pass (the transpose of the forward     leaf, gathered
-                              pass's all-gather, one per layer)      per layer for
-                                                                     compute
+                              pass's all-gather of each leaf)        leaf by leaf
+                                                                     for compute
 ============================  =====================================  ==============  ===============
 
 "Split per leaf" means each leaf is split over the data axis on its first dimension that the axis size divides
@@ -91,9 +91,10 @@ class Strategy:
         )
 
     @property
-    def recomputes_forward(self) -> bool:
-        """True when ``loss_fn`` runs under ``jax.checkpoint`` so that nothing gathered outlives the forward pass."""
-        return False
+    def remat_policy(self) -> Any:
+        """A ``jax.checkpoint`` policy for ``loss_fn``: which forward values the backward pass recomputes
+        rather than keeps (None: keep everything, no ``jax.checkpoint``)."""
+        return None
 
     def compute_params(self, ctx: ReduceContext, layout: TreeLayout, params: Any) -> Any:
         """Inside the step: the parameter tree the model is applied to."""
@@ -186,8 +187,9 @@ class ZeRO1(Strategy):
         # The optimizer produced each leaf's blocks (its gradient's layout); one all-gather per dtype makes the
         # parameters whole again (XLA alone would gather leaf by leaf, and XLA:CPU pays per buffer).
         blocks = lax.with_sharding_constraint(params, layout.shardings(mesh, "grads"))
-        gather = lambda p: layout.gather(p, "grads", per_layer=False, invariant=True)
-        return jax.shard_map(gather, mesh=mesh, in_specs=(layout.grad_specs,), out_specs=P(), check_vma=True)(blocks)
+        return jax.shard_map(
+            layout.gather_blocks, mesh=mesh, in_specs=(layout.grad_specs,), out_specs=P(), check_vma=True
+        )(blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,17 +216,17 @@ class FSDP(Strategy):
     """Fully sharded data parallelism (torch FSDP2 ``fully_shard``, ZeRO stage 3).
 
     Parameters, gradients and optimizer state are split per leaf over the data axis; ``state.params`` is the
-    model's tree of sharded arrays. The step all-gathers each layer's blocks (one buffer per top-level entry of
-    the tree and dtype) for the forward pass; the backward pass (the transpose of that all-gather)
-    reduce-scatters the gradients straight into blocks; the optimizer updates the blocks in the global view.
-    :meth:`TrainState.full_params <spmdcomm.TrainState.full_params>` gathers the whole tree.
+    model's tree of sharded arrays. The step all-gathers each split leaf for the forward pass; the backward pass
+    (the transpose of that all-gather) reduce-scatters each gradient straight into blocks; the optimizer updates
+    the blocks in the global view. :meth:`TrainState.full_params <spmdcomm.TrainState.full_params>` gathers the
+    whole tree.
 
-    ``reshard_after_forward=True`` (default, as torch's): nothing gathered is kept for the backward pass:
-    ``loss_fn`` runs under ``jax.checkpoint``, so the backward pass gathers the parameters again and
-    recomputes the forward pass (activation checkpointing comes with it: less memory, one more forward
-    pass). ``False`` keeps the gathered parameters and activations from the forward to the backward pass
-    (one all-gather per layer instead of two). XLA:CPU in jax 0.10 merges the second gathers with the first (it
-    drops the rematerialisation barrier before its common-subexpression pass), so on CPU both compile alike.
+    ``reshard_after_forward=True`` (default, as torch's): the gathered parameters are not kept for the backward
+    pass, which gathers again each one it needs (a ``jax.checkpoint`` policy that keeps every computed value,
+    the activations, and drops only what was moved: gathers and the reshapes and casts after them; no layer is
+    recomputed). ``False`` keeps the gathered parameters from the forward to the backward pass (one all-gather
+    per leaf instead of up to two). XLA:CPU in jax 0.10 merges the second gathers with the first (it drops the
+    rematerialisation barrier before its common-subexpression pass), so on CPU both compile alike.
     ``param_dtype`` (e.g. ``jnp.bfloat16``): the model computes with low-precision copies of the gathered
     parameters while the blocks, the gradients and the optimizer stay float32 (torch's
     ``MixedPrecisionPolicy(param_dtype=...)``): the blocks are gathered in ``param_dtype`` (half the bytes for
@@ -248,23 +250,23 @@ class FSDP(Strategy):
             object.__setattr__(self, "param_dtype", dtype)
 
     @property
-    def recomputes_forward(self) -> bool:
-        return self.reshard_after_forward
+    def remat_policy(self) -> Any:
+        # Only the gathered parameters are dropped after the forward pass (torch's resharding): activations are
+        # kept, so the backward pass gathers again but recomputes no layer.
+        return _keep_computed_values if self.reshard_after_forward else None
 
     def compute_params(self, ctx: ReduceContext, layout: TreeLayout, params: Any) -> Any:
         # Split leaves are gathered in the compute dtype; the backward pass reduce-scatters their gradient in the
         # step's reduce_dtype (else the compute dtype). Replicated leaves are cast to the compute dtype here.
-        whole = layout.gather(
-            params, "params", per_layer=True, compute_dtype=self.param_dtype, reduce_dtype=ctx.reduce_dtype
-        )
-        if self.param_dtype is None:
-            return whole
-        return jax.tree.map(
-            lambda x, spec: x.astype(self.param_dtype) if spec == P() and _is_float(x) else x,
-            whole,
-            layout.param_specs,
-            is_leaf=lambda x: isinstance(x, P),
-        )
+        whole = layout.gather_params(params, self.param_dtype, ctx.reduce_dtype)
+        if self.param_dtype is not None:
+            whole = jax.tree.map(
+                lambda x, spec: x.astype(self.param_dtype) if spec == P() and _is_float(x) else x,
+                whole,
+                layout.param_specs,
+                is_leaf=lambda x: isinstance(x, P),
+            )
+        return whole
 
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
         return _psum_whole(ctx, layout, grads, stats)
@@ -302,6 +304,36 @@ def check_strategy_backend(fn: str, strategy: Strategy, backend: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+def _keep_computed_values(prim: Any, *args: Any, **params: Any) -> bool:
+    """A ``jax.checkpoint`` policy that keeps what the forward pass computed (activations) and drops what it only
+    moved: gathers and the reshapes, slices, casts and transposes between a gather and its use. The backward pass
+    then gathers each parameter again instead of keeping it (naming the gathered values is not enough: the
+    policy would keep the reshape they were named from)."""
+    return prim.name not in _MOVED
+
+
+_MOVED = frozenset(
+    {
+        "all_gather",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "reshape",
+        "transpose",
+        "slice",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "concatenate",
+        "copy",
+        "copy_p",
+        "name",
+        "pvary",
+        "pcast",
+    }
+)
 
 
 def _is_float(x: jax.Array) -> bool:

@@ -393,17 +393,16 @@ def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], 
 def _differentiable_loss(o: StepOptions, ctx: ReduceContext, state: TrainState, weigh_loss: bool) -> Callable[..., Any]:
     """``f(params, batch, ..., count) -> (differentiated value, (loss, aux))`` for ``jax.value_and_grad``."""
     strategy, layout = state.strategy, state.layout
-    reshard = strategy.recomputes_forward
+    policy = strategy.remat_policy
 
     def wrapped(params: Any, batch: Any, *, count: jax.Array, **kwargs: Any) -> tuple[jax.Array, Any]:
         def forward(p: Any) -> Any:
             return o.loss_fn(strategy.compute_params(ctx, layout, p), batch, **kwargs)
 
-        if reshard:
-            # Keep nothing of the forward pass but its inputs (the shards): the backward pass gathers the
-            # parameters again and recomputes the forward pass. (A policy that keeps every value except the
-            # gathered ones still keeps values derived from them, e.g. XLA's precision markers.)
-            forward = jax.checkpoint(forward)
+        if policy is not None:
+            # The strategy's policy says which forward values the backward pass recomputes instead of keeping
+            # (FSDP's resharding: the gathered parameters, gathered again).
+            forward = jax.checkpoint(forward, policy=policy)
         loss, aux = split_loss_output(forward(params), "make_train_step")
         scalars = {"loss": loss, **{k: v for k, v in aux.items() if k != "model_state"}}
         check_scalars("make_train_step", scalars, "loss_fn")

@@ -113,7 +113,7 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
     assert {"io", "cpu"} <= set(results["prefetch"]["loader_vs_step"]) and results["prefetch"]["hidden_transfer"]
     assert results["train_step"]["mlp/ours"] > 0 and results["train_step"]["cnn/hand-written shard_map"] > 0
     memory = results["strategies"]["memory"]
-    assert [(r["strategy"], r["devices"]) for r in memory] == [("ddp", 2), ("fsdp", 2)]
+    assert [(r["strategy"], r["devices"]) for r in memory] == [("ddp", 2), ("fsdp", 2), ("jit+NamedSharding fsdp", 2)]
     assert memory[1]["goal_met"] and memory[1]["persistent_bytes vs ddp"] < 0.51
     assert results["strategies"]["speed"]["mlp"]["fsdp"]["samples_per_s"] > 0
     for name in results:
