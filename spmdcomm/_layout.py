@@ -1,10 +1,16 @@
-"""Per-leaf sharding of the model's tree: which dimension of each leaf a strategy splits over the data axis,
+"""Per-leaf sharding of the model's tree: which dimension of each leaf a strategy splits over the data axes,
 and the collectives that move such leaves (ZeRO's packed in one buffer per dtype, FSDP's leaf by leaf).
 
-A leaf is split over the data axis on its FIRST dimension whose size is a multiple of the axis size
-(torch FSDP2 splits dimension 0; the first divisible one keeps the split contiguous wherever it can). A leaf
-with no such dimension (a scalar, a bias of 10 entries on 8 devices) stays replicated: the optimizer always
-sees the leaf's true shape, and the cost is that leaf's bytes on every device (``TreeLayout.replicated_bytes``).
+The state's data axes are one mesh axis or several (``("replica", "fsdp")``: hybrid sharding, torch's
+``HYBRID_SHARD``): a sharding strategy splits over the LAST data axis (the shard axis, inside a node) and
+replicates over the others (the replica axes, across nodes). A leaf is split over the shard axis on its FIRST
+dimension that no model axis already splits and whose size is a multiple of the shard axis size (torch FSDP2
+splits dimension 0; the first divisible one keeps the split contiguous wherever it can). A leaf with no such
+dimension (a scalar, a bias of 10 entries on 8 devices) stays replicated: the optimizer always sees the leaf's
+true shape, and the cost is that leaf's bytes on every device (``TreeLayout.replicated_bytes``).
+
+Mesh axes that are not data axes belong to the model: a leaf's model spec (``P(None, "model")``) is kept in its
+spec, the step leaves those axes to XLA (partial-manual ``shard_map``), and only the data axes are manual.
 The specs say what ``NamedSharding`` the state's arrays carry, so everything outside the step (optax in the
 global view, checkpoints, ``explain``) sees an ordinary sharded tree.
 """
@@ -27,31 +33,53 @@ from jax.sharding import PartitionSpec as P
 __all__ = ["TreeLayout", "shard_spec", "shard_dim"]
 
 
-def shard_dim(shape: tuple[int, ...], n: int) -> int | None:
-    """The dimension of ``shape`` split ``n`` ways: the first whose size is a positive multiple of ``n``."""
+def shard_dim(shape: tuple[int, ...], n: int, taken: tuple[Any, ...] = ()) -> int | None:
+    """The dimension of ``shape`` split ``n`` ways: the first whose size is a positive multiple of ``n`` and
+    whose entry in ``taken`` (a model spec) is None."""
     for dim, size in enumerate(shape):
-        if size >= n and size % n == 0:
+        if (dim >= len(taken) or taken[dim] is None) and size >= n and size % n == 0:
             return dim
     return None
 
 
-def shard_spec(shape: tuple[int, ...], axis: str, n: int) -> P:
-    """The ``PartitionSpec`` that splits a leaf of ``shape`` over ``axis`` (``n`` devices), or ``P()``.
+def shard_spec(shape: tuple[int, ...], axis: str, n: int, model: P | None = None) -> P:
+    """The ``PartitionSpec`` that splits a leaf of ``shape`` over ``axis`` (``n`` devices) on a dimension that
+    its ``model`` spec leaves free, keeping the model spec's entries; ``model`` itself when none divides.
 
     >>> shard_spec((3, 3, 16, 32), "data", 8), shard_spec((10,), "data", 8)
     (P(None, None, 'data'), P())
+    >>> shard_spec((16, 32), "data", 8, model=P("model"))
+    P('model', 'data')
     """
-    dim = shard_dim(tuple(shape), n) if n > 1 else None
-    return P() if dim is None else P(*([None] * dim), axis)
+    model = P() if model is None else model
+    dim = shard_dim(tuple(shape), n, tuple(model)) if n > 1 else None
+    if dim is None:
+        return model
+    entries = list(model) + [None] * (dim + 1 - len(model))
+    entries[dim] = axis
+    return P(*entries)
+
+
+def manual_spec(spec: P, axes: tuple[str, ...]) -> P:
+    """``spec`` with only the entries over ``axes`` (the manual axes of a partial-manual ``shard_map``).
+
+    >>> manual_spec(P("model", "data"), ("data",))
+    P(None, 'data')
+    """
+    entries = [_keep(e, axes) for e in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeLayout:
     """Where a strategy keeps each leaf: the spec of every stored parameter, of every reduced gradient leaf
     (what the optimizer is handed) and of every optimizer-state leaf, as flattened tuples (hashable: the
-    layout is a static field of the state). ``bucket_bytes`` is DDP's flat-buffer size (None: leaf by leaf)."""
+    layout is a static field of the state), over the mesh's data ``axes`` (the last one splits; ``size`` is its
+    size) and its model axes. ``bucket_bytes`` is DDP's flat-buffer size (None: leaf by leaf)."""
 
-    axis: str
+    axes: tuple[str, ...]
     size: int
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
@@ -68,34 +96,61 @@ class TreeLayout:
         params: Any,
         tx: Any,
         mesh: Mesh,
-        axis: str,
+        axes: tuple[str, ...],
         *,
+        model_specs: tuple[P, ...] | None = None,
         shard_params: bool,
         shard_grads: bool,
         bucket_bytes: int | None = None,
     ) -> TreeLayout:
-        n = int(mesh.shape[axis])
+        """``model_specs``: each parameter leaf's spec over the model axes (None: none), checked already."""
+        n = int(mesh.shape[axes[-1]])
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         shapes = tuple(tuple(np.shape(x)) for _, x in flat)
-        split = tuple(shard_spec(s, axis, n) for s in shapes)
-        whole = tuple(P() for _ in shapes)
+        model = model_specs if model_specs is not None else tuple(P() for _ in shapes)
+        split = tuple(shard_spec(s, axes[-1], n, m) for s, m in zip(shapes, model, strict=True))
+        grads = split if shard_grads else model
         abstract = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for _, x in flat])
-        opt_leaves, opt_treedef = jax.tree.flatten(jax.eval_shape(tx.init, abstract))
-        # Optimizer leaves follow the same rule by shape: moments and traces shaped like a parameter are split
-        # as it is; factored statistics, counts and hyperparameters by their own shapes.
-        opt_specs = tuple(shard_spec(np.shape(x), axis, n) if shard_grads else P() for x in opt_leaves)
+        opt_flat, opt_treedef = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, abstract))
+        # An optimizer leaf that mirrors a parameter (a moment, a trace: the parameter's path ends its path, with
+        # the parameter's shape) is laid out as that parameter's gradient; any other leaf (factored statistics,
+        # counts, hyperparameters) is split by its own shape over the shard axis, and replicated over model axes.
+        by_path = {_path_key(path): i for i, (path, _) in enumerate(flat)}
+        opt_specs = []
+        for path, leaf in opt_flat:
+            i = _mirrored(by_path, path, np.shape(leaf), shapes)
+            if i is not None:
+                opt_specs.append(grads[i])
+            else:
+                opt_specs.append(shard_spec(np.shape(leaf), axes[-1], n) if shard_grads else P())
         return cls(
-            axis=axis,
+            axes=tuple(axes),
             size=n,
             treedef=treedef,
             shapes=shapes,
             dtypes=tuple(jnp.dtype(x.dtype).name for _, x in flat),
-            param_leaf_specs=split if shard_params else whole,
-            grad_leaf_specs=split if shard_grads else whole,
+            param_leaf_specs=split if shard_params else model,
+            grad_leaf_specs=grads,
             opt_treedef=opt_treedef,
-            opt_leaf_specs=opt_specs,
+            opt_leaf_specs=tuple(opt_specs),
             bucket_bytes=bucket_bytes,
         )
+
+    @property
+    def shard_axis(self) -> str:
+        """The data axis that sharding strategies split over (the last)."""
+        return self.axes[-1]
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """The data axes a split leaf is replicated over (hybrid sharding): every data axis but the last."""
+        return self.axes[:-1]
+
+    def manual_specs(self, which: str) -> Any:
+        """The specs of ``"params"``, ``"grads"`` or ``"opt"`` over the data axes only: a ``shard_map`` that is
+        manual over the data axes and leaves the model axes to XLA takes these (a tree)."""
+        specs, treedef = self._specs(which)
+        return jax.tree.unflatten(treedef, [manual_spec(s, self.axes) for s in specs])
 
     @property
     def param_specs(self) -> Any:
@@ -111,31 +166,36 @@ class TreeLayout:
 
     def shardings(self, mesh: Mesh, which: str) -> Any:
         """``NamedSharding``s of ``"params"``, ``"grads"`` or ``"opt"`` on ``mesh`` (a tree)."""
-        specs = {"params": self.param_leaf_specs, "grads": self.grad_leaf_specs, "opt": self.opt_leaf_specs}[which]
-        treedef = self.opt_treedef if which == "opt" else self.treedef
+        specs, treedef = self._specs(which)
         return jax.tree.unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
 
     def replicated_bytes(self) -> int:
-        """Bytes of parameter leaves that no dimension splits over the axis (kept whole on every device)."""
+        """Bytes of parameter leaves that no dimension splits over the shard axis (kept whole on every device of
+        a shard group; model axes, if any, still split them)."""
         return sum(
             math.prod(s) * jnp.dtype(d).itemsize
             for s, d, spec in zip(self.shapes, self.dtypes, self.grad_leaf_specs, strict=True)
-            if spec == P()
+            if _dim(spec, self.shard_axis) is None
         )
 
     # ----------------------------------------------------------------------------------------------
     # Inside the step (manual over the axis)
 
-    def scatter_sum(self, grads: Any, reduce_dtype: Any) -> Any:
+    def scatter_sum(self, grads: Any, reduce_dtype: Any, *, across_replicas: bool = True) -> Any:
         """Inside ``shard_map``: ``grads`` (whole local gradients) with every split leaf reduce-scattered to this
-        device's block of its sum over the axis, one reduce-scatter per dtype; replicated leaves unchanged."""
+        device's block of its sum over the data axes, one reduce-scatter per dtype (and one all-reduce across
+        the replica axes, unless ``across_replicas`` is False: then the sum over the shard axis only); leaves not
+        split are unchanged."""
         leaves = jax.tree.leaves(grads)
         out = list(leaves)
         for idx in self._by_dtype(self.grad_leaf_specs).values():
-            dims = [_dim(self.grad_leaf_specs[i]) for i in idx]
+            dims = [self._dim(self.grad_leaf_specs[i]) for i in idx]
             rows = [_to_blocks(_cast(leaves[i], reduce_dtype), d, self.size) for i, d in zip(idx, dims, strict=True)]
             packed = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
-            summed = lax.psum_scatter(packed, self.axis, scatter_dimension=0, tiled=False)
+            # Reduce-scattered inside the shard group, then the blocks summed across groups (hybrid sharding).
+            summed = lax.psum_scatter(packed, self.shard_axis, scatter_dimension=0, tiled=False)
+            if self.replica_axes and across_replicas:
+                summed = lax.psum(summed, self.replica_axes)
             for i, d, part in zip(idx, dims, _split(summed, [r.shape[1] for r in rows]), strict=True):
                 out[i] = part.reshape(_local_shape(self.shapes[i], d, self.size)).astype(leaves[i].dtype)
         return jax.tree.unflatten(self.treedef, out)
@@ -144,7 +204,7 @@ class TreeLayout:
         """Inside ``shard_map``: the whole parameter tree from this device's blocks, one all-gather per split
         leaf, floats gathered in ``compute_dtype`` (None keeps each dtype); whole leaves pass through. The
         derivative reduce-scatters each leaf's cotangent in ``reduce_dtype`` (else the gathered dtype), so the
-        gradient with respect to the blocks arrives summed over the axis.
+        gradient with respect to the blocks arrives summed over the shard axis (not over replica axes).
 
         Leaf by leaf, not packed: a packed buffer is sliced into leaves by copies, which XLA keeps beside the
         gathered buffer (measured: 1.6 MiB more temporaries for a 1.6 MiB CNN, and FSDP's peak memory no lower
@@ -152,12 +212,13 @@ class TreeLayout:
         leaves = jax.tree.leaves(params)
         out = list(leaves)
         for i, spec in enumerate(self.param_leaf_specs):
-            if spec == P():
+            dim = self._dim(spec)
+            if dim is None:
                 continue
             is_float = jnp.issubdtype(leaves[i].dtype, jnp.floating)
             compute = jnp.dtype(compute_dtype if compute_dtype is not None and is_float else leaves[i].dtype)
             low = jnp.dtype(reduce_dtype) if reduce_dtype is not None and is_float else compute
-            out[i] = _gather_leaf(leaves[i], self.axis, _dim(spec), compute, low)
+            out[i] = _gather_leaf(leaves[i], self.shard_axis, dim, compute, low)
         return jax.tree.unflatten(self.treedef, out)
 
     def gather_blocks(self, blocks: Any) -> Any:
@@ -169,16 +230,27 @@ class TreeLayout:
         for idx in self._by_dtype(self.grad_leaf_specs).values():
             flat = [jnp.ravel(leaves[i]) for i in idx]
             local = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-            rows = lax.all_gather(local, self.axis, tiled=False, to="invarying")
+            rows = lax.all_gather(local, self.shard_axis, tiled=False, to="invarying")
             for i, part in zip(idx, _split(rows, [x.shape[0] for x in flat]), strict=True):
-                out[i] = _from_blocks(part, self.shapes[i], _dim(self.grad_leaf_specs[i]), self.size)
+                out[i] = _from_blocks(part, self.shapes[i], self._dim(self.grad_leaf_specs[i]), self.size)
         return jax.tree.unflatten(self.treedef, out)
 
+    def is_split(self, which: str) -> tuple[bool, ...]:
+        """For each leaf of ``"params"``, ``"grads"`` or ``"opt"``: whether the shard axis splits it."""
+        return tuple(self._dim(s) is not None for s in self._specs(which)[0])
+
+    def _specs(self, which: str) -> tuple[tuple[P, ...], Any]:
+        specs = {"params": self.param_leaf_specs, "grads": self.grad_leaf_specs, "opt": self.opt_leaf_specs}[which]
+        return specs, self.opt_treedef if which == "opt" else self.treedef
+
+    def _dim(self, spec: P) -> int | None:
+        return _dim(spec, self.shard_axis)
+
     def _by_dtype(self, specs: tuple[P, ...]) -> dict[str, list[int]]:
-        """The indices of the split leaves of ``specs``, by dtype."""
+        """The indices of the leaves of ``specs`` that the shard axis splits, by dtype."""
         buckets: dict[str, list[int]] = collections.defaultdict(list)
         for i, spec in enumerate(specs):
-            if spec != P():
+            if self._dim(spec) is not None:
                 buckets[self.dtypes[i]].append(i)
         return buckets
 
@@ -186,8 +258,35 @@ class TreeLayout:
 # --------------------------------------------------------------------------------------------------
 
 
-def _dim(spec: P) -> int:
-    return next(d for d, name in enumerate(spec) if name is not None)
+def _dim(spec: P, axis: str) -> int | None:
+    """The dimension ``spec`` splits over ``axis`` alone (None: none)."""
+    return next((d for d, entry in enumerate(spec) if entry == axis), None)
+
+
+def _keep(entry: Any, axes: tuple[str, ...]) -> Any:
+    """A spec entry with only the names in ``axes`` (None when none is left)."""
+    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n in axes)
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def _path_key(path: tuple[Any, ...]) -> tuple[str, ...]:
+    return tuple(str(k) for k in path)
+
+
+def _mirrored(
+    by_path: dict[tuple[str, ...], int],
+    path: tuple[Any, ...],
+    shape: tuple[int, ...],
+    shapes: tuple[tuple[int, ...], ...],
+) -> int | None:
+    """The parameter leaf an optimizer leaf at ``path`` mirrors: the one whose path ends ``path`` (longest
+    first) with the same shape; None when there is none."""
+    key = _path_key(path)
+    for start in range(len(key)):
+        i = by_path.get(key[start:])
+        if i is not None and shapes[i] == tuple(shape):
+            return i
+    return None
 
 
 def _cast(x: jax.Array, dtype: Any) -> jax.Array:

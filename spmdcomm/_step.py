@@ -127,8 +127,12 @@ def raise_if_misplaced(fn: str, state: TrainState, *, cause: Exception | None = 
 def compile_step(
     fn: str, body: Callable[..., Any], state: TrainState, out_specs: Any, *, backend: str, donate: bool
 ) -> Callable[..., Any]:
-    """The compiled ``body(state, data, mask)`` on the state's mesh, the batch split over its axis."""
+    """The compiled ``body(state, data, mask)`` on the state's mesh, the batch split over its data axes; on the
+    ``shard_map`` backend manual over the data axes only (model axes are XLA's)."""
     check_backend(fn, backend)
+    if backend == "shard_map":
+        # The state is already placed (by TrainState.create and the previous step), the batch by place_batch.
+        return jax.jit(_local(body, state, out_specs), donate_argnums=(0,) if donate else ())
     sf = SpmdFunction(
         body,
         in_specs=(state.specs(), P(state.axis), P(state.axis)),
@@ -138,8 +142,6 @@ def compile_step(
         check_vma=True,
         donate_argnums=(0,) if donate else (),
     )
-    # The state is already placed (by TrainState.create and the previous step), the batch by place_batch:
-    # the program runs without the wrapper's per-call placement.
     return sf.program()
 
 
@@ -154,22 +156,30 @@ def compile_global_step(
 ) -> Callable[..., Any]:
     """The compiled step ``finish(state, data, mask, local(state, data, mask))`` on the state's mesh.
 
-    ``local`` runs per device (``shard_map``, manual over the state's axis, the batch split over it) and returns
-    arrays laid out as ``local_specs``; ``finish`` runs in the global view on the sharded arrays (XLA inserts
-    whatever collectives it needs). The new state keeps the input state's shardings.
+    ``local`` runs per device (``shard_map``, manual over the state's data axes, the batch split over them; model
+    axes left to XLA) and returns arrays laid out as ``local_specs`` (over the data axes); ``finish`` runs in the
+    global view on the sharded arrays (XLA inserts whatever collectives it needs). The new state keeps the input
+    state's shardings.
     """
-    mapped = jax.shard_map(
-        local,
-        mesh=state.mesh,
-        in_specs=(state.specs(), P(state.axis), P(state.axis)),
-        out_specs=local_specs,
-        check_vma=True,
-    )
+    mapped = _local(local, state, local_specs)
     replicated = NamedSharding(state.mesh, P())
     return jax.jit(
         lambda state, data, mask: finish(state, data, mask, mapped(state, data, mask)),
         out_shardings=(state.shardings(), replicated),
         donate_argnums=(0,) if donate else (),
+    )
+
+
+def _local(body: Callable[..., Any], state: TrainState, out_specs: Any) -> Callable[..., Any]:
+    """``body(state, data, mask)`` per device: ``shard_map`` manual over the data axes (partial-manual when the
+    mesh has model axes)."""
+    return jax.shard_map(
+        body,
+        mesh=state.mesh,
+        in_specs=(state.manual_specs(), P(state.axis), P(state.axis)),
+        out_specs=out_specs,
+        axis_names=set(state.data_axes),
+        check_vma=True,
     )
 
 

@@ -187,7 +187,7 @@ def _manager(directory: str | os.PathLike[str], *, max_to_keep: int | None = Non
 def _layout_of(state: TrainState) -> dict[str, Any]:
     """What a checkpoint records of its state's layout: the format (2: the model's tree under every strategy),
     the strategy and the size of the axis its leaves were split over."""
-    return {"format": _FORMAT, "strategy": state.strategy.name, "shards": int(state.mesh.shape[state.axis])}
+    return {"format": _FORMAT, "strategy": state.strategy.name, "shards": state.data_size}
 
 
 _FORMAT = 2

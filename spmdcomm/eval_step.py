@@ -89,9 +89,9 @@ class EvalStep:
         return self._cache.program(state).lower(state, *place_batch("make_eval_step", batch, state, 1, self.host_input))
 
     def _compile(self, state: TrainState) -> Callable[..., Any]:
-        axis, strategy = state.axis, state.strategy
+        axis, strategy = state.data_axes, state.strategy
         check_strategy_backend("make_eval_step", strategy, self.backend)
-        ctx = ReduceContext(axis, state.mesh.shape[axis], None, False)
+        ctx = ReduceContext(axis, state.data_size, None, False)
 
         def body(state: TrainState, data: Any, mask: Any) -> dict[str, jax.Array]:
             data = data if mask is None else zero_masked_rows(data, mask)

@@ -84,10 +84,24 @@ class Strategy:
     shards_optimizer: ClassVar[bool] = False
     backends: ClassVar[tuple[str, ...]] = ("shard_map", "pmap")
 
-    def layout(self, params: Any, tx: optax.GradientTransformation, mesh: Mesh, axis: str) -> TreeLayout:
-        """The per-leaf specs for ``params`` on ``mesh``: hashable, stored in the state."""
+    def layout(
+        self,
+        params: Any,
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        axes: tuple[str, ...],
+        model_specs: tuple[P, ...] | None = None,
+    ) -> TreeLayout:
+        """The per-leaf specs for ``params`` on ``mesh`` over the data ``axes`` (and each leaf's model spec):
+        hashable, stored in the state."""
         return TreeLayout.build(
-            params, tx, mesh, axis, shard_params=self.shards_params, shard_grads=self.shards_optimizer
+            params,
+            tx,
+            mesh,
+            axes,
+            model_specs=model_specs,
+            shard_params=self.shards_params,
+            shard_grads=self.shards_optimizer,
         )
 
     @property
@@ -116,9 +130,10 @@ class Strategy:
 
 @dataclasses.dataclass(frozen=True)
 class ReduceContext:
-    """What the strategy hooks need to know about the step: the axis, its size and the step's options."""
+    """What the strategy hooks need to know about the step: the data axes, how many devices they span, and the
+    step's options."""
 
-    axis: str
+    axes: tuple[str, ...]
     size: int
     reduce_dtype: Any
     skip_nonfinite: bool
@@ -152,18 +167,25 @@ class DDP(Strategy):
                 )
             )
 
-    def layout(self, params: Any, tx: optax.GradientTransformation, mesh: Mesh, axis: str) -> TreeLayout:
+    def layout(
+        self,
+        params: Any,
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        axes: tuple[str, ...],
+        model_specs: tuple[P, ...] | None = None,
+    ) -> TreeLayout:
         size = self.bucket_bytes
         if size is None and len({d.process_index for d in mesh.devices.flat}) > 1:
             size = _ONE_BUFFER
-        layout = super().layout(params, tx, mesh, axis)
+        layout = super().layout(params, tx, mesh, axes, model_specs)
         return dataclasses.replace(layout, bucket_bytes=None if size is None else int(size))
 
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
         if layout.bucket_bytes is None:
-            stats, low = lax.psum((stats, cast(grads, ctx.reduce_dtype)), ctx.axis)
+            stats, low = lax.psum((stats, cast(grads, ctx.reduce_dtype)), ctx.axes)
             return stats, jax.tree.map(lambda g, ref: g.astype(ref.dtype), low, grads)
-        return _bucketed_psum(grads, stats, layout.bucket_bytes, ctx.reduce_dtype, ctx.axis)
+        return _bucketed_psum(grads, stats, layout.bucket_bytes, ctx.reduce_dtype, ctx.axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +210,12 @@ class ZeRO1(Strategy):
         # parameters whole again (XLA alone would gather leaf by leaf, and XLA:CPU pays per buffer).
         blocks = lax.with_sharding_constraint(params, layout.shardings(mesh, "grads"))
         return jax.shard_map(
-            layout.gather_blocks, mesh=mesh, in_specs=(layout.grad_specs,), out_specs=P(), check_vma=True
+            layout.gather_blocks,
+            mesh=mesh,
+            in_specs=(layout.manual_specs("grads"),),
+            out_specs=P(),
+            axis_names=set(layout.axes),
+            check_vma=True,
         )(blocks)
 
 
@@ -205,10 +232,11 @@ class ZeRO2(ZeRO1):
     name: ClassVar[str] = "zero2"
 
     def micro_grads(self, ctx: ReduceContext, layout: TreeLayout, grads: Any) -> Any:
-        return layout.scatter_sum(grads, ctx.reduce_dtype)
+        # Inside the shard group per micro-batch; across replica groups once per step, in reduce.
+        return layout.scatter_sum(grads, ctx.reduce_dtype, across_replicas=False)
 
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
-        return _psum_whole(ctx, layout, grads, stats)
+        return _psum_whole(ctx, layout, grads, stats, across_replicas=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +297,7 @@ class FSDP(Strategy):
         return whole
 
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
-        return _psum_whole(ctx, layout, grads, stats)
+        return _psum_whole(ctx, layout, grads, stats, across_replicas=True)
 
 
 def resolve_strategy(fn: str, strategy: Strategy | str) -> Strategy:
@@ -340,21 +368,31 @@ def _is_float(x: jax.Array) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _psum_whole(ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
-    """Sums ``stats`` and the leaves kept whole (replicated specs) over the axis, in one all-reduce; split
-    leaves are already this device's block of the sum."""
+def _psum_whole(
+    ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array, *, across_replicas: bool = False
+) -> tuple[jax.Array, Any]:
+    """Sums ``stats`` and the leaves the shard axis does not split over the data axes, in one all-reduce; split
+    leaves are already this device's block of the sum over the shard axis, and of the sum over the data axes
+    unless ``across_replicas`` (FSDP's backward pass sums inside the shard group only: the blocks are then summed
+    across the replica axes, hybrid sharding)."""
     leaves = jax.tree.leaves(grads)
-    whole = [i for i, spec in enumerate(layout.grad_leaf_specs) if spec == P()]
-    stats, summed = lax.psum((stats, [cast(leaves[i], ctx.reduce_dtype) for i in whole]), ctx.axis)
+    split = layout.is_split("grads")
+    whole = [i for i, s in enumerate(split) if not s]
+    stats, summed = lax.psum((stats, [cast(leaves[i], ctx.reduce_dtype) for i in whole]), ctx.axes)
     for i, s in zip(whole, summed, strict=True):
         leaves[i] = s.astype(leaves[i].dtype)
+    if across_replicas and layout.replica_axes:
+        blocks = [i for i, s in enumerate(split) if s]
+        summed = lax.psum([cast(leaves[i], ctx.reduce_dtype) for i in blocks], layout.replica_axes)
+        for i, s in zip(blocks, summed, strict=True):
+            leaves[i] = s.astype(leaves[i].dtype)
     return stats, jax.tree.unflatten(layout.treedef, leaves)
 
 
 def _bucketed_psum(
-    grads: Any, stats: jax.Array, bucket_bytes: int, reduce_dtype: Any, axis: str
+    grads: Any, stats: jax.Array, bucket_bytes: int, reduce_dtype: Any, axis: tuple[str, ...]
 ) -> tuple[jax.Array, Any]:
-    """Sums ``stats`` and the gradients over ``axis`` in flat buckets; returns both sums.
+    """Sums ``stats`` and the gradients over the data axes ``axis`` in flat buckets; returns both sums.
 
     Without ``reduce_dtype`` the f32 ``stats`` vector leads the float32 buffer, so a model whose gradients
     fit one bucket needs ONE all-reduce buffer per step (each costs a round trip on gloo).

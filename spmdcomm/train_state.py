@@ -8,6 +8,7 @@ with :func:`~spmdcomm.make_train_step` / :func:`~spmdcomm.make_eval_step` reads 
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any
 
 import flax.struct
@@ -19,6 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm import placement
+from spmdcomm._layout import manual_spec
+from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
 from spmdcomm.mesh import check_mesh_axes, default_mesh
 from spmdcomm.rng import data_to_keys, keys_to_data
 from spmdcomm.strategies import Strategy, resolve_strategy
@@ -35,8 +38,9 @@ class TrainState:
     ``model_state`` the mutable model state (Flax ``batch_stats``, NNX ``BatchStat``, NNX RNG stream keys
     and counts ...; ``{}`` when none) and ``rng`` a raw ``uint32[2]`` base key. The static fields are
     ``apply_fn`` (a Flax ``Module.apply``, an NNX ``GraphDef`` or any callable handed to ``loss_fn``),
-    ``tx``, the ``mesh`` and data ``axis`` the state lives on, its ``strategy`` and the strategy's
-    ``layout`` (the ``PartitionSpec`` of every leaf). Under every strategy ``params`` is the model's parameter
+    ``tx``, the ``mesh`` and data ``axis`` the state lives on (one mesh axis, or a tuple of them: hybrid
+    sharding), its ``strategy`` and the strategy's ``layout`` (the ``PartitionSpec`` of every leaf, over the
+    data axes and the model axes: the mesh's other axes). Under every strategy ``params`` is the model's parameter
     tree and ``opt_state`` is ``tx.init(params)``, as on one device; only the leaves' shardings differ.
     """
 
@@ -48,7 +52,7 @@ class TrainState:
     apply_fn: Any = flax.struct.field(pytree_node=False, default=None)
     tx: optax.GradientTransformation = flax.struct.field(pytree_node=False, default=None)
     mesh: Mesh = flax.struct.field(pytree_node=False, default=None)
-    axis: str = flax.struct.field(pytree_node=False, default="data")
+    axis: str | tuple[str, ...] = flax.struct.field(pytree_node=False, default="data")
     strategy: Strategy = flax.struct.field(pytree_node=False, default=None)
     layout: Any = flax.struct.field(pytree_node=False, default=None)
 
@@ -62,14 +66,25 @@ class TrainState:
         model_state: Any = None,
         rng: Any = None,
         mesh: Mesh | None = None,
-        axis: str = "data",
+        axis: str | tuple[str, ...] = "data",
         strategy: Strategy | str = "ddp",
+        param_specs: Any = None,
     ) -> TrainState:
         """Builds the state and places it on ``mesh`` as ``strategy`` says (default: replicated, DDP).
 
         ``mesh`` defaults to every device on one ``"data"`` axis; ``axis`` is the mesh axis the batch
-        is split over. ``strategy`` is ``"ddp"``, ``"zero1"`` or a :class:`~spmdcomm.Strategy` object such
-        as ``sc.DDP(bucket_bytes=...)`` (see :mod:`spmdcomm.strategies`).
+        is split over, or a tuple of mesh axes (the batch is split over all of them). ``strategy`` is
+        ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"fsdp"`` or a :class:`~spmdcomm.Strategy` object such as
+        ``sc.DDP(bucket_bytes=...)`` (see :mod:`spmdcomm.strategies`). With several data axes, e.g.
+        ``mesh=sc.make_mesh({"replica": 2, "shard": 4}), axis=("replica", "shard")``, ZeRO and FSDP split over
+        the last one and replicate over the others (hybrid sharding, torch's ``HYBRID_SHARD`` on a 2-D mesh):
+        lay the last axis inside a node.
+
+        Mesh axes that are not data axes are model axes: ``param_specs`` (a tree like ``params`` of
+        ``PartitionSpec`` over model axes, ``None`` for a leaf not split) says how each parameter is split over
+        them; Flax ``nn.with_partitioning`` boxes in ``params`` (and NNX sharding metadata, through
+        :meth:`create_nnx`) give the same. The strategy's data split is added on another dimension; the step
+        leaves the model axes to XLA.
 
         With several processes, process 0's ``params``, ``model_state`` and ``rng`` are broadcast so every
         replica starts identical (DDP's init-time broadcast), after a timed check that every process passed
@@ -84,8 +99,9 @@ class TrainState:
         (0, True, DDP(bucket_bytes=None))
         """
         mesh = default_mesh() if mesh is None else mesh
-        check_mesh_axes("TrainState.create", mesh, axis)
+        axis = check_data_axes("TrainState.create", mesh, axis)
         strategy = resolve_strategy("TrainState.create", strategy)
+        params, model_specs = model_partitioning("TrainState.create", params, param_specs, mesh, data_axes(axis))
         model_state = {} if model_state is None else model_state
         rng = _raw_key(rng)
         # Typed key leaves (Flax NNX RngKey) cross the host as their uint32 key data: NumPy and the
@@ -95,7 +111,7 @@ class TrainState:
         params, model_state, rng = data_to_keys(
             placement.place("TrainState.create", host, NamedSharding(mesh, P()), host_input="global"), key_impls
         )
-        layout = strategy.layout(params, tx, mesh, axis)
+        layout = strategy.layout(params, tx, mesh, data_axes(axis), model_specs)
         params = _reshard(params, layout.shardings(mesh, "params"))
         opt_state = jax.jit(tx.init, out_shardings=layout.shardings(mesh, "opt"))(params)
         return cls(
@@ -130,12 +146,36 @@ class TrainState:
         from flax import nnx
 
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        if "param_specs" not in kwargs and any(
+            s != P() for s in jax.tree.leaves(nnx.get_partition_spec(params), is_leaf=_is_spec)
+        ):
+            kwargs["param_specs"] = nnx.get_partition_spec(params)  # the model's sharding metadata
         return cls.create(params=params, tx=tx, apply_fn=graphdef, model_state=rest, **kwargs)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over, as a tuple (``("data",)``)."""
+        return data_axes(self.axis)
+
+    @property
+    def data_size(self) -> int:
+        """How many devices the batch is split over: the product of the data axes' sizes."""
+        return math.prod(int(self.mesh.shape[a]) for a in self.data_axes)
 
     def specs(self) -> TrainState:
         """The state with a ``PartitionSpec`` in place of each array (prefix tree): how it is split."""
         return self.replace(
             step=P(), params=self.layout.param_specs, opt_state=self.layout.opt_specs, model_state=P(), rng=P()
+        )
+
+    def manual_specs(self) -> TrainState:
+        """As :meth:`specs`, over the data axes only: what a ``shard_map`` manual over them takes."""
+        return self.replace(
+            step=P(),
+            params=self.layout.manual_specs("params"),
+            opt_state=self.layout.manual_specs("opt"),
+            model_state=P(),
+            rng=P(),
         )
 
     def shardings(self) -> TrainState:
@@ -153,7 +193,15 @@ class TrainState:
         """
         if not self.strategy.shards_params:
             return self.params
-        return _reshard(self.params, NamedSharding(self.mesh, P()))
+        model = [manual_spec(s, self.model_axes) for s in self.layout.param_leaf_specs]
+        return _reshard(
+            self.params, jax.tree.unflatten(self.layout.treedef, [NamedSharding(self.mesh, s) for s in model])
+        )
+
+    @property
+    def model_axes(self) -> tuple[str, ...]:
+        """The mesh axes that are not data axes (the model's own)."""
+        return tuple(a for a in self.mesh.axis_names if a not in self.data_axes)
 
 
 def optimizer_state_bytes(state: TrainState) -> int:
@@ -177,6 +225,140 @@ def optimizer_state_bytes(state: TrainState) -> int:
 def _reshard(tree: Any, shardings: Any) -> Any:
     # A jitted identity moves each leaf to its sharding on the devices, in one process or many.
     return jax.jit(lambda t: t, out_shardings=shardings)(tree)
+
+
+def data_axes(axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    """``axis`` (one data axis or a tuple of them) as a tuple."""
+    return tuple(axis) if isinstance(axis, tuple) else (axis,)
+
+
+def check_data_axes(fn: str, mesh: Mesh, axis: Any) -> str | tuple[str, ...]:
+    """``axis`` checked against ``mesh``: a mesh axis name, or a non-empty tuple of distinct ones (a tuple of
+    one becomes its name)."""
+    names = axis if isinstance(axis, tuple) else (axis,)
+    if not names or not all(isinstance(a, str) for a in names) or len(set(names)) != len(names):
+        raise AxisError(
+            describe(
+                fn,
+                f"axis={axis!r} must be a mesh axis name or a tuple of distinct ones.",
+                fix='pass e.g. axis="data", or axis=("replica", "shard") for hybrid sharding.',
+            )
+        )
+    check_mesh_axes(fn, mesh, names)
+    return names[0] if len(names) == 1 else names
+
+
+def model_partitioning(
+    fn: str, params: Any, param_specs: Any, mesh: Mesh, axes: tuple[str, ...]
+) -> tuple[Any, tuple[P, ...] | None]:
+    """``(params, model specs)``: Flax ``nn.Partitioned`` boxes in ``params`` unboxed into their specs, or
+    ``param_specs`` (a tree like ``params``) flattened; each spec checked against the mesh's model axes and
+    the leaf's shape. ``None`` when no leaf is split over a model axis."""
+    from flax.core import meta
+
+    boxed = any(isinstance(x, meta.AxisMetadata) for x in jax.tree.leaves(params, is_leaf=_is_box))
+    if boxed:
+        if param_specs is not None:
+            raise SpmdError(
+                describe(
+                    fn,
+                    "params carry Flax partitioning metadata (nn.with_partitioning) and param_specs was given too.",
+                    fix="give one: drop param_specs, or pass nn.unbox(params).",
+                )
+            )
+        param_specs = meta.get_partition_spec(params)
+        params = meta.unbox(params)
+    if param_specs is None:
+        return params, None
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    try:
+        specs = treedef.flatten_up_to(param_specs)
+    except (ValueError, TypeError) as e:
+        raise SpmdError(
+            describe(
+                fn,
+                f"param_specs does not have the structure of params: {e}",
+                fix="give a tree like params with a PartitionSpec (or None) per leaf.",
+            )
+        ) from None
+    model_axes = tuple(a for a in mesh.axis_names if a not in axes)
+    out = []
+    for (path, leaf), spec in zip(flat, specs, strict=True):
+        out.append(_check_model_spec(fn, jax.tree_util.keystr(path), np.shape(leaf), spec, mesh, axes, model_axes))
+    return params, tuple(out) if any(s != P() for s in out) else None
+
+
+def _check_model_spec(
+    fn: str,
+    name: str,
+    shape: tuple[int, ...],
+    spec: Any,
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    model_axes: tuple[str, ...],
+) -> P:
+    if spec is None:
+        return P()
+    if not isinstance(spec, P):
+        spec = P(*spec) if isinstance(spec, (tuple, list)) else spec
+    if not isinstance(spec, P):
+        raise SpmdError(
+            describe(fn, f"param_specs gives {spec!r}, not a PartitionSpec.", leaf=f"params{name}", fix="give P(...).")
+        )
+    if len(spec) > len(shape):
+        raise ShapeError(
+            describe(
+                fn,
+                f"spec {spec} has {len(spec)} entries but the leaf has shape {shape}.",
+                leaf=f"params{name}",
+                fix="give at most one entry per dimension.",
+            )
+        )
+    for dim, entry in enumerate(spec):
+        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        for a in names:
+            if a in axes:
+                raise AxisError(
+                    describe(
+                        fn,
+                        f"spec {spec} splits dimension {dim} over {a!r}, a data axis; the strategy decides how "
+                        f"parameters are split over the data axes {axes}.",
+                        leaf=f"params{name}",
+                        fix=f"name only model axes {model_axes} in parameter specs.",
+                    )
+                )
+            if a not in model_axes:
+                raise AxisError(
+                    describe(
+                        fn,
+                        f"spec {spec} names {a!r}, which is not an axis of the mesh {dict(mesh.shape)}.",
+                        leaf=f"params{name}",
+                        fix=f"name the mesh's model axes {model_axes} (map logical names to mesh axes first, "
+                        "e.g. with nn.logical_to_mesh_axes).",
+                    )
+                )
+        k = math.prod(int(mesh.shape[a]) for a in names)
+        if shape[dim] % k:
+            raise ShapeError(
+                describe(
+                    fn,
+                    f"spec {spec} splits dimension {dim} of size {shape[dim]} over {names} ({k} devices), which "
+                    "does not divide it.",
+                    leaf=f"params{name}",
+                    fix=f"make dimension {dim} a multiple of {k}, or split another dimension.",
+                )
+            )
+    return spec
+
+
+def _is_box(x: Any) -> bool:
+    from flax.core import meta
+
+    return isinstance(x, meta.AxisMetadata)
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, P)
 
 
 def _raw_key(rng: Any) -> np.ndarray:

@@ -248,8 +248,8 @@ def split_loss_output(out: Any, fn: str) -> tuple[Any, dict[str, Any]]:
 
 
 def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
-    strategy, layout, axis = state.strategy, state.layout, state.axis
-    ctx = ReduceContext(axis, state.mesh.shape[axis], o.reduce_dtype, o.skip_nonfinite)
+    strategy, layout, axis = state.strategy, state.layout, state.data_axes
+    ctx = ReduceContext(axis, state.data_size, o.reduce_dtype, o.skip_nonfinite)
     varying = o.backend == "shard_map"
     check_strategy_backend("make_train_step", strategy, o.backend)
 
@@ -314,7 +314,7 @@ def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
     if o.backend == "pmap":
         body = lambda state, data, mask: update(state, mask is not None, *reduce(state, data, mask))
         return compile_step("make_train_step", body, state, (specs, P()), backend=o.backend, donate=o.donate)
-    reduced_specs = (layout.grad_specs, P(), P(), P())
+    reduced_specs = (layout.manual_specs("grads"), P(), P(), P())
     return compile_global_step(
         "make_train_step",
         reduce,
@@ -334,7 +334,7 @@ def _accumulate(
     (weighted by real-example count when the batch is masked), the last model state and this device's
     real-example count.
     """
-    axis, k, masked = state.axis, o.accum_steps, mask is not None
+    axis, k, masked = state.data_axes, o.accum_steps, mask is not None
     strategy, layout = state.strategy, state.layout
     mask = full_mask(data) if mask is None else mask
     micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), (data, mask))
@@ -380,7 +380,7 @@ def _accumulate(
 def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], jax.Array]:
     """The ``rng`` of micro-batch ``j`` (``rows`` examples) on this device."""
     step_rng = jax.random.fold_in(state.rng, state.step)
-    device = lax.axis_index(state.axis)
+    device = lax.axis_index(state.data_axes)  # row-major over the data axes, as the batch is split
     if o.rng == "per_example":
         # Device d's block holds global rows [d * k * rows, (d + 1) * k * rows); micro-batch j of it
         # starts j * rows further. Every device shares step_rng: only the row offset differs.
@@ -427,13 +427,17 @@ def _check_same_tree(old: Any, new: Any) -> None:
         )
 
 
-def _vary(tree: Any, axis: str, varying: bool) -> Any:
-    # Marks replicated values as varying over `axis` so that jax.grad returns the per-device
-    # gradient instead of one already summed over the axis (shard_map with check_vma=True). pmap has
-    # no such typing.
+def _vary(tree: Any, axes: tuple[str, ...], varying: bool) -> Any:
+    # Marks values as varying over every data axis so that jax.grad returns the per-device gradient instead
+    # of one already summed over the axes (shard_map with check_vma=True). pmap has no such typing.
     if not varying:
         return tree
-    return jax.tree.map(lambda x: x if axis in varying_axes(x) else lax.pcast(x, axis, to="varying"), tree)
+
+    def one(x: jax.Array) -> jax.Array:
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
 
 
 def _float_leaves(tree: Any) -> Any:
