@@ -162,13 +162,15 @@ class Explanation:
     memory: DeviceMemory
     hlo: str = dataclasses.field(repr=False)
 
-    def count(self, kind: str | None = None) -> int:
-        """How many collectives of ``kind`` (default: of every kind) the program holds."""
-        return sum(c.count for c in self._of_kind(kind))
+    def count(self, kind: str | None = None, *, over: str | None = None) -> int:
+        """How many collectives of ``kind`` (default: of every kind) the program holds; with ``over``, only those
+        whose groups span that mesh axis (e.g. the axis that crosses the network between nodes)."""
+        return sum(c.count for c in self._of_kind(kind, over))
 
-    def total_bytes(self, kind: str | None = None) -> int:
-        """The message bytes of all collectives of ``kind`` (default: every kind), per device, per call."""
-        return sum(c.total_bytes for c in self._of_kind(kind))
+    def total_bytes(self, kind: str | None = None, *, over: str | None = None) -> int:
+        """The message bytes of all collectives of ``kind`` (default: every kind), per device, per call; with
+        ``over``, only those whose groups span that mesh axis."""
+        return sum(c.total_bytes for c in self._of_kind(kind, over))
 
     def table(self) -> str:
         """The collectives and the memory as aligned text."""
@@ -197,6 +199,12 @@ class Explanation:
                 cells = [v.rjust(w) if i in right else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))]
                 lines.append("  ".join(cells).rstrip())
             lines.append(f"total: {self.count()} collective(s), {_format_bytes(self.total_bytes())} per device")
+            if self.mesh is not None and len(self.mesh.axis_names) > 1:
+                spans = ", ".join(
+                    f"{a} {self.count(over=a)} ({_format_bytes(self.total_bytes(over=a))})"
+                    for a in self.mesh.axis_names
+                )
+                lines.append(f"over each axis: {spans}")
         else:
             lines.append("no collectives")
         m = self.memory
@@ -214,7 +222,7 @@ class Explanation:
     def __str__(self) -> str:
         return self.table()
 
-    def _of_kind(self, kind: str | None) -> list[Collective]:
+    def _of_kind(self, kind: str | None, over: str | None = None) -> list[Collective]:
         if kind is not None and kind not in COLLECTIVE_KINDS:
             raise SpmdError(
                 describe(
@@ -223,7 +231,20 @@ class Explanation:
                     fix=f"pass one of {COLLECTIVE_KINDS}, or None for all of them.",
                 )
             )
-        return [c for c in self.collectives if kind is None or c.kind == kind]
+        if over is not None and (self.mesh is None or over not in self.mesh.axis_names):
+            known = None if self.mesh is None else tuple(self.mesh.axis_names)
+            raise SpmdError(
+                describe(
+                    "Explanation",
+                    f"over={over!r} is not an axis of the program's mesh ({known}).",
+                    fix="pass one of the mesh's axis names (explain(..., mesh=...) when it cannot tell the mesh).",
+                )
+            )
+        return [
+            c
+            for c in self.collectives
+            if (kind is None or c.kind == kind) and (over is None or (c.axes is not None and over in c.axes))
+        ]
 
 
 # ------------------------------------------------------------------------------------------------

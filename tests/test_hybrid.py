@@ -1,0 +1,274 @@
+"""Several data axes (hybrid sharding: ZeRO/FSDP split over the last data axis and replicate over the others) and
+model axes (parameters split by their own specs, left to XLA inside the step) train exactly the model one device
+trains on the global batch, under every strategy; explain names the axis each collective crosses; checkpoints move
+between layouts."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from ddp_models import assert_trees_close, mesh_of, reference_train
+from hybrid_models import Block, batches, boxed_params, loss_fn, plain_params
+from jax.sharding import PartitionSpec as P
+
+import spmdcomm as sc
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+
+STRATEGIES = ["ddp", "zero1", "zero2", "fsdp"]
+
+# name: (mesh axes, data axes, partitioned parameters, padded batch, accum_steps)
+LAYOUTS = {
+    "hybrid_2x4": ({"replica": 2, "shard": 4}, ("replica", "shard"), False, True, 1),
+    "hybrid_4x2": ({"replica": 4, "shard": 2}, ("replica", "shard"), False, False, 2),
+    "data4_model2": ({"data": 4, "model": 2}, "data", True, True, 2),
+    "hybrid_2x2_model2": ({"replica": 2, "shard": 2, "model": 2}, ("replica", "shard"), True, False, 1),
+}
+
+
+def make_tx():
+    # Global-norm clipping and decoupled weight decay read the whole tree: they must see it as one device does.
+    return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+
+
+def data_size(axes, data_axes):
+    return int(np.prod([axes[a] for a in ((data_axes,) if isinstance(data_axes, str) else data_axes)]))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_equals_one_device(layout, strategy):
+    axes, data_axes, partitioned, padded, accum = LAYOUTS[layout]
+    params = plain_params()
+    data = batches(4, rows=30 if padded else 32)
+    ref_params, _, ref_losses = reference_train(loss_fn, Block().apply, params, {}, make_tx(), data)
+    state = sc.TrainState.create(
+        params=boxed_params() if partitioned else params,
+        apply_fn=Block().apply,
+        tx=make_tx(),
+        mesh=sc.make_mesh(axes),
+        axis=data_axes,
+        strategy=strategy,
+    )
+    specs = {
+        jax.tree_util.keystr(p): tuple(x.sharding.spec)
+        for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+    }
+    shard = data_axes if isinstance(data_axes, str) else data_axes[-1]
+    if partitioned:
+        assert "model" in specs["['q']['kernel']"] and "model" in specs["['down']['kernel']"], specs
+        assert specs["['q']['bias']"][0] == "model" and "model" not in specs["['out']['bias']"], specs
+    if strategy == "fsdp":
+        # Split over the shard axis only: replicated over the others (hybrid), on a dimension no model axis uses.
+        assert shard in specs["['up']['kernel']"], specs
+        replicas = () if isinstance(data_axes, str) else data_axes[:-1]
+        assert all(a not in s for s in specs.values() for a in replicas), specs
+    n = data_size(axes, data_axes)
+    fed = [sc.pad_batch(b, n * accum) for b in data] if padded else data
+    state, history = sc.fit(sc.make_train_step(loss_fn, accum_steps=accum), state, fed)
+    assert_trees_close(state.full_params(), ref_params, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
+    assert [int(h["examples"]) for h in history] == [len(b["y"]) for b in data]
+
+
+def test_fsdp_hybrid_gathers_inside_the_shard_group_and_only_sums_across_replicas():
+    mesh = sc.make_mesh({"replica": 2, "shard": 4})
+    state = sc.TrainState.create(
+        params=plain_params(),
+        apply_fn=Block().apply,
+        tx=make_tx(),
+        mesh=mesh,
+        axis=("replica", "shard"),
+        strategy="fsdp",
+    )
+    report = sc.explain(sc.make_train_step(loss_fn), state, batches(1)[0])
+    assert report.count("all-gather") > 0 and report.count("reduce-scatter") > 0
+    for c in report.collectives:
+        if c.kind in ("all-gather", "reduce-scatter"):
+            assert c.axes == ("shard",), c  # never across the replica axis (the network between nodes)
+    across = [c for c in report.collectives if "replica" in (c.axes or ())]
+    assert across and {c.kind for c in across} == {"all-reduce"}
+    # Across replicas: each device's gradient blocks (1/4 of the split leaves) and the whole leaves, once.
+    layout, grads = state.layout, jax.tree.leaves(state.params)
+    split = layout.is_split("grads")
+    block_bytes = sum(g.nbytes // (4 if s else 1) for g, s in zip(grads, split, strict=True))
+    assert (
+        block_bytes <= report.total_bytes(over="replica") <= block_bytes + 128
+    )  # + the step's statistics, the clip's squared norms
+    assert "over each axis: replica" in str(report)
+
+
+def test_model_axis_collectives_are_reported_on_their_axis():
+    mesh = sc.make_mesh({"data": 4, "model": 2})
+    state = sc.TrainState.create(
+        params=boxed_params(), apply_fn=Block().apply, tx=make_tx(), mesh=mesh, strategy="fsdp"
+    )
+    report = sc.explain(sc.make_train_step(loss_fn), state, batches(1)[0])
+    assert report.count(over="model") > 0  # the tensor-parallel all-reduces XLA inserts
+    assert report.count("all-gather", over="data") > 0 and report.count("reduce-scatter", over="data") > 0
+    with pytest.raises(sc.SpmdError, match="over='replica' is not an axis"):
+        report.count(over="replica")
+
+
+def test_persistent_state_divides_by_shard_group_and_model_axis():
+    def per_device(state):
+        bytes_on = {}
+        for leaf in jax.tree.leaves((state.params, state.opt_state)):
+            for s in leaf.addressable_shards:
+                bytes_on[s.device] = bytes_on.get(s.device, 0) + s.data.nbytes
+        return max(bytes_on.values())
+
+    def make(params, axes, data_axes, strategy):
+        return sc.TrainState.create(
+            params=params, tx=optax.adam(1e-3), mesh=sc.make_mesh(axes), axis=data_axes, strategy=strategy
+        )
+
+    ddp = per_device(make(plain_params(), {"data": 8}, "data", "ddp"))
+    hybrid = make(plain_params(), {"replica": 2, "shard": 4}, ("replica", "shard"), "fsdp")
+    slack = 3 * hybrid.layout.replicated_bytes() * 3 / 4 + 8  # leaves 4 does not divide, and Adam's count
+    assert per_device(hybrid) <= ddp / 4 + slack
+    tp = make(boxed_params(), {"data": 4, "model": 2}, "data", "ddp")
+    split = sum(
+        np.prod(s) * 4
+        for s, spec in zip(tp.layout.shapes, tp.layout.param_leaf_specs, strict=True)
+        if "model" in str(spec)
+    )
+    assert per_device(tp) == ddp - 3 * split // 2  # parameters and both moments halved where "model" splits
+
+
+def test_nnx_sharding_metadata_gives_the_model_axes():
+    from flax import nnx
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(
+                8, 16, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model")), rngs=rngs
+            )
+            self.down = nnx.Linear(
+                16, 4, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("model", None)), rngs=rngs
+            )
+
+        def __call__(self, x):
+            return self.down(nnx.relu(self.up(x)))
+
+    def mse(model, batch, *, rng, mask):
+        return sc.masked_mean(((model(batch["x"]) - batch["y"]) ** 2).sum(-1), mask)
+
+    mesh = sc.make_mesh({"data": 4, "model": 2})
+    with jax.set_mesh(mesh):
+        model = Mlp(nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    data = [
+        {"x": rng.standard_normal((16, 8)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}
+        for _ in range(4)
+    ]
+    graphdef, params = nnx.split(model, nnx.Param)
+    plain = jax.tree.map(np.asarray, params)
+    tx = optax.adam(1e-2)
+    ref, opt = plain, tx.init(plain)
+    for b in data:
+        loss = lambda p, b=b: ((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2).sum(-1).mean()
+        updates, opt = tx.update(jax.grad(loss)(ref), opt, ref)
+        ref = optax.apply_updates(ref, updates)
+    state = sc.TrainState.create_nnx(model, tx=tx, mesh=mesh, strategy="fsdp")
+    assert tuple(state.params["up"]["kernel"].sharding.spec) == ("data", "model")
+    assert tuple(state.params["down"]["kernel"].sharding.spec) == ("model", "data")
+    state, _ = sc.fit(sc.make_train_step(sc.nnx_loss_fn(mse)), state, data)
+    assert_trees_close(state.full_params(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoints_restore_across_layouts(tmp_path):
+    # FSDP on 8 -> hybrid FSDP 2 x 4 -> DDP on 2 -> FSDP data 4 x model 2, two steps each, equals 8 steps on one device.
+    data = batches(8)
+    ref_params, _, _ = reference_train(loss_fn, Block().apply, plain_params(), {}, make_tx(), data)
+    layouts = [
+        (mesh_of(8), "data", "fsdp", plain_params()),
+        (sc.make_mesh({"replica": 2, "shard": 4}), ("replica", "shard"), "fsdp", plain_params()),
+        (mesh_of(2), "data", "ddp", plain_params()),
+        (sc.make_mesh({"data": 4, "model": 2}), "data", "fsdp", boxed_params()),
+    ]
+    step = sc.make_train_step(loss_fn)
+    state = None
+    for i, (mesh, axis, strategy, params) in enumerate(layouts):
+        template = sc.TrainState.create(
+            params=params, apply_fn=Block().apply, tx=make_tx(), mesh=mesh, axis=axis, strategy=strategy
+        )
+        state = template if state is None else sc.restore_checkpoint(tmp_path, template)
+        assert int(state.step) == 2 * i
+        state, _ = sc.fit(step, state, data[2 * i : 2 * i + 2])
+        sc.save_checkpoint(tmp_path, state)
+    assert_trees_close(state.full_params(), ref_params, rtol=1e-5, atol=1e-6)
+
+
+def test_param_specs_tree_equals_flax_boxes():
+    mesh = sc.make_mesh({"data": 4, "model": 2})
+    specs = nn.get_partition_spec(boxed_params())
+    given = sc.TrainState.create(params=plain_params(), tx=make_tx(), mesh=mesh, param_specs=specs, strategy="zero1")
+    boxed = sc.TrainState.create(params=boxed_params(), tx=make_tx(), mesh=mesh, strategy="zero1")
+    assert given.layout == boxed.layout
+    # None stands for "not split" as P() does.
+    none_for_whole = jax.tree.map(lambda s: None if s == P() else s, specs, is_leaf=lambda x: isinstance(x, P))
+    also = sc.TrainState.create(
+        params=plain_params(), tx=make_tx(), mesh=mesh, param_specs=none_for_whole, strategy="zero1"
+    )
+    assert also.layout == boxed.layout
+    assert set(boxed.layout.param_leaf_specs) >= {P(None, "model"), P("model")}
+
+
+BAD_SPECS = [
+    # (spec for the q kernel, error type, facts the message must hold)
+    (
+        P(None, "data"),
+        sc.AxisError,
+        ["splits dimension 1 over 'data', a data axis", "params['q']['kernel']", "model axes ('model',)"],
+    ),
+    (P(None, "tensor"), sc.AxisError, ["names 'tensor', which is not an axis of the mesh", "params['q']['kernel']"]),
+    (P(None, None, "model"), sc.ShapeError, ["has 3 entries but the leaf has shape (16, 16)"]),
+]
+
+
+@pytest.mark.parametrize("spec,error,facts", BAD_SPECS, ids=["data_axis", "unknown_axis", "too_many_entries"])
+def test_bad_param_specs_raise_naming_the_leaf(spec, error, facts):
+    params = plain_params()
+    specs = jax.tree.map(lambda _: None, params)
+    specs["q"]["kernel"] = spec
+    with pytest.raises(error) as err:
+        sc.TrainState.create(params=params, tx=make_tx(), mesh=sc.make_mesh({"data": 4, "model": 2}), param_specs=specs)
+    for fact in facts:
+        assert fact in str(err.value)
+
+
+def test_param_spec_that_does_not_divide_raises():
+    params = {"w": np.zeros((4, 5), np.float32)}
+    mesh = sc.make_mesh({"data": 4, "model": 2})
+    with pytest.raises(sc.ShapeError, match=r"splits dimension 1 of size 5 over \('model',\) \(2 devices\)"):
+        sc.TrainState.create(params=params, tx=make_tx(), mesh=mesh, param_specs={"w": P(None, "model")})
+
+
+def test_param_specs_of_another_structure_and_boxes_with_specs_raise():
+    mesh = sc.make_mesh({"data": 4, "model": 2})
+    with pytest.raises(sc.SpmdError, match="param_specs does not have the structure of params"):
+        sc.TrainState.create(
+            params={"w": np.zeros((4, 4), np.float32)}, tx=make_tx(), mesh=mesh, param_specs={"v": None}
+        )
+    with pytest.raises(sc.SpmdError, match="nn.with_partitioning.*param_specs was given too"):
+        sc.TrainState.create(
+            params=boxed_params(), tx=make_tx(), mesh=mesh, param_specs=jax.tree.map(lambda _: None, plain_params())
+        )
+
+
+@pytest.mark.parametrize("axis", [(), ("replica", "replica"), ("replica", 3)], ids=["empty", "repeated", "not_a_name"])
+def test_bad_data_axes_raise(axis):
+    with pytest.raises(sc.AxisError, match="must be a mesh axis name or a tuple of distinct ones"):
+        sc.TrainState.create(
+            params=plain_params(), tx=make_tx(), mesh=sc.make_mesh({"replica": 2, "shard": 4}), axis=axis
+        )
+
+
+def test_pmap_backend_refuses_several_data_axes():
+    state = sc.TrainState.create(
+        params=plain_params(), tx=make_tx(), mesh=sc.make_mesh({"replica": 2, "shard": 4}), axis=("replica", "shard")
+    )
+    with pytest.raises(sc.BackendError, match="pmap"):
+        sc.make_train_step(loss_fn, backend="pmap")(state, batches(1)[0])
