@@ -272,3 +272,18 @@ def test_pmap_backend_refuses_several_data_axes():
     )
     with pytest.raises(sc.BackendError, match="pmap"):
         sc.make_train_step(loss_fn, backend="pmap")(state, batches(1)[0])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_replicas_across_processes_shards_inside_equal_one_device(launch, tmp_path):
+    out = launch("mp_hybrid.py", tmp_path, timeout=300)
+    assert out.stdout.count("HYBRID OK") == 6
+    data = batches(4, rows=30)
+    ref_params, _, ref_losses = reference_train(loss_fn, Block().apply, plain_params(), {}, make_tx(), data)
+    for strategy in ("ddp", "zero2", "fsdp"):
+        got = np.load(tmp_path / f"params_{strategy}.npz")
+        for path, x in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
+            name = jax.tree_util.keystr(path)
+            np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=f"{strategy} {name}")
+        np.testing.assert_allclose(np.load(tmp_path / f"losses_{strategy}.npy"), ref_losses, rtol=1e-5)
