@@ -206,7 +206,7 @@ def test_create_nnx_broadcasts_stream_keys_across_processes(launch, tmp_path):
     out = launch("mp_nnx.py", tmp_path, timeout=120).stdout
     # Not anchored at a line start: Gloo's C++ prints share the processes' stdout and may precede it unflushed.
     keys = dict(re.findall(r"KEYS (\d) (\[\[.*?\]\])$", out, re.M))
-    assert keys.keys() == {"0", "1"} and keys["0"] == keys["1"], keys  # process 1 got process 0's keys
+    assert keys.keys() == {"0", "1"} and keys["0"] == keys["1"], (keys, out)  # process 1 got process 0's keys
     assert out.count("NNX OK") == 2
     # Same result as one process on 4 devices (per-example randomness, process 0's seeds).
     mesh = mesh_of(4)
