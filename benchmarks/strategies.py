@@ -41,6 +41,11 @@ over rounds, and each ratio (``ratio_vs_ddp``, and ``ratio_vs_jit`` for our stra
 rounds of that round's ratio. Every loop keeps at most 8 steps in flight (``_common.time_calls``). With the
 speed comes each compiled step's floating-point operations per device (XLA's cost analysis): the cost of
 recomputing the forward pass. Goals: FSDP >= 0.9x the jit program and >= 0.85x DDP; ZeRO-1 >= 0.95x DDP.
+
+2-D layouts, on all 8 devices (:func:`layouts_memory`): hybrid FSDP (``replica`` 2 x ``shard`` 4) and model axes
+(``data`` 4 x ``model`` 2, every kernel split by its last dimension over ``model``), with the message bytes each
+step sends over each mesh axis (``explain(...).total_bytes(over=axis)``). Goals: hybrid persistent state <= DDP's
+/ 4 + the replicated leaves' extra; the model axis halves the bytes of the parameters it splits.
 """
 
 from __future__ import annotations
@@ -322,6 +327,69 @@ def replication_allowance(state: sc.TrainState) -> float:
     return sum(leaf.nbytes * (n - 1) / n for leaf in leaves if leaf.sharding.is_fully_replicated)
 
 
+def layouts_memory(model_name: str) -> list[dict]:
+    """Bytes per device on all 8 devices under 2-D layouts, next to DDP on one axis: hybrid FSDP (``replica`` 2 x
+    ``shard`` 4) and model axes (``data`` 4 x ``model`` 2, every kernel split by its last dimension over ``model``).
+    Goals: hybrid persistent state <= DDP's / 4 (the shard group) + the replicated leaves' extra; a model axis
+    divides the bytes of the parameters it splits by its size."""
+    batch = _rows(model_name, global_batch(model_name))
+    step = sc.make_train_step(LOSSES[model_name])
+    params = init_params(model_name)
+    by_model = jax.tree.map(
+        lambda x: sc.P(*[None] * (x.ndim - 1), "model") if x.ndim > 1 and x.shape[-1] % 2 == 0 else None, params
+    )
+    layouts = {
+        "ddp": ({"data": 8}, "data", "ddp", None),
+        "fsdp hybrid replica=2 x shard=4": ({"replica": 2, "shard": 4}, ("replica", "shard"), "fsdp", None),
+        "ddp data=4 x model=2": ({"data": 4, "model": 2}, "data", "ddp", by_model),
+        "fsdp data=4 x model=2": ({"data": 4, "model": 2}, "data", "fsdp", by_model),
+    }
+    rows = []
+    for name, (axes, data_axes, strategy, specs) in layouts.items():
+        state = sc.TrainState.create(
+            params=params,
+            apply_fn=MODELS[model_name].apply,
+            tx=optax.adam(1e-3),
+            mesh=sc.make_mesh(axes),
+            axis=data_axes,
+            strategy=strategy,
+            param_specs=specs,
+        )
+        compiled = sc.explain(step, state, batch)
+        row = {
+            "model": model_name,
+            "layout": name,
+            "param_bytes": per_device_bytes(state.params),
+            "opt_bytes": per_device_bytes(state.opt_state),
+            "peak_bytes": compiled.memory.argument_bytes + compiled.memory.temp_bytes,
+            "bytes_over_axis": {a: compiled.total_bytes(over=a) for a in state.mesh.axis_names},
+        }
+        row["persistent_bytes"] = row["param_bytes"] + row["opt_bytes"]
+        rows.append(row)
+        if name == "fsdp hybrid replica=2 x shard=4":
+            n = 4
+            extra = sum(
+                x.nbytes * (n - 1) / n
+                for x in jax.tree.leaves((state.params, state.opt_state))
+                if x.sharding.is_fully_replicated
+            )
+            row["goal_bound_bytes"] = rows[0]["persistent_bytes"] / n + extra
+            row["goal_met"] = row["persistent_bytes"] <= row["goal_bound_bytes"]
+        if name == "ddp data=4 x model=2":
+            split = sum(
+                x.nbytes
+                for x, s in zip(
+                    jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=lambda v: v is None), strict=True
+                )
+                if s is not None
+            )
+            row["goal_bound_bytes"] = rows[0]["param_bytes"] - split / 2
+            row["goal_met"] = row["param_bytes"] <= row["goal_bound_bytes"]
+    for row in rows:
+        row["persistent_bytes vs ddp"] = row["persistent_bytes"] / rows[0]["persistent_bytes"]
+    return rows
+
+
 # --- speed -----------------------------------------------------------------------------------------
 
 
@@ -445,6 +513,17 @@ def print_tables(result: dict) -> None:
             f" / accum {kb(row['temp_bytes_accum_1_per_device']):>8s}"
             f" peak {row['peak_bytes'] / kib:9.1f} ({row['peak_bytes vs ddp']:.3f}x){goal}"
         )
+    print("2-D layouts on 8 devices (KiB per device): params + optimizer state, peak, bytes over each axis per step")
+    for row in result.get("layouts", []):
+        goal = ""
+        if "goal_met" in row:
+            goal = f"  goal <= {row['goal_bound_bytes'] / kib:.1f}: {'met' if row['goal_met'] else 'MISSED'}"
+        axes = ", ".join(f"{a} {b / kib:.1f}" for a, b in row["bytes_over_axis"].items())
+        print(
+            f"{row['model']:11s} {row['layout']:33s} params {row['param_bytes'] / kib:9.1f}"
+            f" persistent {row['persistent_bytes'] / kib:9.1f} ({row['persistent_bytes vs ddp']:.3f}x)"
+            f" peak {row['peak_bytes'] / kib:9.1f}  over {axes}{goal}"
+        )
     for model, variants in result.get("speed", {}).items():
         for name, v in variants.items():
             flops = "" if v["gflops_per_device"] is None else f"  {v['gflops_per_device']:.3f} GFLOP/device"
@@ -479,6 +558,7 @@ def main() -> None:
         "global_batch": BATCH,
         "batch_per_model": {m: global_batch(m) for m in models},
         "memory": [row for m in models for n in map(int, args.sizes.split(",")) for row in memory(m, n, names)],
+        "layouts": [row for m in models for row in layouts_memory(m)],
     }
     if not args.skip_speed:
         result["speed"] = speed(models, names, args.rounds, args.steps)
