@@ -142,6 +142,26 @@ def run_reference(kind, opt, batches):
 BATCHES = {kind: [example_batch(kind, 16, seed=s) for s in range(STEPS)] for kind in ("mlp", "cnn")}
 
 
+def per_device_bytes(tree):
+    """Bytes of ``tree``'s placed arrays on one device (the largest, where devices hold different amounts)."""
+    per = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    return max(per.values())
+
+
+def write_params(out_dir, tag, params, history):
+    """Process 0 of a multi-process worker writes the (replicated) ``params`` and the losses of ``history``."""
+    flat = {
+        jax.tree_util.keystr(p): np.asarray(jax.device_get(x.addressable_data(0)))
+        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    if jax.process_index() == 0:
+        np.savez(out_dir / f"params_{tag}.npz", **flat)
+        np.save(out_dir / f"losses_{tag}.npy", [h["loss"] for h in history])
+
+
 def local_rows(batch, mesh):
     """This process's rows of a global host batch (its devices' blocks are contiguous), as
     ``jax.make_array_from_process_local_data`` and the train step expect host input with several processes."""

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from ddp_models import assert_trees_close, mesh_of, reference_train
+from ddp_models import assert_trees_close, mesh_of, per_device_bytes, reference_train
 from hybrid_models import Block, batches, boxed_params, loss_fn, plain_params
 from jax.sharding import PartitionSpec as P
 
@@ -113,11 +113,7 @@ def test_model_axis_collectives_are_reported_on_their_axis():
 
 def test_persistent_state_divides_by_shard_group_and_model_axis():
     def per_device(state):
-        bytes_on = {}
-        for leaf in jax.tree.leaves((state.params, state.opt_state)):
-            for s in leaf.addressable_shards:
-                bytes_on[s.device] = bytes_on.get(s.device, 0) + s.data.nbytes
-        return max(bytes_on.values())
+        return per_device_bytes((state.params, state.opt_state))
 
     def make(params, axes, data_axes, strategy):
         return sc.TrainState.create(
@@ -287,3 +283,29 @@ def test_two_processes_replicas_across_processes_shards_inside_equal_one_device(
             name = jax.tree_util.keystr(path)
             np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=f"{strategy} {name}")
         np.testing.assert_allclose(np.load(tmp_path / f"losses_{strategy}.npy"), ref_losses, rtol=1e-5)
+
+
+def test_hybrid_per_example_rng_and_eval_equal_one_axis():
+    # The data axes are flattened row-major, as the batch is split: per-example randomness and evaluation on
+    # replica 2 x shard 4 equal those on one axis of the same 8 devices.
+    def noisy_loss(params, batch, *, apply_fn, model_state, rng, mask):
+        keep = jax.random.bernoulli(rng, 0.7, batch["x"].shape)
+        logits = apply_fn({"params": params}, batch["x"] * keep / 0.7)
+        return sc.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask), {}
+
+    def metric(params, batch, *, apply_fn, model_state, mask):
+        return loss_fn(params, batch, apply_fn=apply_fn, model_state=model_state, rng=None, mask=mask)[0]
+
+    data = [sc.pad_batch(b, 8) for b in batches(3, rows=30)]
+    results = []
+    for mesh, axis in [(mesh_of(8), "data"), (sc.make_mesh({"replica": 2, "shard": 4}), ("replica", "shard"))]:
+        state = sc.TrainState.create(
+            params=plain_params(), apply_fn=Block().apply, tx=make_tx(), mesh=mesh, axis=axis, strategy="fsdp", rng=3
+        )
+        state, history = sc.fit(sc.make_train_step(noisy_loss, rng="per_example"), state, data)
+        results.append((state.full_params(), [h["loss"] for h in history], sc.make_eval_step(metric)(state, data[0])))
+    (one_axis, losses, evaluated), (hybrid, hybrid_losses, hybrid_evaluated) = results
+    assert_trees_close(hybrid, one_axis, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(hybrid_losses, losses, rtol=1e-5)
+    np.testing.assert_allclose(float(hybrid_evaluated["loss"]), float(evaluated["loss"]), rtol=1e-5)
+    assert float(hybrid_evaluated["examples"]) == 30

@@ -16,6 +16,7 @@ from ddp_models import (
     loss_fn,
     mesh_of,
     optimizer,
+    per_device_bytes,
     run_ddp,
     run_reference,
 )
@@ -100,17 +101,13 @@ def test_fsdp_splits_each_leaf_on_its_first_divisible_dimension_and_keeps_the_tr
     assert_trees_close(fsdp.full_params(), params, rtol=0, atol=0)
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(fsdp.full_params()))
 
-    def per_device_bytes(state):
-        per = {}
-        for leaf in jax.tree.leaves((state.params, state.opt_state)):
-            for shard in leaf.addressable_shards:
-                per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
-        return max(per.values())
+    def state_bytes(state):
+        return per_device_bytes((state.params, state.opt_state))
 
     # Params + two Adam moments: 3 x 212 floats whole; per device 3 x (16 + 2 + 8 + 4 replicated) floats,
     # plus the count.
-    assert per_device_bytes(ddp) == 3 * 212 * 4 + 4
-    assert per_device_bytes(fsdp) == 3 * 30 * 4 + 4
+    assert state_bytes(ddp) == 3 * 212 * 4 + 4
+    assert state_bytes(fsdp) == 3 * 30 * 4 + 4
 
 
 def explain(strategy, accum_steps=1, rows=16):

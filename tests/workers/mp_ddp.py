@@ -14,11 +14,10 @@ import spmdcomm as sc
 sc.initialize()
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_models import example_batch, init, local_rows, loss_fn  # noqa: E402
+from ddp_models import example_batch, init, local_rows, loss_fn, write_params  # noqa: E402
 
 
 def main(out_dir: Path) -> None:
@@ -40,13 +39,7 @@ def main(out_dir: Path) -> None:
         state, history = sc.fit(step, state, local)
         full = state.full_params()
         sc.assert_replicated(full)
-        flat = {
-            jax.tree_util.keystr(p): np.asarray(jax.device_get(x.addressable_data(0)))
-            for p, x in jax.tree_util.tree_flatten_with_path(full)[0]
-        }
-        if jax.process_index() == 0:
-            np.savez(out_dir / f"params_{strategy}.npz", **flat)
-            np.save(out_dir / f"losses_{strategy}.npy", [h["loss"] for h in history])
+        write_params(out_dir, strategy, full, history)
         print("DDP OK", strategy, flush=True)
 
 

@@ -14,9 +14,9 @@ import spmdcomm as sc
 sc.initialize()
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddp_models import write_params  # noqa: E402
 from hybrid_models import Block, batches, loss_fn, plain_params  # noqa: E402
 from test_hybrid import make_tx  # noqa: E402
 
@@ -50,13 +50,7 @@ def main(out_dir: Path) -> None:
             assert {c.kind for c in report.collectives if "replica" in (c.axes or ())} == {"all-reduce"}, report
         state, history = sc.fit(step, state, local)
         full = state.full_params()
-        flat = {
-            jax.tree_util.keystr(p): np.asarray(jax.device_get(x.addressable_data(0)))
-            for p, x in jax.tree_util.tree_flatten_with_path(full)[0]
-        }
-        if jax.process_index() == 0:
-            np.savez(out_dir / f"params_{strategy}.npz", **flat)
-            np.save(out_dir / f"losses_{strategy}.npy", [h["loss"] for h in history])
+        write_params(out_dir, strategy, full, history)
         print("HYBRID OK", strategy, flush=True)
 
 
