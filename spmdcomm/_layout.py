@@ -174,8 +174,8 @@ class TreeLayout:
         a shard group; model axes, if any, still split them)."""
         return sum(
             math.prod(s) * jnp.dtype(d).itemsize
-            for s, d, spec in zip(self.shapes, self.dtypes, self.grad_leaf_specs, strict=True)
-            if _dim(spec, self.shard_axis) is None
+            for s, d, split in zip(self.shapes, self.dtypes, self.is_split("grads"), strict=True)
+            if not split
         )
 
     # ----------------------------------------------------------------------------------------------

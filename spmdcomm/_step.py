@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm import placement
-from spmdcomm.errors import BackendError, ShapeError, SpmdError, check_not_deleted, describe
+from spmdcomm.errors import ShapeError, SpmdError, check_not_deleted, describe
 from spmdcomm.spmd import SpmdFunction, check_backend
 from spmdcomm.train_state import TrainState
 
@@ -133,15 +133,6 @@ def compile_step(
     if backend == "shard_map":
         # The state is already placed (by TrainState.create and the previous step), the batch by place_batch.
         return jax.jit(_local(body, state, out_specs), donate_argnums=(0,) if donate else ())
-    if len(state.mesh.axis_names) > 1:
-        raise BackendError(
-            describe(
-                fn,
-                f"the pmap backend runs on a mesh of one data axis; the state's mesh is {dict(state.mesh.shape)} "
-                f"with data axes {state.data_axes}.",
-                fix='build the step with backend="shard_map" (the default) for several data axes or model axes.',
-            )
-        )
     sf = SpmdFunction(
         body,
         in_specs=(state.specs(), P(state.axis), P(state.axis)),
@@ -151,6 +142,7 @@ def compile_step(
         check_vma=True,
         donate_argnums=(0,) if donate else (),
     )
+    sf.__name__ = fn  # its errors (a mesh pmap cannot express) name the public function, not the step's body
     return sf.program()
 
 

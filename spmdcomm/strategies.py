@@ -102,7 +102,12 @@ class Strategy:
             model_specs=model_specs,
             shard_params=self.shards_params,
             shard_grads=self.shards_optimizer,
+            bucket_bytes=self.flat_bucket_bytes(mesh),
         )
+
+    def flat_bucket_bytes(self, mesh: Mesh) -> int | None:
+        """The size of the flat buffers the gradients are all-reduced in on ``mesh`` (None: leaf by leaf)."""
+        return None
 
     @property
     def remat_policy(self) -> Any:
@@ -167,19 +172,10 @@ class DDP(Strategy):
                 )
             )
 
-    def layout(
-        self,
-        params: Any,
-        tx: optax.GradientTransformation,
-        mesh: Mesh,
-        axes: tuple[str, ...],
-        model_specs: tuple[P, ...] | None = None,
-    ) -> TreeLayout:
-        size = self.bucket_bytes
-        if size is None and len({d.process_index for d in mesh.devices.flat}) > 1:
-            size = _ONE_BUFFER
-        layout = super().layout(params, tx, mesh, axes, model_specs)
-        return dataclasses.replace(layout, bucket_bytes=None if size is None else int(size))
+    def flat_bucket_bytes(self, mesh: Mesh) -> int | None:
+        if self.bucket_bytes is None and len({d.process_index for d in mesh.devices.flat}) > 1:
+            return _ONE_BUFFER
+        return None if self.bucket_bytes is None else int(self.bucket_bytes)
 
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
         if layout.bucket_bytes is None:
@@ -288,12 +284,12 @@ class FSDP(Strategy):
         # step's reduce_dtype (else the compute dtype). Replicated leaves are cast to the compute dtype here.
         whole = layout.gather_params(params, self.param_dtype, ctx.reduce_dtype)
         if self.param_dtype is not None:
-            whole = jax.tree.map(
-                lambda x, spec: x.astype(self.param_dtype) if spec == P() and _is_float(x) else x,
-                whole,
-                layout.param_specs,
-                is_leaf=lambda x: isinstance(x, P),
-            )
+            leaves = jax.tree.leaves(whole)
+            leaves = [
+                x if split or not _is_float(x) else x.astype(self.param_dtype)
+                for x, split in zip(leaves, layout.is_split("params"), strict=True)
+            ]
+            whole = jax.tree.unflatten(layout.treedef, leaves)
         return whole
 
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:

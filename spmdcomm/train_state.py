@@ -146,10 +146,9 @@ class TrainState:
         from flax import nnx
 
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        if "param_specs" not in kwargs and any(
-            s != P() for s in jax.tree.leaves(nnx.get_partition_spec(params), is_leaf=_is_spec)
-        ):
-            kwargs["param_specs"] = nnx.get_partition_spec(params)  # the model's sharding metadata
+        specs = nnx.get_partition_spec(params)  # the model's sharding metadata
+        if "param_specs" not in kwargs and any(s != P() for s in jax.tree.leaves(specs, is_leaf=_is_spec)):
+            kwargs["param_specs"] = specs
         return cls.create(params=params, tx=tx, apply_fn=graphdef, model_state=rest, **kwargs)
 
     @property

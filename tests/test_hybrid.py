@@ -266,8 +266,33 @@ def test_pmap_backend_refuses_several_data_axes():
     state = sc.TrainState.create(
         params=plain_params(), tx=make_tx(), mesh=sc.make_mesh({"replica": 2, "shard": 4}), axis=("replica", "shard")
     )
-    with pytest.raises(sc.BackendError, match="pmap"):
+    with pytest.raises(sc.BackendError, match=r"spmdcomm\.make_train_step: backend='pmap' needs a 1-D mesh"):
         sc.make_train_step(loss_fn, backend="pmap")(state, batches(1)[0])
+
+
+def test_fsdp_param_dtype_casts_leaves_split_only_over_model_axes():
+    # The q bias is split over "model" only (its one dimension is the model spec's): it must reach the model in
+    # param_dtype like every leaf the data axis splits.
+    import jax.numpy as jnp
+
+    from spmdcomm.strategies import ReduceContext
+
+    mesh = sc.make_mesh({"data": 4, "model": 2})
+    strategy = sc.FSDP(param_dtype=jnp.bfloat16)
+    state = sc.TrainState.create(params=boxed_params(), tx=make_tx(), mesh=mesh, strategy=strategy)
+    assert tuple(state.params["q"]["bias"].sharding.spec) == ("model",)
+    ctx = ReduceContext(state.data_axes, state.data_size, None, False)
+    seen = []
+
+    def model_view(params):
+        seen.extend(x.dtype for x in jax.tree.leaves(strategy.compute_params(ctx, state.layout, params)))
+        return jnp.zeros(())
+
+    traced = jax.shard_map(
+        model_view, mesh=mesh, in_specs=(state.layout.manual_specs("params"),), out_specs=P(), axis_names={"data"}
+    )
+    jax.eval_shape(traced, state.params)  # traced only: the dtypes the model would see
+    assert len(seen) == len(jax.tree.leaves(state.params)) and set(seen) == {jnp.dtype(jnp.bfloat16)}
 
 
 @pytest.mark.multiprocess
