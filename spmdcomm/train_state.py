@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from spmdcomm import placement
 from spmdcomm._layout import manual_spec
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
+from spmdcomm.loss_scale import resolve_loss_scale
 from spmdcomm.mesh import check_mesh_axes, default_mesh
 from spmdcomm.rng import data_to_keys, keys_to_data
 from spmdcomm.strategies import Strategy, resolve_strategy
@@ -36,9 +37,10 @@ class TrainState:
 
     ``step`` counts global steps, ``params`` are the trained parameters, ``opt_state`` the optax state,
     ``model_state`` the mutable model state (Flax ``batch_stats``, NNX ``BatchStat``, NNX RNG stream keys
-    and counts ...; ``{}`` when none) and ``rng`` a raw ``uint32[2]`` base key. The static fields are
-    ``apply_fn`` (a Flax ``Module.apply``, an NNX ``GraphDef`` or any callable handed to ``loss_fn``),
-    ``tx``, the ``mesh`` and data ``axis`` the state lives on (one mesh axis, or a tuple of them: hybrid
+    and counts ...; ``{}`` when none), ``rng`` a raw ``uint32[2]`` base key and ``loss_scale`` the dynamic loss
+    scale (a Flax ``DynamicScale``, replicated; ``None`` without scaling, see :mod:`spmdcomm.loss_scale`). The
+    static fields are ``apply_fn`` (a Flax ``Module.apply``, an NNX ``GraphDef`` or any callable handed to
+    ``loss_fn``), ``tx``, the ``mesh`` and data ``axis`` the state lives on (one mesh axis, or a tuple of them: hybrid
     sharding), its ``strategy`` and the strategy's ``layout`` (the ``PartitionSpec`` of every leaf, over the
     data axes and the model axes: the mesh's other axes). Under every strategy ``params`` is the model's parameter
     tree and ``opt_state`` is ``tx.init(params)``, as on one device; only the leaves' shardings differ.
@@ -49,6 +51,7 @@ class TrainState:
     opt_state: Any
     model_state: Any
     rng: jax.Array
+    loss_scale: Any = None
     apply_fn: Any = flax.struct.field(pytree_node=False, default=None)
     tx: optax.GradientTransformation = flax.struct.field(pytree_node=False, default=None)
     mesh: Mesh = flax.struct.field(pytree_node=False, default=None)
@@ -69,6 +72,7 @@ class TrainState:
         axis: str | tuple[str, ...] = "data",
         strategy: Strategy | str = "ddp",
         param_specs: Any = None,
+        loss_scale: Any = None,
     ) -> TrainState:
         """Builds the state and places it on ``mesh`` as ``strategy`` says (default: replicated, DDP).
 
@@ -90,7 +94,10 @@ class TrainState:
         replica starts identical (DDP's init-time broadcast), after a timed check that every process passed
         the same tree structure, shapes and dtypes (:class:`~spmdcomm.ProcessMismatchError` names a process
         that differs; a missing process is named after the sync timeout).
-        ``rng`` is an int seed, a key, or ``None`` (seed 0). Typed key leaves (``jax.random.key``, NNX
+        ``rng`` is an int seed, a key, or ``None`` (seed 0). ``loss_scale="dynamic"`` (or a Flax
+        ``DynamicScale``) makes every train step scale the loss, unscale the reduced gradients, skip a non-finite
+        step and adapt the scale (float16 training, torch's ``GradScaler``; see :mod:`spmdcomm.loss_scale`).
+        Typed key leaves (``jax.random.key``, NNX
         ``RngKey``) stay typed keys; they travel as their key data.
 
         >>> import optax
@@ -104,11 +111,12 @@ class TrainState:
         params, model_specs = model_partitioning("TrainState.create", params, param_specs, mesh, data_axes(axis))
         model_state = {} if model_state is None else model_state
         rng = _raw_key(rng)
+        loss_scale = resolve_loss_scale("TrainState.create", loss_scale)
         # Typed key leaves (Flax NNX RngKey) cross the host as their uint32 key data: NumPy and the
         # multi-process broadcast only move plain arrays.
-        host, key_impls = keys_to_data((params, model_state, rng))
+        host, key_impls = keys_to_data((params, model_state, rng, loss_scale))
         host = broadcast_tree("TrainState.create", host)
-        params, model_state, rng = data_to_keys(
+        params, model_state, rng, loss_scale = data_to_keys(
             placement.place("TrainState.create", host, NamedSharding(mesh, P()), host_input="global"), key_impls
         )
         layout = strategy.layout(params, tx, mesh, data_axes(axis), model_specs)
@@ -120,6 +128,7 @@ class TrainState:
             opt_state=opt_state,
             model_state=model_state,
             rng=rng,
+            loss_scale=loss_scale,
             apply_fn=apply_fn,
             tx=tx,
             mesh=mesh,
@@ -164,7 +173,12 @@ class TrainState:
     def specs(self) -> TrainState:
         """The state with a ``PartitionSpec`` in place of each array (prefix tree): how it is split."""
         return self.replace(
-            step=P(), params=self.layout.param_specs, opt_state=self.layout.opt_specs, model_state=P(), rng=P()
+            step=P(),
+            params=self.layout.param_specs,
+            opt_state=self.layout.opt_specs,
+            model_state=P(),
+            rng=P(),
+            loss_scale=P(),
         )
 
     def manual_specs(self) -> TrainState:
@@ -175,6 +189,7 @@ class TrainState:
             opt_state=self.layout.manual_specs("opt"),
             model_state=P(),
             rng=P(),
+            loss_scale=P(),
         )
 
     def shardings(self) -> TrainState:

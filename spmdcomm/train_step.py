@@ -17,7 +17,13 @@ The ``loss_fn`` contract (keyword arguments after the first two)::
   padding excluded.
 * ``aux`` is a dict of scalar metrics (means over the block's real examples, averaged like the
   loss) and, under the key ``"model_state"``, the new mutable model state (e.g. Flax
-  ``batch_stats``), which the step averages over the data axis.
+  ``batch_stats``), which the step averages over the data axis. Names the step reports itself
+  (``"loss"``, ``"examples"``, ``"skipped"``, ``"loss_scale"``, the optimizer's hyperparameters) are refused.
+* ``step``: if ``loss_fn`` names a keyword parameter ``step``, it also gets the state's step count
+  before this update (an int32 scalar), e.g. for a schedule inside the loss.
+* With ``TrainState.create(..., loss_scale="dynamic")`` the step multiplies the loss by the state's scale before
+  differentiating and divides the reduced gradients by it (float16 training, :mod:`spmdcomm.loss_scale`):
+  ``loss_fn`` returns the plain loss.
 * ``rng`` depends on ``make_train_step(..., rng=...)``. ``"per_device"`` (default): a raw
   ``uint32[2]`` threefry key, ``fold_in(fold_in(fold_in(state.rng, step), device), micro_batch)``,
   different per step, device and micro-batch (the bits an example sees depend on the device count,
@@ -47,6 +53,7 @@ reduces exactly once.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -76,6 +83,7 @@ from spmdcomm._step import (
     zero_masked_rows,
 )
 from spmdcomm.errors import SpmdError, describe
+from spmdcomm.loss_scale import next_loss_scale
 from spmdcomm.placement import HostInput, check_host_input
 from spmdcomm.rng import RNG_MODES, is_key_leaf, per_example_key
 from spmdcomm.spmd import check_backend
@@ -136,9 +144,11 @@ def make_train_step(
 
     ``batch`` is a pytree of arrays whose dimension 0 is the global batch (host NumPy, placed by the
     step; or ``jax.Array``), or a :class:`~spmdcomm.MaskedBatch`, whose masked-out rows reach
-    ``loss_fn`` as zeros (a NaN there changes nothing). ``metrics`` holds the loss, ``aux`` metrics, ``"examples"``
-    (real examples in the global batch) and, with ``skip_nonfinite``, ``"skipped"``; all are means
-    over the real examples of the global batch.
+    ``loss_fn`` as zeros (a NaN there changes nothing). ``metrics`` holds the loss and ``aux`` metrics (means over
+    the real examples of the global batch), ``"examples"`` (real examples in the global batch), with
+    ``skip_nonfinite`` or a loss scale ``"skipped"`` (1.0 for a skipped step), with a loss scale ``"loss_scale"``
+    (the scale this step used), and the scalar hyperparameters of any ``optax.inject_hyperparams`` in ``tx`` as this
+    step used them (e.g. ``"learning_rate"``).
     """
     check_backend("make_train_step", backend)
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, (int, np.integer)) or accum_steps < 1:
@@ -249,8 +259,14 @@ def split_loss_output(out: Any, fn: str) -> tuple[Any, dict[str, Any]]:
 
 def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
     strategy, layout, axis = state.strategy, state.layout, state.data_axes
-    ctx = ReduceContext(axis, state.data_size, o.reduce_dtype, o.skip_nonfinite)
+    scaled = state.loss_scale is not None
+    ctx = ReduceContext(axis, state.data_size, o.reduce_dtype, o.skip_nonfinite or scaled)
     varying = o.backend == "shard_map"
+    # What the step itself reports: aux metrics of these names would silently replace them.
+    hyperparams = _hyperparams(state.opt_state)
+    reserved = {"loss", "examples", "model_state", *jax.eval_shape(hyperparams, state.opt_state)}
+    reserved |= {"skipped"} if o.skip_nonfinite or scaled else set()
+    reserved |= {"loss_scale"} if scaled else set()
     check_strategy_backend("make_train_step", strategy, o.backend)
 
     def denominator(total: jax.Array, masked: bool) -> jax.Array | float:
@@ -262,7 +278,7 @@ def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
         """Per device (manual over the axis): the gradient summed over the axis, each leaf whole or as this
         device's block (``layout.grad_specs``), the real-example total, the metric sums and the new model state."""
         data = data if mask is None else zero_masked_rows(data, mask)
-        grad_sum, metric_sums, model_state, count = _accumulate(o, ctx, state, data, mask, varying)
+        grad_sum, metric_sums, model_state, count = _accumulate(o, ctx, state, data, mask, varying, reserved)
         # The example count, the metrics and the model state travel in one f32 vector (XLA:CPU pays
         # per buffer); XLA fuses its all-reduce with the gradients' into one collective.
         masked = mask is not None
@@ -286,11 +302,14 @@ def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
         only) on the replicated tree."""
         denom = denominator(total, masked)
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), reduced)
+        if scaled:
+            # Unscaled in float32 at least (a float16 gradient divided by 65536 underflows), as Flax's DynamicScale.
+            grads = jax.tree.map(lambda g: g.astype(sum_dtype(g.dtype)) / state.loss_scale.scale, grads)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = strategy.store_params(layout, state.mesh, optax.apply_updates(state.params, updates))
         # Keep the old state where nothing real was seen (all padding) or a gradient was not finite.
         apply = total > 0 if masked else None
-        finite = all_finite(grads) if o.skip_nonfinite else None
+        finite = all_finite(grads) if o.skip_nonfinite or scaled else None
         if finite is not None:
             apply = finite if apply is None else apply & finite
         keep = (
@@ -308,6 +327,10 @@ def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
         metrics["examples"] = total
         if finite is not None:
             metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        if scaled:
+            metrics["loss_scale"] = state.loss_scale.scale.astype(jnp.float32)  # the scale this step used
+            new_state = new_state.replace(loss_scale=next_loss_scale(state.loss_scale, finite))
+        metrics.update(hyperparams(opt_state))
         return new_state, metrics
 
     specs = state.specs()
@@ -326,7 +349,7 @@ def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
 
 
 def _accumulate(
-    o: StepOptions, ctx: ReduceContext, state: TrainState, data: Any, mask: Any, varying: bool
+    o: StepOptions, ctx: ReduceContext, state: TrainState, data: Any, mask: Any, varying: bool, reserved: set[str]
 ) -> tuple[Any, ...]:
     """Runs loss_fn over the micro-batches.
 
@@ -344,12 +367,13 @@ def _accumulate(
     # gather, so a masked block's weight must be applied to the loss before differentiating.
     params = _vary(state.params, axis, varying)
     weigh_loss = masked and strategy.shards_params
-    grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, weigh_loss), has_aux=True)
+    grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, weigh_loss, reserved), has_aux=True)
+    extra = {"step": state.step} if _takes_keyword(o.loss_fn, "step") else {}
 
     def one(model_state: Any, batch: Any, m: jax.Array, j: Any) -> tuple[Any, ...]:
         c = jnp.sum(m, dtype=jnp.float32)
         (_, (loss, aux)), grads = grad_fn(
-            params, batch, apply_fn=state.apply_fn, model_state=model_state, rng=micro_rng(j), mask=m, count=c
+            params, batch, apply_fn=state.apply_fn, model_state=model_state, rng=micro_rng(j), mask=m, count=c, **extra
         )
         new_model_state = aux.pop("model_state", model_state)
         _check_same_tree(model_state, new_model_state)
@@ -390,8 +414,11 @@ def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], 
     return lambda j: jax.random.fold_in(device_rng, j)
 
 
-def _differentiable_loss(o: StepOptions, ctx: ReduceContext, state: TrainState, weigh_loss: bool) -> Callable[..., Any]:
-    """``f(params, batch, ..., count) -> (differentiated value, (loss, aux))`` for ``jax.value_and_grad``."""
+def _differentiable_loss(
+    o: StepOptions, ctx: ReduceContext, state: TrainState, weigh_loss: bool, reserved: set[str]
+) -> Callable[..., Any]:
+    """``f(params, batch, ..., count) -> (differentiated value, (loss, aux))`` for ``jax.value_and_grad``: the
+    loss, weighted by the block's real-example count where the strategy needs it, times the loss scale."""
     strategy, layout = state.strategy, state.layout
     policy = strategy.remat_policy
 
@@ -404,12 +431,61 @@ def _differentiable_loss(o: StepOptions, ctx: ReduceContext, state: TrainState, 
             # (FSDP's resharding: the gathered parameters, gathered again).
             forward = jax.checkpoint(forward, policy=policy)
         loss, aux = split_loss_output(forward(params), "make_train_step")
+        _check_aux_names(aux, reserved)
         scalars = {"loss": loss, **{k: v for k, v in aux.items() if k != "model_state"}}
         check_scalars("make_train_step", scalars, "loss_fn")
         value = jnp.where(count > 0, count * loss, jnp.zeros_like(loss)) if weigh_loss else loss
+        if state.loss_scale is not None:
+            value = value * state.loss_scale.scale.astype(value.dtype)
         return value, (loss, dict(aux))
 
     return wrapped
+
+
+def _hyperparams(opt_state: Any) -> Callable[[Any], dict[str, jax.Array]]:
+    """``f(opt_state) -> {name: value}``: the scalar hyperparameters of the ``optax.inject_hyperparams`` states in
+    ``opt_state`` (as the update just used them), named as given to ``inject_hyperparams``, prefixed with the state's
+    path when several states hold the same name."""
+
+    def is_injected(x: Any) -> bool:
+        return isinstance(x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState))
+
+    def found(tree: Any) -> list[tuple[str, str, Any]]:
+        injected = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_injected)[0]
+        return [
+            (jax.tree_util.keystr(path), name, value)
+            for path, node in injected
+            if is_injected(node)
+            for name, value in sorted(node.hyperparams.items())
+            if np.ndim(value) == 0
+        ]
+
+    names = [name for _, name, _ in found(opt_state)]
+    label = lambda path, name: f"{path}/{name}" if names.count(name) > 1 else name
+    return lambda tree: {label(p, n): jnp.asarray(v, jnp.float32) for p, n, v in found(tree)}
+
+
+def _check_aux_names(aux: dict[str, Any], reserved: set[str]) -> None:
+    taken = sorted(k for k in aux if k in reserved and k != "model_state")
+    if taken:
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"loss_fn's aux holds {taken}, which the step reports itself (its metrics are "
+                f"{sorted(reserved - {'model_state'})}); the aux value would silently replace the step's.",
+                fix=f"rename the aux metric(s), e.g. {taken[0]!r} -> 'aux/{taken[0]}'.",
+            )
+        )
+
+
+def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` names the keyword parameter ``name``. A ``**kwargs`` catch-all does not count: such functions
+    often forward their keywords to one that takes only the contract's."""
+    try:
+        parameter = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):  # no signature to read (a builtin): pass only the contract's arguments
+        return False
+    return parameter is not None and parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)
 
 
 def _check_same_tree(old: Any, new: Any) -> None:
