@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm import placement
-from spmdcomm.errors import ShapeError, SpmdError, check_not_deleted, describe
+from spmdcomm.errors import AxisError, ShapeError, SpmdError, check_not_deleted, describe
 from spmdcomm.spmd import SpmdFunction, check_backend
 from spmdcomm.train_state import TrainState
 
@@ -197,6 +197,29 @@ def place_batch(fn: str, batch: Any, state: TrainState, multiple_of: int, host_i
     )
 
 
+def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``model_fn(*args, **kwargs)`` (the user's ``loss_fn`` or ``metric_fn``), with a collective over an axis the
+    step does not run over (e.g. Flax ``BatchNorm(axis_name="batch")`` under a state on ``"data"``) reported as an
+    :class:`~spmdcomm.errors.AxisError` naming both, instead of JAX's bare error from inside the model."""
+    try:
+        return model_fn(*args, **kwargs)
+    except (AssertionError, NameError) as e:
+        bound = state.data_axes
+        asked = _collective_axes(e.__traceback__)
+        missing = [a for a in asked if a not in bound]
+        if not missing:
+            raise
+        raise AxisError(
+            describe(
+                fn,
+                f"{who} runs a collective over axis {missing[0]!r} (e.g. a BatchNorm's axis_name), but the step "
+                f"runs over the data axes {bound} of the state's mesh {dict(state.mesh.shape)}.",
+                fix=f"build the model with axis_name={state.axis!r}, or create the state on a mesh with that axis: "
+                f"sc.TrainState.create(..., mesh=sc.make_mesh({{{missing[0]!r}: n}}), axis={missing[0]!r}).",
+            )
+        ) from e
+
+
 def check_in_flight(fn: str, k: int) -> int:
     """``k`` as an int, if it is a valid ``max_in_flight``."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= _MAX_IN_FLIGHT_LIMIT:
@@ -265,6 +288,20 @@ _MISPLACED_FIX = (
     "(TrainState.create(..., mesh=...)); to move a trained state, save a checkpoint and restore it into a "
     "state created on the new mesh."
 )
+
+
+def _collective_axes(tb: Any) -> list[str]:
+    """The axis names the collective calls (``lax.psum``, ``pmean`` ...) in a traceback asked for."""
+    names: list[str] = []
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.endswith(("lax/parallel.py", "lax\\parallel.py")):
+            for value in (frame.f_locals.get("axis_name"), frame.f_locals.get("axes")):
+                for a in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(a, str) and a not in names:
+                        names.append(a)
+        tb = tb.tb_next
+    return names
 
 
 def _describe_mesh(mesh: Mesh) -> str:

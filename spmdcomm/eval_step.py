@@ -14,6 +14,7 @@ from spmdcomm._step import (
     DEFAULT_MAX_IN_FLIGHT,
     StepCache,
     Window,
+    call_model_fn,
     check_in_flight,
     check_scalars,
     compile_step,
@@ -97,7 +98,17 @@ class EvalStep:
             data = data if mask is None else zero_masked_rows(data, mask)
             mask = full_mask(data) if mask is None else mask
             params = strategy.compute_params(ctx, state.layout, state.params)
-            out = self.metric_fn(params, data, apply_fn=state.apply_fn, model_state=state.model_state, mask=mask)
+            out = call_model_fn(
+                "make_eval_step",
+                "metric_fn",
+                state,
+                self.metric_fn,
+                params,
+                data,
+                apply_fn=state.apply_fn,
+                model_state=state.model_state,
+                mask=mask,
+            )
             metrics = out if isinstance(out, dict) else {"loss": out}
             check_scalars("make_eval_step", metrics, "metric_fn")
             count = jnp.sum(mask, dtype=jnp.float32)

@@ -72,6 +72,7 @@ from spmdcomm._step import (
     DEFAULT_MAX_IN_FLIGHT,  # re-exported: the public home of the default window
     StepCache,
     Window,
+    call_model_fn,
     check_in_flight,
     check_scalars,
     compile_global_step,
@@ -424,7 +425,9 @@ def _differentiable_loss(
 
     def wrapped(params: Any, batch: Any, *, count: jax.Array, **kwargs: Any) -> tuple[jax.Array, Any]:
         def forward(p: Any) -> Any:
-            return o.loss_fn(strategy.compute_params(ctx, layout, p), batch, **kwargs)
+            return call_model_fn(
+                "make_train_step", "loss_fn", state, o.loss_fn, strategy.compute_params(ctx, layout, p), batch, **kwargs
+            )
 
         if policy is not None:
             # The strategy's policy says which forward values the backward pass recomputes instead of keeping

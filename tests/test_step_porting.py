@@ -191,3 +191,44 @@ def test_loss_fn_that_takes_step_gets_the_step_count(backend):
         state, metrics = step(state, linear_data())
         seen.append(float(metrics["seen_step"]))
     assert seen == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+@pytest.mark.parametrize("which", ["train", "eval"])
+def test_model_collective_over_another_axis_names_both_axes(backend, which):
+    """Flax's BatchNorm(axis_name="batch") under a state on "data" fails inside JAX with a bare AssertionError."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=True):
+            x = nn.Dense(4)(x)
+            return nn.BatchNorm(use_running_average=not train, axis_name="batch")(x).sum(-1)
+
+    model = Net()
+    variables = model.init(jax.random.PRNGKey(0), np.zeros((2, 3), np.float32))
+    state = sc.TrainState.create(
+        params=variables["params"],
+        tx=optax.sgd(0.1),
+        apply_fn=model.apply,
+        model_state={"batch_stats": variables["batch_stats"]},
+        mesh=mesh_of(2),
+    )
+
+    def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
+        out, new = apply_fn({"params": params, **model_state}, batch["x"], mutable=["batch_stats"])
+        return sc.masked_mean((out - batch["y"]) ** 2, mask), {"model_state": new}
+
+    def metric_fn(params, batch, *, apply_fn, model_state, mask):
+        out, _ = apply_fn({"params": params, **model_state}, batch["x"], mutable=["batch_stats"])
+        return sc.masked_mean((out - batch["y"]) ** 2, mask)
+
+    run = (
+        sc.make_train_step(loss_fn, backend=backend)
+        if which == "train"
+        else sc.make_eval_step(metric_fn, backend=backend)
+    )
+    fn = "make_train_step" if which == "train" else "make_eval_step"
+    with pytest.raises(sc.AxisError, match=rf"{fn}: .*collective over axis 'batch'.*data axes \('data',\)") as e:
+        run(state, linear_data())
+    assert "axis_name='data'" in str(e.value) and "axis='batch'" in str(e.value)
