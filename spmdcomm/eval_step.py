@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import collections
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import jax
@@ -24,12 +25,13 @@ from spmdcomm._step import (
     sum_dtype,
     zero_masked_rows,
 )
+from spmdcomm.errors import SpmdError, describe
 from spmdcomm.placement import HostInput, check_host_input
 from spmdcomm.spmd import check_backend
 from spmdcomm.strategies import ReduceContext, check_strategy_backend
 from spmdcomm.train_state import TrainState
 
-__all__ = ["EvalStep", "make_eval_step"]
+__all__ = ["EvalStep", "evaluate", "make_eval_step"]
 
 
 def make_eval_step(
@@ -63,6 +65,50 @@ def make_eval_step(
         max_in_flight=check_in_flight("make_eval_step", max_in_flight),
         host_input=check_host_input("make_eval_step", host_input),
     )
+
+
+def evaluate(eval_step: EvalStep, state: TrainState, batches: Iterable[Any]) -> dict[str, float]:
+    """Exact means of ``eval_step``'s metrics over every real example of ``batches`` (an evaluation set).
+
+    Each batch's means are weighted by its real-example count (``metrics["examples"]``), so a padded last batch
+    (:func:`~spmdcomm.pad_batch`, a :class:`~spmdcomm.Loader` over the eval set) counts only its real rows, and the
+    result equals the metrics of one batch holding the whole set. The sums are taken on the host in float64, one
+    in-flight window behind the devices. ``"examples"`` is the number of real examples seen. Every process passes its
+    own batches (as to the eval step); the result is the same on all.
+
+    >>> import optax
+    >>> state = sc.TrainState.create(params={"w": np.float32(1.0)}, tx=optax.sgd(0.1))
+    >>> mean_x = sc.make_eval_step(lambda p, b, *, apply_fn, model_state, mask: sc.masked_mean(b * p["w"], mask))
+    >>> data = np.arange(10.0, dtype=np.float32)
+    >>> sc.evaluate(mean_x, state, [sc.pad_batch(data[:8], 8), sc.pad_batch(data[8:], 8)])
+    {'loss': 4.5, 'examples': 10.0}
+    """
+    if not isinstance(eval_step, EvalStep):
+        raise SpmdError(
+            describe(
+                "evaluate",
+                f"eval_step is a {type(eval_step).__name__}, not an evaluation step.",
+                fix="pass sc.make_eval_step(metric_fn).",
+            )
+        )
+    sums: dict[str, float] = {}
+    total = 0.0
+    pending: collections.deque[dict[str, jax.Array]] = collections.deque()
+
+    def add(keep: int) -> None:
+        nonlocal total
+        while len(pending) > keep:
+            metrics = {k: float(v) for k, v in jax.device_get(pending.popleft()).items()}
+            count = metrics.pop("examples")
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + (count * v if count else 0.0)
+            total += count
+
+    for batch in batches:
+        pending.append(eval_step(state, batch))
+        add(eval_step.max_in_flight)
+    add(0)
+    return {**{k: v / max(total, 1.0) for k, v in sums.items()}, "examples": total}
 
 
 class EvalStep:

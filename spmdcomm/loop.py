@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import os
-import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -23,7 +23,7 @@ from spmdcomm.train_state import TrainState
 from spmdcomm.train_step import TrainStep
 from spmdcomm.watchdog import Watchdog
 
-__all__ = ["fit"]
+__all__ = ["fit", "Hook", "Preempted"]
 
 
 def fit(
@@ -31,6 +31,8 @@ def fit(
     state: TrainState,
     data: Iterable[Any],
     *,
+    max_steps: int | None = None,
+    hooks: Sequence[Hook] = (),
     callback: Callable[[int, dict[str, float]], None] | None = None,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     save_every: int | None = None,
@@ -46,6 +48,11 @@ def fit(
     Metrics are fetched to the host one in-flight window late (the step's ``max_in_flight``), so the
     loop never stalls on the newest step and never queues more executions than XLA:CPU can hold.
     ``callback(i, metrics)`` sees each step's metrics in order (``i`` counts this call's steps from 0).
+    ``max_steps`` ends the run once ``state.step`` (the global step count, restored with a checkpoint) reaches it,
+    even with batches left; the data's position then names the first batch not trained on.
+
+    ``hooks`` (:class:`Hook`) run on the host between steps: every ``n`` global steps or at the end of every ``n``
+    epochs (evaluation, logging, sample generation), and what they return joins that step's metrics.
 
     With ``checkpoint_dir``, the run survives being killed and restarted: ``fit`` first restores the
     latest complete checkpoint there, if any (the state, whose ``rng`` and ``step`` fix every later
@@ -70,8 +77,9 @@ def fit(
     process(es) and their phase, and exits with status :data:`spmdcomm.STUCK_EXIT_CODE` (75), so that
     ``spmdcomm-launch --max-restarts`` restarts the job. ``preemption`` (default: on with a
     ``checkpoint_dir``; create ``fit`` in the main thread) makes SIGTERM stop every process at one agreed
-    step, save a checkpoint there and exit with status :data:`spmdcomm.PREEMPTED_EXIT_CODE` (143); the next
-    start resumes from it.
+    step, save a checkpoint there and raise :class:`Preempted`, a ``SystemExit`` with status
+    :data:`spmdcomm.PREEMPTED_EXIT_CODE` (143): uncaught, the process ends with that status (the launcher and
+    schedulers read it as "preempted, restart me"); the next start resumes from the checkpoint.
 
     >>> import optax
     >>> def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
@@ -82,6 +90,8 @@ def fit(
     >>> len(history), round(float(state.params["c"]), 4)
     (20, 4.0)
     """
+    max_steps = _optional_positive("max_steps", max_steps)
+    hooks = _check_hooks(hooks, data)
     checkpoints = None
     if checkpoint_dir is not None:
         checkpoints = _Checkpoints(checkpoint_dir, data, save_every=save_every, max_to_keep=max_to_keep)
@@ -98,7 +108,9 @@ def fit(
     pending: collections.deque[tuple[int, Any]] = collections.deque()
     times: dict[int, dict[str, float]] = {}
     history: list[dict[str, float]] = []
+    hooked: dict[int, dict[str, Any]] = {}  # what the hooks returned after step i, joined to its metrics
     first = checkpoints.step if checkpoints is not None else int(jax.device_get(state.step))
+    epoch = _epoch(data)
     with contextlib.ExitStack() as stack:
         # Closed in reverse: the writer, the preemption handlers and the watchdog's threads end with the loop;
         # a loader's prefetch threads stop even when the loop ends early (an exception here or in a callback).
@@ -117,6 +129,7 @@ def fit(
                     i, metrics = pending.popleft()
                     host = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     host.update({f"time/{k}": v for k, v in times.pop(i).items()})
+                    host.update({k: float(v) for k, v in jax.device_get(hooked.pop(i, {})).items()})
                     history.append(host)
                     if writer is not None:
                         writer.write(first + i + 1, host)
@@ -129,7 +142,9 @@ def fit(
                 if not checkpoints.saved_last:  # a stop right after a periodic save (or the resume) keeps that one
                     with timer.phase("save"):
                         checkpoints.save(state)
-                sys.exit(PREEMPTED_EXIT_CODE)
+                raise Preempted(first + i)
+            if max_steps is not None and first + i >= max_steps:
+                break
             with timer.phase("data"):
                 batch = next(source, _END)
             if batch is _END:
@@ -137,6 +152,9 @@ def fit(
             with timer.phase("dispatch"):
                 state, metrics = step(state, batch)
             pending.append((i, metrics))
+            if hooks:
+                ended, epoch = epoch, _epoch(data)
+                hooked[i] = _run_hooks(hooks, state, first + i + 1, ended, ended_epoch=epoch != ended, taken=metrics)
             drain(step.max_in_flight)  # the metrics of the step one in-flight window back
             saving = checkpoints is not None and checkpoints.stepped()
             if saving:
@@ -158,6 +176,121 @@ def fit(
 
 
 _END = object()
+
+
+class Preempted(SystemExit):
+    """Raised by :func:`fit` after a preemption stop saved its checkpoint: a ``SystemExit`` whose ``code`` is
+    :data:`spmdcomm.PREEMPTED_EXIT_CODE`, so that, uncaught, the process ends with the status a launcher or
+    scheduler reads as "preempted". ``step`` is the global step the run stopped (and saved) at."""
+
+    def __init__(self, step: int):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step = step
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """A function :func:`fit` calls between steps: ``fn(state, *, step, epoch) -> dict | None``.
+
+    It runs after every ``every_steps``-th global step (``state.step`` a multiple of it) or after the last step of
+    every ``every_epochs``-th epoch (the data must count epochs, as :class:`spmdcomm.Loader` does); give exactly
+    one. ``step`` is the global step count (``state.step``, an int), ``epoch`` the epoch of that step's batch (for an
+    epoch hook, the epoch that just ended; ``None`` when the data counts no epochs). ``state`` is the state after
+    the step: use it before returning (the next step consumes it). The returned dict of scalars (e.g. evaluation
+    metrics from :func:`spmdcomm.evaluate`) joins that step's metrics in ``fit``'s history, log and callback.
+
+    >>> seen = []
+    >>> sc.Hook(lambda state, *, step, epoch: seen.append(step), every_steps=100).every_steps
+    100
+    """
+
+    fn: Callable[..., dict[str, Any] | None]
+    every_steps: int | None = None
+    every_epochs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise SpmdError(describe("Hook", f"fn={self.fn!r} is not callable.", fix="pass fn(state, *, step, epoch)."))
+        given = [name for name in ("every_steps", "every_epochs") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise SpmdError(
+                describe(
+                    "Hook",
+                    f"give exactly one of every_steps and every_epochs (got {given or 'neither'}).",
+                    fix="e.g. sc.Hook(evaluate_fn, every_epochs=1) or sc.Hook(log_fn, every_steps=100).",
+                )
+            )
+        _optional_positive(given[0], getattr(self, given[0]), fn="Hook")
+
+
+def _check_hooks(hooks: Any, data: Any) -> tuple[Hook, ...]:
+    hooks = tuple(hooks)
+    for h in hooks:
+        if not isinstance(h, Hook):
+            raise SpmdError(
+                describe(
+                    "fit",
+                    f"hooks holds a {type(h).__name__}, not a spmdcomm.Hook.",
+                    fix="wrap the function: hooks=[sc.Hook(fn, every_epochs=1)].",
+                )
+            )
+    if any(h.every_epochs is not None for h in hooks) and _epoch(data) is None:
+        raise SpmdError(
+            describe(
+                "fit",
+                f"a Hook with every_epochs needs data that counts epochs, but data is a {type(data).__name__} "
+                "without state_dict()['epoch'].",
+                fix="pass a sc.Loader(dataset, sampler, batch_size=..., epochs=...), or use every_steps.",
+            )
+        )
+    return hooks
+
+
+def _run_hooks(
+    hooks: tuple[Hook, ...], state: TrainState, step: int, epoch: int | None, *, ended_epoch: bool, taken: Any
+) -> dict[str, Any]:
+    """What the hooks due after global step ``step`` returned, checked against the step's metrics ``taken``."""
+    out: dict[str, Any] = {}
+    for h in hooks:
+        due = (
+            step % h.every_steps == 0
+            if h.every_steps is not None
+            else ended_epoch and epoch is not None and (epoch + 1) % h.every_epochs == 0
+        )
+        if not due:
+            continue
+        result = h.fn(state, step=step, epoch=epoch)
+        if result is None:
+            continue
+        if not isinstance(result, dict):
+            raise SpmdError(
+                describe("fit", f"hook {h.fn!r} returned a {type(result).__name__}; expected a dict or None.")
+            )
+        clash = sorted(k for k in result if k in taken or k in out or k.startswith("time/"))
+        if clash:
+            raise SpmdError(
+                describe(
+                    "fit",
+                    f"hook {h.fn!r} returned {clash}, which name metrics the step or another hook already reports.",
+                    fix="prefix the hook's metrics, e.g. 'eval/accuracy'.",
+                )
+            )
+        out.update(result)
+    return out
+
+
+def _epoch(data: Any) -> int | None:
+    """The epoch of the next batch ``data`` hands out, when it counts epochs (a :class:`spmdcomm.Loader`)."""
+    position = getattr(data, "state_dict", None)
+    position = position() if callable(position) else None
+    epoch = position.get("epoch") if isinstance(position, dict) else None
+    return epoch if isinstance(epoch, int) else None
+
+
+def _optional_positive(name: str, value: Any, *, fn: str = "fit") -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise SpmdError(describe(fn, f"{name}={value!r} must be a positive int or None.", fix=f"e.g. {name}=100."))
+    return value
 
 
 def _wants_preemption(preemption: bool | None, checkpoints: Any) -> bool:
@@ -188,10 +321,7 @@ class _Checkpoints:
                 )
             )
         for name, value in (("save_every", save_every), ("max_to_keep", max_to_keep)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise SpmdError(
-                    describe("fit", f"{name}={value!r} must be a positive int or None.", fix=f"e.g. {name}=100.")
-                )
+            _optional_positive(name, value)
         self.directory = directory
         self.data = data
         self.save_every = save_every
