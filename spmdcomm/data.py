@@ -97,24 +97,28 @@ def unpad(batch: MaskedBatch | Any, mask: Any = None) -> Any:
 class ShardedSampler:
     """Splits example indices ``0 .. num_examples - 1`` into per-shard batches, each used once per epoch.
 
-    Shard ``shard_index`` of ``num_shards`` (usually one shard per process) calls :meth:`batches`.
-    Every step's global batch is the shards' batches side by side; all shards get the same number of
-    batches. With ``drop_remainder=False`` every example appears exactly once per epoch across all
-    shards, and the last step's examples are spread evenly over the shards, each padded to the batch
-    size and masked (never repeated, unlike torch's ``DistributedSampler``). With ``drop_remainder=True``
-    only full global batches are used: the few examples left over (different ones each shuffled epoch)
-    are skipped.
+    Shard ``shard_index`` of ``num_shards`` (usually one shard per process) calls :meth:`batches`. Each
+    epoch is a list of global batches of ``batch_size x num_shards`` indices, defined by ``num_examples``,
+    that global size, ``seed``, the epoch and ``drop_remainder`` alone; shard ``i`` takes the contiguous
+    slice ``[i * batch_size, (i + 1) * batch_size)`` of each. So the shards' batches side by side, in shard
+    order, are the same global batch (indices, padding and its positions) for every split of one global
+    batch size: 2 processes of 4 rows train on what 1 process of 8 or 4 of 2 train on. With
+    ``drop_remainder=False`` every example appears exactly once per epoch, and the last global batch holds
+    its real examples first and its padding at the end (index 0, ``mask`` False; never repeated examples,
+    unlike torch's ``DistributedSampler``), so a shard's last batch may be partly or wholly padding. With
+    ``drop_remainder=True`` only full global batches are used: the few examples left over (different ones
+    each shuffled epoch) are skipped.
 
     ``shuffle`` draws a new order every epoch from ``(seed, epoch)`` alone; every shard draws the same
     one, so the shards must share ``seed``. The epoch is an argument, or, left out, the sampler's
     position (:meth:`state_dict`), which each :meth:`batches` call moves to the next epoch, so a
     forgotten ``set_epoch`` cannot repeat an epoch's order. Since an epoch's order depends only on
     ``(seed, epoch)``, a sampler restored to a position mid-epoch (:meth:`load_state_dict`) yields exactly
-    that epoch's remaining batches.
+    that epoch's remaining batches, also with another number of shards of the same global batch size.
 
     >>> s = sc.ShardedSampler(10, shard_index=1, num_shards=2, shuffle=False)
-    >>> [(b.data.tolist(), b.mask.tolist()) for b in s.batches(3)]
-    [([3, 4, 5], [True, True, True]), ([8, 9, 0], [True, True, False])]
+    >>> [(b.data.tolist(), b.mask.tolist()) for b in s.batches(3)]  # global batches 0..5 and 6..9 + 2 padding
+    [([3, 4, 5], [True, True, True]), ([9, 0, 0], [True, False, False])]
     """
 
     def __init__(
@@ -197,26 +201,26 @@ class ShardedSampler:
         position alone; ``start`` then defaults to 0. Padded positions hold index 0 and ``mask`` False, so
         gathering them never fails.
         """
-        n = self.num_batches(batch_size)
+        batch_size = _positive("ShardedSampler.batches", "batch_size", batch_size)
         if start is not None:
             start = _non_negative("ShardedSampler.batches", "start", start)
         if epoch is None:
             epoch, start = self.epoch, (self.batch if start is None else start)
             self.epoch, self.batch = epoch + 1, 0
+        indices, mask = self._global_batches(batch_size, epoch)
+        mine = np.s_[:, self.shard_index * batch_size : (self.shard_index + 1) * batch_size]
+        return iter([MaskedBatch(i, m) for i, m in zip(indices[mine], mask[mine], strict=True)][start or 0 :])
+
+    def _global_batches(self, batch_size: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(indices, mask)`` of shape ``(num_batches, batch_size x num_shards)``: the epoch's global batches,
+        the same for every shard and every split of the global batch size; padding (index 0) at the end."""
+        n = self.num_batches(batch_size)
+        size = batch_size * self.num_shards
+        used = min(self.num_examples, n * size)  # drop_remainder leaves out the rest; otherwise only padding remains
         order = self.order(epoch)
-        step = self.num_shards * batch_size
-        full = order[: (n if self.drop_remainder else self.num_examples // step) * step]
-        mine = full.reshape(-1, self.num_shards, batch_size)[:, self.shard_index]
-        out = [MaskedBatch(row, np.ones(batch_size, dtype=bool)) for row in mine]
-        rest = order[len(full) :]
-        if not self.drop_remainder and len(rest):
-            part = np.array_split(rest, self.num_shards)[self.shard_index]
-            out.append(
-                pad_batch(part, batch_size)
-                if len(part)
-                else MaskedBatch(np.zeros(batch_size, order.dtype), np.zeros(batch_size, bool))
-            )
-        return iter(out[start or 0 :])
+        indices = np.zeros(n * size, order.dtype)
+        indices[:used] = order[:used]
+        return indices.reshape(n, size), (np.arange(n * size) < used).reshape(n, size)
 
 
 def take_batches(dataset: Any, index_batches: Iterable[Any]) -> Iterator[MaskedBatch]:

@@ -25,7 +25,8 @@ from typing import Any
 from jax.sharding import Mesh
 
 from spmdcomm.data import MaskedBatch, ShardedSampler, take_batches
-from spmdcomm.errors import SpmdError, describe
+from spmdcomm.errors import AxisError, SpmdError, describe
+from spmdcomm.mesh import default_mesh
 from spmdcomm.prefetch import PrefetchStats, prefetch_to_device
 
 __all__ = ["Loader"]
@@ -37,11 +38,14 @@ class Loader:
 
     ``dataset`` is a pytree of arrays indexed along dimension 0 (see :func:`spmdcomm.take_batches`);
     ``sampler`` is this process's shard and ``batch_size`` its rows per step, so every global batch is the
-    processes' batches side by side. ``prefetch=k`` places batches through
-    :func:`spmdcomm.prefetch_to_device` on ``mesh`` (default :func:`spmdcomm.default_mesh`) split over
-    ``axis``; ``prefetch=0`` yields host batches (the train step places them). Each pass over the loader
-    starts at the position and moves it as batches reach the caller, so the position always names the
-    next batch the caller has not received; the epochs after the last one yield nothing.
+    processes' batches side by side, in process order: the same rows, padding in the same places, for any
+    number of processes sharing one global batch size (see :class:`~spmdcomm.ShardedSampler`), so a run
+    resumed on another split of the same devices trains on the same global arrays. ``prefetch=k`` places
+    batches through :func:`spmdcomm.prefetch_to_device` on ``mesh`` (default :func:`spmdcomm.default_mesh`)
+    split over ``axis``, which must be an axis of that mesh; ``prefetch=0`` yields host batches (the train
+    step places them). Each pass over the loader starts at the position and moves it as batches reach the
+    caller, so the position always names the next batch the caller has not received; the epochs after the
+    last one yield nothing.
     """
 
     def __init__(
@@ -75,13 +79,16 @@ class Loader:
         self.mesh = mesh
         self.axis = axis
         self.stats: PrefetchStats | None = None  # the latest pass's waits for data (None without prefetch)
+        if prefetch and mesh is not None:
+            self._check_axis(mesh)  # the default mesh waits for the first pass: it starts JAX's backends
 
     def __iter__(self) -> Iterator[MaskedBatch]:
         epoch, batch = self._position()
         per_epoch = self.sampler.num_batches(self.batch_size)
         batches: Iterator[MaskedBatch] = self._host_batches(epoch, batch)
         if self.prefetch:
-            batches = prefetch_to_device(batches, self.prefetch, mesh=self.mesh, axis=self.axis)
+            mesh = self._check_axis(default_mesh() if self.mesh is None else self.mesh)
+            batches = prefetch_to_device(batches, self.prefetch, mesh=mesh, axis=self.axis)
             self.stats = batches.stats
         try:
             for item in batches:
@@ -131,6 +138,32 @@ class Loader:
                 )
             )
         self.sampler.load_state_dict({k: v for k, v in state.items() if k != "global_batch_size"})
+
+    def _check_axis(self, mesh: Mesh) -> Mesh:
+        """``mesh``, once every name in ``axis`` is one of its axes; else an :class:`AxisError` naming the fix."""
+        names = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+        missing = [name for name in names if name not in mesh.axis_names]
+        if not missing:
+            return mesh
+        sizes = ", ".join(f"{name!r}: {2 if i < len(names) - 1 else -1}" for i, name in enumerate(names))
+        example = f"sc.make_mesh({{{sizes}}})"
+        if self.mesh is None:
+            where = "the default mesh (no mesh= was given; sc.default_mesh())"
+            fix = (
+                f"pass the mesh that has it: mesh={example}, or mesh=state.mesh, axis=state.axis for a train "
+                "state's mesh; or leave axis out to split over the default mesh's 'data' axis."
+            )
+        else:
+            where = "the mesh given as mesh="
+            fix = f"pass one of its axes as axis=, or a mesh that has {missing[0]!r} as mesh= (e.g. {example})."
+        raise AxisError(
+            describe(
+                "Loader",
+                f"axis={self.axis!r} places batches on mesh axis {missing[0]!r}, which is not an axis of {where}; "
+                f"its axes are {tuple(mesh.axis_names)} with sizes {dict(mesh.shape)}.",
+                fix=fix,
+            )
+        )
 
     def _global_batch_size(self) -> int:
         return self.batch_size * self.sampler.num_shards

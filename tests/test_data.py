@@ -121,10 +121,45 @@ def test_sampler_uses_every_example_exactly_once_per_epoch(shuffle):
         assert sorted(used) == list(range(n)), (n, shards, bs)
 
 
-def test_sampler_short_batches_are_spread_over_shards_and_only_at_the_end():
-    per_shard = epoch_batches(23, 4, 2, shuffle=False)  # 2 full steps of 8, then 7 examples left
-    assert [int(b.mask.sum()) for b in per_shard[3]] == [2, 2, 1]
-    assert [int(bs[-1].mask.sum()) for bs in per_shard] == [2, 2, 2, 1]
+def global_batches(num_examples, num_shards, global_batch, **kw):
+    """Each step's global batch: the shards' index batches side by side, as (indices, mask) lists."""
+    per_shard = epoch_batches(num_examples, num_shards, global_batch // num_shards, **kw)
+    return [
+        (np.concatenate([b.data for b in step]).tolist(), np.concatenate([b.mask for b in step]).tolist())
+        for step in zip(*per_shard, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize(("num_examples", "global_batch"), [(0, 4), (3, 4), (8, 8), (21, 8), (44, 8), (97, 12)])
+def test_sampler_global_batches_are_the_same_for_every_number_of_shards(
+    num_examples, global_batch, shuffle, drop_remainder
+):
+    kw = {"shuffle": shuffle, "drop_remainder": drop_remainder, "seed": 6, "epoch": 2}
+    one = global_batches(num_examples, 1, global_batch, **kw)
+    for num_shards in (2, 4):
+        assert global_batches(num_examples, num_shards, global_batch, **kw) == one, num_shards
+    # The reference, from the epoch's order alone: full global batches, then the real rest and padding at the end.
+    order = sc.ShardedSampler(num_examples, shard_index=0, num_shards=1, shuffle=shuffle, seed=6).order(2).tolist()
+    steps = num_examples // global_batch if drop_remainder else -(-num_examples // global_batch)
+    want = []
+    for k in range(steps):
+        real = order[k * global_batch : (k + 1) * global_batch]
+        pad = global_batch - len(real)
+        want.append((real + [0] * pad, [True] * len(real) + [False] * pad))
+    assert one == want
+
+
+def test_sampler_last_global_batch_has_its_padding_at_the_end():
+    per_shard = epoch_batches(21, 4, 2, shuffle=False)  # 2 full global batches of 8, then 5 examples left
+    assert [b.mask.tolist() for b in per_shard[0]] == [[True, True]] * 3  # shard 0 ends with real rows 16, 17
+    assert [(bs[-1].data.tolist(), bs[-1].mask.tolist()) for bs in per_shard] == [
+        ([16, 17], [True, True]),
+        ([18, 19], [True, True]),
+        ([20, 0], [True, False]),
+        ([0, 0], [False, False]),  # a shard whose last batch is all padding still steps with the others
+    ]
     assert [b.data.tolist() for b in per_shard[1]] == [[2, 3], [10, 11], [18, 19]]
 
 

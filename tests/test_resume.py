@@ -184,12 +184,18 @@ def test_loader_position_resumes_on_another_process_count():
         for _ in range(8):
             next(it)
     assert two[0].state_dict() == two[1].state_dict() == {"epoch": 1, "batch": 2, "global_batch_size": 8}
-    one = shard(0, 1)
-    one.load_state_dict(two[0].state_dict())
-    # Global batch b holds the same real examples however the processes split it.
-    for whole, *parts in zip(one, *two, strict=True):
-        real = np.concatenate([p.data["x"][p.mask] for p in parts])
-        assert sorted(map(tuple, whole.data["x"][whole.mask])) == sorted(map(tuple, real))
+    one, four = [shard(0, 1)], [shard(i, 4) for i in range(4)]
+    for loader in one + four:
+        loader.load_state_dict(two[0].state_dict())
+    # Global batch b is the same rows and padding, in the same places, however the processes split it; the
+    # last one of the epoch (4 real examples, 4 padded rows) included.
+    steps = list(zip(*one, *two, *four, strict=True))
+    assert len(steps) == 4 and [int(step[0].mask.sum()) for step in steps] == [8, 8, 8, 4]
+    for whole, *parts in steps:
+        for split in (parts[:2], parts[2:]):
+            np.testing.assert_array_equal(np.concatenate([p.mask for p in split]), whole.mask)
+            for name in data:
+                np.testing.assert_array_equal(np.concatenate([p.data[name] for p in split]), whole.data[name])
 
 
 def test_loader_rejects_bad_arguments_and_another_global_batch_size():
@@ -207,6 +213,50 @@ def test_loader_rejects_bad_arguments_and_another_global_batch_size():
         loader.load_state_dict({"epoch": 0, "batch": 1, "global_batch_size": 8})
     with pytest.raises(sc.SpmdError, match=r"Loader\.load_state_dict: state=\{'epoch': 0\} is not a Loader position"):
         loader.load_state_dict({"epoch": 0})
+
+
+@pytest.mark.parametrize(
+    ("axis", "mesh_axes", "facts"),
+    [
+        (
+            "batch",
+            None,
+            [
+                r"default mesh",
+                r"axes are \('data',\) with sizes \{'data': 8\}",
+                r"mesh=sc\.make_mesh\(\{'batch': -1\}\)",
+            ],
+        ),
+        (
+            ("replica", "shard"),
+            None,
+            [r"mesh axis 'replica'", r"default mesh", r"mesh=sc\.make_mesh\(\{'replica': 2, 'shard': -1\}\)"],
+        ),
+        (
+            "batch",
+            {"data": 4, "model": 2},
+            [
+                r"the mesh given as mesh=",
+                r"\('data', 'model'\) with sizes \{'data': 4, 'model': 2\}",
+                r"one of its axes",
+            ],
+        ),
+    ],
+    ids=["default-mesh", "default-mesh-two-axes", "given-mesh"],
+)
+def test_loader_names_itself_the_axis_and_the_mesh_when_the_axis_is_missing(axis, mesh_axes, facts):
+    sampler = sc.ShardedSampler(16, shard_index=0, num_shards=1)
+    mesh = None if mesh_axes is None else sc.make_mesh(mesh_axes)
+    with pytest.raises(sc.AxisError) as caught:
+        # A given mesh is checked when the loader is made, the default one when a pass starts.
+        loader = sc.Loader({"x": np.zeros((16, 2), np.float32)}, sampler, batch_size=8, mesh=mesh, axis=axis)
+        next(iter(loader))
+    message = str(caught.value)
+    assert message.startswith(f"spmdcomm.Loader: axis={axis!r} places batches on mesh axis ")
+    assert "data_sharding" not in message and "Fix: " in message
+    for fact in facts:
+        assert re.search(fact, message), (fact, message)
+    assert sampler.state_dict() == {"epoch": 0, "batch": 0}  # nothing was consumed
 
 
 # ---- fit with a checkpoint_dir ---------------------------------------------------------------------------
