@@ -14,9 +14,10 @@
 - ``text`` anywhere else is shown, not checked: measured tables, logs of jobs, signatures.
 - ``sh``: commands shown, not run (a cluster's, or ones that need files the docs do not hold).
 
-Any other fence (no info string, ``yaml``, ...) fails: give it one of these kinds. In README.md the Python blocks are
-doctests (pytest collects README.md with --doctest-glob), so no output block may follow one; its ``bash`` blocks are
-either the install/test commands, which must be exactly what .ci/run runs, or commands run here as written.
+Any other fence (no info string, ``yaml``, ...) fails: give it one of these kinds. README.md has no output blocks:
+its Python blocks are doctests (pytest collects README.md with --doctest-glob), holding their output, and its ``bash``
+blocks are either the install/test commands, which must be exactly what .ci/run runs, or example commands run here as
+written and checked by what they must print (their whole output is not compared).
 Every ``spmdcomm.X`` / ``sc.X`` name, and ``Name.attribute`` of a public ``sc.Name``, in code and in backticks
 must resolve in the installed package.
 
