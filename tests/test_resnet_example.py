@@ -1,0 +1,85 @@
+"""The ResNet example (examples/resnet) from its command line: it learns in float16 with dynamic loss scaling and
+synchronised BatchNorm, evaluates every epoch through a hook, and a run stopped mid-epoch on one process x 2 devices
+and resumed on 2 processes x 1 device ends with the numbers of a run that never stopped.
+
+The example's modules import each other by plain name (``import train``), as the MNIST example's do, so it runs in
+subprocesses here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "resnet"
+SMALL = ["--train-size", "200", "--test-size", "90", "--batch-size", "32", "--epochs", "2", "--half-precision"]
+
+
+def run(args: list[str], tmp_path: Path, *, name: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE / "main.py"), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_half_precision_run_learns_evaluates_every_epoch_and_resumes_across_process_splits(tmp_path, launch):
+    straight = run(["--devices", "2", *SMALL], tmp_path, name="straight")
+    rows = straight["epochs"]
+    # 200 examples in global batches of 32: 7 steps per epoch, the last one padded (8 real rows).
+    assert [(r["epoch"], r["steps"]) for r in rows] == [(1, 7), (2, 7)] and straight["step"] == 14
+    assert rows[1]["train_loss"] < rows[0]["train_loss"]
+    assert all(r["test_accuracy"] is not None for r in rows)
+    assert straight["final_test_accuracy"] == rows[-1]["test_accuracy"]
+    assert straight["half_precision"] and straight["final_loss_scale"] in {2.0**k for k in range(8, 17)}
+    assert rows[-1]["learning_rate"] < 0.1 * 0.1  # the last step of the cosine decay from the peak 0.1 towards 0
+
+    ckpt = str(tmp_path / "ckpt")
+    stopped = run(["--devices", "2", *SMALL, "--checkpoint-dir", ckpt, "--max-steps", "9"], tmp_path, name="stopped")
+    assert stopped["step"] == 9 and [r["steps"] for r in stopped["epochs"]] == [7, 2]
+    res = launch(
+        str(EXAMPLE / "main.py"),
+        *SMALL,
+        "--checkpoint-dir",
+        ckpt,
+        "--json",
+        str(tmp_path / "resumed.json"),
+        processes=2,
+        devices_per_process=1,
+    )
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed["processes"] == 2 and resumed["step"] == 14, res.stdout
+    assert [(r["epoch"], r["steps"]) for r in resumed["epochs"]] == [(2, 5)]
+    np.testing.assert_allclose(resumed["final_test_accuracy"], straight["final_test_accuracy"], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(resumed["epochs"][0]["test_loss"], rows[-1]["test_loss"], rtol=1e-6)
+    assert resumed["final_loss_scale"] == straight["final_loss_scale"]
+    assert stopped["skipped_steps"] + resumed["skipped_steps"] == straight["skipped_steps"]
+
+
+def test_generated_data_is_the_same_for_the_same_seed_and_balanced():
+    spec = importlib.util.spec_from_file_location("resnet_input_pipeline", EXAMPLE / "input_pipeline.py")
+    pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline)
+    a, b, other = pipeline.make_split(60, seed=3), pipeline.make_split(60, seed=3), pipeline.make_split(60, seed=4)
+    assert a["image"].shape == (60, pipeline.SIZE, pipeline.SIZE, 3) and a["image"].dtype == np.float32
+    assert np.array_equal(a["image"], b["image"]) and np.array_equal(a["label"], b["label"])
+    assert not np.array_equal(a["image"], other["image"])
+    assert np.bincount(a["label"]).tolist() == [10] * len(pipeline.CLASSES)
+    assert 0.0 <= a["image"].min() and a["image"].max() <= 1.0
