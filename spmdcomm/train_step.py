@@ -439,7 +439,8 @@ def _differentiable_loss(
         check_scalars("make_train_step", scalars, "loss_fn")
         value = jnp.where(count > 0, count * loss, jnp.zeros_like(loss)) if weigh_loss else loss
         if state.loss_scale is not None:
-            value = value * state.loss_scale.scale.astype(value.dtype)
+            # Not cast to the loss's dtype: 65536 is Inf in float16. A float16 loss is promoted, as in Flax.
+            value = value * state.loss_scale.scale
         return value, (loss, dict(aux))
 
     return wrapped

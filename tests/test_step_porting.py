@@ -69,6 +69,7 @@ def hand_written(mesh, tx, scale, data):
         (4, "ddp", optax.adam(1e-2)),
         (8, "fsdp", optax.adam(1e-2)),
         (2, "zero2", optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2))),
+        (2, "ddp/pmap", optax.adam(1e-2)),
     ],
 )
 def test_dynamic_loss_scale_equals_flax_dynamic_scale(n, strategy, tx):
@@ -79,8 +80,9 @@ def test_dynamic_loss_scale_equals_flax_dynamic_scale(n, strategy, tx):
     assert any(skip for _, skip in expected_trace) and not all(skip for _, skip in expected_trace)
     assert any(b > a for (a, _), (b, _) in zip(expected_trace, expected_trace[1:]))
 
+    strategy, _, backend = strategy.partition("/")
     state = sc.TrainState.create(params=init_params(), tx=tx, mesh=mesh, strategy=strategy, loss_scale=scale)
-    step, trace = sc.make_train_step(half_loss), []
+    step, trace = sc.make_train_step(half_loss, backend=backend or "shard_map"), []
     for batch in data:
         state, metrics = step(state, batch)
         trace.append((float(metrics["loss_scale"]), bool(metrics["skipped"])))
