@@ -3,6 +3,7 @@
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm._version import __version__ as __version__  # written in _version.py only
+from spmdcomm.batchnorm import SyncBatchNorm
 from spmdcomm.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from spmdcomm.collectives import (
     REDUCE_OPS,
@@ -145,6 +146,7 @@ __all__ = [
     "make_eval_step",
     "make_train_step",
     "masked_mean",
+    "SyncBatchNorm",
     "nnx_loss_fn",
     "nnx_metric_fn",
     "optimizer_state_bytes",

@@ -1,16 +1,21 @@
-"""Flax NNX models in the train and eval steps: adapters from ``fn(model, batch, ...)`` to their contracts."""
+"""Flax NNX models in the train and eval steps: adapters from ``fn(model, batch, ...)`` to their contracts, and
+:class:`SyncBatchNorm <spmdcomm._nnx_batchnorm.SyncBatchNorm>`, exact synchronised BatchNorm (see
+:mod:`spmdcomm.batchnorm`). ``flax.nnx`` is imported on first use, not by ``import spmdcomm``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 
 from spmdcomm.rng import is_per_example_key, stream_key_for_call
 from spmdcomm.train_step import split_loss_output
 
-__all__ = ["nnx_loss_fn", "nnx_metric_fn"]
+if TYPE_CHECKING:
+    from spmdcomm._nnx_batchnorm import SyncBatchNorm
+
+__all__ = ["SyncBatchNorm", "nnx_loss_fn", "nnx_metric_fn"]
 
 
 def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -93,3 +98,13 @@ def nnx_metric_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(model, batch, mask=mask)
 
     return metric_fn
+
+
+def __getattr__(name: str) -> Any:
+    # SyncBatchNorm subclasses flax.nnx.BatchNorm: defining it imports flax.nnx, so it is loaded on first access.
+    if name == "SyncBatchNorm":
+        from spmdcomm._nnx_batchnorm import SyncBatchNorm
+
+        globals()[name] = SyncBatchNorm
+        return SyncBatchNorm
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
