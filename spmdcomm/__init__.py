@@ -50,10 +50,10 @@ from spmdcomm.errors import (
     SpmdError,
     TracedCallError,
 )
-from spmdcomm.eval_step import EvalStep, make_eval_step
+from spmdcomm.eval_step import EvalStep, evaluate, make_eval_step
 from spmdcomm.explain import COLLECTIVE_KINDS, Collective, DeviceMemory, Explanation, explain
 from spmdcomm.loader import Loader
-from spmdcomm.loop import fit
+from spmdcomm.loop import Hook, Preempted, fit
 from spmdcomm.mesh import (
     data_mesh,
     data_sharding,
@@ -143,6 +143,8 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "fit",
+    "Hook",
+    "evaluate",
     "make_eval_step",
     "make_train_step",
     "masked_mean",
@@ -208,6 +210,7 @@ __all__ = [
     "STUCK_EXIT_CODE",
     "Preemption",
     "PREEMPTED_EXIT_CODE",
+    "Preempted",
     "PhaseTimer",
     "PHASES",
     "PHASE_DESCRIPTIONS",
