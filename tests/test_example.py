@@ -1,6 +1,7 @@
 """The data-parallel MNIST example (examples/mnist): its training logic in this process, its command line as
-one process and as two processes through the launcher, stopping and resuming mid-epoch (bitwise), a killed
-process restarted by the launcher, and the per-step metrics log. Each run learns."""
+one process and as two processes through the launcher, stopping and resuming mid-epoch (bitwise), a SIGTERM
+during the evaluation that ends an epoch, a killed process restarted by the launcher, and the per-step metrics
+log with the epoch hook's test metrics. Each run learns."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,8 @@ import numpy as np
 import pytest
 import train  # examples/mnist/, on sys.path through tests/conftest.py
 from tiny_mnist import write_tiny_mnist
+
+import spmdcomm as sc
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +55,8 @@ def test_train_and_evaluate_learns_tiny_mnist(tiny_mnist):
     for row in s["epochs"]:
         assert set(train.PHASE_KEYS) <= set(row) and all(row[k] >= 0 for k in train.PHASE_KEYS), row
         assert row["dispatch_s"] > 0 and row["save_s"] == 0  # no checkpoint_dir: nothing saved
+        assert row["test_s"] > 0 and row["seconds"] == pytest.approx(8 * sum(row[k] for k in train.PHASE_KEYS))
+    assert s["final_test_accuracy"] == s["epochs"][-1]["test_accuracy"]  # the last epoch hook's evaluation
     assert re.fullmatch(r"[0-9a-f]{64}", s["params_sha256"])
 
 
@@ -71,9 +77,15 @@ def test_command_line_single_process_prints_and_writes_the_summary_and_metrics(t
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(1, 9))
     assert all({"loss", "accuracy", "examples", *PHASES} <= set(r) for r in lines), lines[0]
-    row = printed["epochs"][0]
+    # The epoch hook's evaluation joins the metrics of the epoch's last step, in whose "other" time it ran.
+    hooked = ["epoch", "test/accuracy", "test/loss", "test/s"]
+    assert [sorted(set(hooked) & set(r)) for r in lines] == [[]] * 7 + [hooked]
+    row, end = printed["epochs"][0], lines[-1]
+    assert [row[k] for k in ("epoch", "test_accuracy", "test_loss", "test_s")] == [end[k] for k in hooked]
+    assert 0 < end["test/s"] < end["time/other"]
     for key, name in train.PHASE_KEYS.items():
-        assert row[key] == pytest.approx(np.mean([r[name] for r in lines]), rel=1e-9), key
+        evaluation = end["test/s"] if key == "other_s" else 0.0  # reported apart, as test_s
+        assert row[key] == pytest.approx(np.mean([r[name] for r in lines]) - evaluation / 8, rel=1e-9), key
     assert row["train_loss"] == pytest.approx(np.mean([r["loss"] for r in lines]), rel=1e-6)  # 32 real each
     assert [p.name for p in tb.iterdir() if p.name.startswith("events.out.tfevents")]
 
@@ -90,6 +102,8 @@ def test_run_stopped_mid_epoch_resumes_to_the_same_bits(tiny_mnist, tmp_path, ca
     assert "stopped at step 5 of 16 (max_steps)" in printed
     assert f"resuming from {ckpt} at step 5 (epoch 1, batch 6 of 8), restart 0" in printed
     assert stopped["step"] == 5 and [e["steps"] for e in stopped["epochs"]] == [5]
+    # The partly trained epoch's row: the test metrics of the state fit stopped with, evaluated after it.
+    assert stopped["epochs"][0]["test_accuracy"] == stopped["final_test_accuracy"]
     assert [(e["epoch"], e["steps"]) for e in resumed["epochs"]] == [(1, 3), (2, 8)] and resumed["step"] == 16
     # Bitwise the run that never stopped: the same parameters, test metrics and the loss of every step.
     assert resumed["params_sha256"] == straight["params_sha256"] != stopped["params_sha256"]
@@ -106,6 +120,31 @@ def test_run_stopped_mid_epoch_resumes_to_the_same_bits(tiny_mnist, tmp_path, ca
     assert again["epochs"] == [] and again["step"] == 16
     assert again["params_sha256"] == straight["params_sha256"]
     assert again["final_test_accuracy"] == straight["final_test_accuracy"]
+
+
+def test_sigterm_during_an_epoch_evaluation_lets_it_finish_then_stops_with_a_checkpoint(
+    tiny_mnist, tmp_path, monkeypatch, capsys
+):
+    common = dict(dataset="mnist", data_dir=tiny_mnist, epochs=2, batch_size=32, progress=False)
+    ckpt, log = str(tmp_path / "ckpt"), tmp_path / "metrics.jsonl"
+    evaluate, calls = sc.evaluate, []
+
+    def preempted_while_evaluating(*args):  # SIGTERM, as a scheduler sends it, during the first evaluation
+        calls.append(len(calls))
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(*args)
+
+    monkeypatch.setattr(sc, "evaluate", preempted_while_evaluating)
+    with pytest.raises(sc.Preempted) as stop:
+        train.train_and_evaluate(train.Config(checkpoint_dir=ckpt, metrics_log=str(log), **common))
+    # Stopped at the step boundary after the evaluation (epoch 1's last step, 8), saved there, status 143.
+    assert (stop.value.code, stop.value.step, sc.latest_checkpoint_step(ckpt)) == (143, 8, 8)
+    assert calls == [0] and "epoch 1: train loss" in capsys.readouterr().out  # the evaluation finished
+    assert [r["step"] for r in records(log).values() if "test/accuracy" in r] == [8]
+    resumed = train.train_and_evaluate(train.Config(checkpoint_dir=ckpt, **common))
+    assert f"resuming from {ckpt} at step 8 (epoch 2, batch 1 of 8)" in capsys.readouterr().out
+    assert [(e["epoch"], e["steps"]) for e in resumed["epochs"]] == [(2, 8)] and resumed["step"] == 16
 
 
 KILLER = """

@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--max-steps", type=int, help="stop the run at this step (saved with --checkpoint-dir)")
     p.add_argument("--checkpoint-dir", help="save checkpoints here; a run started again resumes from the latest")
-    p.add_argument("--save-every", type=int, help="steps between checkpoints (default 100), and at each epoch end")
+    p.add_argument("--save-every", type=int, help="steps between checkpoints (default 100), and at the end")
     p.add_argument("--watchdog-timeout", type=float, help="seconds: a longer step ends the job, naming who is stuck")
     p.add_argument("--metrics-log", help="JSON-lines file, one record per step; {process} for one per process")
     p.add_argument("--tensorboard-dir", help="TensorBoard scalars of the same records (needs tensorboardX)")

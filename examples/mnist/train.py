@@ -1,21 +1,21 @@
 """Training and evaluation of the data-parallel MNIST example; ``main.py`` is its command line.
 
 ``train_and_evaluate(Config(...))`` trains the CNN of ``models.py`` DDP-style on every device of every process
-with ``sc.fit`` over an ``sc.Loader`` (spmdcomm's train step, sampler and prefetch; data preparation under
-``main_process_first``), evaluates it on the test split after every epoch, and returns a JSON-ready summary
-that includes where each epoch's step time went (waiting for data, dispatching, waiting for the devices,
-saving). With a ``checkpoint_dir`` the run survives being stopped: it saves every ``save_every`` steps, at
-each epoch end and when preempted (SIGTERM), and a run started again with the same ``checkpoint_dir`` (by
-``spmdcomm-launch --max-restarts``, or by hand) continues at the batch where the latest checkpoint was taken
-and ends with bitwise the parameters of a run that never stopped (the summary's ``params_sha256``). Call
-``spmdcomm.initialize()`` first when the job has several processes.
+with one ``sc.fit`` call over an ``sc.Loader`` for all epochs (spmdcomm's train step, sampler and prefetch; data
+preparation under ``main_process_first``). An ``sc.Hook`` evaluates on the test split after every epoch
+(``sc.evaluate``: exact means, the padded last test batch counted by its real rows), and the summary it returns
+(JSON-ready) has one row per epoch, built from fit's per-step metrics, with where the step time went (waiting for
+data, dispatching, waiting for the devices, saving). With a ``checkpoint_dir`` the run survives being stopped: it
+saves every ``save_every`` steps, at the end and when preempted (SIGTERM), and a run started again with the same
+``checkpoint_dir`` (by ``spmdcomm-launch --max-restarts``, or by hand) continues at the batch where the latest
+checkpoint was taken and ends with bitwise the parameters of a run that never stopped (the summary's
+``params_sha256``). Call ``spmdcomm.initialize()`` first when the job has several processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import sys
 import time
 from typing import Any
@@ -65,8 +65,8 @@ class Config:
 
 
 def train_and_evaluate(config: Config) -> dict[str, Any]:
-    """Trains and evaluates as ``config`` says; returns the summary (one row per epoch, final accuracy, a
-    digest of the final parameters)."""
+    """Trains and evaluates as ``config`` says; returns the summary (one row per epoch trained by this call, the
+    final test accuracy, a digest of the final parameters)."""
     main_proc = sc.is_main_process()
     with sc.main_process_first():  # process 0 downloads/decompresses first; the others then read its files
         ds = input_pipeline.load_dataset(config.dataset, config.data_dir, download=config.download)
@@ -78,22 +78,21 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     )
     per_epoch = sampler.num_batches(local_batch)
     total = config.epochs * per_epoch
-    last = total if config.max_steps is None else min(total, config.max_steps)
     # The schedule spans every epoch whatever max_steps says, so a stopped run continues the same schedule.
     state = create_train_state(config, total_steps=total)
     step = sc.make_train_step(make_loss_fn(), backend=config.backend, accum_steps=config.accum_steps)
-    evaluate_step = sc.make_eval_step(make_metric_fn(), backend=config.backend)
+    eval_step = sc.make_eval_step(make_metric_fn(), backend=config.backend)
     # A checkpoint's number is the steps its state has trained; sc.fit restores it and the data position.
-    done = (sc.latest_checkpoint_step(config.checkpoint_dir) if config.checkpoint_dir else None) or 0
+    start = (sc.latest_checkpoint_step(config.checkpoint_dir) if config.checkpoint_dir else None) or 0
     if main_proc:
         print(
             f"{ds.name}: {len(ds.train_labels)} train / {len(ds.test_labels)} test images, {n_proc} process(es) "
             f"x {sc.local_device_count()} {jax.devices()[0].platform} device(s), global batch {step_batch}"
         )
-        if done:
-            epoch, batch = divmod(done, per_epoch)
+        if start:
+            epoch, batch = divmod(start, per_epoch)
             print(
-                f"resuming from {config.checkpoint_dir} at step {done} (epoch {epoch + 1}, batch {batch + 1} of "
+                f"resuming from {config.checkpoint_dir} at step {start} (epoch {epoch + 1}, batch {batch + 1} of "
                 f"{per_epoch}), restart {sc.restart_count()}"
             )
     train = {"image": ds.train_images, "label": ds.train_labels}
@@ -103,25 +102,50 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     )
 
     def test_metrics(state: sc.TrainState) -> dict[str, float]:
-        return evaluate(evaluate_step, state, sc.take_batches(test, test_sampler.batches(local_batch)))
+        began = time.monotonic()
+        metrics = sc.evaluate(eval_step, state, sc.take_batches(test, test_sampler.batches(local_batch)))
+        return {"test/loss": metrics["loss"], "test/accuracy": metrics["accuracy"], "test/s": time.monotonic() - began}
 
-    history = []
-    while done < last:
-        # One sc.fit call per epoch (or up to the last step), so that every epoch ends with an evaluation.
-        epoch, start = divmod(done, per_epoch)
-        end = min(last - epoch * per_epoch, per_epoch)
-        loader = sc.Loader(train, sampler, batch_size=local_batch, epochs=epoch + 1, mesh=state.mesh, axis=state.axis)
-        data = loader if end == per_epoch else _Until(loader, epoch * per_epoch + end)
-        state, row = train_epoch(step, state, data, config, epoch=epoch, start=start, end=end)
-        done = epoch * per_epoch + end
-        metrics = test_metrics(state)
-        sc.barrier(f"after step {done}")
-        row.update(test_loss=metrics["loss"], test_accuracy=metrics["accuracy"])
-        history.append(row)
+    def end_of_epoch(state: sc.TrainState, *, step: int, epoch: int) -> dict[str, float]:
+        return {"epoch": epoch + 1, **test_metrics(state)}  # joins the metrics of the epoch's last step
+
+    last = total if config.max_steps is None else min(total, config.max_steps)
+    rows: list[dict[str, Any]] = []
+    epoch_steps: list[dict[str, float]] = []  # the metrics of the current epoch's steps so far
+    show = config.progress and main_proc
+
+    def epoch_bar(step: int) -> tqdm:  # the progress bar of the epoch that global step ``step`` (0-based) is in
+        epoch, batch = divmod(step, per_epoch)
+        end, desc = min(per_epoch, last - epoch * per_epoch), f"epoch {epoch + 1}/{config.epochs}"
+        return tqdm(total=end, initial=batch, desc=desc, unit="step", disable=not show, file=sys.stdout)
+
+    def add_row(end: dict[str, float]) -> None:
+        rows.append(_epoch_row(epoch_steps, end))
+        epoch_steps.clear()
         if main_proc:
-            print(_epoch_line(row), flush=True)
-    if not history and done:  # the checkpoint has already trained every step asked for: report it
-        state = sc.restore_checkpoint(config.checkpoint_dir, state)
+            print(_epoch_line(rows[-1]), flush=True)
+
+    def on_step(i: int, metrics: dict[str, float]) -> None:
+        nonlocal bar
+        bar.update()
+        epoch_steps.append(metrics)
+        if "epoch" in metrics:  # the epoch's last step, with the epoch hook's test metrics
+            bar.close()
+            add_row(metrics)
+            if start + i + 1 < last:
+                bar = epoch_bar(start + i + 1)
+
+    loader = sc.Loader(train, sampler, batch_size=local_batch, epochs=config.epochs, mesh=state.mesh, axis=state.axis)
+    hooks = [sc.Hook(end_of_epoch, every_epochs=1)]
+    bar = epoch_bar(start) if start < last else None
+    state, _ = sc.fit(
+        step, state, loader, max_steps=config.max_steps, hooks=hooks, callback=on_step, **fit_options(config)
+    )
+    if bar is not None:
+        bar.close()
+    done = int(jax.device_get(state.step))
+    if epoch_steps:  # stopped by max_steps mid-epoch: that epoch's row has the test metrics of the final state
+        add_row({"epoch": (done - 1) // per_epoch + 1, **test_metrics(state)})
     if main_proc and done < total:
         then = "; run again without it to continue" if config.checkpoint_dir else ""
         print(f"stopped at step {done} of {total} (max_steps){then}", flush=True)
@@ -136,8 +160,9 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         "strategy": config.strategy,
         "restarts": sc.restart_count(),
         "step": done,
-        "epochs": history,
-        "final_test_accuracy": history[-1]["test_accuracy"] if history else test_metrics(state)["accuracy"],
+        "epochs": rows,
+        # Without rows the restored checkpoint had trained every step asked for: evaluate what it holds.
+        "final_test_accuracy": rows[-1]["test_accuracy"] if rows else test_metrics(state)["test/accuracy"],
         "params_sha256": params_digest(state),
     }
 
@@ -155,31 +180,6 @@ def create_train_state(config: Config, *, total_steps: int) -> sc.TrainState:
         rng=config.seed,
         strategy=config.strategy,
     )
-
-
-def train_epoch(step, state: sc.TrainState, data, config: Config, *, epoch: int, start: int, end: int):
-    """Batches ``start`` to ``end`` of epoch ``epoch`` (0-based) from ``data`` (an ``sc.Loader``, which
-    prefetches), through ``sc.fit`` with the config's checkpoint, watchdog and metrics options.
-
-    Returns the new state and the epoch's row: mean train loss over real examples, samples/s, seconds, steps,
-    and the mean seconds per step of each phase (``PHASE_KEYS``).
-    """
-    show = config.progress and sc.is_main_process()
-    desc = f"epoch {epoch + 1}/{config.epochs}"
-    bar = tqdm(total=end, initial=start, desc=desc, unit="step", disable=not show, file=sys.stdout)
-    begin = time.perf_counter()
-    state, steps = sc.fit(step, state, data, callback=lambda i, m: bar.update(1), **fit_options(config))
-    seconds = time.perf_counter() - begin
-    bar.close()
-    examples = sum(m["examples"] for m in steps)
-    return state, {
-        "epoch": epoch + 1,
-        "train_loss": sum(m["loss"] * m["examples"] for m in steps) / examples,
-        "samples_per_s": examples / seconds,
-        "seconds": seconds,
-        "steps": len(steps),
-        **{key: sum(m[name] for m in steps) / len(steps) for key, name in PHASE_KEYS.items()},
-    }
 
 
 def fit_options(config: Config) -> dict[str, Any]:
@@ -204,19 +204,6 @@ def fit_options(config: Config) -> dict[str, Any]:
     return options
 
 
-def evaluate(evaluate_step, state: sc.TrainState, batches) -> dict[str, float]:
-    """Exact test metrics: every batch's means weighted by its number of real examples."""
-    totals: dict[str, float] = {}
-    count = 0.0
-    for batch in batches:
-        metrics = {k: float(v) for k, v in evaluate_step(state, batch).items()}
-        count += metrics["examples"]
-        for k, v in metrics.items():
-            if k != "examples":
-                totals[k] = totals.get(k, 0.0) + v * metrics["examples"]
-    return {k: v / count for k, v in totals.items()}
-
-
 def params_digest(state: sc.TrainState) -> str:
     """SHA-256 of the model's parameters (every leaf's bytes, in tree order): equal digests, equal bits."""
     digest = hashlib.sha256()
@@ -225,35 +212,34 @@ def params_digest(state: sc.TrainState) -> str:
     return digest.hexdigest()
 
 
-class _Until:
-    """``loader``'s batches up to step ``end`` of the run (its position counted in steps), resumable like it:
-    ``sc.fit`` saves and restores the loader's position through this object."""
-
-    def __init__(self, loader: sc.Loader, end: int):
-        self.loader = loader
-        self.end = end
-
-    def state_dict(self) -> dict[str, int]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.loader.load_state_dict(state)
-
-    def __iter__(self):
-        position = self.loader.state_dict()
-        done = position["epoch"] * self.loader.sampler.num_batches(self.loader.batch_size) + position["batch"]
-        batches = iter(self.loader)
-        try:
-            yield from itertools.islice(batches, max(self.end - done, 0))
-        finally:
-            batches.close()  # stops the loader's prefetch thread; its position stays at the last batch handed out
+def _epoch_row(steps: list[dict[str, float]], end: dict[str, float]) -> dict[str, Any]:
+    """An epoch's row from its steps' metrics (train loss over real examples, mean seconds per step of each phase)
+    and ``end``: the epoch's number and test metrics."""
+    n = len(steps)
+    examples = sum(m["examples"] for m in steps)
+    phases = {key: sum(m[name] for m in steps) / n for key, name in PHASE_KEYS.items()}
+    # fit runs the epoch hook inside the epoch's last step, outside its phases: the evaluation is reported apart.
+    phases["other_s"] -= steps[-1].get("test/s", 0.0) / n
+    seconds = n * sum(phases.values())  # a step's phases add up to its wall time
+    return {
+        "epoch": int(end["epoch"]),
+        "train_loss": sum(m["loss"] * m["examples"] for m in steps) / examples,
+        "samples_per_s": examples / seconds,
+        "seconds": seconds,
+        "steps": n,
+        **phases,
+        "test_loss": end["test/loss"],
+        "test_accuracy": end["test/accuracy"],
+        "test_s": end["test/s"],
+    }
 
 
 def _epoch_line(row: dict[str, Any]) -> str:
     phases = ", ".join(f"{key.split('_')[0]} {1e3 * row[key]:.1f}" for key in PHASE_KEYS)
     return (
         f"epoch {row['epoch']}: train loss {row['train_loss']:.4f}, test loss {row['test_loss']:.4f}, "
-        f"test accuracy {100 * row['test_accuracy']:.2f}%, {row['samples_per_s']:.0f} samples/s; "
+        f"test accuracy {100 * row['test_accuracy']:.2f}% ({row['test_s']:.2f} s), {row['samples_per_s']:.0f} "
+        f"samples/s; "
         f"ms per step: {phases}"
     )
 
