@@ -185,6 +185,7 @@ def case(api, devices, real, opt, strategy="ddp"):
         case("linen", 4, 60, "sgd", "fsdp"),
         case("linen", 2, 60, "adam"),
         case("nnx", 4, 40, "adam"),
+        case("linen", 8, 40, "adam", "zero1"),
     ],
 )
 def test_train_step_equals_one_device_on_the_real_rows(api, devices, real, opt, strategy):
@@ -199,6 +200,30 @@ def test_hybrid_data_mesh_with_a_tuple_axis_name(api, real, strategy):
     mesh = sc.make_mesh({"replica": 2, "shard": 4})
     state, history, expected = train_both(api, real, "adam", mesh=mesh, axis=axis, strategy=strategy)
     assert_equal_to_reference(state, history, expected)
+
+
+def test_nnx_adapters_and_create_nnx():
+    # The usual NNX path: the model object in TrainState.create_nnx, sc.nnx_loss_fn and sc.nnx_metric_fn.
+    (ref_apply, params, model_state), _ = models("nnx", None)
+    data = real_batches(40)
+    ref_loss = step_loss(ref_apply, pass_mask=False)
+    ref_params, ref_model_state, ref_losses = reference_train(
+        ref_loss, None, params, model_state, optax.adam(0.05), data
+    )
+
+    def loss(model, batch, *, rng, mask):
+        return cross_entropy(model(batch["x"], mask), batch, mask)
+
+    def metrics(model, batch, *, mask):
+        return {"loss": cross_entropy(model(batch["x"], mask), batch, mask)}
+
+    model = NnxNet(sc.nnx.SyncBatchNorm, "data", nnx.Rngs(0))
+    state = sc.TrainState.create_nnx(model, tx=optax.adam(0.05), mesh=mesh_of(8))
+    state, history = sc.fit(sc.make_train_step(sc.nnx_loss_fn(loss)), state, [sc.pad_batch(b, ROWS) for b in data])
+    assert_equal_to_reference(state, history, (ref_params, ref_model_state, ref_losses))
+    evaluated = sc.make_eval_step(sc.nnx_metric_fn(metrics))(state, sc.pad_batch(data[0], ROWS))
+    want, _ = ref_apply(ref_params, ref_model_state, data[0]["x"], None, train=False)
+    np.testing.assert_allclose(evaluated["loss"], cross_entropy(want, data[0]), rtol=1e-5)
 
 
 def test_pmap_backend():
