@@ -68,7 +68,7 @@ def fit(
 
     Where each step's time goes: every step's metrics also hold the seconds it spent in each phase,
     ``"time/data"`` (waiting for data), ``"time/dispatch"``, ``"time/devices"`` (waiting for the devices,
-    one in-flight window back), ``"time/save"`` and ``"time/other"`` (:class:`spmdcomm.PhaseTimer`);
+    one in-flight window back), ``"time/save"``, ``"time/hooks"`` and ``"time/other"`` (:class:`spmdcomm.PhaseTimer`);
     ``metrics_log`` appends them with the metrics to a JSON-lines file and ``tensorboard_dir`` writes
     TensorBoard scalars (:class:`spmdcomm.MetricsWriter`; ``{process}`` in a path is the process index).
 
@@ -154,7 +154,10 @@ def fit(
             pending.append((i, metrics))
             if hooks:
                 ended, epoch = epoch, _epoch(data)
-                hooked[i] = _run_hooks(hooks, state, first + i + 1, ended, ended_epoch=epoch != ended, taken=metrics)
+                due = _due(hooks, first + i + 1, ended, ended_epoch=epoch != ended)
+                if due:
+                    with timer.phase("hooks"):
+                        hooked[i] = _run_hooks(due, state, first + i + 1, ended, taken=metrics)
             drain(step.max_in_flight)  # the metrics of the step one in-flight window back
             saving = checkpoints is not None and checkpoints.stepped()
             if saving:
@@ -246,19 +249,23 @@ def _check_hooks(hooks: Any, data: Any) -> tuple[Hook, ...]:
     return hooks
 
 
-def _run_hooks(
-    hooks: tuple[Hook, ...], state: TrainState, step: int, epoch: int | None, *, ended_epoch: bool, taken: Any
-) -> dict[str, Any]:
-    """What the hooks due after global step ``step`` returned, checked against the step's metrics ``taken``."""
-    out: dict[str, Any] = {}
-    for h in hooks:
-        due = (
+def _due(hooks: tuple[Hook, ...], step: int, epoch: int | None, *, ended_epoch: bool) -> list[Hook]:
+    """The hooks to run after global step ``step`` (of epoch ``epoch``, its last one when ``ended_epoch``)."""
+    return [
+        h
+        for h in hooks
+        if (
             step % h.every_steps == 0
             if h.every_steps is not None
             else ended_epoch and epoch is not None and (epoch + 1) % h.every_epochs == 0
         )
-        if not due:
-            continue
+    ]
+
+
+def _run_hooks(hooks: list[Hook], state: TrainState, step: int, epoch: int | None, *, taken: Any) -> dict[str, Any]:
+    """What ``hooks`` returned after global step ``step``, checked against the step's metrics ``taken``."""
+    out: dict[str, Any] = {}
+    for h in hooks:
         result = h.fn(state, step=step, epoch=epoch)
         if result is None:
             continue

@@ -44,6 +44,7 @@ PHASE_DESCRIPTIONS: dict[str, str] = {
     "devices": "waiting for devices",
     "sync": "in a barrier",
     "save": "saving",
+    "hooks": "in a hook (evaluation, logging)",
     "other": "outside any phase",
 }
 PHASES: tuple[str, ...] = tuple(PHASE_DESCRIPTIONS)

@@ -24,7 +24,7 @@ _spec = importlib.util.spec_from_file_location("resume_job", ROOT / "tests" / "w
 job = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(job)
 
-PHASES = sorted(f"time/{name}" for name in sc.PHASES)  # data, dispatch, devices, sync, save, other
+PHASES = sorted(f"time/{name}" for name in sc.PHASES)  # data, dispatch, devices, sync, save, hooks, other
 
 
 def mesh():
@@ -180,6 +180,8 @@ def test_max_steps_and_hooks_per_step_and_per_epoch(tmp_path):
     assert data.state_dict() == {"epoch": 2, "batch": 2, "global_batch_size": 8}
     assert calls == [("step", 5, 0, 5), ("epoch", 6, 0, 6), ("step", 10, 1, 10), ("epoch", 12, 1, 12)]
     assert [i for i, h in enumerate(history) if "eval/accuracy" in h] == [5, 11]
+    # The hooks' time is their own phase; steps without a hook spent none there.
+    assert [i for i, h in enumerate(history) if h["time/hooks"] > 0] == [4, 5, 9, 11]
     # The hook evaluated the state after step 12: the same numbers as evaluating the run stopped there.
     at_12, _ = sc.fit(step, job.fresh_state(mesh()), job.loader(mesh()), max_steps=12)
     expected = sc.evaluate(evaluate, at_12, [sc.pad_batch(job.dataset(), 48)])["accuracy"]
