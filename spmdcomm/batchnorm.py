@@ -18,9 +18,8 @@ those one device computes on the real rows alone, padded or not:
   with mean 0 and variance 0;
 * the derivative is that of the exact statistics: the transpose of the all-reduce sends each device's cotangent
   to every device, so the gradient of a loss over all devices (e.g. the sum of each device's real-row count times
-  its mean loss) is the one-device gradient on the real rows. In :func:`~spmdcomm.make_train_step`, the FSDP
-  strategy differentiates exactly that; DDP and ZeRO weigh each device's gradient by its count after
-  differentiating, which is exact when every device holding real rows holds equally many (e.g. any unpadded batch).
+  its mean loss) is the one-device gradient on the real rows, which is what :func:`~spmdcomm.make_train_step`
+  differentiates under every strategy.
 
 The layers subclass Flax's: constructor options, variable names and collections (``params`` ``scale``/``bias``,
 ``batch_stats`` ``mean``/``var``; NNX ``Param`` and ``BatchStat``) are Flax's, so checkpoints and model code carry

@@ -363,11 +363,13 @@ def _accumulate(
     mask = full_mask(data) if mask is None else mask
     micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), (data, mask))
     micro_rng = _micro_rng(o, state, mask.shape[0] // k)
-    # Replicated parameters are marked varying so that each device differentiates its own loss; split
-    # parameters (FSDP) already vary, and their gradient comes out summed over the axis by the transpose of the
-    # gather, so a masked block's weight must be applied to the loss before differentiating.
+    # Replicated parameters are marked varying so that each device differentiates its own loss. A masked block's
+    # weight (its real-example count) is applied to the loss before differentiating, never to the gradient after:
+    # a device's gradient also holds the other devices' losses wherever the model couples them (synchronised
+    # BatchNorm statistics: the transpose of their all-reduce), and split parameters (FSDP) come out summed over
+    # the axis by the transpose of the gather; each of those terms must carry its own device's weight.
     params = _vary(state.params, axis, varying)
-    weigh_loss = masked and strategy.shards_params
+    weigh_loss = masked
     grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, weigh_loss, reserved), has_aux=True)
     extra = {"step": state.step} if _takes_keyword(o.loss_fn, "step") else {}
 
@@ -383,7 +385,9 @@ def _accumulate(
         # the number of blocks after the reduction.
         weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v)
         metrics = jax.tree.map(lambda v: weigh(v.astype(sum_dtype(v.dtype))), {"loss": loss, **aux})
-        grads = grads if weigh_loss else jax.tree.map(weigh, grads)
+        if masked and not strategy.shards_params:
+            # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN.
+            grads = jax.tree.map(lambda g: jnp.where(c > 0, g, jnp.zeros_like(g)), grads)
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 
     first = one(_vary(state.model_state, axis, varying), *jax.tree.map(lambda x: x[0], micro), 0)

@@ -152,25 +152,8 @@ def assert_equal_to_reference(state, history, expected):
     sc.assert_replicated(state)
 
 
-def unequal_blocks(real: int, devices: int) -> bool:
-    """Whether the devices holding real rows hold different numbers of them."""
-    return devices > 1 and real % (ROWS // devices) != 0
-
-
-# The DDP and ZeRO steps differentiate each device's own loss and weigh the gradient by the device's real-row count
-# afterwards. With statistics shared across devices, a device's gradient also carries the other devices' losses
-# (the transpose of the all-reduce), which that weight then scales wrongly unless all counts are equal; FSDP weighs
-# the loss before differentiating and is exact. Strict: the marker must go when the step weighs before.
-WEIGHED_AFTER = pytest.mark.xfail(
-    strict=True, reason="make_train_step (DDP, ZeRO) weighs per-device gradients after differentiating"
-)
-
-
 def case(api, devices, real, opt, strategy="ddp"):
-    marks = [WEIGHED_AFTER] if strategy != "fsdp" and unequal_blocks(real, devices) else []
-    return pytest.param(
-        api, devices, real, opt, strategy, marks=marks, id=f"{api}-{devices}dev-{real}of{ROWS}-{opt}-{strategy}"
-    )
+    return pytest.param(api, devices, real, opt, strategy, id=f"{api}-{devices}dev-{real}of{ROWS}-{opt}-{strategy}")
 
 
 @pytest.mark.parametrize(
