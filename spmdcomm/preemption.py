@@ -54,9 +54,10 @@ __all__ = ["Preemption", "PREEMPTED_EXIT_CODE", "DEFAULT_PREEMPTION_TIMEOUT"]
 # SIGTERM).
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
-# Seconds the processes wait for each other to agree on the stop step: well inside the grace period of
-# schedulers (Kubernetes: 30 s), leaving the rest for the checkpoint.
-DEFAULT_PREEMPTION_TIMEOUT = 20.0
+# Seconds the processes wait for each other to agree on the stop step. A process that cannot agree reports it
+# (BarrierTimeoutError) and exits about this plus 2 s after the signal (1 s to see the notice, 1 s to exit): inside
+# spmdcomm-launch's default grace period of 20 s, before its SIGKILL. A healthy job agrees in milliseconds.
+DEFAULT_PREEMPTION_TIMEOUT = 10.0
 
 
 class Preemption:
@@ -67,8 +68,10 @@ class Preemption:
     ``signal.SIGUSR1`` too). Their handlers are installed when the object is created, which must happen in
     the main thread, and the previous ones restored by :meth:`close` (or leaving the ``with`` block); a
     handler installed outside Python (JAX's preemption notifier) is restored as the default action.
-    ``timeout`` bounds the agreement. With several processes two daemon threads wait for a request (this
-    process's, and any process's notice in the coordination service); :meth:`close` ends them.
+    ``timeout`` bounds the agreement (default :data:`DEFAULT_PREEMPTION_TIMEOUT`, 10 s); keep it well below the
+    launcher's ``--grace``, so that a process that cannot agree says so before it is killed. With several
+    processes two daemon threads wait for a request (this process's, and any process's notice in the
+    coordination service); :meth:`close` ends them.
     """
 
     def __init__(
@@ -83,7 +86,7 @@ class Preemption:
                 describe(
                     "Preemption",
                     f"timeout={timeout!r} is not a positive number of seconds.",
-                    fix="pass e.g. timeout=20, well below the scheduler's grace period.",
+                    fix="pass e.g. timeout=10, well below the launcher's and the scheduler's grace periods.",
                 )
             )
         if threading.current_thread() is not threading.main_thread():

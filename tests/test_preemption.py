@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 import spmdcomm as sc
+from spmdcomm import preemption as preemption_module
+from spmdcomm.launch import GRACE_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,6 +78,13 @@ def test_timeout_must_be_positive_seconds(timeout):
         sc.Preemption(timeout=timeout)
 
 
+def test_a_failed_agreement_is_reported_inside_the_launchers_default_grace_period():
+    """SIGTERM, one poll to see the notice, the agreement's timeout, then the error and the exit (about 1 s; with
+    the defaults the error came 11.4 s after the signal and the job ended at 11.7 s): before the launcher's SIGKILL,
+    with a margin for a busy machine."""
+    assert preemption_module._POLL_SECONDS + preemption_module.DEFAULT_PREEMPTION_TIMEOUT + 1.0 <= GRACE_SECONDS - 5.0
+
+
 def test_handlers_can_only_be_installed_from_the_main_thread():
     errors = []
 
@@ -136,3 +145,47 @@ def test_sigterm_to_the_launcher_stops_every_process_at_the_same_step(launch):
     assert len({step for step, _ in got.values()}) == 1, got
     assert {why for _, why in got.values()} <= {"SIGTERM on process 0", "SIGTERM on process 1"}
     assert "received SIGTERM; stopping all processes" in err
+
+
+# Every process prints SIGTERM when it gets it, takes SAVE_SECONDS to "save", then exits as fit does; with "fail",
+# process 1 exits with status 3 once process 0 has started (a failure, after which the other process cannot save).
+SAVING_JOB = """
+import os, signal, sys, time
+SAVE_SECONDS = 5
+rank = int(os.environ["SPMDCOMM_PROCESS_ID"])
+
+def saving(signum, frame):
+    print("SIGTERM", flush=True)
+    time.sleep(SAVE_SECONDS)
+    print("SAVED", flush=True)
+    sys.exit(143)
+
+signal.signal(signal.SIGTERM, saving)
+open(f"started.{rank}", "w").close()
+print("STARTED", flush=True)
+if rank == 1 and sys.argv[1] == "fail":
+    deadline = time.monotonic() + 60
+    while not os.path.exists("started.0") and time.monotonic() < deadline:  # process 0 can take the signal
+        time.sleep(0.05)
+    sys.exit(3)
+time.sleep(120)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["stop", "fail"])
+def test_the_grace_period_covers_a_save_after_a_stop_and_not_after_a_failure(launch, tmp_path, how):
+    """A stop from outside (SIGTERM to the launcher) leaves every process the whole --grace to save; after a process
+    failed, the others are killed within 3 s, since they cannot save without it (and a restart should not wait)."""
+    job = tmp_path / "saving_job.py"
+    job.write_text(SAVING_JOB)
+    if how == "stop":
+        res = launch(
+            job, how, devices_per_process=None, grace=30, sigterm_after=r"^STARTED$", returncode=sc.PREEMPTED_EXIT_CODE
+        )
+        assert sorted(re.findall(r"^\[rank (\d)\] SAVED$", res.stdout, re.M)) == ["0", "1"], res.stdout
+    else:
+        res = launch(job, how, devices_per_process=None, grace=30, returncode=3)
+        assert "[rank 0] SIGTERM" in res.stdout, res.stdout  # rank 0 was asked to stop...
+        assert "SAVED" not in res.stdout, res.stdout  # ...and SIGKILLed 3 s later, 2 s before its save would end
+        assert "rank 1 (pid " in res.stderr and ") exited with status 3; stopping the other 1" in res.stderr

@@ -23,6 +23,7 @@ import pytest
 from test_watchdog import tables
 
 import spmdcomm as sc
+from spmdcomm.launch import GRACE_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ROOT / "tests" / "workers"
@@ -160,8 +161,6 @@ def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwis
 
 # ---- 3: SIGTERM to the launcher ----------------------------------------------------------------------------
 
-GRACE = 30  # seconds the launcher gives its processes after passing SIGTERM on: enough to agree and save
-
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
@@ -176,7 +175,7 @@ def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bi
         resumed,
         "--ready-at",
         ready,
-        grace=GRACE,
+        grace=GRACE_SECONDS,  # the launcher's default grace period covers agreeing, the steps in flight and the save
         sigterm_after=rf"^READY at step {ready}$",
         returncode=sc.PREEMPTED_EXIT_CODE,
     )
