@@ -4,7 +4,13 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm._version import __version__ as __version__  # written in _version.py only
 from spmdcomm.batchnorm import SyncBatchNorm
-from spmdcomm.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
+from spmdcomm.checkpoint import (
+    CheckpointDamagedWarning,
+    checkpoint_extra,
+    latest_checkpoint_step,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from spmdcomm.collectives import (
     REDUCE_OPS,
     all_gather,
@@ -159,6 +165,7 @@ __all__ = [
     "checkpoint_extra",
     "restore_checkpoint",
     "save_checkpoint",
+    "CheckpointDamagedWarning",
     # what a compiled step communicates and holds
     "explain",
     "Explanation",
