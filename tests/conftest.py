@@ -7,18 +7,26 @@ examples do, and the tests import them the same way (``import train``, ``import 
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import pytest
+from ddp_models import BATCHES, run_reference
+from jax.sharding import Mesh
 
 import spmdcomm as sc
 
@@ -27,17 +35,47 @@ WORKERS = ROOT / "tests" / "workers"
 EXAMPLE = ROOT / "examples" / "mnist"
 sys.path.append(str(EXAMPLE))
 
+# One XLA compilation cache per test session, shared with the processes the tests start (through the
+# environment): compiling dominates the suite's time on CPU, and many tests build programs XLA has already
+# compiled in this session (a new step function for the same model and mesh, a worker script launched again,
+# the examples' runs). A cache hit returns the executable the same program compiled to, so no result changes;
+# a fresh directory, removed at exit, so that no run reads another run's entries.
+XLA_CACHE = tempfile.mkdtemp(prefix="spmdcomm-tests-xla-cache-")
+atexit.register(shutil.rmtree, XLA_CACHE, ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = XLA_CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the default (1 s) would skip most programs
+jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
 # Seconds a job may run unless a test says otherwise: well below pytest's 600 s, so that a stuck job fails
 # with its output instead of being killed by pytest-timeout.
 LAUNCH_TIMEOUT = 150.0
 
 
 @pytest.fixture(params=[1, 2, 4, 8], ids=lambda n: f"{n}dev")
-def mesh(request):
+def mesh(request) -> Mesh:
     """A 1-D "data" mesh over the first 1, 2, 4 or 8 devices."""
-    if jax.device_count() < request.param:
-        pytest.skip(f"needs {request.param} devices")
-    return sc.data_mesh(devices=jax.devices()[: request.param])
+    return _first_devices(request.param)
+
+
+# The shard_map backend runs on every device count; the pmap backend on one. Since JAX 0.10 jax.pmap is
+# jit(shard_map), so the collectives are the same programs and what the pmap backend adds is its own plumbing
+# (blocks to pmap's leading axis and back, the mesh's devices): 4 of the 8 devices puts that on a sub-mesh.
+BACKEND_MESHES = [("shard_map", 1), ("shard_map", 2), ("shard_map", 4), ("shard_map", 8), ("pmap", 4)]
+
+
+@pytest.fixture(params=BACKEND_MESHES, ids=lambda p: f"{p[0]}-{p[1]}dev")
+def backend_mesh(request) -> tuple[str, Mesh]:
+    """``(backend, mesh)`` for each entry of ``BACKEND_MESHES``: a 1-D "data" mesh over the first n devices."""
+    backend, n = request.param
+    return backend, _first_devices(n)
+
+
+@pytest.fixture(scope="session")
+def reference_run() -> Callable[[str, str], tuple[Any, Any, list[float]]]:
+    """``reference_run(kind, opt)``: ``ddp_models.run_reference(kind, opt, BATCHES[kind])``, computed once per
+    session: the one-device run that many equivalence tests compare with (its results are immutable arrays)."""
+    return functools.cache(lambda kind, opt: run_reference(kind, opt, BATCHES[kind]))
 
 
 @pytest.fixture
@@ -56,6 +94,21 @@ def launch(tmp_path):
     expression) sends the launcher SIGTERM, as a scheduler would, once every rank has printed a line matching
     it (after its ``[rank i] `` prefix); a job that ends first, or never gets there, fails the test.
     """
+    return _launcher(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_launch(tmp_path_factory):
+    """``launch`` for module-scoped fixtures: one job whose output several tests check (one launch per group of
+    checks), run in a fresh directory of its own. A failed job fails each of those tests with its output."""
+    return _launcher(tmp_path_factory.mktemp("job"))
+
+
+_GRACE = 2  # seconds between the launcher's SIGTERM and SIGKILL
+
+
+def _launcher(cwd: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """The ``launch`` fixture's function, running jobs in ``cwd``."""
 
     def run(
         script: str | os.PathLike,
@@ -76,9 +129,7 @@ def launch(tmp_path):
         full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the launcher sets the devices
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         full_env.update(env or {})
-        proc = subprocess.Popen(
-            cmd, cwd=tmp_path, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         limit = timeout + grace + 30  # the launcher needs `timeout` plus the grace period to end the job itself
         try:
             if sigterm_after is None:
@@ -98,7 +149,11 @@ def launch(tmp_path):
     return run
 
 
-_GRACE = 2  # seconds between the launcher's SIGTERM and SIGKILL
+def _first_devices(n: int) -> Mesh:
+    """A 1-D "data" mesh over the first ``n`` devices; skips the test where there are fewer."""
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices")
+    return sc.data_mesh(devices=jax.devices()[:n])
 
 
 def _stop(proc: subprocess.Popen) -> tuple[str, str]:
