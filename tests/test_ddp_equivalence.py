@@ -1,4 +1,10 @@
-"""DDP equivalence: N devices must train exactly what one device trains on the global batch."""
+"""DDP equivalence: N devices must train exactly what one device trains on the global batch.
+
+Which cases run: each model and optimizer on the shard_map backend over every device count, and on the pmap
+backend over 4 devices (since JAX 0.10 jax.pmap is jit(shard_map): the same step program, so one device count
+checks the pmap backend's own placement). The fast tier (``-m "not slow"``) keeps 2 and 8 devices on shard_map
+and the MLP on pmap.
+"""
 
 import re
 
@@ -24,30 +30,33 @@ from ddp_models import (
 import spmdcomm as sc
 
 
-@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+def run(n: int, backend: str = "shard_map", *, slow: bool = False) -> object:
+    """One ``(n, backend)`` parameter, marked slow (left out of the fast tier) if ``slow``."""
+    return pytest.param(n, backend, marks=pytest.mark.slow if slow else (), id=f"{n}-{backend}")
+
+
 @pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_mlp_n_devices_equal_one_device_on_global_batch(n, opt, backend):
+@pytest.mark.parametrize("n, backend", [run(1, slow=True), run(2), run(4, slow=True), run(8), run(4, "pmap")])
+def test_mlp_n_devices_equal_one_device_on_global_batch(n, backend, opt, reference_run):
     state, history = run_ddp("mlp", n, opt, backend=backend, batches=BATCHES["mlp"])
-    ref_params, _, ref_losses = run_reference("mlp", opt, BATCHES["mlp"])
+    ref_params, _, ref_losses = reference_run("mlp", opt)
     assert_trees_close(state.params, ref_params)
     np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
     assert int(state.step) == STEPS and all(h["examples"] == 16 for h in history)
     sc.assert_replicated(state)
 
 
-@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
 @pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_cnn_with_cross_replica_batchnorm_equals_one_device(n, opt, backend):
+@pytest.mark.parametrize("n, backend", [run(2), run(4, slow=True), run(8), run(4, "pmap", slow=True)])
+def test_cnn_with_cross_replica_batchnorm_equals_one_device(n, backend, opt, reference_run):
     state, _ = run_ddp("cnn", n, opt, backend=backend, batches=BATCHES["cnn"])
-    ref_params, ref_model_state, _ = run_reference("cnn", opt, BATCHES["cnn"])
+    ref_params, ref_model_state, _ = reference_run("cnn", opt)
     assert_trees_close(state.params, ref_params)
     assert_trees_close(state.model_state, ref_model_state)
     sc.assert_replicated(state)
 
 
-def test_without_cross_replica_batchnorm_statistics_differ():
+def test_without_cross_replica_batchnorm_statistics_differ(reference_run):
     # The same CNN with per-device BatchNorm does NOT match one device: the test above can fail.
     apply_fn, params, model_state = init("cnn", axis_name=None)
     mesh = mesh_of(4)
@@ -59,7 +68,7 @@ def test_without_cross_replica_batchnorm_statistics_differ():
         mesh=mesh,
     )
     state, _ = sc.fit(sc.make_train_step(loss_fn), state, BATCHES["cnn"])
-    ref_params, _, _ = run_reference("cnn", "sgd_momentum", BATCHES["cnn"])
+    ref_params, _, _ = reference_run("cnn", "sgd_momentum")
     kernel = np.asarray(state.params["Dense_0"]["kernel"])
     assert not np.allclose(kernel, ref_params["Dense_0"]["kernel"], rtol=1e-5, atol=1e-6)
 

@@ -1,7 +1,14 @@
 """Several data axes (hybrid sharding: ZeRO/FSDP split over the last data axis and replicate over the others) and
 model axes (parameters split by their own specs, left to XLA inside the step) train exactly the model one device
 trains on the global batch, under every strategy; explain names the axis each collective crosses; checkpoints move
-between layouts."""
+between layouts.
+
+Which cases run: every layout under DDP, ZeRO-1 and FSDP, and under ZeRO-2 where the layout accumulates
+micro-batches (with ``accum_steps=1`` ZeRO-2 compiles to ZeRO-1's program). The fast tier runs one layout per
+strategy (``-m "not slow"``); the others, the two-process run and the checkpoint tour of four layouts are slow.
+"""
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -36,13 +43,31 @@ def data_size(axes, data_axes):
     return int(np.prod([axes[a] for a in ((data_axes,) if isinstance(data_axes, str) else data_axes)]))
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@functools.cache
+def reference(rows: int) -> tuple[dict, list[float]]:
+    """Parameters and losses of 4 steps on one device on ``batches(4, rows=rows)``: every layout's target."""
+    params, _, losses = reference_train(loss_fn, Block().apply, plain_params(), {}, make_tx(), batches(4, rows=rows))
+    return params, losses
+
+
+# One (layout, strategy) pair per strategy runs in the fast tier, each on another layout.
+FAST = {("hybrid_2x4", "fsdp"), ("hybrid_4x2", "zero2"), ("data4_model2", "ddp"), ("hybrid_2x2_model2", "zero1")}
+LAYOUT_CASES = [
+    pytest.param(
+        layout, strategy, id=f"{layout}-{strategy}", marks=() if (layout, strategy) in FAST else pytest.mark.slow
+    )
+    for layout, (*_, accum) in LAYOUTS.items()
+    for strategy in STRATEGIES
+    if strategy != "zero2" or accum > 1
+]
+
+
+@pytest.mark.parametrize("layout, strategy", LAYOUT_CASES)
 def test_layout_equals_one_device(layout, strategy):
     axes, data_axes, partitioned, padded, accum = LAYOUTS[layout]
     params = plain_params()
     data = batches(4, rows=30 if padded else 32)
-    ref_params, _, ref_losses = reference_train(loss_fn, Block().apply, params, {}, make_tx(), data)
+    ref_params, ref_losses = reference(30 if padded else 32)
     state = sc.TrainState.create(
         params=boxed_params() if partitioned else params,
         apply_fn=Block().apply,
@@ -174,6 +199,7 @@ def test_nnx_sharding_metadata_gives_the_model_axes():
     assert_trees_close(state.full_params(), ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_checkpoints_restore_across_layouts(tmp_path):
     # FSDP on 8 -> hybrid FSDP 2 x 4 -> DDP on 2 -> FSDP data 4 x model 2, two steps each, equals 8 steps on one device.
     data = batches(8)
@@ -300,8 +326,7 @@ def test_fsdp_param_dtype_casts_leaves_split_only_over_model_axes():
 def test_two_processes_replicas_across_processes_shards_inside_equal_one_device(launch, tmp_path):
     out = launch("mp_hybrid.py", tmp_path, timeout=300)
     assert out.stdout.count("HYBRID OK") == 6
-    data = batches(4, rows=30)
-    ref_params, _, ref_losses = reference_train(loss_fn, Block().apply, plain_params(), {}, make_tx(), data)
+    ref_params, ref_losses = reference(30)
     for strategy in ("ddp", "zero2", "fsdp"):
         got = np.load(tmp_path / f"params_{strategy}.npz")
         for path, x in jax.tree_util.tree_flatten_with_path(ref_params)[0]:

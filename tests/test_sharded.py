@@ -1,4 +1,9 @@
-"""Sharded strategies (ZeRO-2, FSDP): N devices train what one device trains, with 1/N of the state each."""
+"""Sharded strategies (ZeRO-2, FSDP): N devices train what one device trains, with 1/N of the state each.
+
+Which cases run: the MLP under each strategy with Adam (parameters and two moments split) over 2, 4 and 8 devices,
+where the split changes (on 8 devices the 4-entry bias stays whole), and with SGD momentum over 4; the CNN under
+each strategy and optimizer over 4. The fast tier (``-m "not slow"``) keeps one device count per strategy.
+"""
 
 import re
 
@@ -32,25 +37,30 @@ def needs(n):
     return pytest.mark.skipif(jax.device_count() < n, reason=f"needs {n} devices")
 
 
-@pytest.mark.parametrize("strategy", SHARDED, ids=IDS)
-@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_mlp_equals_one_device(n, opt, strategy):
+MLP_CASES = [
+    pytest.param(n, opt, strategy, id=f"{n}-{opt}-{name}", marks=() if fast else pytest.mark.slow)
+    for n, opt, fast in [(2, "adam", False), (4, "adam", False), (8, "adam", True), (4, "sgd_momentum", False)]
+    for strategy, name in zip(SHARDED, IDS, strict=True)
+]
+
+
+@pytest.mark.parametrize("n, opt, strategy", MLP_CASES)
+def test_mlp_equals_one_device(n, opt, strategy, reference_run):
     if jax.device_count() < n:
         pytest.skip(f"needs {n} devices")
     state, history = run_ddp("mlp", n, opt, batches=BATCHES["mlp"], strategy=strategy)
-    ref_params, _, ref_losses = run_reference("mlp", opt, BATCHES["mlp"])
+    ref_params, _, ref_losses = reference_run("mlp", opt)
     assert_trees_close(state.full_params(), ref_params)
     np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
     assert int(state.step) == STEPS
 
 
 @pytest.mark.parametrize("strategy", SHARDED, ids=IDS)
-@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
+@pytest.mark.parametrize("opt", [pytest.param("sgd_momentum", marks=pytest.mark.slow), "adam"])
 @needs(4)
-def test_cnn_with_cross_replica_batchnorm_equals_one_device(opt, strategy):
+def test_cnn_with_cross_replica_batchnorm_equals_one_device(opt, strategy, reference_run):
     state, _ = run_ddp("cnn", 4, opt, batches=BATCHES["cnn"], strategy=strategy)
-    ref_params, ref_model_state, _ = run_reference("cnn", opt, BATCHES["cnn"])
+    ref_params, ref_model_state, _ = reference_run("cnn", opt)
     assert_trees_close(state.full_params(), ref_params)
     assert_trees_close(state.model_state, ref_model_state)
     sc.assert_replicated(state.model_state)
@@ -294,7 +304,12 @@ def test_nnx_models_train_like_ddp(strategy):
 
 @pytest.mark.parametrize(
     "source,target",
-    [(("fsdp", 8), ("fsdp", 4)), (("fsdp", 4), ("ddp", 2)), (("zero1", 4), ("fsdp", 8)), (("ddp", 2), ("zero2", 8))],
+    [
+        pytest.param(("fsdp", 8), ("fsdp", 4), marks=pytest.mark.slow),
+        pytest.param(("fsdp", 4), ("ddp", 2), marks=pytest.mark.slow),
+        (("zero1", 4), ("fsdp", 8)),
+        pytest.param(("ddp", 2), ("zero2", 8), marks=pytest.mark.slow),
+    ],
     ids=lambda s: f"{s[0]}x{s[1]}",
 )
 @needs(8)
