@@ -1,5 +1,6 @@
 """Real multi-process runs on 127.0.0.1 through the launcher (workers in tests/workers/), each bounded by the
-``launch`` fixture's timeout (tests/conftest.py)."""
+``launch`` fixture's timeout (tests/conftest.py). The jobs are slow-tier tests; the two tests of processes that
+disagree read one job (mp_agreement.py). The fast tier keeps the single process that finds no coordinator."""
 
 import os
 import re
@@ -15,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("nprocs,devices", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
 def test_every_collective_and_sync_across_processes(launch, tmp_path, nprocs, devices):
     out = launch("mp_collectives.py", tmp_path / "shared.txt", processes=nprocs, devices_per_process=devices).stdout
@@ -23,40 +25,53 @@ def test_every_collective_and_sync_across_processes(launch, tmp_path, nprocs, de
     assert {c for _, c in counts} == {"48"}
 
 
+@pytest.fixture(scope="module")
+def disagreement(module_launch) -> tuple[str, str, dict[tuple[str, str], str]]:
+    """mp_agreement.py's job, run once for the two tests below: ``(stdout, stderr, {(rank, name): message})``
+    of the ``CAUGHT <name>: <message>`` lines."""
+    res = module_launch("mp_agreement.py", returncode=1)
+    caught = re.findall(r"^\[rank (\d)\] CAUGHT (\w+): (.*)$", res.stdout, re.M)
+    return res.stdout, res.stderr, {(rank, name): msg for rank, name, msg in caught}
+
+
 @pytest.mark.multiprocess
-def test_out_of_step_processes_raise_instead_of_hanging(launch):
-    res = launch("mp_failures.py", "errors", returncode=1)
-    out, err = res.stdout, res.stderr
-    caught = re.findall(r"^\[rank (\d)\] CAUGHT (\w+): (.*)$", out, re.M)
-    by = {(rank, name): msg for rank, name, msg in caught}
+@pytest.mark.slow
+def test_out_of_step_processes_raise_instead_of_hanging(disagreement):
+    out, err, by = disagreement
     for rank in "01":
-        assert "process 0: barrier 'name0' (#1, called at mp_failures.py:" in by[rank, "mismatch"]
-        assert "process 1: barrier 'name1' (#1" in by[rank, "mismatch"]
+        # Both are at the same sync point (the same count), under different names.
+        assert re.search(
+            r"as their #(\d+): process 0: barrier 'name0' \(#\1, called at mp_agreement.py:\d+\); "
+            r"process 1: barrier 'name1' \(#\1, ",
+            by[rank, "mismatch"],
+        ), by[rank, "mismatch"]
         diff = "Process 1 differs from process 0: args[0]: shape (4, 4) vs (4, 3)"
         assert diff in by[rank, "debug"]
         assert "leaf ['v']: process 1 passed shape (3,)" in by[rank, "host_shapes"]
     assert by["0", "first_main"] == "dataset download failed"
     assert (
         "the main process (process 0) raised inside the block, so process 1 does not run it: "
-        "OSError: dataset download failed (at mp_failures.py:"
+        "OSError: dataset download failed (at mp_agreement.py:"
     ) in by["1", "first_other"]
-    # The seed bug: process 0 calls barrier twice, process 1 once.
-    ((elapsed, msg),) = re.findall(r"^\[rank 0\] TIMEOUT after ([\d.]+) s: (.*)$", out, re.M)
+    # The seed bug: process 0 calls barrier twice, process 1 once; process 0 names the call process 1 is at.
+    ((elapsed, msg),) = re.findall(r"^\[rank 0\] BARRIER TIMEOUT after ([\d.]+) s: (.*)$", out, re.M)
     assert 3 <= float(elapsed) < 3 + 5
-    assert "barrier 'b' (#5, called at mp_failures.py:" in msg
+    ((ours, theirs),) = re.findall(
+        r"barrier 'b' \(#(\d+), called at mp_agreement.py:.*process 1: barrier 'after join' \(#(\d+), called at ",
+        msg,
+    )
+    assert int(ours) == int(theirs) + 1, msg
     assert "process(es) [1] did not arrive within 3 s" in msg
-    assert "process 1: barrier 'a' (#4, called at mp_failures.py:" in msg
     assert "rank 0 (pid" in err and "exited with status 1" in err
 
 
 @pytest.mark.multiprocess
-def test_agreement_across_processes_names_who_differs_and_who_is_missing(launch):
-    res = launch("mp_agreement.py", returncode=1)
-    out, err = res.stdout, res.stderr
+@pytest.mark.slow
+def test_agreement_across_processes_names_who_differs_and_who_is_missing(disagreement):
+    out, err, caught = disagreement
     for rank in "01":
         oks = re.findall(rf"^\[rank {rank}\] OK (.*)$", out, re.M)
         assert len(oks) == 9 and "divergence on process 1's devices" in oks, out
-    caught = {(r, name): msg for r, name, msg in re.findall(r"^\[rank (\d)\] CAUGHT (\w+): (.*)$", out, re.M)}
     for rank in "01":
         msg = caught[rank, "description"]
         assert msg.startswith(
@@ -90,6 +105,7 @@ def test_agreement_across_processes_names_who_differs_and_who_is_missing(launch)
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_killed_process_ends_the_job(launch):
     # The others wait in a barrier with a 120 s timeout: the job ends within the 60 s only if the launcher
     # stops them (the fixture fails the test otherwise).
@@ -100,6 +116,7 @@ def test_killed_process_ends_the_job(launch):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_uncaught_exception_ends_the_job_at_once(launch):
     # The job's timeout (60 s) is far below JAX's 5-minute shutdown barrier: a status 124 here means the
     # failing process waited at that barrier instead of exiting.

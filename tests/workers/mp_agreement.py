@@ -1,9 +1,13 @@
-"""Worker for tests/test_multiprocess.py: cross-process agreement through spmdcomm.sync's timed transport.
+"""Worker for tests/test_multiprocess.py: processes that disagree or fall out of step, in one job.
 
-Run it under the launcher with 2 processes x 2 devices. Agreements that hold print ``OK <name>``; checks
-that must fail print ``CAUGHT <name>: <message>``. Then two missing-process cases: process 1 stops iterating
-``join_batches`` early (process 0 prints ``JOIN TIMEOUT after <s> s: <message>``), and process 1 never calls
-``broadcast_tree``: process 0 prints ``TIMEOUT after <s> s: <message>`` and exits 1.
+Run it under the launcher with 2 processes x 2 devices. Agreements that hold print ``OK <name>``; checks that
+must fail print ``CAUGHT <name>: <message>``: differing descriptions, trees and replicas (through
+spmdcomm.sync's timed transport), then mismatched barrier names, an exception inside main_process_first, a
+debug-mode shape mismatch and a host_all_reduce shape mismatch. Then the missing-process cases: process 1 stops
+iterating ``join_batches`` early (process 0 prints ``JOIN TIMEOUT after <s> s: <message>``); process 0 calls
+``barrier`` once more than process 1, the seed bug (``BARRIER TIMEOUT after <s> s: <message>``); process 1
+never calls ``broadcast_tree``: process 0 prints ``TIMEOUT after <s> s: <message>`` and exits 1. Process 1
+prints ``DONE``.
 """
 
 import sys
@@ -81,6 +85,36 @@ expect("diverged", sc.ReplicaDivergenceError, lambda: sc.assert_replicated(drift
 extra = dict(same, **({"extra": replicated(np.zeros(1, np.float32))} if pid == 1 else {}))
 expect("replica_leaves", sc.ProcessMismatchError, lambda: sc.check_replicas_in_sync(extra, timeout=30))
 
+# --- processes out of step raise instead of hanging -----------------------------------------------------
+
+
+def enter_first():
+    with sc.main_process_first(timeout=30):
+        if sc.is_main_process():
+            raise OSError("dataset download failed")
+
+
+def debug_call():
+    sc.set_debug(True)
+    try:
+        f = sc.spmd(lambda b: sc.psum(b, "data"), in_specs=sc.P("data"), out_specs=sc.P())
+        f(np.zeros((4, 3 + pid), np.float32))
+    finally:
+        sc.set_debug(False)
+
+
+expect("mismatch", sc.ProcessMismatchError, lambda: sc.barrier(f"name{pid}", timeout=30))
+if pid == 0:
+    expect("first_main", OSError, enter_first)
+else:
+    expect("first_other", sc.RemoteProcessError, enter_first)
+expect("debug", sc.ProcessMismatchError, debug_call)
+expect(
+    "host_shapes",
+    sc.ProcessMismatchError,
+    lambda: sc.host_all_reduce({"v": np.zeros(2 + pid)}, op="sum", timeout=30),
+)
+
 # --- a missing process is named within the timeout ------------------------------------------------------
 # join_batches: process 1 leaves after one step while process 0 has more batches.
 start = time.monotonic()
@@ -92,8 +126,14 @@ except sc.BarrierTimeoutError as e:
     print(f"JOIN TIMEOUT after {time.monotonic() - start:.2f} s: {e}", flush=True)
 sc.barrier("after join", timeout=60)  # join_batches has its own channel: the main one is still in step
 
-# broadcast_tree: process 1 never calls it.
 if pid == 0:
+    # The seed bug: process 0 calls barrier twice, process 1 once.
+    start = time.monotonic()
+    try:
+        sc.barrier("b", timeout=3)
+    except sc.BarrierTimeoutError as e:
+        print(f"BARRIER TIMEOUT after {time.monotonic() - start:.2f} s: {e}", flush=True)
+    # broadcast_tree: process 1 never calls it.
     start = time.monotonic()
     try:
         sync.broadcast_tree("TrainState.create", {"w": np.zeros(3)}, timeout=3)

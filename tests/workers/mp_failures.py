@@ -1,10 +1,5 @@
-"""Worker for tests/test_multiprocess.py: the ways processes fall out of step, and what they report.
-
-``mp_failures.py errors``: 2 processes. Mismatched barrier names, an exception inside
-main_process_first, a debug-mode shape mismatch and a host_all_reduce shape mismatch must each
-raise the right error on every process (printed as ``CAUGHT <name>: <message>``); then the seed
-bug: process 0 calls ``barrier`` twice, process 1 once, so process 0 must time out naming process 1
-and exit 1.
+"""Worker for tests/test_multiprocess.py: processes that end, and how the job ends with them (the errors of
+processes that fall out of step are checked by mp_agreement.py).
 
 ``mp_failures.py raise``: process 1 raises an uncaught exception while process 0 waits for it in a
 barrier; process 1 must exit with status 1 at once (not at JAX's shutdown barrier) so that the launcher
@@ -24,47 +19,8 @@ import spmdcomm as sc
 sc.initialize(timeout=60)
 
 import numpy as np  # noqa: E402
-from checks import expect  # noqa: E402
 
 pid = sc.process_index()
-
-
-def enter_first():
-    with sc.main_process_first(timeout=30):
-        if sc.is_main_process():
-            raise OSError("dataset download failed")
-
-
-def debug_call():
-    sc.set_debug(True)
-    try:
-        f = sc.spmd(lambda b: sc.psum(b, "data"), in_specs=sc.P("data"), out_specs=sc.P())
-        f(np.zeros((4, 3 + pid), np.float32))
-    finally:
-        sc.set_debug(False)
-
-
-def errors():
-    expect("mismatch", sc.ProcessMismatchError, lambda: sc.barrier(f"name{pid}", timeout=30))
-    if pid == 0:
-        expect("first_main", OSError, enter_first)
-    else:
-        expect("first_other", sc.RemoteProcessError, enter_first)
-    expect("debug", sc.ProcessMismatchError, debug_call)
-    expect(
-        "host_shapes",
-        sc.ProcessMismatchError,
-        lambda: sc.host_all_reduce({"v": np.zeros(2 + pid)}, op="sum", timeout=30),
-    )
-    sc.barrier("a", timeout=30)
-    if pid == 0:
-        start = time.monotonic()
-        try:
-            sc.barrier("b", timeout=3)
-        except sc.BarrierTimeoutError as e:
-            print(f"TIMEOUT after {time.monotonic() - start:.2f} s: {e}", flush=True)
-            sys.exit(1)
-    print("DONE", flush=True)
 
 
 def kill():
@@ -86,4 +42,4 @@ def raise_():
     sc.barrier("never complete", timeout=120)
 
 
-{"errors": errors, "kill": kill, "raise": raise_}[sys.argv[1]]()
+{"kill": kill, "raise": raise_}[sys.argv[1]]()
