@@ -17,8 +17,8 @@ The pmap backend is compared with the reference under ``shard_map(check_vma=Fals
 Which cases run: every case on the shard_map backend over 1, 2, 4 and 8 devices, and on the pmap backend over 4.
 Since JAX 0.10 jax.pmap is jit(shard_map), so the pmap backend differentiates the same collective programs; what
 differs between the backends is the cotangent convention of ``grad_inside_sum`` above, and that does not depend
-on the device count. 1 and 4 devices on shard_map are marked slow: 2 and 8 cover the same code paths (1 device
-skips communication, 4 is a sub-mesh like 2).
+on the device count. The fast tier (``-m "not slow"``) runs the table on shard_map over 2 devices and the
+bfloat16 rooted collectives; the other tables and the compositions (one XLA compile of every case each) are slow.
 """
 
 from __future__ import annotations
@@ -272,8 +272,8 @@ def compare(ours: dict[str, Any], ref: dict[str, Any], what: str) -> None:
         pytest.param("shard_map", 1, marks=pytest.mark.slow),
         ("shard_map", 2),
         pytest.param("shard_map", 4, marks=pytest.mark.slow),
-        ("shard_map", 8),
-        ("pmap", 4),
+        pytest.param("shard_map", 8, marks=pytest.mark.slow),
+        pytest.param("pmap", 4, marks=pytest.mark.slow),
     ],
     ids=lambda p: p if isinstance(p, str) else f"{p}dev",
 )
@@ -346,6 +346,7 @@ def composed_results(backend: str, n: int) -> dict[str, tuple[dict[str, Any], di
     return jax.device_get(jax.jit(every_case).lower(x, xb, ws).compile(compiler_options=FAST_COMPILE)(x, xb, ws))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", COMPOSED)
 def test_composes_with_vmap_jit_checkpoint_and_higher_order(name, backend):
@@ -396,7 +397,7 @@ def test_pmin_jvp_of_integers_has_no_tangent(backend):
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
 def test_half_float_rooted_collectives_differentiate(dtype):
     mesh = sc.data_mesh(devices=jax.devices()[:4])
     x, t = (a.astype(dtype) for a in block_input(4))

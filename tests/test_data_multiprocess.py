@@ -1,4 +1,5 @@
-"""The input pipeline across real processes (launcher, 2 processes x 2 devices, 127.0.0.1)."""
+"""The input pipeline across real processes (launcher, 2 processes x 2 devices, 127.0.0.1). The one multi-process
+job of the fast tier (``-m "not slow"``): a few seconds, and it smoke-tests the launcher and initialisation."""
 
 import re
 

@@ -1,4 +1,6 @@
-"""DDP step features: reduction layout in HLO, skipping, replica checks, NNX, checkpoints."""
+"""DDP step features: reduction layout in HLO, skipping, replica checks, NNX, checkpoints. The fast tier
+(``-m "not slow"``) checks skipping under DDP and one bucket size; ZeRO-1's runs, resuming, BatchNorm's statistics,
+the other bucket sizes and the two-process job are slow."""
 
 import dataclasses
 import re
@@ -61,7 +63,9 @@ def all_reduce_buffers(hlo):
     return shapes
 
 
-@pytest.mark.parametrize("bucket_bytes", [10**9, 400, 100])
+@pytest.mark.parametrize(
+    "bucket_bytes", [pytest.param(10**9, marks=pytest.mark.slow), 400, pytest.param(100, marks=pytest.mark.slow)]
+)
 def test_buckets_give_one_all_reduce_buffer_each(bucket_bytes):
     apply_fn, params, _ = init("mlp")  # 8*16 + 16 + 16*4 + 4 = 212 float32 = 848 bytes
     mesh = mesh_of(2)
@@ -88,7 +92,7 @@ def test_default_reduction_is_one_fused_all_reduce_of_the_leaves():
     assert sorted(all_reduce_buffers(hlo)) == sorted(["f32[3]", "f32[16]", "f32[8,16]", "f32[4]", "f32[16,4]"])
 
 
-@pytest.mark.parametrize("zero", ["ddp", "zero1"])
+@pytest.mark.parametrize("zero", ["ddp", pytest.param("zero1", marks=pytest.mark.slow)])
 def test_skip_nonfinite_skips_on_every_replica(zero):
     apply_fn, params, _ = init("mlp")
     mesh = mesh_of(4)
@@ -137,6 +141,7 @@ def test_assert_replicated_names_the_diverging_leaf_and_device():
         sc.assert_replicated(state)
 
 
+@pytest.mark.slow
 def test_nnx_model_with_batchnorm_equals_one_device():
     from flax import nnx
 
@@ -163,6 +168,7 @@ def test_nnx_model_with_batchnorm_equals_one_device():
     assert_trees_close(state.model_state, ref_rest)
 
 
+@pytest.mark.slow
 def test_linen_batchnorm_state_is_averaged_over_devices():
     # Per-device BatchNorm (no axis_name): the step still averages batch_stats, so replicas stay
     # identical and the running mean equals the mean of the per-device running means.
@@ -187,6 +193,7 @@ def test_linen_batchnorm_state_is_averaged_over_devices():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 def test_checkpoint_resume_is_bitwise_identical(tmp_path, strategy):
     def noisy_loss(params, batch, *, apply_fn, model_state, rng, mask):

@@ -1,4 +1,5 @@
-"""The launcher, on small plain-Python scripts (no JAX in the children, so each test is fast)."""
+"""The launcher, on small plain-Python scripts (no JAX in the children, so each test is fast). The tests that wait
+out a timeout or an escalation to SIGKILL are slow-tier tests."""
 
 import os
 import re
@@ -104,6 +105,7 @@ def test_failure_stops_the_others_and_names_the_rank(launch, tmp_path):
     assert "rank 1 (pid " in res.stderr and ") exited with status 3; stopping the other 2" in res.stderr
 
 
+@pytest.mark.slow
 def test_killed_rank_and_sigterm_escalation(launch, tmp_path):
     # Rank 0 ignores SIGTERM (as JAX's preemption handler effectively does) and would sleep past the job's
     # timeout: the job ends in time (with rank 1's status, not 124) only if the launcher sends it SIGKILL.
@@ -185,6 +187,7 @@ def test_killed_rank_is_restarted(tmp_path, capsys):
     assert "restart 1 of 3: starting 2 process(es)" in err and "restart 2" not in err
 
 
+@pytest.mark.slow
 def test_timeout_applies_per_attempt(tmp_path, capsys):
     # Attempt 0 outlives its timeout; attempt 1 gets a whole timeout of its own and finishes.
     path = script(tmp_path, ATTEMPT + "if attempt == 0:\n    time.sleep(600)\n")
@@ -224,7 +227,9 @@ def test_restart_count(monkeypatch):
         sc.restart_count()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)], ids=["sigterm", "sigkill"]
+)
 def test_launcher_signal_leaves_no_process(tmp_path, sig):
     # SIGTERM is passed on to the children and is a stop, not a failure: with restarts allowed, none happens.
     # SIGKILL of the launcher kills them through PDEATHSIG.
@@ -256,6 +261,7 @@ def test_launcher_signal_leaves_no_process(tmp_path, sig):
             proc.wait()
 
 
+@pytest.mark.slow
 def test_sigterm_while_a_failed_attempt_stops_is_not_restarted(tmp_path):
     # Rank 1 fails; rank 0 notes the launcher's SIGTERM and keeps running through the grace period, during which
     # the launcher itself gets SIGTERM: the job ends with 128 + SIGTERM instead of restarting.

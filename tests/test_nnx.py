@@ -1,5 +1,6 @@
 """Flax NNX through the DDP step: RNG streams (dropout, several nnx.Rngs streams), BatchNorm, the eval
-adapter, checkpoints and several processes."""
+adapter, checkpoints and several processes. The fast tier (``-m "not slow"``) leaves out the two-process job, the
+CNN trained end to end and the stream keys under per-device keys (per-example keys with accumulation stay)."""
 
 from __future__ import annotations
 
@@ -138,7 +139,14 @@ def test_one_device_mask_is_a_real_dropout_mask():
     assert set(np.unique(data_of(state.model_state["seen"]))) == {0.0, 2.0}
 
 
-@pytest.mark.parametrize("rng,accum_steps", [("per_device", 1), ("per_device", 2), ("per_example", 2)])
+@pytest.mark.parametrize(
+    "rng,accum_steps",
+    [
+        pytest.param("per_device", 1, marks=pytest.mark.slow),
+        pytest.param("per_device", 2, marks=pytest.mark.slow),
+        ("per_example", 2),
+    ],
+)
 def test_stream_keys_are_restored_and_counts_advance_identically(rng, accum_steps):
     mesh = mesh_of(4)
     state = sc.TrainState.create_nnx(NnxDropout(nnx.Rngs(params=0, dropout=1, noise=2)), tx=optax.adam(1e-3), mesh=mesh)
@@ -156,6 +164,7 @@ def test_stream_keys_are_restored_and_counts_advance_identically(rng, accum_step
         assert count == before[path][1] + (3 * accum_steps if path in drawn else 0), path
 
 
+@pytest.mark.slow
 def test_cnn_with_batchnorm_and_dropout_end_to_end(tmp_path):
     mesh = mesh_of(4)
     data = cnn_batches(4)

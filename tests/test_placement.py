@@ -1,5 +1,5 @@
 """The host-input rule (spmdcomm.placement): one process, where "local" and "global" must agree; the cross-process
-agreement on shapes, driven by a stand-in channel; and a real 2 x 2 run through the launcher."""
+agreement on shapes, driven by a stand-in channel; and a real 2 x 2 run through the launcher (a slow-tier test)."""
 
 import json
 import re
@@ -227,6 +227,7 @@ def test_an_indivisible_leaf_is_reported_to_the_peers_before_raising():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_host_input_rules_across_two_processes(launch):
     out = launch("mp_placement.py").stdout
     ok = re.findall(r"^\[rank (\d)\] CHECKS OK (\d+)$", out, re.M)

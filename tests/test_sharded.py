@@ -2,7 +2,9 @@
 
 Which cases run: the MLP under each strategy with Adam (parameters and two moments split) over 2, 4 and 8 devices,
 where the split changes (on 8 devices the 4-entry bias stays whole), and with SGD momentum over 4; the CNN under
-each strategy and optimizer over 4. The fast tier (``-m "not slow"``) keeps one device count per strategy.
+each strategy and optimizer over 4. The fast tier (``-m "not slow"``) keeps 8 devices for the MLP under each
+strategy and FSDP (or ZeRO-2 where micro-batches accumulate) for the other runs; restoring onto another strategy
+and device count is checked there on FSDP's own resume.
 """
 
 import re
@@ -33,6 +35,11 @@ SHARDED = ["zero2", "fsdp", sc.FSDP(reshard_after_forward=False)]
 IDS = ["zero2", "fsdp", "fsdp-keep"]
 
 
+def sharded(*, fast: str) -> list:
+    """``SHARDED`` as parameters, all but ``fast`` (an id) marked slow."""
+    return [pytest.param(s, id=name, marks=() if name == fast else pytest.mark.slow) for s, name in zip(SHARDED, IDS)]
+
+
 def needs(n):
     return pytest.mark.skipif(jax.device_count() < n, reason=f"needs {n} devices")
 
@@ -55,7 +62,7 @@ def test_mlp_equals_one_device(n, opt, strategy, reference_run):
     assert int(state.step) == STEPS
 
 
-@pytest.mark.parametrize("strategy", SHARDED, ids=IDS)
+@pytest.mark.parametrize("strategy", sharded(fast="fsdp"))
 @pytest.mark.parametrize("opt", [pytest.param("sgd_momentum", marks=pytest.mark.slow), "adam"])
 @needs(4)
 def test_cnn_with_cross_replica_batchnorm_equals_one_device(opt, strategy, reference_run):
@@ -66,7 +73,7 @@ def test_cnn_with_cross_replica_batchnorm_equals_one_device(opt, strategy, refer
     sc.assert_replicated(state.model_state)
 
 
-@pytest.mark.parametrize("strategy", SHARDED, ids=IDS)
+@pytest.mark.parametrize("strategy", sharded(fast="zero2"))
 @needs(8)
 def test_uneven_batches_with_accumulation_equal_one_device(strategy):
     # 30 real rows padded to 32 over 8 devices x 2 micro-batches: whole padding blocks included.
@@ -81,7 +88,7 @@ def test_uneven_batches_with_accumulation_equal_one_device(strategy):
     assert int(state.opt_state[0].count) == 3
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("zero2", marks=pytest.mark.slow), "fsdp"])
 def test_skip_nonfinite_skips_on_every_device(strategy):
     bad = example_batch("mlp", 16, seed=9)
     bad["x"][13, 0] = np.inf  # only the last device sees it
@@ -182,6 +189,7 @@ def test_resharding_gathers_again_what_the_backward_pass_needs_and_recomputes_no
     assert flops[True] == pytest.approx(flops[False], rel=0.05)
 
 
+@pytest.mark.slow
 @needs(4)
 def test_zero2_reduces_each_micro_batch_and_zero1_once():
     assert ops(explain("zero1"), "reduce-scatter") == ops(explain("zero2"), "reduce-scatter")
@@ -205,9 +213,9 @@ def test_param_dtype_computes_in_bf16_with_float32_master_shards():
     "strategy,reduce_dtype,gathered,reduced",
     [
         (sc.FSDP(param_dtype=jnp.bfloat16), None, "bf16", "bf16"),
-        ("fsdp", jnp.bfloat16, "f32", "bf16"),
+        pytest.param("fsdp", jnp.bfloat16, "f32", "bf16", marks=pytest.mark.slow),
         ("fsdp", None, "f32", "f32"),
-        ("zero2", jnp.bfloat16, "f32", "bf16"),
+        pytest.param("zero2", jnp.bfloat16, "f32", "bf16", marks=pytest.mark.slow),
     ],
 )
 def test_gathers_and_reductions_run_in_the_chosen_dtypes(strategy, reduce_dtype, gathered, reduced):
@@ -292,7 +300,7 @@ def nnx_ce(model, batch, *, rng, mask):
     return sc.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("zero2", marks=pytest.mark.slow), "fsdp"])
 def test_nnx_models_train_like_ddp(strategy):
     def run(strategy):
         state = sc.TrainState.create_nnx(NnxMLP(nnx.Rngs(0)), tx=optimizer("adam"), mesh=mesh_of(4), strategy=strategy)
@@ -307,7 +315,7 @@ def test_nnx_models_train_like_ddp(strategy):
     [
         pytest.param(("fsdp", 8), ("fsdp", 4), marks=pytest.mark.slow),
         pytest.param(("fsdp", 4), ("ddp", 2), marks=pytest.mark.slow),
-        (("zero1", 4), ("fsdp", 8)),
+        pytest.param(("zero1", 4), ("fsdp", 8), marks=pytest.mark.slow),
         pytest.param(("ddp", 2), ("zero2", 8), marks=pytest.mark.slow),
     ],
     ids=lambda s: f"{s[0]}x{s[1]}",

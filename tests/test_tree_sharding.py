@@ -5,7 +5,8 @@ DDP, ZeRO-1, ZeRO-2 and FSDP exactly the model that plain optax trains on one de
 Which cases run: every recipe under ZeRO-1 and FSDP, the strategies that split the tree the optimizer sees; under
 ZeRO-2 and DDP the recipes whose rows accumulate micro-batches (with ``accum_steps=1`` ZeRO-2 compiles to ZeRO-1's
 program, and DDP hands the optimizer the whole tree as one device does, so only the step's batch handling is at
-stake there). The fast tier (``-m "not slow"``) runs every recipe under FSDP.
+stake there). The fast tier (``-m "not slow"``) runs global-norm clipping with a scheduled AdamW (it reads the
+whole tree) under FSDP, with padding and accumulation.
 """
 
 import functools
@@ -117,8 +118,10 @@ def reference(recipe: str, padded: bool) -> tuple[dict, list[float]]:
     return ref_params, ref_losses
 
 
+FAST = {("clip_global_norm_adamw_schedule", "fsdp")}
+SLOW = pytest.mark.slow
 RECIPE_CASES = [
-    pytest.param(*case, strategy, id=f"{case[0]}-{strategy}", marks=() if strategy == "fsdp" else pytest.mark.slow)
+    pytest.param(*case, strategy, id=f"{case[0]}-{strategy}", marks=() if (case[0], strategy) in FAST else SLOW)
     for case in CASES
     for strategy in STRATEGIES
     if strategy in ("zero1", "fsdp") or case[3] > 1
@@ -155,6 +158,7 @@ class Attention(nn.Module):
         return nn.Dense(5)(y.mean(axis=1))
 
 
+@pytest.mark.slow
 def test_checkpoint_of_other_leaf_shapes_of_the_same_sizes_raises_naming_the_leaf(tmp_path):
     x = np.zeros((2, 3, 8), np.float32)
     saved_params = Attention(heads=2).init(jax.random.PRNGKey(0), x)["params"]
@@ -189,6 +193,7 @@ def test_checkpoint_leaves_are_written_split_as_the_state_holds_them(tmp_path):
     assert tuple(metadata["opt_state"][0]["mu"]["Dense_2"]["bias"].sharding.partition_spec) == ()  # 5 entries
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_resume_across_strategies_and_device_counts_with_factored_and_clipped_optimizer(tmp_path):
     # FSDP on 8 -> ZeRO-1 on 4 -> DDP on 2, each two steps, equals 6 uninterrupted steps on one device.

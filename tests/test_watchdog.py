@@ -1,5 +1,6 @@
 """The watchdog: which processes it names, its table, and real stuck jobs on 127.0.0.1 (tests/workers/mp_watchdog.py,
-a stand-in for fit whose last process sleeps forever in the data phase of step 3)."""
+a stand-in for fit whose last process sleeps forever in the data phase of step 3). The jobs wait out the watchdog's
+timeout: slow-tier tests."""
 
 import re
 
@@ -79,6 +80,7 @@ def tables(out):
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_every_process_names_the_stuck_one_and_the_job_exits_with_the_stuck_code(launch):
     res = launch("mp_watchdog.py", "stuck", TIMEOUT, returncode=sc.STUCK_EXIT_CODE)
@@ -105,6 +107,7 @@ def test_every_process_names_the_stuck_one_and_the_job_exits_with_the_stuck_code
     assert "exited with status 75" in err
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_single_stuck_process_reports_and_exits(launch):
     res = launch("mp_watchdog.py", "stuck", TIMEOUT, processes=1, returncode=sc.STUCK_EXIT_CODE)
@@ -115,6 +118,7 @@ def test_a_single_stuck_process_reports_and_exits(launch):
     assert TIMEOUT <= float(seconds) < TIMEOUT + 10
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_process_that_cannot_reach_the_coordination_service_still_exits(launch):
     res = launch("mp_watchdog.py", "unreachable", TIMEOUT, returncode=sc.STUCK_EXIT_CODE)
@@ -129,6 +133,7 @@ def test_a_process_that_cannot_reach_the_coordination_service_still_exits(launch
     assert "Stuck: process 1 (no report)." in err
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_launcher_restarts_a_job_the_watchdog_ended(launch):
     res = launch("mp_watchdog.py", "stuck-once", TIMEOUT, max_restarts=1)
