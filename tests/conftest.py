@@ -61,13 +61,13 @@ def mesh(request) -> Mesh:
 # The shard_map backend runs on every device count; the pmap backend on one. Since JAX 0.10 jax.pmap is
 # jit(shard_map), so the collectives are the same programs and what the pmap backend adds is its own plumbing
 # (blocks to pmap's leading axis and back, the mesh's devices): 4 of the 8 devices puts that on a sub-mesh.
-# The fast tier (-m "not slow") keeps shard_map on all 8 devices and pmap on 4.
+# The fast tier (-m "not slow") keeps shard_map on all 8 devices.
 BACKEND_MESHES = [
     pytest.param(("shard_map", 1), marks=pytest.mark.slow, id="shard_map-1dev"),
     pytest.param(("shard_map", 2), marks=pytest.mark.slow, id="shard_map-2dev"),
     pytest.param(("shard_map", 4), marks=pytest.mark.slow, id="shard_map-4dev"),
     pytest.param(("shard_map", 8), id="shard_map-8dev"),
-    pytest.param(("pmap", 4), id="pmap-4dev"),
+    pytest.param(("pmap", 4), marks=pytest.mark.slow, id="pmap-4dev"),
 ]
 
 

@@ -17,8 +17,8 @@ The pmap backend is compared with the reference under ``shard_map(check_vma=Fals
 Which cases run: every case on the shard_map backend over 1, 2, 4 and 8 devices, and on the pmap backend over 4.
 Since JAX 0.10 jax.pmap is jit(shard_map), so the pmap backend differentiates the same collective programs; what
 differs between the backends is the cotangent convention of ``grad_inside_sum`` above, and that does not depend
-on the device count. The fast tier (``-m "not slow"``) runs the table on shard_map over 2 devices and the
-bfloat16 rooted collectives; the other tables and the compositions (one XLA compile of every case each) are slow.
+on the device count. The fast tier (``-m "not slow"``) runs the table on shard_map over 2 devices; the other
+tables and the compositions (one XLA compile of every case each) and the half floats are slow.
 """
 
 from __future__ import annotations
@@ -396,8 +396,9 @@ def test_pmin_jvp_of_integers_has_no_tangent(backend):
 # 2-byte floats on CPU move as bit patterns with a custom_jvp: grad and jvp still follow the reference
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_float_rooted_collectives_differentiate(dtype):
     mesh = sc.data_mesh(devices=jax.devices()[:4])
     x, t = (a.astype(dtype) for a in block_input(4))

@@ -3,7 +3,7 @@
 Which cases run: each model and optimizer on the shard_map backend over every device count, and on the pmap
 backend over 4 devices (since JAX 0.10 jax.pmap is jit(shard_map): the same step program, so one device count
 checks the pmap backend's own placement). The fast tier (``-m "not slow"``) keeps the MLP with Adam on 8 devices
-on shard_map and on pmap; the CNN with cross-replica BatchNorm is slow.
+on shard_map and on pmap, the gradient trap and devices without real examples; the rest is slow.
 """
 
 import re
@@ -100,6 +100,7 @@ def test_gradient_trap_naive_step_differs():
     np.testing.assert_allclose(ratio, 4.0, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_accumulation_equals_one_big_batch():
     batches = [example_batch("mlp", 32, seed=s) for s in range(3)]
     state, history = run_ddp("mlp", 2, "adam", batches=batches, accum_steps=4)
@@ -110,7 +111,8 @@ def test_accumulation_equals_one_big_batch():
     assert int(state.opt_state[0].count) == 3  # one optimizer step per global step, not per micro-batch
 
 
-@pytest.mark.parametrize("n", [pytest.param(4, marks=pytest.mark.slow), 8])
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [4, 8])
 def test_uneven_batch_equals_one_device_on_the_real_examples(n):
     batches = [example_batch("mlp", 15, seed=s) for s in range(STEPS)]
     state, history = run_ddp("mlp", n, "adam", batches=[sc.pad_batch(b, n) for b in batches])
@@ -137,7 +139,8 @@ def test_devices_without_real_examples_get_weight_zero():
     np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
 
 
-@pytest.mark.parametrize("opt", [pytest.param("sgd_momentum", marks=pytest.mark.slow), "adam"])
+@pytest.mark.slow
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
 def test_zero1_equals_replicated_and_shards_optimizer_state(opt):
     replicated, _ = run_ddp("mlp", 4, opt, batches=BATCHES["mlp"])
     sharded, _ = run_ddp("mlp", 4, opt, batches=BATCHES["mlp"], strategy="zero1")
@@ -166,6 +169,7 @@ def test_zero1_with_uneven_batch_and_accumulation():
     assert_trees_close(state.params, ref_params)
 
 
+@pytest.mark.slow
 def test_bf16_reduction_is_close_and_reduces_in_bf16():
     f32, _ = run_ddp("mlp", 4, "adam", batches=BATCHES["mlp"])
     bf16, _ = run_ddp("mlp", 4, "adam", batches=BATCHES["mlp"], reduce_dtype=jnp.bfloat16)

@@ -249,6 +249,7 @@ X64_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_float64_stays_float64_under_x64():
     # x64 is process-global: a child process keeps it away from every other test.
     run = subprocess.run(

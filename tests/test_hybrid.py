@@ -6,7 +6,7 @@ between layouts.
 Which cases run: every layout under DDP, ZeRO-1 and FSDP, and under ZeRO-2 where the layout accumulates
 micro-batches (with ``accum_steps=1`` ZeRO-2 compiles to ZeRO-1's program). The training runs, the two-process
 run and the checkpoint tour of four layouts are slow-tier tests; the fast tier (``-m "not slow"``) compiles FSDP's
-step on replica 2 x shard 4 and on data 4 x model 2 and reads which axis each collective crosses.
+step on replica 2 x shard 4, reads which axis each collective crosses, and checks the layouts' state and errors.
 """
 
 import functools
@@ -121,6 +121,7 @@ def test_fsdp_hybrid_gathers_inside_the_shard_group_and_only_sums_across_replica
     assert "over each axis: replica" in str(report)
 
 
+@pytest.mark.slow
 def test_model_axis_collectives_are_reported_on_their_axis():
     mesh = sc.make_mesh({"data": 4, "model": 2})
     state = sc.TrainState.create(

@@ -1,6 +1,6 @@
 """Flax NNX through the DDP step: RNG streams (dropout, several nnx.Rngs streams), BatchNorm, the eval
 adapter, checkpoints and several processes. The fast tier (``-m "not slow"``) leaves out the two-process job, the
-CNN trained end to end and the stream keys under per-device keys (per-example keys with accumulation stay)."""
+CNN trained end to end, several streams and the stream keys under per-device keys."""
 
 from __future__ import annotations
 
@@ -101,6 +101,7 @@ def cnn_batches(steps, seed=0):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
 def test_create_nnx_with_several_rng_streams():
     model = NnxDropout(nnx.Rngs(params=0, dropout=1, noise=2))

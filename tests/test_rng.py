@@ -1,9 +1,8 @@
 """Device-count independent randomness: per-example keys and make_train_step(rng="per_example").
 
 The device-count sweep trains on 1, 2 and 8 devices and accumulates on 1 and 4 devices (2 micro-batches): 4 devices
-or 4 micro-batches on 2 would take no other path. The fast tier (``-m "not slow"``) leaves out that sweep, the NNX
-model (its own stream keys), per-device keys and the draws of dtypes other than float32; the resume onto another
-device count still checks the Linen model on 1, 2 and 4 devices.
+or 4 micro-batches on 2 would take no other path. The fast tier (``-m "not slow"``) checks the keys themselves
+(float32 draws) and the step's per-example keys; the training runs and the other dtypes are slow.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from spmdcomm.rng import is_per_example_key, per_example_key, stream_key_for_cal
 
 GLOBAL = 16
 STEPS = 5
-KINDS = ["linen", pytest.param("nnx", marks=pytest.mark.slow)]
 
 
 def mesh_of(n):
@@ -190,7 +188,7 @@ def test_loss_fn_gets_a_per_example_key_with_global_offsets():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_same_parameters_on_1_2_4_8_devices_and_with_accumulation(kind):
     data = batches()
     ref, ref_history = train(kind, 1, data)
@@ -227,7 +225,8 @@ def test_a_draw_broadcast_over_the_batch_raises_when_the_step_compiles():
         step(state, batches(1)[0])
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_resume_on_another_device_count_continues_the_same_stream(kind, tmp_path):
     data = batches()
     uninterrupted, _ = train(kind, 1, data)

@@ -2,9 +2,9 @@
 
 Which cases run: the MLP under each strategy with Adam (parameters and two moments split) over 2, 4 and 8 devices,
 where the split changes (on 8 devices the 4-entry bias stays whole), and with SGD momentum over 4; the CNN under
-each strategy and optimizer over 4. The fast tier (``-m "not slow"``) keeps 8 devices for the MLP under each
-strategy and FSDP (or ZeRO-2 where micro-batches accumulate) for the other runs; restoring onto another strategy
-and device count is checked there on FSDP's own resume.
+each strategy and optimizer over 4. The fast tier (``-m "not slow"``) keeps the MLP on 8 devices under each
+strategy, FSDP's split, skipping, evaluation and resume, and the collectives explain reports; the other training
+runs are slow.
 """
 
 import re
@@ -35,11 +35,6 @@ SHARDED = ["zero2", "fsdp", sc.FSDP(reshard_after_forward=False)]
 IDS = ["zero2", "fsdp", "fsdp-keep"]
 
 
-def sharded(*, fast: str) -> list:
-    """``SHARDED`` as parameters, all but ``fast`` (an id) marked slow."""
-    return [pytest.param(s, id=name, marks=() if name == fast else pytest.mark.slow) for s, name in zip(SHARDED, IDS)]
-
-
 def needs(n):
     return pytest.mark.skipif(jax.device_count() < n, reason=f"needs {n} devices")
 
@@ -62,8 +57,9 @@ def test_mlp_equals_one_device(n, opt, strategy, reference_run):
     assert int(state.step) == STEPS
 
 
-@pytest.mark.parametrize("strategy", sharded(fast="fsdp"))
-@pytest.mark.parametrize("opt", [pytest.param("sgd_momentum", marks=pytest.mark.slow), "adam"])
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", SHARDED, ids=IDS)
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
 @needs(4)
 def test_cnn_with_cross_replica_batchnorm_equals_one_device(opt, strategy, reference_run):
     state, _ = run_ddp("cnn", 4, opt, batches=BATCHES["cnn"], strategy=strategy)
@@ -73,7 +69,8 @@ def test_cnn_with_cross_replica_batchnorm_equals_one_device(opt, strategy, refer
     sc.assert_replicated(state.model_state)
 
 
-@pytest.mark.parametrize("strategy", sharded(fast="zero2"))
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", SHARDED, ids=IDS)
 @needs(8)
 def test_uneven_batches_with_accumulation_equal_one_device(strategy):
     # 30 real rows padded to 32 over 8 devices x 2 micro-batches: whole padding blocks included.
@@ -200,6 +197,7 @@ def test_zero2_reduces_each_micro_batch_and_zero1_once():
     assert ops(zero2, "reduce-scatter") == [(848, "entry"), (848, "while")]
 
 
+@pytest.mark.slow
 def test_param_dtype_computes_in_bf16_with_float32_master_shards():
     bf16, _ = run_ddp("mlp", 4, "adam", batches=BATCHES["mlp"], strategy=sc.FSDP(param_dtype=jnp.bfloat16))
     f32, _ = run_ddp("mlp", 4, "adam", batches=BATCHES["mlp"], strategy="fsdp")
@@ -300,7 +298,8 @@ def nnx_ce(model, batch, *, rng, mask):
     return sc.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("zero2", marks=pytest.mark.slow), "fsdp"])
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
 def test_nnx_models_train_like_ddp(strategy):
     def run(strategy):
         state = sc.TrainState.create_nnx(NnxMLP(nnx.Rngs(0)), tx=optimizer("adam"), mesh=mesh_of(4), strategy=strategy)
