@@ -39,9 +39,15 @@ sys.path.append(str(EXAMPLE))
 # environment): compiling dominates the suite's time on CPU, and many tests build programs XLA has already
 # compiled in this session (a new step function for the same model and mesh, a worker script launched again,
 # the examples' runs). A cache hit returns the executable the same program compiled to, so no result changes;
-# a fresh directory, removed at exit, so that no run reads another run's entries.
-XLA_CACHE = tempfile.mkdtemp(prefix="spmdcomm-tests-xla-cache-")
-atexit.register(shutil.rmtree, XLA_CACHE, ignore_errors=True)
+# a fresh directory, removed at exit, so that no run reads another run's entries. Under pytest-xdist the
+# controller loads this file first and its workers inherit its environment: they share its directory, and only the
+# controller removes it.
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("SPMDCOMM_TEST_XLA_CACHE"):
+    XLA_CACHE = os.environ["SPMDCOMM_TEST_XLA_CACHE"]
+else:
+    XLA_CACHE = tempfile.mkdtemp(prefix="spmdcomm-tests-xla-cache-")
+    atexit.register(shutil.rmtree, XLA_CACHE, ignore_errors=True)
+    os.environ["SPMDCOMM_TEST_XLA_CACHE"] = XLA_CACHE
 os.environ["JAX_COMPILATION_CACHE_DIR"] = XLA_CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the default (1 s) would skip most programs
 jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
