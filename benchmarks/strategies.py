@@ -19,7 +19,7 @@ Strategies: DDP, ZeRO-1, ZeRO-2, FSDP, and FSDP with ``reshard_after_forward=Fal
 The comparison column ``jit+NamedSharding fsdp`` is the program a JAX user writes instead of our FSDP: one
 ``jax.jit`` of ``jax.value_and_grad`` of the plain mean loss over the whole global batch, ``tx.update`` and
 ``optax.apply_updates``, with every parameter and optimizer-state leaf placed by its own ``NamedSharding`` under
-the same rule as ours (``spmdcomm._layout.shard_spec``: split on the first dimension the device count divides,
+the same rule as ours (``spmdcomm.train._layout.shard_spec``: split on the first dimension the device count divides,
 else replicated), the batch split over the devices, the outputs placed as the inputs, parameters and optimizer
 state donated. XLA's SPMD partitioner inserts the collectives.
 
@@ -69,7 +69,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from train_step import BATCH, MLP, data, loss_fn, plain_loss  # noqa: E402
 
 import spmdcomm as sc  # noqa: E402
-from spmdcomm._layout import shard_spec  # noqa: E402
+from spmdcomm.train._layout import shard_spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = {

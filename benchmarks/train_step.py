@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import spmdcomm as sc  # noqa: E402
-from spmdcomm import runtime  # noqa: E402
+from spmdcomm.runtime import process as runtime  # noqa: E402
 
 BATCH = 256
 FLAT = sc.DDP(bucket_bytes=2**40)  # every gradient in one flat buffer

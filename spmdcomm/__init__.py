@@ -3,16 +3,9 @@
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm._version import __version__ as __version__  # written in _version.py only
-from spmdcomm.batchnorm import SyncBatchNorm
-from spmdcomm.checkpoint import (
-    CheckpointDamagedWarning,
-    checkpoint_extra,
-    latest_checkpoint_step,
-    restore_checkpoint,
-    save_checkpoint,
-)
 from spmdcomm.collectives import (
     REDUCE_OPS,
+    SpmdFunction,
     all_gather,
     all_reduce,
     all_to_all,
@@ -30,17 +23,22 @@ from spmdcomm.collectives import (
     scan,
     scatter,
     shift,
+    spmd,
 )
 from spmdcomm.data import (
+    Loader,
     MaskedBatch,
+    Prefetcher,
+    PrefetchStats,
     ShardedSampler,
+    aligned_empty,
     join_batches,
     pad_batch,
+    prefetch_to_device,
+    shard_batch,
     take_batches,
     unpad,
 )
-from spmdcomm.debug import enabled as debug_enabled
-from spmdcomm.debug import set_debug
 from spmdcomm.errors import (
     AxisError,
     BackendError,
@@ -56,51 +54,74 @@ from spmdcomm.errors import (
     SpmdError,
     TracedCallError,
 )
-from spmdcomm.eval_step import EvalStep, evaluate, make_eval_step
 from spmdcomm.explain import COLLECTIVE_KINDS, Collective, DeviceMemory, Explanation, explain
-from spmdcomm.loader import Loader
-from spmdcomm.loop import Hook, Preempted, fit
-from spmdcomm.mesh import (
-    data_mesh,
-    data_sharding,
-    default_mesh,
-    device_count,
-    local_device_count,
-    make_mesh,
-    process_count,
-    process_index,
-    replicated_sharding,
-)
-from spmdcomm.metrics import MetricsWriter
 from spmdcomm.nnx import nnx_loss_fn, nnx_metric_fn
-from spmdcomm.phases import PHASE_DESCRIPTIONS, PHASES, PhaseTimer
-from spmdcomm.placement import shard_batch
-from spmdcomm.preemption import PREEMPTED_EXIT_CODE, Preemption
-from spmdcomm.prefetch import Prefetcher, PrefetchStats, aligned_empty, prefetch_to_device
-from spmdcomm.replicas import Divergence, assert_replicated, check_replicas_in_sync
-from spmdcomm.runtime import (
-    initialize,
-    is_initialized,
-    is_main_process,
-    local_rank,
-    process_devices,
-    restart_count,
+from spmdcomm.reliability import (
+    PHASE_DESCRIPTIONS,
+    PHASES,
+    PREEMPTED_EXIT_CODE,
+    STUCK_EXIT_CODE,
+    MetricsWriter,
+    PhaseTimer,
+    Preemption,
+    Watchdog,
 )
-from spmdcomm.spmd import SpmdFunction, spmd
-from spmdcomm.strategies import DDP, FSDP, STRATEGIES, Strategy, ZeRO1, ZeRO2
-from spmdcomm.sync import (
+from spmdcomm.runtime import (
+    Divergence,
     all_gather_object,
+    assert_replicated,
     barrier,
     broadcast_object,
+    check_replicas_in_sync,
+    data_mesh,
+    data_sharding,
+    debug_enabled,
+    default_mesh,
+    device_count,
     host_all_gather,
     host_all_reduce,
     host_broadcast,
+    initialize,
+    is_initialized,
+    is_main_process,
+    local_device_count,
+    local_rank,
     main_process_first,
+    make_mesh,
+    process_count,
+    process_devices,
+    process_index,
+    replicated_sharding,
+    restart_count,
+    set_debug,
     sync_devices,
 )
-from spmdcomm.train_state import TrainState, optimizer_state_bytes
-from spmdcomm.train_step import DEFAULT_MAX_IN_FLIGHT, TrainStep, make_train_step, masked_mean
-from spmdcomm.watchdog import STUCK_EXIT_CODE, Watchdog
+from spmdcomm.train import (
+    DDP,
+    DEFAULT_MAX_IN_FLIGHT,
+    FSDP,
+    STRATEGIES,
+    CheckpointDamagedWarning,
+    EvalStep,
+    Hook,
+    Preempted,
+    Strategy,
+    SyncBatchNorm,
+    TrainState,
+    TrainStep,
+    ZeRO1,
+    ZeRO2,
+    checkpoint_extra,
+    evaluate,
+    fit,
+    latest_checkpoint_step,
+    make_eval_step,
+    make_train_step,
+    masked_mean,
+    optimizer_state_bytes,
+    restore_checkpoint,
+    save_checkpoint,
+)
 
 __all__ = [
     "P",

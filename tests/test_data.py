@@ -227,4 +227,4 @@ def test_join_batches_single_process_adds_masks_and_ends():
 
 
 def test_leading_size_reports_jax_arrays_too():
-    assert sc.data.leading_size("f", {"a": jax.numpy.zeros((3, 2)), "b": np.zeros(3)}) == 3
+    assert sc.data.batches.leading_size("f", {"a": jax.numpy.zeros((3, 2)), "b": np.zeros(3)}) == 3

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 MARKDOWN = [ROOT / "README.md", *DOCS]
 KINDS = ("python", "bash", "text", "sh")
-CI_COMMANDS = {"pip install -e '.[test]'", "ruff check .", "ruff format --check .", "python -m pytest"}
+CI_COMMANDS = {"pip install -e '.[test]'", "ruff check .", "ruff format --check .", "python -m pytest -n auto"}
 DOC_TIMEOUT = 300.0  # seconds for all Python blocks of one document
 COMMAND_TIMEOUT = 120.0  # seconds for one command of a bash block
 
@@ -262,12 +262,12 @@ def test_a_block_that_raises_is_reported_with_the_documents_line(tmp_path):
     ("name", "exists"),
     [
         ("spmdcomm.make_train_step", True),
-        ("spmdcomm.strategies.FSDP", True),  # a module that `import spmdcomm` need not have imported
+        ("spmdcomm.train.strategies.FSDP", True),  # a module that `import spmdcomm` need not have imported
         ("spmdcomm.TrainState.create", True),
         ("spmdcomm.launch", True),
         ("spmdcomm.ddp", False),
         ("spmdcomm.TrainStep.place", False),
-        ("spmdcomm.strategies.NoSuchStrategy", False),
+        ("spmdcomm.train.strategies.NoSuchStrategy", False),
     ],
 )
 def test_names_resolve_in_the_package(name, exists):

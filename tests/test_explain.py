@@ -13,7 +13,7 @@ from jax import lax
 
 import spmdcomm as sc
 from spmdcomm import P
-from spmdcomm.explain import _inventory, _memory, _parse_module
+from spmdcomm.explain.report import _inventory, _memory, _parse_module
 
 N = jax.device_count()
 ALL = (tuple(range(N)),)

@@ -300,7 +300,7 @@ def test_fsdp_param_dtype_casts_leaves_split_only_over_model_axes():
     # param_dtype like every leaf the data axis splits.
     import jax.numpy as jnp
 
-    from spmdcomm.strategies import ReduceContext
+    from spmdcomm.train.strategies import ReduceContext
 
     mesh = sc.make_mesh({"data": 4, "model": 2})
     strategy = sc.FSDP(param_dtype=jnp.bfloat16)

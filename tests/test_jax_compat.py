@@ -21,7 +21,7 @@ from jax import lax
 import spmdcomm as sc
 from spmdcomm import P
 from spmdcomm import _jax_compat as compat
-from spmdcomm.runtime import coordination_client
+from spmdcomm.runtime.process import coordination_client
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RANGE = "spmdcomm supports jax>=0.10,<0.12"
@@ -71,7 +71,7 @@ def test_pyproject_bounds_match_the_compat_constants():
 def test_no_jax_internals_outside_the_compat_module():
     offenders = [
         f"{path.name}:{n}: {line.strip()}"
-        for path in sorted((ROOT / "spmdcomm").glob("*.py"))
+        for path in sorted((ROOT / "spmdcomm").rglob("*.py"))
         if path.name != "_jax_compat.py"
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if re.search(r"jax\._src|from jax import _src|\.mat\.varying", line)

@@ -1,4 +1,4 @@
-"""The host-input rule (spmdcomm.placement): one process, where "local" and "global" must agree; the cross-process
+"""The host-input rule (spmdcomm.data.placement): one process, where "local" and "global" must agree; the cross-process
 agreement on shapes, driven by a stand-in channel; and a real 2 x 2 run through the launcher (a slow-tier test)."""
 
 import json
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import spmdcomm as sc
-from spmdcomm import placement
+from spmdcomm.data import placement
 from spmdcomm.errors import ProcessMismatchError, ShapeError, SpmdError
 
 P = sc.P

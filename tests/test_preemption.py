@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import spmdcomm as sc
-from spmdcomm import preemption as preemption_module
 from spmdcomm.launch import GRACE_SECONDS
+from spmdcomm.reliability import preemption as preemption_module
 
 ROOT = Path(__file__).resolve().parents[1]
 

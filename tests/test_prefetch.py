@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import spmdcomm as sc
-from spmdcomm import prefetch
+from spmdcomm.data import prefetch
 from spmdcomm.errors import ShapeError
 
 

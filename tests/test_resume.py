@@ -22,7 +22,7 @@ import optax
 import pytest
 
 import spmdcomm as sc
-import spmdcomm.prefetch
+import spmdcomm.data.prefetch
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_PATH = ROOT / "tests" / "workers" / "resume_job.py"
@@ -138,7 +138,7 @@ class CountingRows:
 
 
 def test_loader_position_counts_batches_handed_out_not_prefetched(monkeypatch):
-    monkeypatch.setattr(spmdcomm.prefetch, "INLINE_LOAD_SECONDS", 0)  # background threads from the start
+    monkeypatch.setattr(spmdcomm.data.prefetch, "INLINE_LOAD_SECONDS", 0)  # background threads from the start
     data = job.dataset()
     counting = {"x": CountingRows(data["x"]), "y": data["y"]}
     sampler = sc.ShardedSampler(job.EXAMPLES, shard_index=0, num_shards=1, seed=3)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import spmdcomm as sc
-from spmdcomm import debug, runtime, sync
+from spmdcomm.runtime import debug, sync
+from spmdcomm.runtime import process as runtime
 
 ENV = (
     "SPMDCOMM_COORDINATOR",

@@ -7,7 +7,7 @@ import re
 import pytest
 
 import spmdcomm as sc
-from spmdcomm.watchdog import ProcessState, format_table, stuck_processes
+from spmdcomm.reliability.watchdog import ProcessState, format_table, stuck_processes
 
 TIMEOUT = 5  # the watchdog's, in the jobs below
 # A row of the table: process, host, last step, phase, seconds in phase, mark.

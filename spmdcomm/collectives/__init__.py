@@ -1,4 +1,4 @@
-"""Pytree-aware SPMD collectives with torch.distributed names.
+"""Layer 4, collectives: pytree-aware SPMD collectives with torch.distributed names, and the ``spmd`` wrapper.
 
 Call these inside :func:`spmdcomm.spmd`, raw ``jax.shard_map`` or raw ``jax.pmap``. Each takes a pytree of
 arrays and an axis name, or a tuple of axis names (the axes then act as one axis whose device index is
@@ -17,6 +17,8 @@ The collectives live in three modules, all re-exported here:
   ``scatter``), built from data movement so that they run on every backend and deliver values exactly;
 - :mod:`spmdcomm.collectives.p2p`: point-to-point sends and the prefix scan built on them (``permute``,
   ``shift``, ``scan``).
+
+:mod:`spmdcomm.collectives.spmd` holds :func:`spmdcomm.spmd`, the ``shard_map``/``pmap`` wrapper they run in.
 
 Data and axis are positional, like ``jax.lax``; every other option (``op``, ``root``, ``dim``, ``perm``,
 ``offset``, ...) is keyword-only: ``all_reduce(x, "data", op="max")``.
@@ -53,6 +55,7 @@ from spmdcomm.collectives.reductions import (
     reduce_scatter,
 )
 from spmdcomm.collectives.rooted import BROADCAST_SPLIT_MIN_BYTES, broadcast, gather, reduce, scatter
+from spmdcomm.collectives.spmd import SpmdFunction, spmd
 
 __all__ = [
     "psum",
@@ -76,4 +79,6 @@ __all__ = [
     "SCAN_OPS",
     "RS_AG_MIN_BYTES",
     "BROADCAST_SPLIT_MIN_BYTES",
+    "SpmdFunction",
+    "spmd",
 ]

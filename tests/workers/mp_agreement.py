@@ -2,7 +2,7 @@
 
 Run it under the launcher with 2 processes x 2 devices. Agreements that hold print ``OK <name>``; checks that
 must fail print ``CAUGHT <name>: <message>``: differing descriptions, trees and replicas (through
-spmdcomm.sync's timed transport), then mismatched barrier names, an exception inside main_process_first, a
+spmdcomm.runtime.sync's timed transport), then mismatched barrier names, an exception inside main_process_first, a
 debug-mode shape mismatch and a host_all_reduce shape mismatch. Then the missing-process cases: process 1 stops
 iterating ``join_batches`` early (process 0 prints ``JOIN TIMEOUT after <s> s: <message>``); process 0 calls
 ``barrier`` once more than process 1, the seed bug (``BARRIER TIMEOUT after <s> s: <message>``); process 1
@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from checks import expect  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from spmdcomm import sync  # noqa: E402
+from spmdcomm.runtime import sync  # noqa: E402
 
 pid = sc.process_index()
 assert sc.process_count() == 2

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 from checks import check, checks  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from spmdcomm import prefetch  # noqa: E402
+from spmdcomm.data import prefetch  # noqa: E402
 
 pid, nproc = sc.process_index(), sc.process_count()
 mesh = sc.data_mesh()

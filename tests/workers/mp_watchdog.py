@@ -32,7 +32,7 @@ sc.initialize(timeout=60)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import spmdcomm.watchdog  # noqa: E402
+import spmdcomm.reliability.watchdog  # noqa: E402
 
 mode, arg = sys.argv[1], sys.argv[2]
 stuck = mode in ("stuck", "unreachable") or (mode == "stuck-once" and sc.restart_count() == 0)
@@ -63,7 +63,7 @@ def step(timer, i):
 
 def watched(timeout):
     if mode == "unreachable" and me == last:
-        spmdcomm.watchdog.coordination_client = lambda fn: _Unreachable()
+        spmdcomm.reliability.watchdog.coordination_client = lambda fn: _Unreachable()
     timer = sc.PhaseTimer()
     with sc.Preemption(), sc.Watchdog(timer, timeout=timeout, interval=0.5):
         for i in range(10 if mode == "stuck-once" else 10_000):

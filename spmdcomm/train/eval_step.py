@@ -11,7 +11,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm._step import (
+from spmdcomm.collectives.spmd import check_backend
+from spmdcomm.data.placement import HostInput, check_host_input
+from spmdcomm.errors import SpmdError, describe
+from spmdcomm.train._step import (
     DEFAULT_MAX_IN_FLIGHT,
     StepCache,
     Window,
@@ -25,11 +28,8 @@ from spmdcomm._step import (
     sum_dtype,
     zero_masked_rows,
 )
-from spmdcomm.errors import SpmdError, describe
-from spmdcomm.placement import HostInput, check_host_input
-from spmdcomm.spmd import check_backend
-from spmdcomm.strategies import ReduceContext, check_strategy_backend
-from spmdcomm.train_state import TrainState
+from spmdcomm.train.state import TrainState
+from spmdcomm.train.strategies import ReduceContext, check_strategy_backend
 
 __all__ = ["EvalStep", "evaluate", "make_eval_step"]
 

@@ -29,7 +29,7 @@ strategy                      gradients                              parameters 
 ============================  =====================================  ==============  ===============
 
 "Split per leaf" means each leaf is split over the data axis on its first dimension that the axis size divides
-(:func:`spmdcomm._layout.shard_spec`); a leaf no dimension of which divides stays replicated, so no leaf is ever
+(:func:`spmdcomm.train._layout.shard_spec`); a leaf no dimension of which divides stays replicated, so no leaf is ever
 padded or reshaped. The optimizer runs in the global view (``jax.jit`` over these sharded arrays): optax sees the
 model's tree with its true shapes, so masks and labels by path or shape, global-norm clipping, per-leaf trust
 ratios (LAMB, LARS) and factored statistics (Adafactor) are exactly those of one device, and XLA inserts the small
@@ -54,9 +54,9 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm._flat import FlatLayout, cast
-from spmdcomm._layout import TreeLayout
 from spmdcomm.errors import BackendError, SpmdError, describe
+from spmdcomm.train._flat import FlatLayout, cast
+from spmdcomm.train._layout import TreeLayout
 
 __all__ = ["Strategy", "DDP", "ZeRO1", "ZeRO2", "FSDP", "STRATEGIES"]
 

@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.mesh import process_index
+from spmdcomm.runtime.process import process_index
 
 __all__ = ["MetricsWriter"]
 

@@ -3,7 +3,7 @@
 Flax's ``BatchNorm(axis_name=...)`` averages the per-device means with ``pmean``: with a padded batch and a mask,
 each device's mean counts as much as any other, however many real rows it holds, and a device without a real row
 contributes 0/0 = NaN to every device's statistics. :class:`SyncBatchNorm` (Linen) and
-:class:`spmdcomm.nnx.SyncBatchNorm <spmdcomm._nnx_batchnorm.SyncBatchNorm>` (NNX) instead sum, over the devices of
+:class:`spmdcomm.nnx.SyncBatchNorm <spmdcomm.nnx.batchnorm.SyncBatchNorm>` (NNX) instead sum, over the devices of
 ``axis_name``, each device's sums over its real entries and their counts, so the mean and variance are exactly
 those one device computes on the real rows alone, padded or not:
 

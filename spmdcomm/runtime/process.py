@@ -1,4 +1,4 @@
-"""Joining a multi-process job, and where this process sits in it.
+"""Joining a multi-process job, and where this process sits in it: process and device counts, ranks.
 
 Call :func:`initialize` once at the top of a script, before any other JAX call. The same script
 then runs as one process (``initialize`` does nothing) or as one of N processes started by
@@ -26,7 +26,6 @@ import jax
 from spmdcomm._jax_compat import auto_detect_cluster, backends_initialized
 from spmdcomm._jax_compat import coordination_client as jax_coordination_client
 from spmdcomm.errors import CoordinatorError, DistributedError, SpmdError, describe
-from spmdcomm.mesh import process_count, process_index
 
 __all__ = [
     "initialize",
@@ -35,6 +34,10 @@ __all__ = [
     "local_rank",
     "restart_count",
     "process_devices",
+    "process_index",
+    "process_count",
+    "device_count",
+    "local_device_count",
     "coordination_client",
     "DEFAULT_INIT_TIMEOUT",
     "ENV_COORDINATOR",
@@ -199,6 +202,26 @@ def process_devices(process: int | None = None) -> list[jax.Device]:
             )
         )
     return sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id)
+
+
+def process_index() -> int:
+    """This process's index among all processes (0 in a single-process run)."""
+    return jax.process_index()
+
+
+def process_count() -> int:
+    """The number of processes in the job (1 in a single-process run)."""
+    return jax.process_count()
+
+
+def device_count() -> int:
+    """The number of devices across all processes."""
+    return jax.device_count()
+
+
+def local_device_count() -> int:
+    """The number of devices attached to this process."""
+    return jax.local_device_count()
 
 
 def host_and_port(address: str) -> tuple[str, int] | None:

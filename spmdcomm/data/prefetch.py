@@ -1,7 +1,7 @@
 """Host-to-device prefetch: the next batches are already on the mesh when the step wants them.
 
 Batches from any iterable of NumPy pytrees are placed on the mesh as global ``jax.Array``s split along
-dimension 0, following :mod:`spmdcomm.placement`'s rule for host input (by default each process yields its
+dimension 0, following :mod:`spmdcomm.data.placement`'s rule for host input (by default each process yields its
 own rows). While the loader is effectively free (its ``next()`` returns at once), the training loop's own
 thread places each batch when asked, doing exactly what a synchronous ``jax.device_put`` does: thread
 hand-offs would cost more than they could hide. Once the loader is seen to take time, two background
@@ -48,11 +48,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, Sharding
 
-from spmdcomm.data import leading_size, pad_batch
+from spmdcomm.data.batches import leading_size, pad_batch
+from spmdcomm.data.placement import Agreement, HostInput, blocks, check_host_input, place_leaves
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.mesh import data_sharding, default_mesh
-from spmdcomm.placement import Agreement, HostInput, blocks, check_host_input, place_leaves
-from spmdcomm.sync import Channel
+from spmdcomm.runtime.mesh import data_sharding, default_mesh
+from spmdcomm.runtime.sync import Channel
 
 __all__ = ["prefetch_to_device", "aligned_empty", "Prefetcher", "PrefetchStats"]
 
@@ -88,7 +88,7 @@ def prefetch_to_device(
     Each batch is a pytree of arrays (dicts, tuples, NamedTuples, :class:`~spmdcomm.MaskedBatch`) with a
     common leading size, placed split along dimension 0 over ``axis`` of ``mesh`` (default
     :func:`spmdcomm.default_mesh`), or as ``sharding`` says if given. Host leaves follow
-    :mod:`spmdcomm.placement`'s rule: by default each process's loader yields its own rows;
+    :mod:`spmdcomm.data.placement`'s rule: by default each process's loader yields its own rows;
     ``host_input="global"``: every process yields the whole batch. ``pad_to_multiple=k`` pads every batch to a
     multiple of ``k`` examples and yields :class:`~spmdcomm.MaskedBatch` es (use this process's device
     count along the axis to accept any batch size).

@@ -18,13 +18,13 @@ Ambiguous or impossible input raises instead of being guessed at:
   leaf, the size and the devices, and how to pad);
 - processes whose leaves would build different global arrays (different local shapes or dtypes for the
   same leaf, or a different tree): ``ProcessMismatchError`` in every process, naming the processes and
-  their shapes. This is checked through a timed sync point (:func:`spmdcomm.sync.exchange`) once per new
+  their shapes. This is checked through a timed sync point (:func:`spmdcomm.runtime.sync.exchange`) once per new
   shape signature, before any data moves; a signature seen before costs one dictionary lookup. A process
   that alone changes its shapes meets no partner at the check and raises
   :class:`~spmdcomm.errors.BarrierTimeoutError` after the timeout, naming the processes it waited for.
 
 >>> import numpy as np, spmdcomm as sc
->>> from spmdcomm import placement
+>>> from spmdcomm.data import placement
 >>> x = placement.place("example", {"x": np.arange(16.0).reshape(8, 2)}, sc.data_sharding())["x"]
 >>> x.shape, x.addressable_shards[1].data.tolist()
 ((8, 2), [[2.0, 3.0]])
@@ -41,10 +41,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, Sharding
 
-from spmdcomm.data import MaskedBatch, leading_size
+from spmdcomm.data.batches import MaskedBatch, leading_size
 from spmdcomm.errors import ProcessMismatchError, ShapeError, SpmdError, describe
-from spmdcomm.mesh import data_sharding, default_mesh, process_count, process_index
-from spmdcomm.sync import DEFAULT_TIMEOUT, Channel, exchange
+from spmdcomm.runtime.mesh import data_sharding, default_mesh
+from spmdcomm.runtime.process import process_count, process_index
+from spmdcomm.runtime.sync import DEFAULT_TIMEOUT, Channel, exchange
 
 __all__ = [
     "place",
@@ -166,7 +167,7 @@ def shard_batch(
     """Puts a batch on ``mesh`` as global ``jax.Array``s split along dimension 0 over ``axis``.
 
     ``batch`` is a pytree of arrays with a common leading size (a :class:`~spmdcomm.MaskedBatch` keeps its
-    mask, split the same way). Host leaves follow :mod:`spmdcomm.placement`'s rule: by default each process
+    mask, split the same way). Host leaves follow :mod:`spmdcomm.data.placement`'s rule: by default each process
     passes its own rows; ``host_input="global"``: every process passes the whole batch. The rows must divide
     across the devices (pad with :func:`spmdcomm.pad_batch` otherwise).
 
@@ -239,7 +240,7 @@ def check_host_input(fn: str, host_input: Any) -> HostInput:
                 fn,
                 f"host_input={host_input!r} is not one of {HOST_INPUTS}.",
                 fix="pass 'local' (each process passes its own rows, the default) or 'global' (every process "
-                "passes the same full value); see spmdcomm.placement.",
+                "passes the same full value); see spmdcomm.data.placement.",
             )
         )
     return host_input
@@ -312,8 +313,8 @@ class Agreement:
     """The host-input shape signatures that every process has agreed on, and the sync channel that checks
     a new one.
 
-    The main thread's calls share one (through :func:`spmdcomm.sync.exchange`); a placing thread keeps its
-    own, on a :class:`~spmdcomm.sync.Channel` named the same on every process, so that its checks never
+    The main thread's calls share one (through :func:`spmdcomm.runtime.sync.exchange`); a placing thread keeps its
+    own, on a :class:`~spmdcomm.runtime.sync.Channel` named the same on every process, so that its checks never
     pair up with the main thread's sync points. Every process must place the same sequence of signatures
     through an agreement, since each new one is a sync point.
     """

@@ -52,8 +52,7 @@ from spmdcomm.errors import (
     TracedCallError,
     describe,
 )
-from spmdcomm.mesh import process_count, process_index
-from spmdcomm.runtime import coordination_client, is_main_process
+from spmdcomm.runtime.process import coordination_client, is_main_process, process_count, process_index
 
 __all__ = [
     "barrier",

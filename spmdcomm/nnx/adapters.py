@@ -1,21 +1,17 @@
-"""Flax NNX models in the train and eval steps: adapters from ``fn(model, batch, ...)`` to their contracts, and
-:class:`SyncBatchNorm <spmdcomm._nnx_batchnorm.SyncBatchNorm>`, exact synchronised BatchNorm (see
-:mod:`spmdcomm.batchnorm`). ``flax.nnx`` is imported on first use, not by ``import spmdcomm``."""
+"""Flax NNX models in the train and eval steps: adapters from ``fn(model, batch, ...)`` to their contracts.
+``flax.nnx`` is imported on first use, not by ``import spmdcomm``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax.numpy as jnp
 
-from spmdcomm.rng import is_per_example_key, stream_key_for_call
-from spmdcomm.train_step import split_loss_output
+from spmdcomm.train.rng import is_per_example_key, stream_key_for_call
+from spmdcomm.train.train_step import split_loss_output
 
-if TYPE_CHECKING:
-    from spmdcomm._nnx_batchnorm import SyncBatchNorm
-
-__all__ = ["SyncBatchNorm", "nnx_loss_fn", "nnx_metric_fn"]
+__all__ = ["nnx_loss_fn", "nnx_metric_fn"]
 
 
 def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -27,7 +23,7 @@ def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
     :meth:`TrainState.create_nnx`.
 
     RNG streams (``nnx.Rngs``, ``nnx.Dropout(rate, rngs=...)``): for the duration of the call,
-    every stream's key is replaced by :func:`~spmdcomm.rng.stream_key_for_call` of its stored key and
+    every stream's key is replaced by :func:`~spmdcomm.train.rng.stream_key_for_call` of its stored key and
     the step's ``rng``, so with the default per-device ``rng`` the dropout masks differ between
     devices, micro-batches and steps (like torch DDP's per-rank generators), and with
     ``rng="per_example"`` they depend only on the seed, the step and each example's global index.
@@ -98,13 +94,3 @@ def nnx_metric_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(model, batch, mask=mask)
 
     return metric_fn
-
-
-def __getattr__(name: str) -> Any:
-    # SyncBatchNorm subclasses flax.nnx.BatchNorm: defining it imports flax.nnx, so it is loaded on first access.
-    if name == "SyncBatchNorm":
-        from spmdcomm._nnx_batchnorm import SyncBatchNorm
-
-        globals()[name] = SyncBatchNorm
-        return SyncBatchNorm
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

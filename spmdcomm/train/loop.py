@@ -14,14 +14,14 @@ from typing import Any
 
 import jax
 
-from spmdcomm.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.metrics import MetricsWriter
-from spmdcomm.phases import PhaseTimer
-from spmdcomm.preemption import PREEMPTED_EXIT_CODE, Preemption
-from spmdcomm.train_state import TrainState
-from spmdcomm.train_step import TrainStep
-from spmdcomm.watchdog import Watchdog
+from spmdcomm.reliability.metrics import MetricsWriter
+from spmdcomm.reliability.phases import PhaseTimer
+from spmdcomm.reliability.preemption import PREEMPTED_EXIT_CODE, Preemption
+from spmdcomm.reliability.watchdog import Watchdog
+from spmdcomm.train.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
+from spmdcomm.train.state import TrainState
+from spmdcomm.train.train_step import TrainStep
 
 __all__ = ["fit", "Hook", "Preempted"]
 

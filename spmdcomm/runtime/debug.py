@@ -27,8 +27,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from spmdcomm.errors import ProcessMismatchError, describe
-from spmdcomm.mesh import process_count, process_index
-from spmdcomm.sync import exchange
+from spmdcomm.runtime.process import process_count, process_index
+from spmdcomm.runtime.sync import exchange
 
 __all__ = ["set_debug", "enabled", "check_call", "fingerprint", "ENV_DEBUG"]
 

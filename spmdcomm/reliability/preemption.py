@@ -44,8 +44,7 @@ from typing import Any
 import jax
 
 from spmdcomm.errors import BarrierTimeoutError, DistributedError, SpmdError, describe
-from spmdcomm.mesh import process_count, process_index
-from spmdcomm.runtime import coordination_client
+from spmdcomm.runtime.process import coordination_client, process_count, process_index
 
 __all__ = ["Preemption", "PREEMPTED_EXIT_CODE", "DEFAULT_PREEMPTION_TIMEOUT"]
 

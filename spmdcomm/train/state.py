@@ -1,7 +1,7 @@
 """The train state: parameters, optimizer state, model state and RNG, placed on a mesh by a strategy.
 
 The state is the one home of the data-parallel configuration: the mesh, the data axis and the
-:mod:`~spmdcomm.strategies` strategy are given once, to :meth:`TrainState.create`, and every step built
+:mod:`~spmdcomm.train.strategies` strategy are given once, to :meth:`TrainState.create`, and every step built
 with :func:`~spmdcomm.make_train_step` / :func:`~spmdcomm.make_eval_step` reads them from the state it gets.
 """
 
@@ -19,14 +19,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm import placement
-from spmdcomm._layout import manual_spec
+from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
-from spmdcomm.loss_scale import resolve_loss_scale
-from spmdcomm.mesh import check_mesh_axes, default_mesh
-from spmdcomm.rng import data_to_keys, keys_to_data
-from spmdcomm.strategies import Strategy, resolve_strategy
-from spmdcomm.sync import broadcast_tree
+from spmdcomm.runtime.mesh import check_mesh_axes, default_mesh
+from spmdcomm.runtime.sync import broadcast_tree
+from spmdcomm.train._layout import manual_spec
+from spmdcomm.train.loss_scale import resolve_loss_scale
+from spmdcomm.train.rng import data_to_keys, keys_to_data
+from spmdcomm.train.strategies import Strategy, resolve_strategy
 
 __all__ = ["TrainState", "optimizer_state_bytes"]
 
@@ -38,7 +38,7 @@ class TrainState:
     ``step`` counts global steps, ``params`` are the trained parameters, ``opt_state`` the optax state,
     ``model_state`` the mutable model state (Flax ``batch_stats``, NNX ``BatchStat``, NNX RNG stream keys
     and counts ...; ``{}`` when none), ``rng`` a raw ``uint32[2]`` base key and ``loss_scale`` the dynamic loss
-    scale (a Flax ``DynamicScale``, replicated; ``None`` without scaling, see :mod:`spmdcomm.loss_scale`). The
+    scale (a Flax ``DynamicScale``, replicated; ``None`` without scaling, see :mod:`spmdcomm.train.loss_scale`). The
     static fields are ``apply_fn`` (a Flax ``Module.apply``, an NNX ``GraphDef`` or any callable handed to
     ``loss_fn``), ``tx``, the ``mesh`` and data ``axis`` the state lives on (one mesh axis, or a tuple of them: hybrid
     sharding), its ``strategy`` and the strategy's ``layout`` (the ``PartitionSpec`` of every leaf, over the
@@ -79,7 +79,7 @@ class TrainState:
         ``mesh`` defaults to every device on one ``"data"`` axis; ``axis`` is the mesh axis the batch
         is split over, or a tuple of mesh axes (the batch is split over all of them). ``strategy`` is
         ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"fsdp"`` or a :class:`~spmdcomm.Strategy` object such as
-        ``sc.DDP(bucket_bytes=...)`` (see :mod:`spmdcomm.strategies`). With several data axes, e.g.
+        ``sc.DDP(bucket_bytes=...)`` (see :mod:`spmdcomm.train.strategies`). With several data axes, e.g.
         ``mesh=sc.make_mesh({"replica": 2, "shard": 4}), axis=("replica", "shard")``, ZeRO and FSDP split over
         the last one and replicate over the others (hybrid sharding, torch's ``HYBRID_SHARD`` on a 2-D mesh):
         lay the last axis inside a node.
@@ -96,7 +96,7 @@ class TrainState:
         that differs; a missing process is named after the sync timeout).
         ``rng`` is an int seed, a key, or ``None`` (seed 0). ``loss_scale="dynamic"`` (or a Flax
         ``DynamicScale``) makes every train step scale the loss, unscale the reduced gradients, skip a non-finite
-        step and adapt the scale (float16 training, torch's ``GradScaler``; see :mod:`spmdcomm.loss_scale`).
+        step and adapt the scale (float16 training, torch's ``GradScaler``; see :mod:`spmdcomm.train.loss_scale`).
         Typed key leaves (``jax.random.key``, NNX
         ``RngKey``) stay typed keys; they travel as their key data.
 

@@ -24,7 +24,7 @@ How it works, and what it costs:
   still exits, within ``timeout + interval + 6`` seconds of its last completed step.
 
 Which processes are stuck: those that never reported their state, and among the processes with the lowest
-last completed step those that are not waiting for the others (:data:`~spmdcomm.phases.WAITING_PHASES`:
+last completed step those that are not waiting for the others (:data:`~spmdcomm.reliability.phases.WAITING_PHASES`:
 waiting for devices, in a barrier, saving); when all of those wait, all of them (a hang inside the devices).
 
 >>> import spmdcomm as sc
@@ -53,9 +53,8 @@ from typing import Any, NamedTuple
 import jax
 
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.mesh import process_count, process_index
-from spmdcomm.phases import PHASE_DESCRIPTIONS, WAITING_PHASES, PhaseTimer
-from spmdcomm.runtime import coordination_client
+from spmdcomm.reliability.phases import PHASE_DESCRIPTIONS, WAITING_PHASES, PhaseTimer
+from spmdcomm.runtime.process import coordination_client, process_count, process_index
 
 __all__ = ["Watchdog", "ProcessState", "STUCK_EXIT_CODE", "stuck_processes", "format_table"]
 
@@ -70,7 +69,7 @@ class ProcessState(NamedTuple):
     process: int
     host: str
     step: int | None  # last completed step; None before the first
-    phase: str  # a phase name of spmdcomm.phases, or the loop's own
+    phase: str  # a phase name of spmdcomm.reliability.phases, or the loop's own
     seconds: float  # seconds in that phase
 
 
@@ -233,7 +232,7 @@ def stuck_processes(states: Mapping[int, ProcessState], n: int) -> list[int]:
     """The processes of a job of ``n`` that hold it up, from each process's state (absent: no report).
 
     Those that never reported, then, among the processes with the lowest last completed step, those that are
-    not waiting for the others (not in :data:`~spmdcomm.phases.WAITING_PHASES`); when all of those wait, all
+    not waiting for the others (not in :data:`~spmdcomm.reliability.phases.WAITING_PHASES`); when all of those wait, all
     of them.
     """
     missing = [q for q in range(n) if q not in states]

@@ -3,7 +3,7 @@
 N devices (in one process or many) train exactly the model that one device trains on the global
 batch: every device runs ``loss_fn`` on its block of the batch, the gradients are summed over the
 data axis with weights ``real examples on this device / real examples on all devices`` by the state's
-strategy (:mod:`spmdcomm.strategies`), and every replica applies the same optax update.
+strategy (:mod:`spmdcomm.train.strategies`), and every replica applies the same optax update.
 
 The ``loss_fn`` contract (keyword arguments after the first two)::
 
@@ -22,12 +22,12 @@ The ``loss_fn`` contract (keyword arguments after the first two)::
 * ``step``: if ``loss_fn`` names a keyword parameter ``step``, it also gets the state's step count
   before this update (an int32 scalar), e.g. for a schedule inside the loss.
 * With ``TrainState.create(..., loss_scale="dynamic")`` the step multiplies the loss by the state's scale before
-  differentiating and divides the reduced gradients by it (float16 training, :mod:`spmdcomm.loss_scale`):
+  differentiating and divides the reduced gradients by it (float16 training, :mod:`spmdcomm.train.loss_scale`):
   ``loss_fn`` returns the plain loss.
 * ``rng`` depends on ``make_train_step(..., rng=...)``. ``"per_device"`` (default): a raw
   ``uint32[2]`` threefry key, ``fold_in(fold_in(fold_in(state.rng, step), device), micro_batch)``,
   different per step, device and micro-batch (the bits an example sees depend on the device count,
-  as with torch DDP). ``"per_example"``: a typed key (:func:`spmdcomm.rng.per_example_key`) whose
+  as with torch DDP). ``"per_example"``: a typed key (:func:`spmdcomm.train.rng.per_example_key`) whose
   draws give each example bits that depend only on ``state.rng``, the step and the example's global
   index in the batch, so results do not depend on the device count or ``accum_steps``; every draw
   from it must have the block's examples in dimension 0 (other shapes raise ``ShapeError`` when the
@@ -66,9 +66,12 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm._flat import all_finite
 from spmdcomm._jax_compat import varying_axes
-from spmdcomm._step import (
+from spmdcomm.collectives.spmd import check_backend
+from spmdcomm.data.placement import HostInput, check_host_input
+from spmdcomm.errors import SpmdError, describe
+from spmdcomm.train._flat import all_finite
+from spmdcomm.train._step import (
     DEFAULT_MAX_IN_FLIGHT,  # re-exported: the public home of the default window
     StepCache,
     Window,
@@ -83,13 +86,10 @@ from spmdcomm._step import (
     sum_dtype,
     zero_masked_rows,
 )
-from spmdcomm.errors import SpmdError, describe
-from spmdcomm.loss_scale import next_loss_scale
-from spmdcomm.placement import HostInput, check_host_input
-from spmdcomm.rng import RNG_MODES, is_key_leaf, per_example_key
-from spmdcomm.spmd import check_backend
-from spmdcomm.strategies import ReduceContext, check_strategy_backend
-from spmdcomm.train_state import TrainState
+from spmdcomm.train.loss_scale import next_loss_scale
+from spmdcomm.train.rng import RNG_MODES, is_key_leaf, per_example_key
+from spmdcomm.train.state import TrainState
+from spmdcomm.train.strategies import ReduceContext, check_strategy_backend
 
 __all__ = ["TrainStep", "make_train_step", "masked_mean"]
 
@@ -132,12 +132,12 @@ def make_train_step(
       rng: the key ``loss_fn`` gets. ``"per_device"`` (default): a raw ``uint32[2]`` key that
         differs on every device and micro-batch (like torch DDP's per-rank generators; the bits an
         example sees depend on the device count). ``"per_example"``: a
-        :func:`~spmdcomm.rng.per_example_key` whose draws give each example bits that depend only
+        :func:`~spmdcomm.train.rng.per_example_key` whose draws give each example bits that depend only
         on the seed, the step and its global index in the batch, so training does not depend on the
         device count or ``accum_steps``; every draw must have the block's examples in dimension 0.
       host_input: what a host (NumPy) batch means with several processes: ``"local"`` (default) this
         process's rows, ``"global"`` the whole global batch, passed by every process (see
-        :mod:`spmdcomm.placement`).
+        :mod:`spmdcomm.data.placement`).
 
     ``state`` must still live where ``TrainState.create`` put it (a state moved to other devices raises
     :class:`SpmdError` naming both meshes). Float64 model state and metrics (``jax_enable_x64``) are

@@ -1,32 +1,11 @@
-"""A local launcher: runs one Python script (or module) as N cooperating JAX processes.
+"""Runs a job's processes on this machine and supervises them: environment, output, failures, restarts.
 
-``spmdcomm-launch -n 2 --devices-per-process 2 train.py --lr 0.1`` (or ``python -m
-spmdcomm.launch``) picks a free loopback port for the coordinator, starts two copies of
-``train.py`` with the environment that :func:`spmdcomm.initialize` reads (``SPMDCOMM_COORDINATOR``,
-``SPMDCOMM_NUM_PROCESSES``, ``SPMDCOMM_PROCESS_ID``, ``SPMDCOMM_LOCAL_RANK``,
-``SPMDCOMM_LOCAL_WORLD_SIZE``, ``SPMDCOMM_RESTART_COUNT``; see :mod:`spmdcomm.runtime`), and
-prefixes every output line with ``[rank i]``.
-
-It fails fast: as soon as one process exits with a non-zero status or is killed, or the attempt's
-``--timeout`` expires, the others get SIGTERM and, after a grace period, SIGKILL (JAX catches
-SIGTERM and keeps running). The grace period (``--grace``, default :data:`GRACE_SECONDS`, 20 s) is what a
-preempted job needs between SIGTERM and its exit: agree on a stop step, finish the steps in flight, save a
-checkpoint and shut down (``docs/reliability.md``). After a process failed, the others get at most 3 s: they
-cannot save without it. With ``--max-restarts K`` the launcher then starts all processes again
-on a fresh coordinator port, up to K times (``SPMDCOMM_RESTART_COUNT`` tells each attempt apart).
-Ctrl-C or SIGTERM to the launcher is a stop, not a failure: it is passed on to every process in
-the same way and never restarted. Each process runs in its own session and, on Linux, is killed by
-the kernel if the launcher dies, so no process outlives the launcher. Each event is one line on
-stderr, prefixed ``spmdcomm-launch:``.
-
-Exit status: 0 when every process of an attempt exited 0; otherwise that of the last attempt's
-failure: the first failing process's status (``128 + signal`` when it was killed by a signal) or
-``124`` when ``--timeout`` expired; ``128 + signal`` when the launcher itself was interrupted.
+:func:`launch` is the launcher behind ``spmdcomm-launch`` (its command line: :mod:`spmdcomm.launch.cli`, which
+describes the behaviour and exit statuses).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import os
@@ -41,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.runtime import (
+from spmdcomm.runtime.process import (
     ENV_COORDINATOR,
     ENV_LOCAL_DEVICE_IDS,
     ENV_LOCAL_RANK,
@@ -54,7 +33,6 @@ from spmdcomm.runtime import (
 )
 
 __all__ = [
-    "main",
     "launch",
     "free_port",
     "GRACE_SECONDS",
@@ -67,34 +45,11 @@ __all__ = [
 GRACE_SECONDS = 20.0
 # At most this many seconds after a process failed: the others cannot save without it, and a restart should not
 # wait for processes that ignore SIGTERM (JAX's preemption notifier does).
-_FAILURE_GRACE_SECONDS = 3.0
+FAILURE_GRACE_SECONDS = 3.0
 
 _POLL_SECONDS = 0.05
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _TIMEOUT_STATUS = 124  # as coreutils' timeout(1)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``spmdcomm-launch``; returns the exit status (see the module docstring)."""
-    args = _parser().parse_args(argv)
-    if args.module is None and not args.command:
-        _parser().error("give a script to run (script.py [args...]) or -m module [args...]")
-    target = ["-m", args.module, *args.command] if args.module else list(args.command)
-    try:
-        _check_options(args.nprocs, args.devices_per_process, args.gpus_per_process, args.max_restarts)
-        _split_coordinator(args.coordinator)
-    except SpmdError as e:  # on the command line, a usage error (exit status 2), not a traceback
-        _parser().error(str(e))
-    return launch(
-        target,
-        args.nprocs,
-        devices_per_process=args.devices_per_process,
-        gpus_per_process=args.gpus_per_process,
-        coordinator=args.coordinator,
-        timeout=args.timeout,
-        grace=args.grace,
-        max_restarts=args.max_restarts,
-    )
 
 
 def launch(
@@ -132,8 +87,8 @@ def launch(
     ``max_restarts`` or a ``coordinator`` that is not ``HOST:PORT`` raises
     :class:`~spmdcomm.errors.SpmdError` before any process starts.
     """
-    _check_options(nprocs, devices_per_process, gpus_per_process, max_restarts)
-    host, port = _split_coordinator(coordinator)
+    check_options(nprocs, devices_per_process, gpus_per_process, max_restarts)
+    host, port = split_coordinator(coordinator)
     base = dict(os.environ if env is None else env)
     base.setdefault("PYTHONUNBUFFERED", "1")
     if devices_per_process is not None:
@@ -186,65 +141,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-# ------------------------------------------------------------------------------------------------
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="spmdcomm-launch",
-        description="Run a script as N cooperating JAX processes on this machine.",
-        usage="spmdcomm-launch -n N [--devices-per-process K] [--coordinator HOST:PORT] [--max-restarts K] "
-        "(script.py | -m module) [args...]",
-    )
-    p.add_argument("-n", "--nprocs", type=int, required=True, help="number of processes")
-    p.add_argument(
-        "--devices-per-process", type=int, default=None, metavar="K", help="give each process K fake CPU devices"
-    )
-    p.add_argument(
-        "--gpus-per-process",
-        type=int,
-        default=None,
-        metavar="K",
-        help="give each process K of this host's GPUs (rank r gets GPUs r*K .. r*K+K-1)",
-    )
-    p.add_argument(
-        "--coordinator",
-        default=None,
-        metavar="HOST:PORT",
-        help="coordinator address (default: 127.0.0.1 and a free port; restarts use a free port on HOST)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="end an attempt after this many seconds (a failure; exit status 124)",
-    )
-    p.add_argument(
-        "--grace",
-        type=float,
-        default=GRACE_SECONDS,
-        metavar="SECONDS",
-        help="seconds between SIGTERM and SIGKILL when the job is stopped (a signal, or --timeout): time to agree "
-        f"on a stop step, finish the steps in flight, save and exit (default {GRACE_SECONDS:g}); at most "
-        f"{_FAILURE_GRACE_SECONDS:g} after a process failed",
-    )
-    p.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        metavar="K",
-        help="when a process fails, stop all and start them again on a fresh coordinator port, "
-        "up to K times (default 0); each sees SPMDCOMM_RESTART_COUNT",
-    )
-    p.add_argument("-m", dest="module", default=None, help="run a module, like python -m")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...], or the module's args")
-    return p
-
-
-def _check_options(
+def check_options(
     nprocs: int, devices_per_process: int | None, gpus_per_process: int | None, max_restarts: int
 ) -> None:
+    """Raises :class:`~spmdcomm.errors.SpmdError` naming the flag when a count is below its least value."""
     # Checked up front: a zero device count would only fail later, inside every child's XLA start-up.
     for flag, name, value, least, fix in [
         ("-n", "nprocs", nprocs, 1, "pass -n N with N >= 1, the number of processes to start"),
@@ -276,7 +176,7 @@ def _check_options(
             )
 
 
-def _split_coordinator(coordinator: str | None) -> tuple[str, int | None]:
+def split_coordinator(coordinator: str | None) -> tuple[str, int | None]:
     """``HOST:PORT`` as (host without IPv6 brackets, port); no address gives loopback and no port yet."""
     if coordinator is None:
         return "127.0.0.1", None
@@ -291,6 +191,9 @@ def _split_coordinator(coordinator: str | None) -> tuple[str, int | None]:
             )
         )
     return parsed
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def _fresh_port(host: str, used: set[int]) -> int:
@@ -380,7 +283,7 @@ class _Job:
                     f"rank {rank} (pid {self.procs[rank].pid}) {_describe_status(code)}; "
                     f"stopping the other {running} running process(es)."
                 )
-                self.stop(grace=min(self.grace, _FAILURE_GRACE_SECONDS))
+                self.stop(grace=min(self.grace, FAILURE_GRACE_SECONDS))
                 status = _exit_status(code)
                 break
             if all(c == 0 for c in codes.values()):
@@ -460,7 +363,3 @@ def _forward_signals(job: _Job) -> Iterator[None]:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

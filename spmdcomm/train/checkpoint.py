@@ -55,9 +55,9 @@ import jax
 import numpy as np
 
 from spmdcomm.errors import SpmdError, check_not_deleted, describe
-from spmdcomm.mesh import process_count
-from spmdcomm.sync import exchange
-from spmdcomm.train_state import TrainState
+from spmdcomm.runtime.process import process_count
+from spmdcomm.runtime.sync import exchange
+from spmdcomm.train.state import TrainState
 
 __all__ = [
     "save_checkpoint",

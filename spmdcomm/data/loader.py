@@ -24,10 +24,10 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from spmdcomm.data import MaskedBatch, ShardedSampler, take_batches
+from spmdcomm.data.batches import MaskedBatch, ShardedSampler, take_batches
+from spmdcomm.data.prefetch import PrefetchStats, prefetch_to_device
 from spmdcomm.errors import AxisError, SpmdError, describe
-from spmdcomm.mesh import default_mesh
-from spmdcomm.prefetch import PrefetchStats, prefetch_to_device
+from spmdcomm.runtime.mesh import default_mesh
 
 __all__ = ["Loader"]
 

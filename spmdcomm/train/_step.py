@@ -1,7 +1,7 @@
 """What the train and eval steps share: the in-flight window, state checks, batch handling, compilation.
 
-Private to the package; the public step objects are in :mod:`spmdcomm.train_step` and
-:mod:`spmdcomm.eval_step`.
+Private to the package; the public step objects are in :mod:`spmdcomm.train.train_step` and
+:mod:`spmdcomm.train.eval_step`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm import placement
+from spmdcomm.collectives.spmd import SpmdFunction, check_backend
+from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, check_not_deleted, describe
-from spmdcomm.spmd import SpmdFunction, check_backend
-from spmdcomm.train_state import TrainState
+from spmdcomm.train.state import TrainState
 
 #: How many calls back a train/eval step waits for before dispatching another. XLA:CPU allows about 32
 #: queued executions containing collectives per device; beyond that the collectives stall and XLA

@@ -4,7 +4,7 @@ Both backends have the same contract. Arguments are ``jax.Array``s or host value
 across the mesh as ``in_specs`` says, the function runs once per device on its block, and the outputs are
 assembled into global arrays as ``out_specs`` say. Arguments that are not yet placed that way are placed for
 you, so the ``Explicit``-mesh error of raw ``jax.shard_map`` never reaches you. Host values follow
-:mod:`spmdcomm.placement`'s rule: with several processes each process passes its own part by default
+:mod:`spmdcomm.data.placement`'s rule: with several processes each process passes its own part by default
 (``host_input="local"``), or every process the same full value (``host_input="global"``).
 
 >>> import numpy as np, spmdcomm as sc
@@ -30,10 +30,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm import debug
+from spmdcomm.data.placement import HostInput, check_divisible, check_host_input, place_leaves
 from spmdcomm.errors import BackendError, SpmdError, check_not_deleted, describe
-from spmdcomm.mesh import check_mesh_axes, default_mesh
-from spmdcomm.placement import HostInput, check_divisible, check_host_input, place_leaves
+from spmdcomm.runtime import debug
+from spmdcomm.runtime.mesh import check_mesh_axes, default_mesh
 
 __all__ = ["spmd", "SpmdFunction", "P"]
 
@@ -65,7 +65,7 @@ def spmd(
       donate_argnums: arguments whose buffers the call may reuse for its outputs.
       host_input: what a host (NumPy) argument means with several processes: ``"local"`` (default), this
         process's part of the global array; ``"global"``, the full value, the same on every process. See
-        :mod:`spmdcomm.placement`. With one process both mean the same.
+        :mod:`spmdcomm.data.placement`. With one process both mean the same.
 
     Usable as ``spmd(fn, in_specs=..., out_specs=...)`` or as a decorator ``@spmd(in_specs=..., ...)``.
     Compiled functions are cached per (function, mesh, specs, backend, options) and per input shape, so
@@ -155,7 +155,7 @@ class SpmdFunction:
     def place(self, args: Sequence[Any]) -> tuple[Any, ...]:
         """Puts every argument leaf on the mesh as ``in_specs`` say, checking that the split fits.
 
-        Host leaves follow :mod:`spmdcomm.placement`'s rule under this function's ``host_input``; all of
+        Host leaves follow :mod:`spmdcomm.data.placement`'s rule under this function's ``host_input``; all of
         them go to the devices in one batched call. Leaves already placed so are returned as they are.
         """
         mesh = self.resolved_mesh()

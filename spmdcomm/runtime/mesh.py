@@ -1,4 +1,4 @@
-"""Meshes, shardings and topology queries.
+"""Meshes and shardings.
 
 spmdcomm builds every mesh with ``AxisType.Auto`` axes. ``jax.make_mesh`` now defaults to ``Explicit`` axes,
 under which ``jax.shard_map`` refuses inputs that are not already sharded as its ``in_specs`` say; with Auto
@@ -30,10 +30,6 @@ __all__ = [
     "default_mesh",
     "data_sharding",
     "replicated_sharding",
-    "process_index",
-    "process_count",
-    "device_count",
-    "local_device_count",
 ]
 
 
@@ -100,26 +96,6 @@ def data_sharding(*, mesh: Mesh | None = None, axis: str | tuple[str, ...] = "da
 def replicated_sharding(*, mesh: Mesh | None = None) -> NamedSharding:
     """A sharding that holds a full copy of the value on every device of ``mesh``."""
     return NamedSharding(default_mesh() if mesh is None else mesh, P())
-
-
-def process_index() -> int:
-    """This process's index among all processes (0 in a single-process run)."""
-    return jax.process_index()
-
-
-def process_count() -> int:
-    """The number of processes in the job (1 in a single-process run)."""
-    return jax.process_count()
-
-
-def device_count() -> int:
-    """The number of devices across all processes."""
-    return jax.device_count()
-
-
-def local_device_count() -> int:
-    """The number of devices attached to this process."""
-    return jax.local_device_count()
 
 
 def check_mesh_axes(fn: str, mesh: Mesh, axis: str | tuple[str, ...] | None) -> None:

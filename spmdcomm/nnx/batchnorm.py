@@ -1,7 +1,7 @@
 """The Flax NNX :class:`SyncBatchNorm`, public as ``spmdcomm.nnx.SyncBatchNorm``.
 
 A module of its own so that ``import spmdcomm`` does not import ``flax.nnx``: :mod:`spmdcomm.nnx` imports it on
-first use. What the statistics are: :mod:`spmdcomm.batchnorm`.
+first use. What the statistics are: :mod:`spmdcomm.train.batchnorm`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ from typing import Any
 import jax
 from flax import nnx
 
-from spmdcomm.batchnorm import batch_stats, check_no_groups, feature_axes, normalize, running_average
 from spmdcomm.errors import ShapeError, SpmdError, describe
+from spmdcomm.train.batchnorm import batch_stats, check_no_groups, feature_axes, normalize, running_average
 
 __all__ = ["SyncBatchNorm"]
 
 
 class SyncBatchNorm(nnx.BatchNorm):
-    """Flax NNX ``BatchNorm`` with exact, count-weighted statistics over ``axis_name`` (see :mod:`spmdcomm.batchnorm`).
+    """Flax NNX ``BatchNorm`` with exact, count-weighted statistics over ``axis_name`` (see
+    :mod:`spmdcomm.train.batchnorm`).
 
     Same constructor, attributes and variables (``Param`` ``scale``/``bias``, ``BatchStat`` ``mean``/``var``) as
     ``flax.nnx.BatchNorm``; ``model.eval()`` / ``model.train()`` and ``nnx.view`` switch it the same way.

@@ -13,7 +13,7 @@ step, eval metrics) weighs examples by the mask, so results equal the unpadded c
 
 :class:`ShardedSampler` splits a data set across processes so that every example is used exactly once per
 epoch, and :func:`join_batches` keeps processes whose iterators run out early stepping with fully masked
-batches until every process is done. :func:`spmdcomm.shard_batch` (in :mod:`spmdcomm.placement`) puts a
+batches until every process is done. :func:`spmdcomm.shard_batch` (in :mod:`spmdcomm.data.placement`) puts a
 batch on the mesh.
 """
 
@@ -27,8 +27,8 @@ import jax
 import numpy as np
 
 from spmdcomm.errors import ShapeError, SpmdError, describe
-from spmdcomm.mesh import process_count, process_index
-from spmdcomm.sync import DEFAULT_TIMEOUT, Channel
+from spmdcomm.runtime.process import process_count, process_index
+from spmdcomm.runtime.sync import DEFAULT_TIMEOUT, Channel
 
 __all__ = [
     "MaskedBatch",

@@ -1,0 +1,43 @@
+"""Layer 6, training: the train state, strategies (DDP, ZeRO, FSDP), train and eval steps, fit, checkpoints."""
+
+from spmdcomm.train._step import DEFAULT_MAX_IN_FLIGHT
+from spmdcomm.train.batchnorm import SyncBatchNorm
+from spmdcomm.train.checkpoint import (
+    CheckpointDamagedWarning,
+    checkpoint_extra,
+    latest_checkpoint_step,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from spmdcomm.train.eval_step import EvalStep, evaluate, make_eval_step
+from spmdcomm.train.loop import Hook, Preempted, fit
+from spmdcomm.train.state import TrainState, optimizer_state_bytes
+from spmdcomm.train.strategies import DDP, FSDP, STRATEGIES, Strategy, ZeRO1, ZeRO2
+from spmdcomm.train.train_step import TrainStep, make_train_step, masked_mean
+
+__all__ = [
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DDP",
+    "STRATEGIES",
+    "Strategy",
+    "ZeRO1",
+    "ZeRO2",
+    "FSDP",
+    "EvalStep",
+    "TrainState",
+    "TrainStep",
+    "fit",
+    "Hook",
+    "Preempted",
+    "evaluate",
+    "make_eval_step",
+    "make_train_step",
+    "masked_mean",
+    "SyncBatchNorm",
+    "optimizer_state_bytes",
+    "latest_checkpoint_step",
+    "checkpoint_extra",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "CheckpointDamagedWarning",
+]
