@@ -8,7 +8,7 @@ steps/s with L = 0.
 Part 2 (hidden transfer): a 16 MiB batch and a ~2 ms step, zero-cost loader. hidden = (T_sync - T_mode) /
 (T_sync - T_preplaced): the fraction of the host-to-device time that the mode takes off the step, where
 T_sync is synchronous device_put of a plain NumPy batch. Two loaders: a plain NumPy array (16 bytes past a
-64-byte boundary, as NumPy's large arrays usually are) and one from spmdcomm.aligned_empty, which CPU
+64-byte boundary, as NumPy's large arrays usually are) and one from spmdcomm.data.aligned_empty, which CPU
 devices alias without a copy, for synchronous device_put ("none aligned") as much as for prefetch.
 
 Plain loaders' batches are 16 mod 64 in both parts so that runs do not depend on where malloc put them.
@@ -109,7 +109,7 @@ class _Bench:
 
     def hidden_transfer(self) -> dict:
         host = _unaligned(np.random.default_rng(1).normal(size=(4096, 1024)).astype(np.float32))  # 16 MiB
-        aligned = sc.aligned_empty(host.shape, host.dtype)
+        aligned = sc.data.aligned_empty(host.shape, host.dtype)
         aligned[...] = host
         step = self._calibrated_step(host, 2.0)
         plain_loader, aligned_loader = (_loader("io", h, 0.0, None) for h in (host, aligned))
@@ -231,7 +231,7 @@ def _loader(kind: str, host, seconds: float, burn):
 
 def _unaligned(a):
     """A copy of ``a`` whose data starts 16 bytes past a 64-byte boundary."""
-    raw = sc.aligned_empty(a.nbytes + 16, "uint8")
+    raw = sc.data.aligned_empty(a.nbytes + 16, "uint8")
     out = raw[16 : 16 + a.nbytes].view(a.dtype).reshape(a.shape)
     out[...] = a
     return out

@@ -89,7 +89,7 @@ def init_params(model_name: str) -> dict:
 # --- variants: each returns run(steps) -> seconds -------------------------------------------------
 
 
-def ours(model_name: str, mesh, strategy: sc.Strategy | str = "ddp", **step_options):
+def ours(model_name: str, mesh, strategy: sc.train.Strategy | str = "ddp", **step_options):
     state = sc.TrainState.create(
         params=init_params(model_name),
         apply_fn=MODELS[model_name].apply,

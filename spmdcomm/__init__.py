@@ -1,11 +1,15 @@
-"""spmdcomm: torch.distributed-style collectives, syncs, a DDP train step and device prefetch for JAX."""
+"""spmdcomm: torch.distributed-style collectives, syncs, a DDP train step and device prefetch for JAX.
+
+``__all__`` holds what ordinary use needs (docs/api.md says why each name is there). Types that the library builds
+for you and tables of its constants stay in their layer, for annotations and tools: e.g.
+``spmdcomm.train.TrainStep`` (what ``make_train_step`` returns), ``spmdcomm.data.Prefetcher``,
+``spmdcomm.collectives.SpmdFunction``, ``spmdcomm.collectives.REDUCE_OPS``.
+"""
 
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm._version import __version__ as __version__  # written in _version.py only
 from spmdcomm.collectives import (
-    REDUCE_OPS,
-    SpmdFunction,
     all_gather,
     all_reduce,
     all_to_all,
@@ -28,10 +32,7 @@ from spmdcomm.collectives import (
 from spmdcomm.data import (
     Loader,
     MaskedBatch,
-    Prefetcher,
-    PrefetchStats,
     ShardedSampler,
-    aligned_empty,
     join_batches,
     pad_batch,
     prefetch_to_device,
@@ -54,11 +55,9 @@ from spmdcomm.errors import (
     SpmdError,
     TracedCallError,
 )
-from spmdcomm.explain import COLLECTIVE_KINDS, Collective, DeviceMemory, Explanation, explain
+from spmdcomm.explain import explain
 from spmdcomm.nnx import nnx_loss_fn, nnx_metric_fn
 from spmdcomm.reliability import (
-    PHASE_DESCRIPTIONS,
-    PHASES,
     PREEMPTED_EXIT_CODE,
     STUCK_EXIT_CODE,
     MetricsWriter,
@@ -67,7 +66,6 @@ from spmdcomm.reliability import (
     Watchdog,
 )
 from spmdcomm.runtime import (
-    Divergence,
     all_gather_object,
     assert_replicated,
     barrier,
@@ -75,7 +73,6 @@ from spmdcomm.runtime import (
     check_replicas_in_sync,
     data_mesh,
     data_sharding,
-    debug_enabled,
     default_mesh,
     device_count,
     host_all_gather,
@@ -98,17 +95,12 @@ from spmdcomm.runtime import (
 )
 from spmdcomm.train import (
     DDP,
-    DEFAULT_MAX_IN_FLIGHT,
     FSDP,
-    STRATEGIES,
     CheckpointDamagedWarning,
-    EvalStep,
     Hook,
     Preempted,
-    Strategy,
     SyncBatchNorm,
     TrainState,
-    TrainStep,
     ZeRO1,
     ZeRO2,
     checkpoint_extra,
@@ -124,9 +116,10 @@ from spmdcomm.train import (
 )
 
 __all__ = [
+    # the SPMD wrapper and partition specs
+    "spmd",
     "P",
-    # collectives
-    "REDUCE_OPS",
+    # device collectives, inside spmd or shard_map
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -144,7 +137,7 @@ __all__ = [
     "scatter",
     "shift",
     "scan",
-    # batches
+    # batches and the input pipeline
     "MaskedBatch",
     "pad_batch",
     "unpad",
@@ -153,22 +146,13 @@ __all__ = [
     "take_batches",
     "join_batches",
     "Loader",
-    # prefetch
     "prefetch_to_device",
-    "aligned_empty",
-    "Prefetcher",
-    "PrefetchStats",
     # data-parallel training
-    "DEFAULT_MAX_IN_FLIGHT",
     "DDP",
-    "STRATEGIES",
-    "Strategy",
     "ZeRO1",
     "ZeRO2",
     "FSDP",
-    "EvalStep",
     "TrainState",
-    "TrainStep",
     "fit",
     "Hook",
     "evaluate",
@@ -179,7 +163,6 @@ __all__ = [
     "nnx_loss_fn",
     "nnx_metric_fn",
     "optimizer_state_bytes",
-    "Divergence",
     "assert_replicated",
     "check_replicas_in_sync",
     "latest_checkpoint_step",
@@ -189,10 +172,6 @@ __all__ = [
     "CheckpointDamagedWarning",
     # what a compiled step communicates and holds
     "explain",
-    "Explanation",
-    "Collective",
-    "DeviceMemory",
-    "COLLECTIVE_KINDS",
     # errors
     "AxisError",
     "BackendError",
@@ -240,13 +219,7 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "Preempted",
     "PhaseTimer",
-    "PHASES",
-    "PHASE_DESCRIPTIONS",
     "MetricsWriter",
     # debug mode
     "set_debug",
-    "debug_enabled",
-    # the wrapper
-    "SpmdFunction",
-    "spmd",
 ]

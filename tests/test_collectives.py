@@ -579,9 +579,9 @@ ROOT_CASES = [  # name, call with root r, what device i holds afterwards (NumPy,
     ("scatter", lambda x, r: sc.scatter(x, "data", root=r), lambda xs, i, r: np.split(xs[r], len(xs))[i]),
 ]
 OP_CASES = [  # name, call with op, the ops it accepts
-    ("all_reduce", lambda x, op: sc.all_reduce(x, "data", op=op), sc.REDUCE_OPS),
-    ("reduce_scatter", lambda x, op: sc.reduce_scatter(x, "data", op=op), sc.REDUCE_OPS),
-    ("reduce", lambda x, op: sc.reduce(x, "data", op=op), sc.REDUCE_OPS),
+    ("all_reduce", lambda x, op: sc.all_reduce(x, "data", op=op), sc.collectives.REDUCE_OPS),
+    ("reduce_scatter", lambda x, op: sc.reduce_scatter(x, "data", op=op), sc.collectives.REDUCE_OPS),
+    ("reduce", lambda x, op: sc.reduce(x, "data", op=op), sc.collectives.REDUCE_OPS),
     ("scan", lambda x, op: sc.scan(x, "data", op=op), sc.collectives.SCAN_OPS),
 ]
 
@@ -627,7 +627,7 @@ def test_unknown_op_lists_the_allowed_ops(name, fn, allowed, op):
 
 
 def test_scan_refuses_mean_which_all_reduce_accepts():
-    assert "mean" in sc.REDUCE_OPS and "mean" not in sc.collectives.SCAN_OPS
+    assert "mean" in sc.collectives.REDUCE_OPS and "mean" not in sc.collectives.SCAN_OPS
     n = jax.device_count()
     with pytest.raises(sc.SpmdError, match=r"spmdcomm.scan: unknown op 'mean'"):
         _on_all_devices(lambda x: sc.scan(x, "data", op="mean"), np.zeros((n, 1), np.float32))

@@ -136,7 +136,7 @@ def test_assert_replicated_names_the_diverging_leaf_and_device():
         [jax.device_put(c, d) for c, d in zip(copies, mesh.devices.flat, strict=True)],
     )
     state = state.replace(params={**state.params, "Dense_1": {**state.params["Dense_1"], "bias": broken}})
-    assert sc.check_replicas_in_sync(state) == [sc.Divergence(".params['Dense_1']['bias']", 2, 0)]
+    assert sc.check_replicas_in_sync(state) == [sc.runtime.Divergence(".params['Dense_1']['bias']", 2, 0)]
     with pytest.raises(sc.ReplicaDivergenceError, match=r"leaf \.params\['Dense_1'\]\['bias'\].*device 2"):
         sc.assert_replicated(state)
 
@@ -377,10 +377,10 @@ def test_step_rejects_a_state_that_is_not_a_trainstate():
 @pytest.mark.slow
 def test_two_processes_of_two_devices_equal_one_process_of_four(launch, tmp_path):
     out = launch("mp_ddp.py", tmp_path, timeout=300)
-    assert out.stdout.count("DDP OK") == 2 * len(sc.STRATEGIES)
+    assert out.stdout.count("DDP OK") == 2 * len(sc.train.STRATEGIES)
     apply_fn, params, _ = init("mlp", seed=0)
     batches = [sc.pad_batch(example_batch("mlp", 15, seed=s), 4) for s in range(5)]
-    for strategy in sc.STRATEGIES:
+    for strategy in sc.train.STRATEGIES:
         state = sc.TrainState.create(
             params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh_of(4), strategy=strategy
         )

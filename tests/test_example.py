@@ -25,7 +25,7 @@ import spmdcomm as sc
 pytestmark = pytest.mark.slow
 
 MAIN = Path(train.__file__).with_name("main.py")
-PHASES = tuple(f"time/{name}" for name in sc.PHASES)  # every step's record holds each: data, ..., hooks, other
+PHASES = tuple(f"time/{name}" for name in sc.reliability.PHASES)  # every step: data, ..., hooks, other
 
 
 def losses(summary: dict) -> list[float]:

@@ -13,7 +13,7 @@ from jax import lax
 
 import spmdcomm as sc
 from spmdcomm import P
-from spmdcomm.explain.report import _inventory, _memory, _parse_module
+from spmdcomm.explain.report import DeviceMemory, Explanation, _inventory, _memory, _parse_module
 
 N = jax.device_count()
 ALL = (tuple(range(N)),)
@@ -277,8 +277,8 @@ def test_unknown_memory_prints_as_not_available():
             return None
 
     memory = _memory(NoAnalysis())
-    assert memory == sc.DeviceMemory(None, None, None, None, None) and memory.total_bytes is None
-    report = sc.Explanation(name="p", devices=1, mesh=None, collectives=(), memory=memory, hlo="")
+    assert memory == DeviceMemory(None, None, None, None, None) and memory.total_bytes is None
+    report = Explanation(name="p", devices=1, mesh=None, collectives=(), memory=memory, hlo="")
     assert str(report).splitlines()[-1] == (
         "memory per device: arguments n/a, outputs n/a, temporaries n/a, generated code n/a, aliased n/a, total n/a"
     )

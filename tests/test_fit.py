@@ -24,7 +24,7 @@ _spec = importlib.util.spec_from_file_location("resume_job", ROOT / "tests" / "w
 job = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(job)
 
-PHASES = sorted(f"time/{name}" for name in sc.PHASES)  # data, dispatch, devices, sync, save, hooks, other
+PHASES = sorted(f"time/{name}" for name in sc.reliability.PHASES)  # data, dispatch, devices, sync, save, hooks, other
 
 
 def mesh():

@@ -36,10 +36,16 @@ def test_phases_add_up_to_the_step_and_unused_phases_are_zero():
         clock.now += 4.0
     clock.now += 0.125
     times = timer.end_step(0)
-    assert times == {**dict.fromkeys(sc.PHASES, 0.0), "data": 2.0, "dispatch": 0.25, "devices": 4.0, "other": 0.625}
+    assert times == {
+        **dict.fromkeys(sc.reliability.PHASES, 0.0),
+        "data": 2.0,
+        "dispatch": 0.25,
+        "devices": 4.0,
+        "other": 0.625,
+    }
     with timer.phase("save"):
         clock.now += 1.5
-    assert timer.end_step(1) == {**dict.fromkeys(sc.PHASES, 0.0), "save": 1.5}
+    assert timer.end_step(1) == {**dict.fromkeys(sc.reliability.PHASES, 0.0), "save": 1.5}
 
 
 def test_nested_phases_count_for_the_innermost_and_custom_names_are_kept():
@@ -84,7 +90,7 @@ def test_snapshot_tells_another_thread_the_step_phase_and_since_when():
     (p,) = seen
     assert (p.step, p.phase, p.phase_start, p.step_start) == (0, "dispatch", 103.0, 101.0)
     assert p.thread == threading.get_ident()  # the training thread, whose stack the watchdog prints
-    assert sc.PHASE_DESCRIPTIONS[p.phase] == "dispatching"
+    assert sc.reliability.PHASE_DESCRIPTIONS[p.phase] == "dispatching"
 
 
 @pytest.mark.parametrize("name", ["", 3, None])

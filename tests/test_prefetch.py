@@ -56,7 +56,7 @@ def mode(request, monkeypatch):
 
 def unaligned(a):
     """A copy of ``a`` whose data starts 16 bytes past a 64-byte boundary."""
-    raw = sc.aligned_empty(a.nbytes + 16, np.uint8)
+    raw = sc.data.aligned_empty(a.nbytes + 16, np.uint8)
     out = raw[16 : 16 + a.nbytes].view(a.dtype).reshape(a.shape)
     out[...] = a
     return out
@@ -371,7 +371,7 @@ def test_staging_memory_returns_only_when_its_batch_is_gone(monkeypatch):
 
 
 def test_aligned_leaves_are_aliased_and_unaligned_ones_copied(mode):
-    aligned = sc.aligned_empty((64, 16), np.float32)
+    aligned = sc.data.aligned_empty((64, 16), np.float32)
     aligned[...] = 1.0
     loose = unaligned(np.full((64, 16), 2.0, np.float32))
     with sc.prefetch_to_device(iter([{"a": aligned, "u": loose}])) as it:
@@ -388,7 +388,7 @@ def test_aligned_leaves_are_aliased_and_unaligned_ones_copied(mode):
     "shape, dtype", [((256, 3), np.float32), (7, np.int8), ((0, 5), np.float64), ((3, 5, 2), np.complex64)]
 )
 def test_aligned_empty(shape, dtype):
-    x = sc.aligned_empty(shape, dtype)
+    x = sc.data.aligned_empty(shape, dtype)
     assert x.ctypes.data % 64 == 0 and x.flags.c_contiguous and x.flags.writeable
     assert x.shape == (shape if isinstance(shape, tuple) else (shape,)) and x.dtype == dtype
 

@@ -204,7 +204,7 @@ class SigtermBefore:
     """The train step, except that before running step ``at`` (the step that makes ``state.step == at``) the
     process sends itself SIGTERM, as a scheduler would."""
 
-    def __init__(self, step: sc.TrainStep, at: int):
+    def __init__(self, step: sc.train.TrainStep, at: int):
         self.step, self.at, self.calls = step, at, 0
         self.max_in_flight = step.max_in_flight
 

@@ -41,7 +41,7 @@ class Interrupted(Exception):
 class StopAfter:
     """The train step, except that call ``calls + 1`` raises :class:`Interrupted` instead of running."""
 
-    def __init__(self, step: sc.TrainStep, calls: int):
+    def __init__(self, step: sc.train.TrainStep, calls: int):
         self.step, self.left = step, calls
         self.max_in_flight = step.max_in_flight
 

@@ -53,7 +53,7 @@ class Config:
     lr: float = 2e-3  # peak Adam learning rate, cosine decay to 0 by the last step of the last epoch
     backend: str = "shard_map"  # or "pmap"
     accum_steps: int = 1
-    strategy: str = "ddp"  # one of sc.STRATEGIES: "ddp" (replicated), "zero1"/"zero2" (Adam state split), "fsdp"
+    strategy: str = "ddp"  # "ddp" (replicated), "zero1"/"zero2" (Adam state split), "fsdp"
     seed: int = 0
     max_steps: int | None = None  # stop the run once state.step reaches this (saved with a checkpoint_dir)
     checkpoint_dir: str | None = None  # save here and resume from the latest checkpoint here

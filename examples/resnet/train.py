@@ -35,7 +35,7 @@ class Config:
     momentum: float = 0.9
     weight_decay: float = 5e-4  # on kernels only (not on BatchNorm scales and biases)
     half_precision: bool = False  # float16 computation with dynamic loss scaling
-    strategy: str = "ddp"  # one of sc.STRATEGIES
+    strategy: str = "ddp"  # one of spmdcomm.train.STRATEGIES
     train_size: int = 3000
     test_size: int = 600  # not a multiple of the batch: the last test batch is padded
     seed: int = 0

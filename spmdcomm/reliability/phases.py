@@ -12,7 +12,7 @@ phase counts as ``"other"``, so a step's phases add up to its wall time. The tim
 >>> with timer.phase("dispatch"):
 ...     total = sum(batch)
 >>> times = timer.end_step(0)
->>> sorted(times) == sorted(sc.PHASES)
+>>> sorted(times) == sorted(sc.reliability.PHASES)
 True
 >>> timer.snapshot().step
 0

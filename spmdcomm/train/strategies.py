@@ -306,7 +306,7 @@ def resolve_strategy(fn: str, strategy: Strategy | str) -> Strategy:
     raise SpmdError(
         describe(
             fn,
-            f"strategy={strategy!r} is not a strategy; expected one of {STRATEGIES} or a spmdcomm.Strategy.",
+            f"strategy={strategy!r} is not a strategy; expected one of {STRATEGIES} or a spmdcomm.train.Strategy.",
             fix='pass strategy="ddp" (default), "zero1", "zero2", "fsdp", or an object such as '
             "spmdcomm.DDP(bucket_bytes=...) or spmdcomm.FSDP(param_dtype=jnp.bfloat16).",
         )

@@ -24,7 +24,7 @@ def main(out_dir: Path) -> None:
     mesh = sc.data_mesh()
     apply_fn, params, _ = init("mlp", seed=jax.process_index())
     batches = [sc.pad_batch(example_batch("mlp", 15, seed=s), 4) for s in range(5)]
-    for strategy in sc.STRATEGIES:
+    for strategy in sc.train.STRATEGIES:
         state = sc.TrainState.create(
             params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, strategy=strategy
         )

@@ -45,7 +45,7 @@ import spmdcomm as sc
 class Steps:
     """The train step, counting the steps it runs (and SIGKILLing the process at ``kill_at``, if given)."""
 
-    def __init__(self, step: sc.TrainStep, kill_at: int | None):
+    def __init__(self, step: sc.train.TrainStep, kill_at: int | None):
         self.step, self.kill_at = step, kill_at
         self.max_in_flight = step.max_in_flight
         self.first: int | None = None  # state.step at the first call: the step this attempt resumed from

@@ -82,7 +82,7 @@ class KillAt:
     """The train step, except that the process SIGKILLs itself instead of running the step that would reach
     ``state.step == at`` (counted from the state it first sees)."""
 
-    def __init__(self, step: sc.TrainStep, at: int):
+    def __init__(self, step: sc.train.TrainStep, at: int):
         self.step, self.at, self.next = step, at, None
         self.max_in_flight = step.max_in_flight
 

@@ -67,7 +67,7 @@ class StopAt:
     """The train step, except that it stops (raise, or SIGKILL with ``kill``) instead of running the step that
     would make ``state.step == at``."""
 
-    def __init__(self, step: sc.TrainStep, mode: str, at: int, *, kill: bool):
+    def __init__(self, step: sc.train.TrainStep, mode: str, at: int, *, kill: bool):
         self.step, self.mode, self.at, self.kill = step, mode, at, kill
         self.max_in_flight = step.max_in_flight
         self.next: int | None = None  # the step the next call would make (read from the first state only)
