@@ -21,7 +21,7 @@ from jax import lax
 import spmdcomm as sc
 from spmdcomm import P
 from spmdcomm import _jax_compat as compat
-from spmdcomm.runtime.process import coordination_client
+from spmdcomm.runtime.transport import coordination_client
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RANGE = "spmdcomm supports jax>=0.10,<0.12"

@@ -15,7 +15,8 @@ PACKAGE = ROOT / "spmdcomm"
 # its name or a package above it. docs/architecture.md shows the same table.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("spmdcomm.errors", "spmdcomm._version", "spmdcomm._jax_compat", "spmdcomm._ops")),
-    ("runtime", ("spmdcomm.runtime",)),
+    # transport is the bottom of runtime: every module that agrees across processes imports it
+    ("runtime", ("spmdcomm.runtime", "spmdcomm.runtime.transport")),
     ("launch", ("spmdcomm.launch",)),
     ("data", ("spmdcomm.data",)),
     ("collectives", ("spmdcomm.collectives",)),
@@ -31,7 +32,6 @@ MAX_LINES = 400
 # module may shrink but not grow, and one at or under the limit must leave the list.
 TOO_LONG: dict[str, int] = {
     "spmdcomm/train/checkpoint.py": 677,
-    "spmdcomm/runtime/sync.py": 592,
     "spmdcomm/explain/report.py": 585,
     "spmdcomm/train/train_step.py": 546,
     "spmdcomm/data/placement.py": 486,

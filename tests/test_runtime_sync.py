@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import spmdcomm as sc
-from spmdcomm.runtime import debug, sync
+from spmdcomm.runtime import debug, host_collectives, transport
 from spmdcomm.runtime import process as runtime
 
 ENV = (
@@ -78,7 +78,7 @@ def test_barriers_and_main_process_first_single_process():
         raise KeyError("propagates unchanged")
 
 
-@pytest.mark.parametrize("op", sc.REDUCE_OPS)
+@pytest.mark.parametrize("op", sc.collectives.REDUCE_OPS)
 def test_host_all_reduce_single_process(op):
     tree = {"a": np.array([1, -2, 3], np.int32), "b": [np.float32(2.5)], "c": 4}
     got = sc.host_all_reduce(tree, op=op)
@@ -118,19 +118,19 @@ def test_host_collective_argument_errors():
 
 def test_debug_switch(monkeypatch):
     monkeypatch.delenv("SPMDCOMM_DEBUG", raising=False)
-    assert not sc.debug_enabled()
+    assert not sc.runtime.debug_enabled()
     monkeypatch.setenv("SPMDCOMM_DEBUG", "1")
-    assert sc.debug_enabled()
+    assert sc.runtime.debug_enabled()
     sc.set_debug(False)
     try:
-        assert not sc.debug_enabled()
+        assert not sc.runtime.debug_enabled()
         sc.set_debug(True)
         f = sc.spmd(lambda b: sc.psum(b, "data"), in_specs=sc.P("data"), out_specs=sc.P())
         assert f(np.arange(8.0)).tolist() == [28.0]  # one process: the check is skipped
     finally:
         sc.set_debug(None)
     monkeypatch.setenv("SPMDCOMM_DEBUG", "0")
-    assert not sc.debug_enabled()
+    assert not sc.runtime.debug_enabled()
 
 
 def test_debug_fingerprint_diff():
@@ -148,24 +148,24 @@ def test_debug_fingerprint_diff():
     ]
 
 
-# ---- the agreement transport (sync.check_same_across_processes, raise_if_different, broadcast_tree) ------
+# ---- the agreement transport (transport.check_same_across_processes, raise_if_different, broadcast_tree) ------
 
 
 def test_agreement_single_process_fast_paths():
     # One process: nothing to compare and no coordination service needed.
-    sync.check_same_across_processes("f", "trees", "anything", fix="-", timeout=0.001)
+    transport.check_same_across_processes("f", "trees", "anything", fix="-", timeout=0.001)
     tree = {"w": jax.numpy.arange(3.0), "n": 2}
-    assert sync.broadcast_tree("TrainState.create", tree, timeout=0.001) is tree  # nothing to copy
+    assert host_collectives.broadcast_tree("TrainState.create", tree, timeout=0.001) is tree  # nothing to copy
     with pytest.raises(sc.SpmdError, match=r"spmdcomm.TrainState.create: root=1 is out of range for a job of 1"):
-        sync.broadcast_tree("TrainState.create", tree, root=1)
+        host_collectives.broadcast_tree("TrainState.create", tree, root=1)
 
 
 def test_raise_if_different_names_the_process_and_quotes_both_descriptions():
     ref = "['a']: (3,) float32; ['b']: (2, 2) int32"
     other = "['a']: (3,) float32; ['b']: (2, 5) int32"
-    sync.raise_if_different("f", "trees", [ref, ref], fix="build them alike.")
+    transport.raise_if_different("f", "trees", [ref, ref], fix="build them alike.")
     with pytest.raises(sc.ProcessMismatchError) as e:
-        sync.raise_if_different("TrainState.create", "parameter trees", [ref, ref, other], fix="build them alike.")
+        transport.raise_if_different("TrainState.create", "parameter trees", [ref, ref, other], fix="build them alike.")
     msg = str(e.value)
     assert msg.startswith(
         "spmdcomm.TrainState.create: process(es) [2] passed parameter trees that differ from process 0's"
@@ -176,12 +176,12 @@ def test_raise_if_different_names_the_process_and_quotes_both_descriptions():
     long_ref = "x" * 500 + "A" + "y" * 500
     long_other = "x" * 500 + "B" + "y" * 500
     with pytest.raises(sc.ProcessMismatchError) as e:
-        sync.raise_if_different("f", "trees", [long_ref, long_other], fix="-")
+        transport.raise_if_different("f", "trees", [long_ref, long_other], fix="-")
     quoted = "process 1 has ...'" + "x" * 60 + "B" + "y" * 99 + "'..., process 0 has ...'" + "x" * 60 + "A"
     assert quoted in str(e.value)
     # Only a few processes are quoted; the rest are counted.
     with pytest.raises(sc.ProcessMismatchError, match=r"process\(es\) \[1, 2, 3, 4\] .*\(1 more not shown\)\."):
-        sync.raise_if_different("f", "trees", [ref] + [other] * 4, fix="-")
+        transport.raise_if_different("f", "trees", [ref] + [other] * 4, fix="-")
 
 
 def test_broadcast_bytes_round_trips_every_dtype_bit_for_bit():
@@ -197,8 +197,8 @@ def test_broadcast_bytes_round_trips_every_dtype_bit_for_bit():
         np.zeros((0, 3), np.float32),
         np.array([2**63 - 1], np.int64),
     ]
-    got = sync._broadcast_bytes(leaves, 0)
+    got = host_collectives._broadcast_bytes(leaves, 0)
     for g, want in zip(got, leaves, strict=True):
         assert g.dtype == want.dtype and g.shape == want.shape
         assert g.tobytes() == want.tobytes()
-    assert sync._broadcast_bytes([np.zeros(0)], 0)[0].shape == (0,)
+    assert host_collectives._broadcast_bytes([np.zeros(0)], 0)[0].shape == (0,)

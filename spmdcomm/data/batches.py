@@ -28,7 +28,7 @@ import numpy as np
 
 from spmdcomm.errors import ShapeError, SpmdError, describe
 from spmdcomm.runtime.process import process_count, process_index
-from spmdcomm.runtime.sync import DEFAULT_TIMEOUT, Channel
+from spmdcomm.runtime.transport import DEFAULT_TIMEOUT, Channel
 
 __all__ = [
     "MaskedBatch",

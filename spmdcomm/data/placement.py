@@ -18,7 +18,7 @@ Ambiguous or impossible input raises instead of being guessed at:
   leaf, the size and the devices, and how to pad);
 - processes whose leaves would build different global arrays (different local shapes or dtypes for the
   same leaf, or a different tree): ``ProcessMismatchError`` in every process, naming the processes and
-  their shapes. This is checked through a timed sync point (:func:`spmdcomm.runtime.sync.exchange`) once per new
+  their shapes. This is checked through a timed sync point (:func:`spmdcomm.runtime.transport.exchange`) once per new
   shape signature, before any data moves; a signature seen before costs one dictionary lookup. A process
   that alone changes its shapes meets no partner at the check and raises
   :class:`~spmdcomm.errors.BarrierTimeoutError` after the timeout, naming the processes it waited for.
@@ -45,7 +45,7 @@ from spmdcomm.data.batches import MaskedBatch, leading_size
 from spmdcomm.errors import ProcessMismatchError, ShapeError, SpmdError, describe
 from spmdcomm.runtime.mesh import data_sharding, default_mesh
 from spmdcomm.runtime.process import process_count, process_index
-from spmdcomm.runtime.sync import DEFAULT_TIMEOUT, Channel, exchange
+from spmdcomm.runtime.transport import DEFAULT_TIMEOUT, Channel, exchange
 
 __all__ = [
     "place",
@@ -313,8 +313,8 @@ class Agreement:
     """The host-input shape signatures that every process has agreed on, and the sync channel that checks
     a new one.
 
-    The main thread's calls share one (through :func:`spmdcomm.runtime.sync.exchange`); a placing thread keeps its
-    own, on a :class:`~spmdcomm.runtime.sync.Channel` named the same on every process, so that its checks never
+    The main thread's calls share one (through :func:`spmdcomm.runtime.transport.exchange`); a placing thread keeps its
+    own, on a :class:`~spmdcomm.runtime.transport.Channel` named the same on every process, so that its checks never
     pair up with the main thread's sync points. Every process must place the same sequence of signatures
     through an agreement, since each new one is a sync point.
     """

@@ -52,7 +52,7 @@ from spmdcomm.data.batches import leading_size, pad_batch
 from spmdcomm.data.placement import Agreement, HostInput, blocks, check_host_input, place_leaves
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.runtime.mesh import data_sharding, default_mesh
-from spmdcomm.runtime.sync import Channel
+from spmdcomm.runtime.transport import Channel
 
 __all__ = ["prefetch_to_device", "aligned_empty", "Prefetcher", "PrefetchStats"]
 
@@ -134,7 +134,7 @@ def aligned_empty(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.n
     ``jax.device_put``) put them on CPU devices without copying, as long as each device's block is a
     multiple of 64 bytes. The device arrays then alias the memory: do not write into it afterwards.
 
-    >>> x = sc.aligned_empty((256, 3), np.float32)
+    >>> x = sc.data.aligned_empty((256, 3), np.float32)
     >>> x.ctypes.data % 64, x.shape, x.dtype, x.flags.c_contiguous
     (0, (256, 3), dtype('float32'), True)
     """

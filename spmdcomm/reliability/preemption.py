@@ -44,7 +44,8 @@ from typing import Any
 import jax
 
 from spmdcomm.errors import BarrierTimeoutError, DistributedError, SpmdError, describe
-from spmdcomm.runtime.process import coordination_client, process_count, process_index
+from spmdcomm.runtime.process import process_count, process_index
+from spmdcomm.runtime.transport import coordination_client
 
 __all__ = ["Preemption", "PREEMPTED_EXIT_CODE", "DEFAULT_PREEMPTION_TIMEOUT"]
 

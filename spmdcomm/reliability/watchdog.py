@@ -54,7 +54,8 @@ import jax
 
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.reliability.phases import PHASE_DESCRIPTIONS, WAITING_PHASES, PhaseTimer
-from spmdcomm.runtime.process import coordination_client, process_count, process_index
+from spmdcomm.runtime.process import process_count, process_index
+from spmdcomm.runtime.transport import coordination_client
 
 __all__ = ["Watchdog", "ProcessState", "STUCK_EXIT_CODE", "stuck_processes", "format_table"]
 

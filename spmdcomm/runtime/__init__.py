@@ -2,6 +2,13 @@
 
 from spmdcomm.runtime.debug import enabled as debug_enabled
 from spmdcomm.runtime.debug import set_debug
+from spmdcomm.runtime.host_collectives import (
+    all_gather_object,
+    broadcast_object,
+    host_all_gather,
+    host_all_reduce,
+    host_broadcast,
+)
 from spmdcomm.runtime.mesh import data_mesh, data_sharding, default_mesh, make_mesh, replicated_sharding
 from spmdcomm.runtime.process import (
     device_count,
@@ -16,16 +23,7 @@ from spmdcomm.runtime.process import (
     restart_count,
 )
 from spmdcomm.runtime.replicas import Divergence, assert_replicated, check_replicas_in_sync
-from spmdcomm.runtime.sync import (
-    all_gather_object,
-    barrier,
-    broadcast_object,
-    host_all_gather,
-    host_all_reduce,
-    host_broadcast,
-    main_process_first,
-    sync_devices,
-)
+from spmdcomm.runtime.sync import barrier, main_process_first, sync_devices
 
 __all__ = [
     # meshes and topology

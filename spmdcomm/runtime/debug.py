@@ -11,7 +11,7 @@ trip, so keep it for debugging. With one process there is nothing to compare and
 skipped.
 
 >>> import spmdcomm as sc
->>> sc.set_debug(True); sc.debug_enabled()
+>>> sc.set_debug(True); sc.runtime.debug_enabled()
 True
 >>> sc.set_debug(None)   # back to the SPMDCOMM_DEBUG environment variable
 """
@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from spmdcomm.errors import ProcessMismatchError, describe
 from spmdcomm.runtime.process import process_count, process_index
-from spmdcomm.runtime.sync import exchange
+from spmdcomm.runtime.transport import exchange
 
 __all__ = ["set_debug", "enabled", "check_call", "fingerprint", "ENV_DEBUG"]
 

@@ -24,8 +24,8 @@ from typing import Any
 import jax
 
 from spmdcomm._jax_compat import auto_detect_cluster, backends_initialized
-from spmdcomm._jax_compat import coordination_client as jax_coordination_client
 from spmdcomm.errors import CoordinatorError, DistributedError, SpmdError, describe
+from spmdcomm.runtime.transport import coordination_client, milliseconds
 
 __all__ = [
     "initialize",
@@ -38,7 +38,6 @@ __all__ = [
     "process_count",
     "device_count",
     "local_device_count",
-    "coordination_client",
     "DEFAULT_INIT_TIMEOUT",
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
@@ -235,24 +234,6 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def coordination_client(fn: str) -> Any:
-    """JAX's coordination-service client of this job (barriers and a key-value store).
-
-    ``fn`` names the caller for the error raised when the process has not joined a job.
-    """
-    client = jax_coordination_client()
-    if client is None:
-        raise DistributedError(
-            describe(
-                fn,
-                "this process has not joined a multi-process job.",
-                fix="call spmdcomm.initialize() at the top of the script (under spmdcomm-launch, "
-                "SLURM, Open MPI or Kubernetes it finds its settings).",
-            )
-        )
-    return client
-
-
 # ------------------------------------------------------------------------------------------------
 
 
@@ -386,5 +367,5 @@ def _exit_at_once_on_uncaught_errors() -> None:
 def _publish_host(pid: int, timeout: float) -> None:
     client = coordination_client("initialize")
     client.key_value_set(f"{_KV_PREFIX}{pid}", socket.gethostname(), allow_overwrite=True)
-    client.wait_at_barrier("spmdcomm/initialize", int(timeout * 1000))
+    client.wait_at_barrier("spmdcomm/initialize", milliseconds(timeout))
     _hosts.update({int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(_KV_PREFIX)})

@@ -4,7 +4,7 @@ A data-parallel run silently goes wrong when replicas drift apart (a non-determi
 that skipped a step, a bad restore). These checks compare a 64-bit checksum of each replicated
 leaf's bit pattern on every device (one small computation per device, no copy of the data to the
 host) and name the first leaf that differs, with the device and process holding the differing copy.
-Across processes the checksums meet at a timed sync point (:mod:`spmdcomm.runtime.sync`), so a process that
+Across processes the checksums meet at a timed sync point (:mod:`spmdcomm.runtime.transport`), so a process that
 never calls the check is named instead of leaving the others waiting.
 
 >>> import optax
@@ -27,7 +27,7 @@ from jax import lax
 
 from spmdcomm.errors import ReplicaDivergenceError, describe
 from spmdcomm.runtime.process import process_count, process_index
-from spmdcomm.runtime.sync import DEFAULT_TIMEOUT, exchange, raise_if_different, refuse_in_trace
+from spmdcomm.runtime.transport import DEFAULT_TIMEOUT, exchange, raise_if_different, refuse_in_trace
 
 __all__ = ["Divergence", "check_replicas_in_sync", "assert_replicated"]
 

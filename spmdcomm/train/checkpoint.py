@@ -56,7 +56,7 @@ import numpy as np
 
 from spmdcomm.errors import SpmdError, check_not_deleted, describe
 from spmdcomm.runtime.process import process_count
-from spmdcomm.runtime.sync import exchange
+from spmdcomm.runtime.transport import exchange
 from spmdcomm.train.state import TrainState
 
 __all__ = [

@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
+from spmdcomm.runtime.host_collectives import broadcast_tree
 from spmdcomm.runtime.mesh import check_mesh_axes, default_mesh
-from spmdcomm.runtime.sync import broadcast_tree
 from spmdcomm.train._layout import manual_spec
 from spmdcomm.train.loss_scale import resolve_loss_scale
 from spmdcomm.train.rng import data_to_keys, keys_to_data
@@ -78,7 +78,7 @@ class TrainState:
 
         ``mesh`` defaults to every device on one ``"data"`` axis; ``axis`` is the mesh axis the batch
         is split over, or a tuple of mesh axes (the batch is split over all of them). ``strategy`` is
-        ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"fsdp"`` or a :class:`~spmdcomm.Strategy` object such as
+        ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"fsdp"`` or a :class:`~spmdcomm.train.Strategy` object such as
         ``sc.DDP(bucket_bytes=...)`` (see :mod:`spmdcomm.train.strategies`). With several data axes, e.g.
         ``mesh=sc.make_mesh({"replica": 2, "shard": 4}), axis=("replica", "shard")``, ZeRO and FSDP split over
         the last one and replicate over the others (hybrid sharding, torch's ``HYBRID_SHARD`` on a 2-D mesh):

@@ -2,7 +2,7 @@
 
 Run it under the launcher with 2 processes x 2 devices. Agreements that hold print ``OK <name>``; checks that
 must fail print ``CAUGHT <name>: <message>``: differing descriptions, trees and replicas (through
-spmdcomm.runtime.sync's timed transport), then mismatched barrier names, an exception inside main_process_first, a
+spmdcomm.runtime.transport), then mismatched barrier names, an exception inside main_process_first, a
 debug-mode shape mismatch and a host_all_reduce shape mismatch. Then the missing-process cases: process 1 stops
 iterating ``join_batches`` early (process 0 prints ``JOIN TIMEOUT after <s> s: <message>``); process 0 calls
 ``barrier`` once more than process 1, the seed bug (``BARRIER TIMEOUT after <s> s: <message>``); process 1
@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from checks import expect  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from spmdcomm.runtime import sync  # noqa: E402
+from spmdcomm.runtime import host_collectives, transport  # noqa: E402
 
 pid = sc.process_index()
 assert sc.process_count() == 2
@@ -41,7 +41,7 @@ def replicated(value):
 
 
 # --- agreement that holds ------------------------------------------------------------------------------
-sync.check_same_across_processes("f", "descriptions", "['w']: (3,) float32", fix=FIX, timeout=30)
+transport.check_same_across_processes("f", "descriptions", "['w']: (3,) float32", fix=FIX, timeout=30)
 ok("same description", True)
 
 # Process 1's tree reaches every process bit for bit: -0.0, a denormal, a NaN payload, bf16, bool, a 3 MB leaf.
@@ -53,7 +53,7 @@ tree = {
     "big": np.full((768, 1024), pid, np.float32),
     "step": np.int64(10 + pid),
 }
-got = sync.broadcast_tree("TrainState.create", tree, root=1, timeout=30)
+got = host_collectives.broadcast_tree("TrainState.create", tree, root=1, timeout=30)
 ok("broadcast_tree structure", jax.tree.structure(got) == jax.tree.structure(tree))
 ok("broadcast_tree f32 bits", got["f32"].view(np.uint32).tolist() == [0x8000_0000, 1, 0x7FC0_0002])
 ok("broadcast_tree bf16", got["bf16"].astype(np.float32).tolist() == [-1, 0, 1, 2, 3])
@@ -68,18 +68,18 @@ ok("replicas in sync", sc.check_replicas_in_sync(same, timeout=30) == [])
 expect(
     "description",
     sc.ProcessMismatchError,
-    lambda: sync.check_same_across_processes(
+    lambda: transport.check_same_across_processes(
         "TrainState.create", "parameter trees", f"['w']: ({3 + pid},) float32", fix=FIX, timeout=30
     ),
 )
 expect(
     "tree_shapes",
     sc.ProcessMismatchError,
-    lambda: sync.broadcast_tree("TrainState.create", {"w": np.zeros(3 + pid, np.float32)}, timeout=30),
+    lambda: host_collectives.broadcast_tree("TrainState.create", {"w": np.zeros(3 + pid, np.float32)}, timeout=30),
 )
 drifted = {"w": replicated(np.full(4, pid, np.float32))}
 process1 = sorted(d.id for d in sc.process_devices(1))
-want = [sc.Divergence("['w']", device, 1) for device in process1]
+want = [sc.runtime.Divergence("['w']", device, 1) for device in process1]
 ok("divergence on process 1's devices", sc.check_replicas_in_sync(drifted, timeout=30) == want)
 expect("diverged", sc.ReplicaDivergenceError, lambda: sc.assert_replicated(drifted, timeout=30))
 extra = dict(same, **({"extra": replicated(np.zeros(1, np.float32))} if pid == 1 else {}))
@@ -136,7 +136,7 @@ if pid == 0:
     # broadcast_tree: process 1 never calls it.
     start = time.monotonic()
     try:
-        sync.broadcast_tree("TrainState.create", {"w": np.zeros(3)}, timeout=3)
+        host_collectives.broadcast_tree("TrainState.create", {"w": np.zeros(3)}, timeout=3)
     except sc.BarrierTimeoutError as e:
         print(f"TIMEOUT after {time.monotonic() - start:.2f} s: {e}", flush=True)
         sys.exit(1)
