@@ -97,7 +97,7 @@ def check_backend(fn: str, backend: str) -> None:
 
 
 class SpmdFunction:
-    """A function compiled by :func:`spmd`. Call it like the original; ``lower(...)`` shows what XLA gets."""
+    """What :func:`spmd` returns (``spmdcomm.collectives.SpmdFunction``, not in ``sc``); call it like the original."""
 
     def __init__(
         self,

@@ -112,7 +112,8 @@ def evaluate(eval_step: EvalStep, state: TrainState, batches: Iterable[Any]) -> 
 
 
 class EvalStep:
-    """An evaluation step (see :func:`make_eval_step`). Call it as ``evaluate(state, batch)``."""
+    """An evaluation step, made by :func:`make_eval_step` (annotate with ``spmdcomm.train.EvalStep``; not an ``sc``
+    name). Call it as ``evaluate(state, batch)``."""
 
     def __init__(self, metric_fn: Callable[..., Any], *, backend: str, max_in_flight: int, host_input: HostInput):
         self.metric_fn = metric_fn

@@ -182,8 +182,8 @@ def make_train_step(
 
 
 class TrainStep:
-    """A data-parallel train step (see :func:`make_train_step`). Call it as ``step(state, batch)``; it
-    compiles once per state structure (mesh, strategy, shapes)."""
+    """A data-parallel train step, made by :func:`make_train_step` (annotate with ``spmdcomm.train.TrainStep``; not an
+    ``sc`` name). Call it as ``step(state, batch)``; it compiles once per state structure (mesh, strategy, shapes)."""
 
     def __init__(self, options: StepOptions, max_in_flight: int):
         self.options = options
