@@ -2,8 +2,8 @@
 ``spmdcomm-launch`` train tests/workers/recovery_job.py (resume_job.py's MLP with BatchNorm and dropout, Adam,
 24 steps through ``sc.fit``, checkpoints every 4 steps) while the test kills a rank twice (once inside a
 checkpoint save), stalls one, or preempts the job; each run must end with every leaf of the state (parameters,
-optimizer state, step, model state, RNG) bitwise equal to an uninterrupted run's, launched in the same test on
-the same device layout. The steps, ranks and attempts of the failures are drawn from a seeded generator.
+optimizer state, step, model state, RNG) bitwise equal to an uninterrupted run's, launched once per
+module on the same device layout. The steps, ranks and attempts of the failures are drawn from a seeded generator.
 
 The figures of docs/reliability.md (time to detection, steps redone, time to stop) come from these runs."""
 
@@ -63,9 +63,11 @@ def lines(pattern: str, text: str) -> list[tuple[str, ...]]:
     return re.findall(pattern, text, re.M)
 
 
-def uninterrupted(launch, tmp_path: Path) -> Path:
-    out = tmp_path / "straight.npz"
-    launch("recovery_job.py", "-", out)
+@pytest.fixture(scope="module")
+def straight(module_launch, tmp_path_factory) -> Path:
+    """The uninterrupted run's final state, launched once for the tests of this module that compare with it."""
+    out = tmp_path_factory.mktemp("straight") / "straight.npz"
+    module_launch("recovery_job.py", "-", out)
     return out
 
 
@@ -74,13 +76,12 @@ def uninterrupted(launch, tmp_path: Path) -> Path:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_killed(launch, tmp_path):
+def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_killed(launch, tmp_path, straight):
     rng = random.Random(SEED)
     # The rank dies instead of running kill_step, mid-epoch and between two saves (so steps are redone).
     kill_step = rng.choice([s for s in range(5, 18) if mid_epoch(s - 1) and (s - 1) % SAVE_EVERY])
     save_step = rng.choice([s for s in range(kill_step + 1, STEPS - 1) if s % SAVE_EVERY == 0 and mid_epoch(s)])
     kill_rank, save_rank = rng.randrange(2), rng.randrange(2)
-    straight = uninterrupted(launch, tmp_path)
 
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
     faults = ["--fault", f"0:{kill_rank}:{kill_step}:kill", "--fault", f"1:{save_rank}:{save_step}:kill-in-save"]
@@ -122,10 +123,9 @@ def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_kille
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwise(launch, tmp_path):
+def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwise(launch, tmp_path, straight):
     rng = random.Random(SEED + 2)
     stall_step, stall_rank = rng.choice([s for s in range(6, 20) if mid_epoch(s - 1)]), rng.randrange(2)
-    straight = uninterrupted(launch, tmp_path)
 
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
     args = ["recovery_job.py", ckpt, resumed, "--watchdog-timeout", WATCHDOG_TIMEOUT]
@@ -164,9 +164,8 @@ def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwis
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bitwise(launch, tmp_path):
+def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bitwise(launch, tmp_path, straight):
     ready = random.Random(SEED + 3).choice([s for s in range(3, 10) if mid_epoch(s)])
-    straight = uninterrupted(launch, tmp_path)
 
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
     res = launch(
