@@ -1,6 +1,8 @@
 """Batches on the mesh: padding with masks, shard_batch placement and errors, the sampler, join_batches."""
 
 import itertools
+import re
+import warnings
 
 import jax
 import numpy as np
@@ -28,6 +30,51 @@ def test_masked_mean_of_padded_batch_equals_unpadded_mean(multiple):
         got = (padded.data["x"] * w[:, None]).sum(0) / w.sum()
         np.testing.assert_allclose(got, b["x"].astype(np.float64).mean(0), rtol=1e-12)
         np.testing.assert_array_equal(sc.unpad(padded)["y"], b["y"])
+
+
+@pytest.mark.parametrize(
+    "pad", [lambda b: sc.pad_batch(b, 4), lambda b: sc.pad_batch(b, multiple_of=4)], ids=["positional", "keyword"]
+)
+def test_pad_batch_takes_multiple_of_positionally_or_by_keyword_without_a_warning(pad):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        padded = pad(batch_of(5))
+    assert padded.mask.tolist() == [True] * 5 + [False] * 3
+    np.testing.assert_array_equal(padded.data["x"][:5], batch_of(5)["x"])
+    assert not padded.data["x"][5:].any()
+
+
+def test_pad_batch_old_keyword_still_works_with_a_deprecation_warning_naming_the_new_one():
+    with pytest.warns(DeprecationWarning) as record:
+        old = sc.pad_batch(batch_of(5), multiple=4)
+    (warning,) = record
+    assert str(warning.message) == (
+        "spmdcomm.pad_batch: multiple= is deprecated and will be removed in the next release; pass multiple_of=4."
+    )
+    assert warning.filename == __file__  # points at the caller's line
+    new = sc.pad_batch(batch_of(5), multiple_of=4)
+    np.testing.assert_array_equal(old.mask, new.mask)
+    np.testing.assert_array_equal(old.data["x"], new.data["x"])
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            {"multiple_of": 4, "multiple": 4},
+            "both multiple_of= and its old spelling multiple= were given. Fix: pass only multiple_of=",
+        ),
+        ({}, "no multiple_of given. Fix: pass the number of devices"),
+        ({"multiple_of": 0}, "multiple_of=0 must be a positive int"),
+        ({"multiple_of": True}, "multiple_of=True must be a positive int"),
+        ({"multiple": 2.0}, "multiple_of=2.0 must be a positive int"),
+    ],
+)
+def test_pad_batch_refuses_a_missing_bad_or_doubled_multiple(kwargs, message):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(SpmdError, match=rf"^spmdcomm\.pad_batch: {re.escape(message)}"):
+            sc.pad_batch(batch_of(5), **kwargs)
 
 
 def test_masked_mean_on_device_over_sharded_padded_batch():

@@ -117,7 +117,7 @@ def test_split_dimension_errors_name_leaf_size_devices_and_fix():
     msg = str(err.value)
     assert msg.startswith(f"spmdcomm.test: leaf ['x']: dimension 0 of size {n + 1} (shape ({n + 1}, 3))")
     assert f"mesh axis 'data' of size {n}" in msg and f"devices {list(range(n))}" in msg
-    assert f"spmdcomm.pad_batch(batch, {n})" in msg and f"pad_to_multiple={n}" in msg
+    assert f"spmdcomm.pad_batch(batch, {n})" in msg and f"multiple_of={n}" in msg
     sharding = jax.sharding.NamedSharding(sc.default_mesh(), P(None, "data"))
     with pytest.raises(ShapeError, match=rf"dimension 1 of size 3 .* Fix: pad dimension 1 to a multiple of {n}, or"):
         placement.place("test", rows(n), sharding)

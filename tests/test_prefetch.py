@@ -96,14 +96,32 @@ def test_tuples_namedtuples_and_explicit_sharding(mode):
         assert float(b.sum()) == 8.0
 
 
-def test_pad_to_multiple_yields_masked_batches_with_exact_means(mode):
+def test_multiple_of_yields_masked_batches_with_exact_means(mode):
     sizes = [8, 16, 5, 13, 1]
     src = ({"x": np.arange(n, dtype=np.float32) + 1} for n in sizes)
-    with sc.prefetch_to_device(src, pad_to_multiple=8) as it:
+    with sc.prefetch_to_device(src, multiple_of=8) as it:
         for n, b in zip(sizes, it, strict=True):
             assert isinstance(b, sc.MaskedBatch) and b.mask.shape[0] % 8 == 0
             x, m = np.asarray(b.data["x"]), np.asarray(b.mask)
             assert m.sum() == n and (x * m).sum() / m.sum() == (n + 1) / 2
+
+
+def test_old_pad_to_multiple_keyword_still_pads_with_a_deprecation_warning():
+    sizes = [8, 5, 13]
+    with pytest.warns(DeprecationWarning) as record:
+        it = sc.prefetch_to_device(({"x": np.arange(n, dtype=np.float32)} for n in sizes), pad_to_multiple=8)
+    (warning,) = record
+    assert str(warning.message) == (
+        "spmdcomm.prefetch_to_device: pad_to_multiple= is deprecated and will be removed in the next release; "
+        "pass multiple_of=8."
+    )
+    assert warning.filename == __file__
+    with it:
+        got = [(np.asarray(b.data["x"]).tolist(), np.asarray(b.mask).tolist()) for b in it]
+    want = [(sc.pad_batch({"x": np.arange(n, dtype=np.float32)}, 8)) for n in sizes]
+    assert got == [(w.data["x"].tolist(), w.mask.tolist()) for w in want]
+    with pytest.raises(sc.SpmdError, match=r"both multiple_of= and its old spelling pad_to_multiple= were given"):
+        sc.prefetch_to_device([], multiple_of=8, pad_to_multiple=8)
 
 
 def test_producer_exception_reraised_with_original_traceback(mode):
@@ -124,7 +142,7 @@ def test_producer_exception_reraised_with_original_traceback(mode):
 
 def test_shape_error_from_producer_says_how_to_pad(mode):
     it = sc.prefetch_to_device(iter([{"x": np.zeros((7, 2))}]))
-    with pytest.raises(ShapeError, match=r"leaf \['x'\]: dimension 0 of size 7 .*pad_to_multiple=8"):
+    with pytest.raises(ShapeError, match=r"leaf \['x'\]: dimension 0 of size 7 .*multiple_of=8"):
         next(it)
 
 
@@ -416,5 +434,5 @@ def test_staging_buffer_not_reused_while_a_dropped_batch_is_still_being_read(mon
 def test_bad_arguments():
     with pytest.raises(sc.SpmdError, match="size=0 must be at least 1"):
         sc.prefetch_to_device([], size=0)
-    with pytest.raises(sc.SpmdError, match="pad_to_multiple=0"):
-        sc.prefetch_to_device([], pad_to_multiple=0)
+    with pytest.raises(sc.SpmdError, match="multiple_of=0"):
+        sc.prefetch_to_device([], multiple_of=0)

@@ -20,6 +20,7 @@ batch on the mesh.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -47,17 +48,28 @@ class MaskedBatch(NamedTuple):
     mask: Any
 
 
-def pad_batch(batch: Any, multiple: int) -> MaskedBatch:
-    """Pads dimension 0 of every leaf with zeros up to a multiple of ``multiple``; ``mask`` marks real rows.
+def pad_batch(batch: Any, multiple_of: int | None = None, *, multiple: int | None = None) -> MaskedBatch:
+    """Pads dimension 0 of every leaf with zeros up to a multiple of ``multiple_of``; ``mask`` marks real rows.
 
     A :class:`MaskedBatch` passed in is padded further, keeping its mask. Leaves must be arrays with a
-    common leading size.
+    common leading size. ``multiple_of`` is the keyword every spmdcomm function that pads takes
+    (``pad_batch(batch, 8)`` works too); ``multiple=`` is its old spelling, accepted with a
+    ``DeprecationWarning`` until the next release.
     """
-    if not isinstance(multiple, (int, np.integer)) or multiple < 1:
+    multiple_of = renamed_keyword("pad_batch", "multiple", multiple, "multiple_of", multiple_of)
+    if multiple_of is None:
         raise SpmdError(
             describe(
                 "pad_batch",
-                f"multiple={multiple!r} must be a positive int.",
+                "no multiple_of given.",
+                fix="pass the number of devices along the data axis: pad_batch(batch, multiple_of=n).",
+            )
+        )
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, (int, np.integer)) or multiple_of < 1:
+        raise SpmdError(
+            describe(
+                "pad_batch",
+                f"multiple_of={multiple_of!r} must be a positive int.",
                 fix="pass the number of devices along the data axis (or a multiple).",
             )
         )
@@ -68,7 +80,7 @@ def pad_batch(batch: Any, multiple: int) -> MaskedBatch:
     size = leading_size("pad_batch", data)
     if mask is None:
         mask = np.ones(size, dtype=bool)
-    pad = (-size) % multiple
+    pad = (-size) % multiple_of
     if pad == 0:
         return MaskedBatch(data, mask)
 
@@ -324,6 +336,21 @@ def leading_size(fn: str, tree: Any) -> int:
             )
         )
     return next(iter(sizes.values()))
+
+
+def renamed_keyword(fn: str, old: str, old_value: Any, new: str, new_value: Any) -> Any:
+    """The value of keyword ``new``, also accepted for one release under its old spelling ``old`` with a
+    ``DeprecationWarning`` naming the new one; ``None`` means "not passed", and passing both raises."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise SpmdError(describe(fn, f"both {new}= and its old spelling {old}= were given.", fix=f"pass only {new}=."))
+    warnings.warn(
+        f"spmdcomm.{fn}: {old}= is deprecated and will be removed in the next release; pass {new}={old_value!r}.",
+        DeprecationWarning,
+        stacklevel=3,  # the caller of fn
+    )
+    return old_value
 
 
 # ---------------------------------------------------------------------------------------------------------

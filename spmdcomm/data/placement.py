@@ -442,7 +442,7 @@ def _not_divisible(
     if d == 0:
         fix = (
             f"pad dimension 0 to a multiple of {k}: spmdcomm.pad_batch(batch, {k}) pads with zeros and returns a "
-            f"MaskedBatch whose mask marks the real rows (prefetch_to_device(..., pad_to_multiple={k}) does it "
+            f"MaskedBatch whose mask marks the real rows (prefetch_to_device(..., multiple_of={k}) does it "
             "per batch); or choose a mesh whose axis size divides it."
         )
     else:

@@ -48,7 +48,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, Sharding
 
-from spmdcomm.data.batches import leading_size, pad_batch
+from spmdcomm.data.batches import leading_size, pad_batch, renamed_keyword
 from spmdcomm.data.placement import Agreement, HostInput, blocks, check_host_input, place_leaves
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.runtime.mesh import data_sharding, default_mesh
@@ -80,8 +80,9 @@ def prefetch_to_device(
     mesh: Mesh | None = None,
     axis: str | tuple[str, ...] = "data",
     sharding: Sharding | None = None,
-    pad_to_multiple: int | None = None,
+    multiple_of: int | None = None,
     host_input: HostInput = "local",
+    pad_to_multiple: int | None = None,
 ) -> Prefetcher:
     """Iterates over ``iterable``'s batches placed on the mesh, prefetched up to ``size`` ahead.
 
@@ -89,9 +90,10 @@ def prefetch_to_device(
     common leading size, placed split along dimension 0 over ``axis`` of ``mesh`` (default
     :func:`spmdcomm.default_mesh`), or as ``sharding`` says if given. Host leaves follow
     :mod:`spmdcomm.data.placement`'s rule: by default each process's loader yields its own rows;
-    ``host_input="global"``: every process yields the whole batch. ``pad_to_multiple=k`` pads every batch to a
-    multiple of ``k`` examples and yields :class:`~spmdcomm.MaskedBatch` es (use this process's device
-    count along the axis to accept any batch size).
+    ``host_input="global"``: every process yields the whole batch. ``multiple_of=k`` pads every batch to a
+    multiple of ``k`` examples (as :func:`spmdcomm.pad_batch` does) and yields :class:`~spmdcomm.MaskedBatch` es
+    (use this process's device count along the axis to accept any batch size); ``pad_to_multiple=`` is its old
+    spelling, accepted with a ``DeprecationWarning`` until the next release.
 
     At most ``size`` batches are taken from ``iterable`` ahead of the one the loop has (none while the
     loader is effectively free and the loop's thread places batches itself). An exception in
@@ -114,17 +116,20 @@ def prefetch_to_device(
                 fix="use 2 (double buffering) unless measurements say otherwise.",
             )
         )
-    if pad_to_multiple is not None and (not isinstance(pad_to_multiple, int) or pad_to_multiple < 1):
+    multiple_of = renamed_keyword("prefetch_to_device", "pad_to_multiple", pad_to_multiple, "multiple_of", multiple_of)
+    if multiple_of is not None and (
+        isinstance(multiple_of, bool) or not isinstance(multiple_of, (int, np.integer)) or multiple_of < 1
+    ):
         raise SpmdError(
             describe(
                 "prefetch_to_device",
-                f"pad_to_multiple={pad_to_multiple!r} must be a positive int.",
+                f"multiple_of={multiple_of!r} must be a positive int.",
                 fix="pass the number of devices along the data axis.",
             )
         )
     if sharding is None:
         sharding = data_sharding(mesh=default_mesh() if mesh is None else mesh, axis=axis)
-    return Prefetcher(iter(iterable), size, sharding, pad_to_multiple, host_input)
+    return Prefetcher(iter(iterable), size, sharding, multiple_of, host_input)
 
 
 def aligned_empty(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
@@ -178,10 +183,10 @@ class Prefetcher(Iterator[Any]):
     """The iterator :func:`prefetch_to_device` returns; also a context manager that stops its threads."""
 
     def __init__(
-        self, source: Iterator[Any], size: int, sharding: Sharding, pad_to_multiple: int | None, host_input: HostInput
+        self, source: Iterator[Any], size: int, sharding: Sharding, multiple_of: int | None, host_input: HostInput
     ):
         self.stats = PrefetchStats()
-        self._state = _State(source, size, sharding, pad_to_multiple, host_input)
+        self._state = _State(source, size, sharding, multiple_of, host_input)
         self._slow_calls = 0.0  # decaying count of slow loader calls while placing in-line
         # The threads hold only the state, never this object, so dropping the iterator stops them.
         self._finalizer = weakref.finalize(self, _stop, self._state)
@@ -260,12 +265,12 @@ class _State:
     """What the producer thread and the consumer share (the producer must not see the Prefetcher)."""
 
     def __init__(
-        self, source: Iterator[Any], size: int, sharding: Sharding, pad_to_multiple: int | None, host_input: HostInput
+        self, source: Iterator[Any], size: int, sharding: Sharding, multiple_of: int | None, host_input: HostInput
     ):
         self.source = source
         self.size = size
         self.sharding = sharding
-        self.pad_to_multiple = pad_to_multiple
+        self.multiple_of = multiple_of
         self.host_input = host_input
         # New shape signatures are agreed on this prefetcher's own channel (named alike on every process):
         # the placing thread must not take sync points from the main thread's sequence.
@@ -362,8 +367,8 @@ def _place(state: _State, batch: Any, *, stage: bool) -> Any:
 
     Without it, this is a plain ``device_put`` (JAX copies unaligned leaves on its own threads).
     """
-    if state.pad_to_multiple is not None:
-        batch = pad_batch(batch, state.pad_to_multiple)
+    if state.multiple_of is not None:
+        batch = pad_batch(batch, state.multiple_of)
     else:
         leading_size("prefetch_to_device", batch)
     flat, treedef = jax.tree_util.tree_flatten_with_path(batch)

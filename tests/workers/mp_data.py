@@ -46,7 +46,7 @@ for inline_load_seconds in (float("inf"), 0.0):
         for k, b in enumerate(it):
             check_placement(f"prefetch batch {k}, threaded={it.threaded}", b["x"], global_x + 1000 * k)
 prefetch.INLINE_LOAD_SECONDS = default_inline_load_seconds
-with sc.prefetch_to_device(iter([{"x": mine[: rows - 1]}]), pad_to_multiple=local) as it:
+with sc.prefetch_to_device(iter([{"x": mine[: rows - 1]}]), multiple_of=local) as it:
     (b,) = list(it)
     real = sum(int(np.asarray(s.data).sum()) for s in b.mask.addressable_shards)
     check("prefetch padded mask count", sc.host_all_reduce(np.int64(real)), nproc * (rows - 1))
