@@ -8,12 +8,6 @@ import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# Compiling dominates the suite's time on CPU, and most of it is LLVM optimising the generated machine code, which
-# the tests' tiny programs do not need: level 0 leaves XLA's HLO passes (what tests/test_hlo.py and explain read:
-# fusions, collectives, layouts) as they are and changes no floating-point result (LLVM does not reorder float
-# arithmetic without fast-math, which XLA:CPU leaves off). Processes the tests launch compile at the default level.
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
