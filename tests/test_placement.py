@@ -54,6 +54,30 @@ def test_local_and_global_agree_for_shard_batch_spmd_and_prefetch():
         same_global_array(a, b)
 
 
+def test_loader_places_under_either_rule_as_prefetch_does():
+    n = jax.device_count()
+    data = {"x": rows(3 * n)}
+    got = {}
+    for h in ("local", "global"):
+        sampler = sc.ShardedSampler(3 * n, shard_index=0, num_shards=1, shuffle=False)
+        got[h] = list(sc.Loader(data, sampler, batch_size=n, host_input=h))
+    for a, b in zip(jax.tree.leaves(got["local"]), jax.tree.leaves(got["global"]), strict=True):
+        same_global_array(a, b)
+    assert [np.asarray(b.data["x"]).tolist() for b in got["global"]] == [
+        data["x"][i * n : (i + 1) * n].tolist() for i in range(3)
+    ]
+    assert got["global"][0].data["x"].sharding == sc.data_sharding()
+
+
+def test_loader_refuses_global_host_input_it_would_not_place():
+    sampler = sc.ShardedSampler(8, shard_index=0, num_shards=1)
+    with pytest.raises(
+        SpmdError, match=r"^spmdcomm\.Loader: host_input='global' with prefetch=0: .* Fix: pass prefetch=2"
+    ):
+        sc.Loader({"x": np.zeros(8)}, sampler, batch_size=8, prefetch=0, host_input="global")
+    assert sc.Loader({"x": np.zeros(8)}, sampler, batch_size=8, prefetch=0).host_input == "local"
+
+
 def test_place_puts_every_host_leaf_in_one_batched_call(monkeypatch):
     n = jax.device_count()
     calls = []
@@ -130,6 +154,9 @@ def test_bad_host_input_is_refused_everywhere():
         lambda: sc.spmd(lambda x: x, in_specs=P(), out_specs=P(), host_input="mine"),
         lambda: sc.shard_batch({"x": np.zeros(8)}, host_input="mine"),
         lambda: sc.prefetch_to_device([], host_input="mine"),
+        lambda: sc.Loader(
+            {"x": np.zeros(8)}, sc.ShardedSampler(8, shard_index=0, num_shards=1), batch_size=8, host_input="mine"
+        ),
         lambda: placement.place("test", np.zeros(8), sc.data_sharding(), host_input="mine"),
     ):
         with pytest.raises(SpmdError, match=r"host_input='mine' is not one of \('local', 'global'\)"):

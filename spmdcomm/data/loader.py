@@ -25,6 +25,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from spmdcomm.data.batches import MaskedBatch, ShardedSampler, take_batches
+from spmdcomm.data.placement import HostInput, check_host_input
 from spmdcomm.data.prefetch import PrefetchStats, prefetch_to_device
 from spmdcomm.errors import AxisError, SpmdError, describe
 from spmdcomm.runtime.mesh import default_mesh
@@ -43,9 +44,12 @@ class Loader:
     resumed on another split of the same devices trains on the same global arrays. ``prefetch=k`` places
     batches through :func:`spmdcomm.prefetch_to_device` on ``mesh`` (default :func:`spmdcomm.default_mesh`)
     split over ``axis``, which must be an axis of that mesh; ``prefetch=0`` yields host batches (the train
-    step places them). Each pass over the loader starts at the position and moves it as batches reach the
-    caller, so the position always names the next batch the caller has not received; the epochs after the
-    last one yield nothing.
+    step places them). ``host_input`` is what a batch means with several processes, as in
+    :func:`spmdcomm.shard_batch`: ``"local"`` (default) this process's rows, the sampler being this process's
+    shard; ``"global"`` the whole global batch on every process (a sampler of one shard, the same on every
+    process); it is passed to the prefetch that places the batches, so it needs ``prefetch >= 1``. Each
+    pass over the loader starts at the position and moves it as batches reach the caller, so the position
+    always names the next batch the caller has not received; the epochs after the last one yield nothing.
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class Loader:
         prefetch: int = 2,
         mesh: Mesh | None = None,
         axis: str | tuple[str, ...] = "data",
+        host_input: HostInput = "local",
     ):
         if not isinstance(sampler, ShardedSampler):
             raise SpmdError(
@@ -71,6 +76,15 @@ class Loader:
         for name, value, low in (("batch_size", batch_size, 1), ("epochs", epochs, 0), ("prefetch", prefetch, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise SpmdError(describe("Loader", f"{name}={value!r} must be an int >= {low}."))
+        if check_host_input("Loader", host_input) != "local" and not prefetch:
+            raise SpmdError(
+                describe(
+                    "Loader",
+                    f"host_input={host_input!r} with prefetch=0: the loader yields host batches and places none, "
+                    "so the step that places them decides what they mean.",
+                    fix=f"pass prefetch=2, or host_input={host_input!r} to make_train_step / make_eval_step.",
+                )
+            )
         self.dataset = dataset
         self.sampler = sampler
         self.batch_size = batch_size
@@ -78,6 +92,7 @@ class Loader:
         self.prefetch = prefetch
         self.mesh = mesh
         self.axis = axis
+        self.host_input = host_input
         self.stats: PrefetchStats | None = None  # the latest pass's waits for data (None without prefetch)
         if prefetch and mesh is not None:
             self._check_axis(mesh)  # the default mesh waits for the first pass: it starts JAX's backends
@@ -88,7 +103,7 @@ class Loader:
         batches: Iterator[MaskedBatch] = self._host_batches(epoch, batch)
         if self.prefetch:
             mesh = self._check_axis(default_mesh() if self.mesh is None else self.mesh)
-            batches = prefetch_to_device(batches, self.prefetch, mesh=mesh, axis=self.axis)
+            batches = prefetch_to_device(batches, self.prefetch, mesh=mesh, axis=self.axis, host_input=self.host_input)
             self.stats = batches.stats
         try:
             for item in batches:

@@ -81,6 +81,14 @@ for inline_load_seconds in (float("inf"), 0.0):
         for k, b in enumerate(it):
             check_global(f"prefetch global batch {k}, threaded={it.threaded}", b["x"], global_x + 1000 * k)
 
+# Loader: "local" with this process's shard of the sampler, "global" with one shard of the whole global batch on
+# every process; both give global_x (and an all-True mask).
+for host_input, shard_index, num_shards, batch_size in (("local", pid, nproc, rows), ("global", 0, 1, nproc * rows)):
+    sampler = sc.ShardedSampler(nproc * rows, shard_index=shard_index, num_shards=num_shards, shuffle=False)
+    (batch,) = sc.Loader({"x": global_x}, sampler, batch_size=batch_size, host_input=host_input)
+    check_global(f"Loader {host_input}", batch.data["x"], global_x)
+    check_global(f"Loader {host_input} mask", batch.mask, np.ones(nproc * rows, bool))
+
 # Processes passing different local shapes for the same leaf: every process raises, naming both.
 uneven = np.ones(((2 + 2 * pid) * local, 2), np.float32)  # process 0: 2 rows per device, process 1: 4
 shapes = [f"process {p} ({(2 + 2 * p) * local}, 2) float32" for p in range(nproc)]
