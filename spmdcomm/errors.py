@@ -13,6 +13,8 @@ from typing import Any
 
 import jax
 
+from spmdcomm._cache import Cache
+
 __all__ = [
     "SpmdError",
     "AxisError",
@@ -152,10 +154,7 @@ def _has_buffers(t: type) -> bool:
     # Only concrete arrays have buffers (``is_deleted()`` on a tracer raises instead of answering).
     # The answer per type is cached: ``isinstance`` against ``jax.Array`` is an ABC check that costs
     # more than ``is_deleted()`` itself.
-    known = _CONCRETE_ARRAY.get(t)
-    if known is None:
-        known = _CONCRETE_ARRAY[t] = issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
-    return known
+    return _CONCRETE_ARRAY.get_or_make(t, lambda: issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer))
 
 
-_CONCRETE_ARRAY: dict[type, bool] = {}
+_CONCRETE_ARRAY = Cache(limit=256)  # type -> whether its instances have buffers

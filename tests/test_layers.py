@@ -14,7 +14,7 @@ PACKAGE = ROOT / "spmdcomm"
 # Bottom to top: (layer name, the modules and packages it holds). A module belongs to the longest entry that is
 # its name or a package above it. docs/architecture.md shows the same table.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("spmdcomm.errors", "spmdcomm._version", "spmdcomm._jax_compat", "spmdcomm._ops")),
+    ("base", ("spmdcomm.errors", "spmdcomm._version", "spmdcomm._jax_compat", "spmdcomm._ops", "spmdcomm._cache")),
     # transport is the bottom of runtime: every module that agrees across processes imports it
     ("runtime", ("spmdcomm.runtime", "spmdcomm.runtime.transport")),
     ("launch", ("spmdcomm.launch",)),
@@ -31,13 +31,9 @@ MAX_LINES = 400
 # Modules over MAX_LINES today, with their line counts; each is to be split, and its entry removed then. A listed
 # module may shrink but not grow, and one at or under the limit must leave the list.
 TOO_LONG: dict[str, int] = {
-    "spmdcomm/train/checkpoint.py": 677,
-    "spmdcomm/explain/report.py": 585,
-    "spmdcomm/train/train_step.py": 546,
     "spmdcomm/data/placement.py": 486,
     "spmdcomm/data/prefetch.py": 455,
     "spmdcomm/collectives/spmd.py": 435,
-    "spmdcomm/train/strategies.py": 412,
 }
 
 

@@ -47,7 +47,10 @@ def test_out_of_step_processes_raise_instead_of_hanging(disagreement):
         ), by[rank, "mismatch"]
         diff = "Process 1 differs from process 0: args[0]: shape (4, 4) vs (4, 3)"
         assert diff in by[rank, "debug"]
-        assert "leaf ['v']: process 1 passed shape (3,)" in by[rank, "host_shapes"]
+        assert (
+            "process 1: ['v'] is shape (3,) dtype float64 (process 0: shape (2,) dtype float64)"
+            in by[rank, "host_shapes"]
+        )
     assert by["0", "first_main"] == "dataset download failed"
     assert (
         "the main process (process 0) raised inside the block, so process 1 does not run it: "
@@ -81,14 +84,13 @@ def test_agreement_across_processes_names_who_differs_and_who_is_missing(disagre
         assert msg.endswith("Fix: build it the same way everywhere.")
         msg = caught[rank, "tree_shapes"]
         assert "process(es) [1] passed trees (structure, shapes, dtypes) for a broadcast from process 0" in msg
-        assert "process 1 has \"['w']: (4,) float32; structure" in msg
-        assert "process 0 has \"['w']: (3,) float32; structure" in msg
+        assert "process 1: ['w'] is shape (4,) dtype float32 (process 0: shape (3,) dtype float32)." in msg
         msg = caught[rank, "diverged"]
         assert re.search(r"leaf \['w'\]: the copy on device \d+ \(process 1\) differs from the first device's", msg)
         assert "copy; 2 (leaf, device) pairs differ in all." in msg
         msg = caught[rank, "replica_leaves"]
         assert "process(es) [1] passed replicated leaves that differ from process 0's" in msg
-        assert "process 1 has \"['b']; ['extra']; ['w']\", process 0 has \"['b']; ['w']\"" in msg
+        assert "process 1: ['extra'] only on process 1." in msg
     # join_batches: process 1 left after one step; process 0 names it after its 3 s timeout.
     ((elapsed, msg),) = re.findall(r"^\[rank 0\] JOIN TIMEOUT after ([\d.]+) s: (.*)$", out, re.M)
     assert 3 <= float(elapsed) < 3 + 5

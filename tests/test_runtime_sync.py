@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import spmdcomm as sc
-from spmdcomm.runtime import debug, host_collectives, transport
+from spmdcomm.runtime import debug
 from spmdcomm.runtime import process as runtime
 
 ENV = (
@@ -146,59 +146,3 @@ def test_debug_fingerprint_diff():
         "args[0]['y'] is missing (not on both)",
         "args[0]['z'] is extra (not on both)",
     ]
-
-
-# ---- the agreement transport (transport.check_same_across_processes, raise_if_different, broadcast_tree) ------
-
-
-def test_agreement_single_process_fast_paths():
-    # One process: nothing to compare and no coordination service needed.
-    transport.check_same_across_processes("f", "trees", "anything", fix="-", timeout=0.001)
-    tree = {"w": jax.numpy.arange(3.0), "n": 2}
-    assert host_collectives.broadcast_tree("TrainState.create", tree, timeout=0.001) is tree  # nothing to copy
-    with pytest.raises(sc.SpmdError, match=r"spmdcomm.TrainState.create: root=1 is out of range for a job of 1"):
-        host_collectives.broadcast_tree("TrainState.create", tree, root=1)
-
-
-def test_raise_if_different_names_the_process_and_quotes_both_descriptions():
-    ref = "['a']: (3,) float32; ['b']: (2, 2) int32"
-    other = "['a']: (3,) float32; ['b']: (2, 5) int32"
-    transport.raise_if_different("f", "trees", [ref, ref], fix="build them alike.")
-    with pytest.raises(sc.ProcessMismatchError) as e:
-        transport.raise_if_different("TrainState.create", "parameter trees", [ref, ref, other], fix="build them alike.")
-    msg = str(e.value)
-    assert msg.startswith(
-        "spmdcomm.TrainState.create: process(es) [2] passed parameter trees that differ from process 0's"
-    )
-    assert f"process 2 has {other!r}, process 0 has {ref!r}" in msg
-    assert msg.endswith("Fix: build them alike.")
-    # Long descriptions are quoted around their first difference, with "..." where cut.
-    long_ref = "x" * 500 + "A" + "y" * 500
-    long_other = "x" * 500 + "B" + "y" * 500
-    with pytest.raises(sc.ProcessMismatchError) as e:
-        transport.raise_if_different("f", "trees", [long_ref, long_other], fix="-")
-    quoted = "process 1 has ...'" + "x" * 60 + "B" + "y" * 99 + "'..., process 0 has ...'" + "x" * 60 + "A"
-    assert quoted in str(e.value)
-    # Only a few processes are quoted; the rest are counted.
-    with pytest.raises(sc.ProcessMismatchError, match=r"process\(es\) \[1, 2, 3, 4\] .*\(1 more not shown\)\."):
-        transport.raise_if_different("f", "trees", [ref] + [other] * 4, fix="-")
-
-
-def test_broadcast_bytes_round_trips_every_dtype_bit_for_bit():
-    # The device path of broadcast_tree on this process's one device: bytes packed into int32 words, summed
-    # with nothing and unpacked. Values a float sum would change (-0.0, denormals, NaN payloads) survive.
-    bf16 = jax.numpy.bfloat16
-    leaves = [
-        np.array([-0.0, 1e-310, np.nan, -np.inf], np.float64),
-        np.frombuffer(np.array([0x7FC1, 0x8000, 0x0001], np.uint16).tobytes(), bf16),
-        np.array([True, False, True]),
-        np.arange(7, dtype=np.int8).reshape(7, 1),
-        np.array(3 + 4j, np.complex64),
-        np.zeros((0, 3), np.float32),
-        np.array([2**63 - 1], np.int64),
-    ]
-    got = host_collectives._broadcast_bytes(leaves, 0)
-    for g, want in zip(got, leaves, strict=True):
-        assert g.dtype == want.dtype and g.shape == want.shape
-        assert g.tobytes() == want.tobytes()
-    assert host_collectives._broadcast_bytes([np.zeros(0)], 0)[0].shape == (0,)

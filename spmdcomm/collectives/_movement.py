@@ -18,12 +18,7 @@ from jax import lax
 from spmdcomm._jax_compat import check_vma_enabled
 from spmdcomm.collectives._common import AxisName, bound_size, check_dim, map_leaves
 from spmdcomm.errors import ShapeError, describe
-
-
-def platform() -> str:
-    """The platform of the devices this trace is mapped over (the default backend outside a mesh)."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return getattr(device, "platform", None) or jax.default_backend()
+from spmdcomm.runtime.mesh import platform
 
 
 def gather_blocks(x: jax.Array, axis: AxisName, d: int, *, tiled: bool) -> jax.Array:

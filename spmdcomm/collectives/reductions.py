@@ -28,6 +28,7 @@ from spmdcomm.collectives._common import (
 )
 from spmdcomm.collectives._movement import gather_blocks, gather_leaves
 from spmdcomm.errors import SpmdError, describe
+from spmdcomm.runtime.mesh import platform
 
 __all__ = [
     "psum",
@@ -262,7 +263,7 @@ def _use_rs_ag(leaf: Any, algorithm: str, n: int) -> bool:
     if algorithm == "rs_ag":
         return True
     nbytes = math.prod(np.shape(leaf)) * np.dtype(leaf.dtype).itemsize
-    return nbytes >= RS_AG_MIN_BYTES and jax.default_backend() == "cpu"
+    return nbytes >= RS_AG_MIN_BYTES and platform() == "cpu"
 
 
 def _rs_ag_sum(leaf: Any, axis: AxisName, n: int) -> jax.Array:

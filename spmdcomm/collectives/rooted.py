@@ -16,8 +16,9 @@ from jax import lax
 
 from spmdcomm._ops import REDUCE_OPS, ReduceOp, check_op, check_root
 from spmdcomm.collectives._common import AxisName, bound_size, check_dim, check_split, map_leaves
-from spmdcomm.collectives._movement import exact, gather_blocks, gather_leaves, platform, select_exact
+from spmdcomm.collectives._movement import exact, gather_blocks, gather_leaves, select_exact
 from spmdcomm.collectives.reductions import _all_reduce
+from spmdcomm.runtime.mesh import platform
 
 __all__ = ["broadcast", "reduce", "gather", "scatter", "BROADCAST_SPLIT_MIN_BYTES"]
 

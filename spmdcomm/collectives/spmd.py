@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm._cache import Cache
 from spmdcomm.data.placement import HostInput, check_divisible, check_host_input, place_leaves
 from spmdcomm.errors import BackendError, SpmdError, check_not_deleted, describe
 from spmdcomm.runtime import debug
@@ -120,7 +121,8 @@ class SpmdFunction:
         self.donate_argnums = donate_argnums
         self.host_input = host_input
         functools.update_wrapper(self, fn)
-        self._fast: dict[Any, tuple[Callable[..., Any], list[Any]]] = {}
+        # (treedef, mesh) -> the program and the input shardings of the last call: the fast path of __call__
+        self._fast = Cache(limit=64)
 
     def __call__(self, *args: Any) -> Any:
         mesh = self.resolved_mesh()
@@ -140,7 +142,7 @@ class SpmdFunction:
             return hit[0](*args)
         placed = self.place(args)
         compiled = self.program(mesh)
-        self._fast[(treedef, mesh)] = (compiled, [x.sharding for x in jax.tree.leaves(placed)])
+        self._fast.put((treedef, mesh), (compiled, [x.sharding for x in jax.tree.leaves(placed)]))
         return compiled(*placed)
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
@@ -263,20 +265,11 @@ def _hashable(tree: Any) -> Hashable:
     return (treedef, tuple(leaves))
 
 
-_BUILD_CACHE: dict[Hashable, Callable[..., Any]] = {}
-_BUILD_CACHE_LIMIT = 512
+_PROGRAMS = Cache(limit=512)  # (function, mesh, specs, backend, options) -> the jitted program
 
 
 def _build(key: Hashable, sf: SpmdFunction) -> Callable[..., Any]:
-    try:
-        hit = _BUILD_CACHE.get(key)
-    except TypeError:  # an unhashable function object: build without caching
-        return _make(sf, key[1])
-    if hit is None:
-        if len(_BUILD_CACHE) >= _BUILD_CACHE_LIMIT:
-            _BUILD_CACHE.pop(next(iter(_BUILD_CACHE)))
-        hit = _BUILD_CACHE[key] = _make(sf, key[1])
-    return hit
+    return _PROGRAMS.get_or_make(key, lambda: _make(sf, key[1]))
 
 
 def _make(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
@@ -299,7 +292,7 @@ def _make_pmap(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
     (axis,) = mesh.axis_names
     n = mesh.shape[axis]
     out_axes = jax.tree.map(_pmap_axis, sf.out_specs, is_leaf=_is_spec)
-    pmapped: dict[Hashable, Callable[..., Any]] = {}
+    pmapped = Cache(limit=64)  # in_axes -> the pmapped function
 
     def in_axes_of(args: tuple[Any, ...]) -> Any:
         specs = _arg_specs(sf.in_specs, args, "in_specs")
@@ -322,16 +315,17 @@ def _make_pmap(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
 
     def run(in_axes: Any, dummy: Any, parts: tuple[Any, ...]) -> Any:
         # pmap needs one mapped argument to know its size; a dummy one serves when every input is replicated.
-        key = _hashable(in_axes)
-        if key not in pmapped:
-            pmapped[key] = jax.pmap(
+        mapped = pmapped.get_or_make(
+            _hashable(in_axes),
+            lambda: jax.pmap(
                 lambda _, *a: sf.fn(*a),
                 axis_name=axis,
                 in_axes=(0, *in_axes),
                 out_axes=out_axes,
                 devices=list(mesh.devices.flat),
-            )
-        return pmapped[key](dummy, *parts)
+            ),
+        )
+        return mapped(dummy, *parts)
 
     if jax.process_count() == 1:
         return jax.jit(

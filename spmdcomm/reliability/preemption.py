@@ -41,11 +41,9 @@ from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import Any
 
-import jax
-
 from spmdcomm.errors import BarrierTimeoutError, DistributedError, SpmdError, describe
 from spmdcomm.runtime.process import process_count, process_index
-from spmdcomm.runtime.transport import coordination_client
+from spmdcomm.runtime.transport import attempt, coordination_client, key_process, milliseconds
 
 __all__ = ["Preemption", "PREEMPTED_EXIT_CODE", "DEFAULT_PREEMPTION_TIMEOUT"]
 
@@ -191,7 +189,7 @@ class Preemption:
         notice = json.dumps({"process": self._me, "reason": self._requested})
         key = self._prefix + "notice"
         while not self._closed.is_set():
-            if _try(lambda: self._client.key_value_set(key, notice, allow_overwrite=True)):
+            if attempt(lambda: self._client.key_value_set(key, notice, allow_overwrite=True))[1] is None:
                 return
             self._closed.wait(_POLL_SECONDS)
 
@@ -200,9 +198,8 @@ class Preemption:
         # Polls instead of a blocking get: a daemon thread inside a blocking call when Python exits aborts the
         # process.
         while not self._closed.wait(_POLL_SECONDS):
-            try:
-                text = self._client.key_value_try_get(self._prefix + "notice")
-            except jax.errors.JaxRuntimeError:  # not set (or the service is unreachable)
+            text, missing = attempt(lambda: self._client.key_value_try_get(self._prefix + "notice"))
+            if missing:  # not set (or the service is unreachable)
                 continue
             self._agree(json.loads(text))
             return
@@ -212,11 +209,12 @@ class Preemption:
         key = f"{self._prefix}step/{self._me}"
         with self._lock:  # should_stop waits: this process's last checked step must not move meanwhile
             self._notice = notice
-            reported = _try(lambda: client.key_value_set(key, str(self._last_step), allow_overwrite=True))
-            met = reported and _try(lambda: client.wait_at_barrier(self._prefix + "agree", _ms(self._timeout)))
+            _, failed = attempt(lambda: client.key_value_set(key, str(self._last_step), allow_overwrite=True))
+            if failed is None:
+                _, failed = attempt(lambda: client.wait_at_barrier(self._prefix + "agree", milliseconds(self._timeout)))
             steps = _steps(client, self._prefix)
             missing = [p for p in range(n) if p not in steps]
-            if not met or missing:
+            if failed or missing:
                 who = f"process(es) {missing} did not report their step" if missing else "not every process arrived"
                 self._failure = BarrierTimeoutError(
                     describe(
@@ -256,22 +254,5 @@ def _check_signals(signals: Sequence[int]) -> list[signal.Signals]:
 
 
 def _steps(client: Any, prefix: str) -> dict[int, int]:
-    try:
-        entries = client.key_value_dir_get(prefix + "step/")
-    except jax.errors.JaxRuntimeError:
-        return {}
-    return {int(k.rsplit("/", 1)[1]): int(v) for k, v in entries}
-
-
-def _try(call: Any) -> bool:
-    """Whether a call to the coordination service succeeded (it fails when the service is unreachable, or a
-    barrier timed out)."""
-    try:
-        call()
-    except jax.errors.JaxRuntimeError:
-        return False
-    return True
-
-
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
+    entries, _ = attempt(lambda: client.key_value_dir_get(prefix + "step/"))
+    return {key_process(k): int(v) for k, v in entries or []}

@@ -50,12 +50,10 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, NamedTuple
 
-import jax
-
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.reliability.phases import PHASE_DESCRIPTIONS, WAITING_PHASES, PhaseTimer
 from spmdcomm.runtime.process import process_count, process_index
-from spmdcomm.runtime.transport import coordination_client
+from spmdcomm.runtime.transport import attempt, coordination_client, key_process, milliseconds
 
 __all__ = ["Watchdog", "ProcessState", "STUCK_EXIT_CODE", "stuck_processes", "format_table"]
 
@@ -163,19 +161,18 @@ class Watchdog:
         while not self._closed.wait(self._interval):
             p = self._timer.snapshot()
             state = {"host": self._host, "step": p.step, "phase": p.phase, "since": p.phase_start_wall}
-            if state != published and _answers(
-                lambda s=state: client.key_value_set(
-                    self._prefix + f"state/{self._me}", json.dumps(s), allow_overwrite=True
-                )
-            ):
+            if state != published and self._set(f"state/{self._me}", json.dumps(state)):
                 published = state
-            try:
-                alarm = client.key_value_try_get(self._prefix + "alarm")
-            except jax.errors.JaxRuntimeError:  # not set (or the service is unreachable)
+            alarm, missing = attempt(lambda: client.key_value_try_get(self._prefix + "alarm"))
+            if missing:  # not set (or the service is unreachable)
                 continue
             self._alarm = json.loads(alarm)
             self._wake.set()
             return
+
+    def _set(self, key: str, text: str) -> bool:
+        """Whether the coordination service took ``text`` under this watchdog's ``key``."""
+        return attempt(lambda: self._client.key_value_set(self._prefix + key, text, allow_overwrite=True))[1] is None
 
     def _fire(self, why: str) -> None:
         """Prints the table, meets the other processes for a bounded time, and ends the process."""
@@ -195,7 +192,7 @@ class Watchdog:
             if error is None:
                 now = time.time()
                 for key, text in entries:
-                    other, s = int(key.rsplit("/", 1)[1]), json.loads(text)
+                    other, s = key_process(key), json.loads(text)
                     if other != self._me:
                         states[other] = ProcessState(other, s["host"], s["step"], s["phase"], now - s["since"])
             else:
@@ -221,7 +218,8 @@ class Watchdog:
         if self._client is not None:
             # The processes meet before exiting: the first to exit makes the launcher stop the others, which
             # must have printed by then.
-            _bounded(lambda: self._client.wait_at_barrier(self._prefix + "exit", _ms(_EXIT_SECONDS)), _EXIT_SECONDS + 1)
+            exit_barrier = self._prefix + "exit"
+            _bounded(lambda: self._client.wait_at_barrier(exit_barrier, milliseconds(_EXIT_SECONDS)), _EXIT_SECONDS + 1)
             if self._me == 0:
                 # Process 0 hosts the coordination service: when it goes, JAX aborts the other processes with a
                 # fatal error that hides their exit status. Let them exit first.
@@ -284,14 +282,6 @@ def _stack(thread: int) -> str:
     return "".join(traceback.format_stack(frame)[-_STACK_FRAMES:]).rstrip()
 
 
-def _answers(call: Callable[[], Any]) -> bool:
-    try:
-        call()
-    except jax.errors.JaxRuntimeError:
-        return False
-    return True
-
-
 def _bounded(call: Callable[[], Any], seconds: float) -> tuple[Any, str | None]:
     """``(result, None)``, or ``(None, why)`` when ``call`` raised or did not return within ``seconds``.
 
@@ -299,17 +289,7 @@ def _bounded(call: Callable[[], Any], seconds: float) -> tuple[Any, str | None]:
     """
     box: list[Any] = []
 
-    def run() -> None:
-        try:
-            box.append((call(), None))
-        except jax.errors.JaxRuntimeError as e:
-            box.append((None, f"failed: {str(e).splitlines()[0]}"))
-
-    thread = threading.Thread(target=run, name="spmdcomm-watchdog-call", daemon=True)
+    thread = threading.Thread(target=lambda: box.append(attempt(call)), name="spmdcomm-watchdog-call", daemon=True)
     thread.start()
     thread.join(seconds)
     return box[0] if box else (None, f"did not answer within {seconds:g} s")
-
-
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))

@@ -13,7 +13,6 @@ process nothing is exchanged: the collectives return at once.
 
 from __future__ import annotations
 
-import functools
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +23,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm._cache import Cache
 from spmdcomm._ops import check_op, check_root
-from spmdcomm.errors import ProcessMismatchError, SpmdError, describe
+from spmdcomm.errors import SpmdError, describe
 from spmdcomm.runtime.process import process_count, process_index
 from spmdcomm.runtime.transport import DEFAULT_TIMEOUT, check_same_across_processes, exchange, refuse_in_trace
 
@@ -136,11 +136,10 @@ def broadcast_tree(fn: str, tree: Any, *, root: int = 0, timeout: float = DEFAUL
     if process_count() == 1:
         return tree
     flat, treedef = jax.tree_util.tree_flatten_with_path(_to_host(fn, tree))
-    signature = "; ".join(f"{jax.tree_util.keystr(p) or '<root>'}: {x.shape} {x.dtype}" for p, x in flat)
     check_same_across_processes(
         fn,
         f"trees (structure, shapes, dtypes) for a broadcast from process {root}",
-        f"{signature}; structure {treedef}",
+        _signature(flat, treedef),
         fix="pass a tree of the same structure, shapes and dtypes on every process (build it the same way "
         "everywhere; only the values may differ).",
         timeout=timeout,
@@ -152,6 +151,7 @@ def broadcast_tree(fn: str, tree: Any, *, root: int = 0, timeout: float = DEFAUL
 # ------------------------------------------------------------------------------------------------
 
 
+_SUM_ROWS = Cache(limit=8)  # the compiled byte sum of broadcast_tree, per mesh of one device per process
 _HOST_REDUCERS: dict[str, Callable[[np.ndarray], Any]] = {
     "sum": lambda x: np.sum(x, axis=0, dtype=x.dtype),
     "mean": lambda x: np.mean(x, axis=0),
@@ -180,40 +180,27 @@ def _to_host(fn: str, tree: Any) -> Any:
 
 
 def _gather_tree(fn: str, tree: Any, timeout: float) -> Any:
-    host = _to_host(fn, tree)
-    trees = (
-        [host]
-        if process_count() == 1
-        else [pickle.loads(b) for b in exchange(fn, fn, pickle.dumps(host), timeout=timeout)]
-    )
-    flat = [jax.tree_util.tree_flatten_with_path(t) for t in trees]
-    _check_same_leaves(fn, flat)
-    leaves = [[leaf for _, leaf in f[0]] for f in flat]
-    return jax.tree.unflatten(flat[0][1], [np.stack(col) for col in zip(*leaves, strict=True)])
+    flat, treedef = jax.tree_util.tree_flatten_with_path(_to_host(fn, tree))
+    leaves = [x for _, x in flat]
+    rows = [leaves]
+    if process_count() > 1:
+        got = check_same_across_processes(
+            fn,
+            "trees (structure, shapes, dtypes)",
+            _signature(flat, treedef),
+            fix="pass the same pytree structure, shapes and dtypes on every process.",
+            timeout=timeout,
+            payload=pickle.dumps(leaves),
+            label=fn,
+        )
+        rows = [pickle.loads(b) for b in got]
+    return jax.tree.unflatten(treedef, [np.stack(col) for col in zip(*rows, strict=True)])
 
 
-def _check_same_leaves(fn: str, flat: list[tuple[list[tuple[Any, np.ndarray]], Any]]) -> None:
-    (ref, ref_def) = flat[0]
-    for p, (leaves, treedef) in enumerate(flat[1:], start=1):
-        if treedef != ref_def:
-            raise ProcessMismatchError(
-                describe(
-                    fn,
-                    f"process {p} passed a tree of structure {treedef}, process 0 {ref_def}.",
-                    fix="pass the same pytree structure on every process.",
-                )
-            )
-        for (path, a), (_, b) in zip(leaves, ref, strict=True):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise ProcessMismatchError(
-                    describe(
-                        fn,
-                        f"process {p} passed shape {a.shape} dtype {a.dtype}, process 0 shape "
-                        f"{b.shape} dtype {b.dtype}.",
-                        leaf=jax.tree_util.keystr(path),
-                        fix="pass the same shapes and dtypes on every process.",
-                    )
-                )
+def _signature(flat: list[tuple[Any, np.ndarray]], treedef: Any) -> dict[str, str]:
+    """What must agree across processes for a tree of host arrays: each leaf's shape and dtype, and the structure."""
+    leaves = {jax.tree_util.keystr(p) or "<root>": f"shape {x.shape} dtype {x.dtype}" for p, x in flat}
+    return leaves | {"structure": str(treedef)}
 
 
 def _broadcast_bytes(leaves: list[np.ndarray], root: int) -> list[np.ndarray]:
@@ -243,8 +230,9 @@ def _broadcast_bytes(leaves: list[np.ndarray], root: int) -> list[np.ndarray]:
     return out
 
 
-@functools.lru_cache(maxsize=8)
 def _sum_rows(mesh: Mesh) -> Callable[[jax.Array], jax.Array]:
     # An integer sum: x + 0 is exact for any bit pattern (a float sum would turn -0.0 into 0.0 and flush
     # denormals).
-    return jax.jit(lambda x: jnp.sum(x, axis=0, dtype=x.dtype), out_shardings=NamedSharding(mesh, P()))
+    return _SUM_ROWS.get_or_make(
+        mesh, lambda: jax.jit(lambda x: jnp.sum(x, axis=0, dtype=x.dtype), out_shardings=NamedSharding(mesh, P()))
+    )

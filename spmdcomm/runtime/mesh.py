@@ -13,15 +13,15 @@ axes, and with :func:`spmdcomm.spmd` placing its inputs itself, users never meet
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm._cache import Cache
 from spmdcomm.errors import AxisError, SpmdError, describe
 
 __all__ = [
@@ -98,6 +98,19 @@ def replicated_sharding(*, mesh: Mesh | None = None) -> NamedSharding:
     return NamedSharding(default_mesh() if mesh is None else mesh, P())
 
 
+def platform(sharding: Sharding | None = None) -> str:
+    """The one answer to "which platform am I on": ``"cpu"``, ``"gpu"`` or ``"tpu"`` for the devices of
+    ``sharding``; without one, for the mesh the current trace maps over, else JAX's default backend.
+
+    >>> platform(), platform(sc.data_sharding())
+    ('cpu', 'cpu')
+    """
+    if sharding is not None:
+        return next(iter(sharding.device_set)).platform
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
+
+
 def check_mesh_axes(fn: str, mesh: Mesh, axis: str | tuple[str, ...] | None) -> None:
     """Raises :class:`AxisError` when ``axis`` names an axis that ``mesh`` does not have."""
     names = axis if isinstance(axis, tuple) else (axis,)
@@ -113,10 +126,13 @@ def check_mesh_axes(fn: str, mesh: Mesh, axis: str | tuple[str, ...] | None) -> 
             )
 
 
-@functools.cache
 def _cached_mesh(axes: tuple[tuple[str, int], ...], devices: tuple[jax.Device, ...], keep_order: bool) -> Mesh:
-    # One Mesh object per layout, so that caches keyed on the mesh hit. Devices the caller listed keep
-    # their order; otherwise jax.make_mesh picks a topology-aware layout.
+    # One Mesh object per layout, so that caches keyed on the mesh hit.
+    return _MESHES.get_or_make((axes, devices, keep_order), lambda: _new_mesh(axes, devices, keep_order))
+
+
+def _new_mesh(axes: tuple[tuple[str, int], ...], devices: tuple[jax.Device, ...], keep_order: bool) -> Mesh:
+    # Devices the caller listed keep their order; otherwise jax.make_mesh picks a topology-aware layout.
     names = tuple(n for n, _ in axes)
     sizes = tuple(s for _, s in axes)
     if len(set(names)) != len(names):
@@ -125,3 +141,6 @@ def _cached_mesh(axes: tuple[tuple[str, int], ...], devices: tuple[jax.Device, .
     if keep_order:
         return Mesh(np.asarray(devices, dtype=object).reshape(sizes), names, axis_types=types)
     return jax.make_mesh(sizes, names, axis_types=types, devices=list(devices))
+
+
+_MESHES = Cache(limit=64)  # one Mesh per (axes, devices, order)

@@ -25,7 +25,7 @@ import jax
 
 from spmdcomm._jax_compat import auto_detect_cluster, backends_initialized
 from spmdcomm.errors import CoordinatorError, DistributedError, SpmdError, describe
-from spmdcomm.runtime.transport import coordination_client, milliseconds
+from spmdcomm.runtime.transport import coordination_client, key_process, milliseconds
 
 __all__ = [
     "initialize",
@@ -368,4 +368,4 @@ def _publish_host(pid: int, timeout: float) -> None:
     client = coordination_client("initialize")
     client.key_value_set(f"{_KV_PREFIX}{pid}", socket.gethostname(), allow_overwrite=True)
     client.wait_at_barrier("spmdcomm/initialize", milliseconds(timeout))
-    _hosts.update({int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(_KV_PREFIX)})
+    _hosts.update({key_process(k): v for k, v in client.key_value_dir_get(_KV_PREFIX)})

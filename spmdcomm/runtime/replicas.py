@@ -27,7 +27,7 @@ from jax import lax
 
 from spmdcomm.errors import ReplicaDivergenceError, describe
 from spmdcomm.runtime.process import process_count, process_index
-from spmdcomm.runtime.transport import DEFAULT_TIMEOUT, exchange, raise_if_different, refuse_in_trace
+from spmdcomm.runtime.transport import DEFAULT_TIMEOUT, check_same_across_processes, refuse_in_trace
 
 __all__ = ["Divergence", "check_replicas_in_sync", "assert_replicated"]
 
@@ -72,15 +72,17 @@ def check_replicas_in_sync(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> li
     table = np.asarray(sums, dtype=np.uint32).reshape(len(local), len(leaves), 2)
     if process_count() > 1:
         # Every process joins the exchange, even one with nothing to compare, so that none is left waiting.
-        payload = pickle.dumps((names, ids, table))
-        got = [pickle.loads(b) for b in exchange(_FN, _FN, payload, timeout=timeout)]
-        raise_if_different(
+        got = check_same_across_processes(
             _FN,
             "replicated leaves",
-            ["; ".join(n) for n, _, _ in got],
+            dict.fromkeys(names, "replicated"),
             fix="call it with the same tree on every process, placed on the same devices.",
+            timeout=timeout,
+            payload=pickle.dumps((ids, table)),
+            label=_FN,
         )
-        ids, table = np.concatenate([i for _, i, _ in got]), np.concatenate([t for _, _, t in got])
+        rows = [pickle.loads(b) for b in got]
+        ids, table = np.concatenate([i for i, _ in rows]), np.concatenate([t for _, t in rows])
     if not names:
         return []
     order = np.argsort(ids[:, 0])

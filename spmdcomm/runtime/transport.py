@@ -14,12 +14,12 @@ the k-th sync point of every process meets the k-th of the others. When they dif
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -32,12 +32,15 @@ __all__ = [
     "Channel",
     "exchange",
     "check_same_across_processes",
-    "raise_if_different",
     "refuse_in_trace",
     "coordination_client",
     "call_site",
     "milliseconds",
+    "attempt",
+    "key_process",
 ]
+
+T = TypeVar("T")
 
 # Seconds every wait of a sync point allows by default.
 DEFAULT_TIMEOUT = 300.0
@@ -96,22 +99,23 @@ class Channel:
             client.wait_at_barrier(f"{self.prefix}{seq}", milliseconds(timeout))
         except jax.errors.JaxRuntimeError as e:
             raise self._timeout_error(fn, client, record, n, timeout, e) from None
-        entries = {_pid(k): v.split(b"\n", 1) for k, v in client.key_value_dir_get_bytes(f"{self.prefix}{seq}/")}
+        entries = {key_process(k): v.split(b"\n", 1) for k, v in client.key_value_dir_get_bytes(f"{self.prefix}{seq}/")}
         _check_labels(fn, record, {p: json.loads(head) for p, (head, _) in entries.items()})
         # Every process has passed this barrier, so all are done reading the previous sync point's keys.
         if seq > 1:
-            _try(lambda: client.key_value_delete(f"{self.prefix}{seq - 1}/{me}"), None)
+            attempt(lambda: client.key_value_delete(f"{self.prefix}{seq - 1}/{me}"))
         return [entries[p][1] for p in range(n)]
 
     def _timeout_error(
         self, fn: str, client: Any, mine: dict[str, Any], n: int, timeout: float, cause: Exception
     ) -> BarrierTimeoutError:
         seq = mine["seq"]
-        arrived = {_pid(k) for k, _ in _try(lambda: client.key_value_dir_get_bytes(f"{self.prefix}{seq}/"), [])}
+        entries, _ = attempt(lambda: client.key_value_dir_get_bytes(f"{self.prefix}{seq}/"))
+        arrived = {key_process(k) for k, _ in entries or []}
         missing = [p for p in range(n) if p not in arrived]
         last = []
         for p in range(n):
-            text = _try(lambda p=p: client.key_value_try_get(f"{self.prefix}last/{p}"), None)
+            text, _ = attempt(lambda p=p: client.key_value_try_get(f"{self.prefix}last/{p}"))
             last.append(f"process {p}: " + (_where(json.loads(text)) if text else "no sync point yet"))
         if missing:
             what = f"process(es) {missing} did not arrive within {timeout:g} s"
@@ -140,34 +144,38 @@ def exchange(fn: str, label: str, payload: bytes, *, timeout: float = DEFAULT_TI
 
 
 def check_same_across_processes(
-    fn: str, what: str, description: str, *, fix: str, timeout: float = DEFAULT_TIMEOUT
-) -> None:
-    """Raises :class:`~spmdcomm.errors.ProcessMismatchError` on every process unless all pass the same
-    ``description``.
+    fn: str,
+    what: str,
+    signature: str | Mapping[str, str],
+    *,
+    fix: str,
+    timeout: float = DEFAULT_TIMEOUT,
+    payload: bytes = b"",
+    label: str | None = None,
+    channel: Channel | None = None,
+) -> list[bytes]:
+    """Every process's ``payload``, in process order, once all have passed the same ``signature``; else
+    :class:`~spmdcomm.errors.ProcessMismatchError` on every process.
 
-    ``description`` is text that captures what must agree (e.g. a tree's structure, shapes and dtypes);
-    ``what`` names it in the message. The processes exchange its digest and first 64 KiB (one sync
-    point); the error names each process that differs from process 0 and shows both descriptions around
-    their first difference. With one process it returns at once.
+    The one way spmdcomm asks "did every process pass the same tree". ``signature`` is what must agree: a text,
+    or leaf path -> description (e.g. shape and dtype) in tree order, and ``what`` names it in the message. The
+    error names the call ``fn``, each process that differs from process 0 and, for a mapping, its differing leaf
+    paths with both descriptions (for a text, both texts around their first difference). Signature and payload
+    travel together through one sync point of ``channel`` (default: the main one), labelled ``label`` (default
+    ``check <what>``) and bounded by ``timeout`` like every sync point. With one process nothing is exchanged.
+
+    >>> check_same_across_processes("f", "trees", {"['w']": "(3,) float32"}, fix="-", payload=b"mine")
+    [b'mine']
     """
     if jax.process_count() == 1:
-        return
-    text = description.encode()
-    payload = hashlib.sha256(text).digest() + text[:_SHOWN_BYTES]
-    got = exchange(fn, f"check {what}", payload, timeout=timeout)
-    digests = [b[:32] for b in got]
-    if len(set(digests)) > 1:
-        shown = [b[32:].decode(errors="replace") for b in got]
-        raise ProcessMismatchError(_mismatch(fn, what, shown, [d != digests[0] for d in digests], fix))
-
-
-def raise_if_different(fn: str, what: str, descriptions: Sequence[str], *, fix: str) -> None:
-    """Raises :class:`~spmdcomm.errors.ProcessMismatchError` unless every process's description (one per
-    process, in process order, as an :func:`exchange` returns them) equals process 0's; the message is
-    that of :func:`check_same_across_processes`."""
-    differ = [d != descriptions[0] for d in descriptions]
+        return [payload]
+    send = (channel or _MAIN).exchange
+    got = [_unpack(b) for b in send(fn, label or f"check {what}", _pack(signature, payload), timeout=timeout)]
+    differ = [sig != got[0][0] for sig, _ in got]
     if any(differ):
-        raise ProcessMismatchError(_mismatch(fn, what, list(descriptions), differ, fix))
+        signatures = [sig for sig, _ in got]
+        raise ProcessMismatchError(_mismatch(fn, what, signatures, differ, fix, text=isinstance(signature, str)))
+    return [data for _, data in got]
 
 
 def refuse_in_trace(fn: str, tree: Any = None) -> None:
@@ -203,6 +211,28 @@ def call_site() -> str:
     return "<unknown>"
 
 
+def attempt(call: Callable[[], T]) -> tuple[T | None, str | None]:
+    """``(call(), None)``, or ``(None, why)`` when the coordination service refused the call (unreachable, a key
+    that is not set, a barrier that timed out): for the waits that must not raise, e.g. in a daemon thread.
+
+    >>> attempt(lambda: 7)
+    (7, None)
+    """
+    try:
+        return call(), None
+    except jax.errors.JaxRuntimeError as e:
+        return None, f"failed: {str(e).splitlines()[0]}"
+
+
+def key_process(key: str) -> int:
+    """The process index that ends a per-process key (``.../<process>``) of the key-value store.
+
+    >>> key_process("spmdcomm/sync/main/3/1")
+    1
+    """
+    return int(key.rsplit("/", 1)[1])
+
+
 def milliseconds(seconds: float) -> int:
     """A timeout for the coordination service, which counts whole milliseconds (at least 1)."""
     return max(1, int(seconds * 1000))
@@ -211,9 +241,7 @@ def milliseconds(seconds: float) -> int:
 # ------------------------------------------------------------------------------------------------
 
 _MAIN = Channel("main")
-# How much of its description check_same_across_processes sends with the digest, to show a difference.
-_SHOWN_BYTES = 64 * 1024
-# Processes named, with excerpts, in a mismatch message.
+# Processes named in a mismatch message, and leaves named per process.
 _LISTED = 3
 
 
@@ -221,10 +249,6 @@ def _staging() -> bool:
     # Only a staging trace (jit, shard_map, scan, checkpoint) turns a fresh constant computation into a tracer;
     # the probe costs about 20 us eagerly, nothing next to a host synchronisation.
     return isinstance(jax.lax.iota(np.int32, 1), jax.core.Tracer)
-
-
-def _pid(key: str) -> int:
-    return int(key.rsplit("/", 1)[1])
 
 
 def _where(record: dict[str, Any]) -> str:
@@ -245,29 +269,52 @@ def _check_labels(fn: str, mine: dict[str, Any], records: dict[int, dict[str, An
     )
 
 
-def _try(get: Callable[[], Any], default: Any) -> Any:
-    try:
-        return get()
-    except jax.errors.JaxRuntimeError:
-        return default
+def _pack(signature: str | Mapping[str, str], payload: bytes) -> bytes:
+    """The signature (compressed JSON of ``[path, description]`` pairs; a text is one pair with path ``""``),
+    after its length, then the payload."""
+    entries = [["", signature]] if isinstance(signature, str) else [[k, v] for k, v in signature.items()]
+    packed = zlib.compress(json.dumps(entries).encode())
+    return len(packed).to_bytes(8, "little") + packed + payload
 
 
-def _mismatch(fn: str, what: str, texts: list[str], differ: list[bool], fix: str) -> str:
-    """Names the processes whose text differs from process 0's, quoting both around the first difference."""
+def _unpack(data: bytes) -> tuple[list[list[str]], bytes]:
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(zlib.decompress(data[8 : 8 + size])), data[8 + size :]
+
+
+def _mismatch(
+    fn: str, what: str, signatures: list[list[list[str]]], differ: list[bool], fix: str, *, text: bool
+) -> str:
+    """Names the processes whose signature differs from process 0's, with their differing leaves (or, for a
+    text, both texts around the first difference)."""
     bad = [p for p, d in enumerate(differ) if d]
     parts = []
     for p in bad[:_LISTED]:
-        a, b = texts[p], texts[0]
-        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        same = a == b  # the difference lies beyond the part that was sent
-        parts.append(
-            f"process {p} differs after the first {len(a)} characters"
-            if same
-            else f"process {p} has {_excerpt(a, i)}, process 0 has {_excerpt(b, i)}"
-        )
+        if text:
+            a, b = signatures[p][0][1], signatures[0][0][1]
+            i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            parts.append(f"process {p} has {_excerpt(a, i)}, process 0 has {_excerpt(b, i)}")
+        else:
+            parts.append(f"process {p}: {_leaf_differences(p, dict(signatures[p]), dict(signatures[0]))}")
     more = f" ({len(bad) - _LISTED} more not shown)" if len(bad) > _LISTED else ""
     message = f"process(es) {bad} passed {what} that differ from process 0's (seen on process {jax.process_index()})"
     return describe(fn, f"{message}: {'; '.join(parts)}{more}.", fix=fix)
+
+
+def _leaf_differences(p: int, mine: dict[str, str], ref: dict[str, str]) -> str:
+    """The first leaves at which process ``p``'s signature differs from process 0's."""
+    lines = []
+    for path in [*ref, *(k for k in mine if k not in ref)]:
+        if path not in mine:
+            lines.append(f"{path} missing")
+        elif path not in ref:
+            lines.append(f"{path} only on process {p}")
+        elif mine[path] != ref[path]:
+            lines.append(f"{path} is {mine[path]} (process 0: {ref[path]})")
+    if not lines:
+        return "the same leaves in another order"
+    more = f" (and {len(lines) - _LISTED} more leaves)" if len(lines) > _LISTED else ""
+    return ", ".join(lines[:_LISTED]) + more
 
 
 def _excerpt(text: str, i: int) -> str:
