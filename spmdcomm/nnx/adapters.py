@@ -8,8 +8,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from spmdcomm.train._train_body import split_loss_output
 from spmdcomm.train.rng import is_per_example_key, stream_key_for_call
-from spmdcomm.train.train_step import split_loss_output
 
 __all__ = ["nnx_loss_fn", "nnx_metric_fn"]
 

@@ -30,6 +30,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm.train._flat import cast
+
 __all__ = ["TreeLayout", "shard_spec", "shard_dim"]
 
 
@@ -58,6 +60,12 @@ def shard_spec(shape: tuple[int, ...], axis: str, n: int, model: P | None = None
     entries = list(model) + [None] * (dim + 1 - len(model))
     entries[dim] = axis
     return P(*entries)
+
+
+def reshard(tree: Any, shardings: Any) -> Any:
+    """``tree`` moved to ``shardings`` (a tree of ``NamedSharding``), in one process or many."""
+    # A jitted identity moves each leaf to its sharding on the devices.
+    return jax.jit(lambda t: t, out_shardings=shardings)(tree)
 
 
 def manual_spec(spec: P, axes: tuple[str, ...]) -> P:
@@ -190,7 +198,7 @@ class TreeLayout:
         out = list(leaves)
         for idx in self._by_dtype(self.grad_leaf_specs).values():
             dims = [self._dim(self.grad_leaf_specs[i]) for i in idx]
-            rows = [_to_blocks(_cast(leaves[i], reduce_dtype), d, self.size) for i, d in zip(idx, dims, strict=True)]
+            rows = [_to_blocks(cast(leaves[i], reduce_dtype), d, self.size) for i, d in zip(idx, dims, strict=True)]
             packed = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
             # Reduce-scattered inside the shard group, then the blocks summed across groups (hybrid sharding).
             summed = lax.psum_scatter(packed, self.shard_axis, scatter_dimension=0, tiled=False)
@@ -287,10 +295,6 @@ def _mirrored(
         if i is not None and shapes[i] == tuple(shape):
             return i
     return None
-
-
-def _cast(x: jax.Array, dtype: Any) -> jax.Array:
-    return x.astype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 def _local_shape(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:

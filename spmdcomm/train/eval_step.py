@@ -28,8 +28,8 @@ from spmdcomm.train._step import (
     sum_dtype,
     zero_masked_rows,
 )
+from spmdcomm.train._strategy import ReduceContext
 from spmdcomm.train.state import TrainState
-from spmdcomm.train.strategies import ReduceContext, check_strategy_backend
 
 __all__ = ["EvalStep", "evaluate", "make_eval_step"]
 
@@ -138,7 +138,7 @@ class EvalStep:
 
     def _compile(self, state: TrainState) -> Callable[..., Any]:
         axis, strategy = state.data_axes, state.strategy
-        check_strategy_backend("make_eval_step", strategy, self.backend)
+        strategy.check_backend("make_eval_step", self.backend)
         ctx = ReduceContext(axis, state.data_size, None, False)
 
         def body(state: TrainState, data: Any, mask: Any) -> dict[str, jax.Array]:

@@ -23,10 +23,10 @@ from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
 from spmdcomm.runtime.host_collectives import broadcast_tree
 from spmdcomm.runtime.mesh import check_mesh_axes, default_mesh
-from spmdcomm.train._layout import manual_spec
+from spmdcomm.train._layout import reshard
 from spmdcomm.train.loss_scale import resolve_loss_scale
 from spmdcomm.train.rng import data_to_keys, keys_to_data
-from spmdcomm.train.strategies import Strategy, resolve_strategy
+from spmdcomm.train.strategies import DDP, Strategy, resolve_strategy
 
 __all__ = ["TrainState", "optimizer_state_bytes"]
 
@@ -70,7 +70,7 @@ class TrainState:
         rng: Any = None,
         mesh: Mesh | None = None,
         axis: str | tuple[str, ...] = "data",
-        strategy: Strategy | str = "ddp",
+        strategy: Strategy | str = DDP.name,
         param_specs: Any = None,
         loss_scale: Any = None,
     ) -> TrainState:
@@ -120,7 +120,7 @@ class TrainState:
             placement.place("TrainState.create", host, NamedSharding(mesh, P()), host_input="global"), key_impls
         )
         layout = strategy.layout(params, tx, mesh, data_axes(axis), model_specs)
-        params = _reshard(params, layout.shardings(mesh, "params"))
+        params = reshard(params, layout.shardings(mesh, "params"))
         opt_state = jax.jit(tx.init, out_shardings=layout.shardings(mesh, "opt"))(params)
         return cls(
             step=jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, P())),
@@ -205,12 +205,7 @@ class TrainState:
         >>> s.params["w"].shape, s.params["w"].sharding.spec, s.full_params()["w"].sharding.spec
         ((8, 3), P('data',), P())
         """
-        if not self.strategy.shards_params:
-            return self.params
-        model = [manual_spec(s, self.model_axes) for s in self.layout.param_leaf_specs]
-        return _reshard(
-            self.params, jax.tree.unflatten(self.layout.treedef, [NamedSharding(self.mesh, s) for s in model])
-        )
+        return self.strategy.full_params(self.layout, self.mesh, self.params)
 
     @property
     def model_axes(self) -> tuple[str, ...]:
@@ -234,11 +229,6 @@ def optimizer_state_bytes(state: TrainState) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-
-
-def _reshard(tree: Any, shardings: Any) -> Any:
-    # A jitted identity moves each leaf to its sharding on the devices, in one process or many.
-    return jax.jit(lambda t: t, out_shardings=shardings)(tree)
 
 
 def data_axes(axis: str | tuple[str, ...]) -> tuple[str, ...]:

@@ -49,99 +49,19 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm.errors import BackendError, SpmdError, describe
+from spmdcomm.errors import SpmdError, describe
 from spmdcomm.train._flat import FlatLayout, cast
 from spmdcomm.train._layout import TreeLayout
+from spmdcomm.train._strategy import ReduceContext, Strategy, psum_whole
+from spmdcomm.train.fsdp import FSDP
 
 __all__ = ["Strategy", "DDP", "ZeRO1", "ZeRO2", "FSDP", "STRATEGIES"]
 
-#: The names ``TrainState.create(..., strategy=...)`` accepts besides :class:`Strategy` objects.
-STRATEGIES: tuple[str, ...] = ("ddp", "zero1", "zero2", "fsdp")
-
 _ONE_BUFFER = 2**40  # a bucket size no model reaches: one flat all-reduce buffer per dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    """Base class of the data-parallel strategies (:class:`DDP`, :class:`ZeRO1`, :class:`ZeRO2`, :class:`FSDP`).
-
-    ``layout`` (when the state is created) decides each leaf's ``PartitionSpec``. Inside the compiled step,
-    which is manual over the data axis: ``compute_params`` (the parameter tree the model sees), per micro-batch
-    ``micro_grads`` (the local gradient in the form the strategy accumulates), then ``reduce`` (its sum over
-    the axis, each leaf in its ``grad_specs`` form). The optimizer then runs in the global view on that tree.
-    """
-
-    name: ClassVar[str]
-    #: True when the stored parameters are split: the step differentiates with respect to the blocks, and the
-    #: gradient of a split leaf comes out already summed over the axis (the transpose of the gather).
-    shards_params: ClassVar[bool] = False
-    #: True when reduced gradients and the optimizer state are split per leaf.
-    shards_optimizer: ClassVar[bool] = False
-    backends: ClassVar[tuple[str, ...]] = ("shard_map", "pmap")
-
-    def layout(
-        self,
-        params: Any,
-        tx: optax.GradientTransformation,
-        mesh: Mesh,
-        axes: tuple[str, ...],
-        model_specs: tuple[P, ...] | None = None,
-    ) -> TreeLayout:
-        """The per-leaf specs for ``params`` on ``mesh`` over the data ``axes`` (and each leaf's model spec):
-        hashable, stored in the state."""
-        return TreeLayout.build(
-            params,
-            tx,
-            mesh,
-            axes,
-            model_specs=model_specs,
-            shard_params=self.shards_params,
-            shard_grads=self.shards_optimizer,
-            bucket_bytes=self.flat_bucket_bytes(mesh),
-        )
-
-    def flat_bucket_bytes(self, mesh: Mesh) -> int | None:
-        """The size of the flat buffers the gradients are all-reduced in on ``mesh`` (None: leaf by leaf)."""
-        return None
-
-    @property
-    def remat_policy(self) -> Any:
-        """A ``jax.checkpoint`` policy for ``loss_fn``: which forward values the backward pass recomputes
-        rather than keeps (None: keep everything, no ``jax.checkpoint``)."""
-        return None
-
-    def compute_params(self, ctx: ReduceContext, layout: TreeLayout, params: Any) -> Any:
-        """Inside the step: the parameter tree the model is applied to."""
-        return params
-
-    def micro_grads(self, ctx: ReduceContext, layout: TreeLayout, grads: Any) -> Any:
-        """Inside the step: one micro-batch's gradient in the form it is accumulated in."""
-        return grads
-
-    def store_params(self, layout: TreeLayout, mesh: Mesh, params: Any) -> Any:
-        """In the global view, after the optimizer: the new parameters in their stored layout."""
-        return params
-
-    def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
-        """Sums the f32 ``stats`` vector and the accumulated gradients over the axis: ``(stats, reduced)``, each
-        gradient leaf as ``layout.grad_specs`` says (whole, or this device's block)."""
-        raise NotImplementedError
-
-
-@dataclasses.dataclass(frozen=True)
-class ReduceContext:
-    """What the strategy hooks need to know about the step: the data axes, how many devices they span, and the
-    step's options."""
-
-    axes: tuple[str, ...]
-    size: int
-    reduce_dtype: Any
-    skip_nonfinite: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +119,7 @@ class ZeRO1(Strategy):
     backends: ClassVar[tuple[str, ...]] = ("shard_map",)
 
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
-        return _psum_whole(ctx, layout, layout.scatter_sum(grads, ctx.reduce_dtype), stats)
+        return psum_whole(ctx, layout, layout.scatter_sum(grads, ctx.reduce_dtype), stats)
 
     def store_params(self, layout: TreeLayout, mesh: Mesh, params: Any) -> Any:
         # The optimizer produced each leaf's blocks (its gradient's layout); one all-gather per dtype makes the
@@ -232,157 +152,39 @@ class ZeRO2(ZeRO1):
         return layout.scatter_sum(grads, ctx.reduce_dtype, across_replicas=False)
 
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
-        return _psum_whole(ctx, layout, grads, stats, across_replicas=True)
+        return psum_whole(ctx, layout, grads, stats, across_replicas=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class FSDP(Strategy):
-    """Fully sharded data parallelism (torch FSDP2 ``fully_shard``, ZeRO stage 3).
+#: Each strategy class by its name: the one list of strategies.
+BY_NAME: dict[str, type[Strategy]] = {cls.name: cls for cls in (DDP, ZeRO1, ZeRO2, FSDP)}
 
-    Parameters, gradients and optimizer state are split per leaf over the data axis; ``state.params`` is the
-    model's tree of sharded arrays. The step all-gathers each split leaf for the forward pass; the backward pass
-    (the transpose of that all-gather) reduce-scatters each gradient straight into blocks; the optimizer updates
-    the blocks in the global view. :meth:`TrainState.full_params <spmdcomm.TrainState.full_params>` gathers the
-    whole tree.
-
-    ``reshard_after_forward=True`` (default, as torch's): the gathered parameters are not kept for the backward
-    pass, which gathers again each one it needs (a ``jax.checkpoint`` policy that keeps every computed value,
-    the activations, and drops only what was moved: gathers and the reshapes and casts after them; no layer is
-    recomputed). ``False`` keeps the gathered parameters from the forward to the backward pass (one all-gather
-    per leaf instead of up to two). XLA:CPU in jax 0.10 merges the second gathers with the first (it drops the
-    rematerialisation barrier before its common-subexpression pass), so on CPU both compile alike.
-    ``param_dtype`` (e.g. ``jnp.bfloat16``): the model computes with low-precision copies of the gathered
-    parameters while the blocks, the gradients and the optimizer stay float32 (torch's
-    ``MixedPrecisionPolicy(param_dtype=...)``): the blocks are gathered in ``param_dtype`` (half the bytes for
-    bfloat16) and the gradients reduce-scattered in it, or in the step's ``reduce_dtype`` when given.
-    """
-
-    name: ClassVar[str] = "fsdp"
-    shards_params: ClassVar[bool] = True
-    shards_optimizer: ClassVar[bool] = True
-    backends: ClassVar[tuple[str, ...]] = ("shard_map",)
-    reshard_after_forward: bool = True
-    param_dtype: Any = None
-
-    def __post_init__(self) -> None:
-        if self.param_dtype is not None:
-            dtype = jnp.dtype(self.param_dtype)
-            if not jnp.issubdtype(dtype, jnp.floating):
-                raise SpmdError(
-                    describe("FSDP", f"param_dtype={dtype} is not a float dtype.", fix="pass e.g. jnp.bfloat16.")
-                )
-            object.__setattr__(self, "param_dtype", dtype)
-
-    @property
-    def remat_policy(self) -> Any:
-        # Only the gathered parameters are dropped after the forward pass (torch's resharding): activations are
-        # kept, so the backward pass gathers again but recomputes no layer.
-        return _keep_computed_values if self.reshard_after_forward else None
-
-    def compute_params(self, ctx: ReduceContext, layout: TreeLayout, params: Any) -> Any:
-        # Split leaves are gathered in the compute dtype; the backward pass reduce-scatters their gradient in the
-        # step's reduce_dtype (else the compute dtype). Replicated leaves are cast to the compute dtype here.
-        whole = layout.gather_params(params, self.param_dtype, ctx.reduce_dtype)
-        if self.param_dtype is not None:
-            leaves = jax.tree.leaves(whole)
-            leaves = [
-                x if split or not _is_float(x) else x.astype(self.param_dtype)
-                for x, split in zip(leaves, layout.is_split("params"), strict=True)
-            ]
-            whole = jax.tree.unflatten(layout.treedef, leaves)
-        return whole
-
-    def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
-        return _psum_whole(ctx, layout, grads, stats, across_replicas=True)
+#: The names ``TrainState.create(..., strategy=...)`` accepts besides :class:`Strategy` objects.
+STRATEGIES: tuple[str, ...] = tuple(BY_NAME)
 
 
 def resolve_strategy(fn: str, strategy: Strategy | str) -> Strategy:
-    """The :class:`Strategy` for ``strategy`` (an object, or one of :data:`STRATEGIES`)."""
+    """The :class:`Strategy` for ``strategy`` (an object, or one of :data:`STRATEGIES`).
+
+    >>> from spmdcomm.train.strategies import resolve_strategy
+    >>> resolve_strategy("TrainState.create", "zero2")
+    ZeRO2()
+    """
     if isinstance(strategy, Strategy):
         return strategy
-    by_name = {"ddp": DDP, "zero1": ZeRO1, "zero2": ZeRO2, "fsdp": FSDP}
-    if isinstance(strategy, str) and strategy in by_name:
-        return by_name[strategy]()
+    if isinstance(strategy, str) and strategy in BY_NAME:
+        return BY_NAME[strategy]()
+    names = ", ".join(repr(name) for name in STRATEGIES)
     raise SpmdError(
         describe(
             fn,
             f"strategy={strategy!r} is not a strategy; expected one of {STRATEGIES} or a spmdcomm.train.Strategy.",
-            fix='pass strategy="ddp" (default), "zero1", "zero2", "fsdp", or an object such as '
+            fix=f"pass strategy= one of {names} (default {DDP.name!r}), or an object such as "
             "spmdcomm.DDP(bucket_bytes=...) or spmdcomm.FSDP(param_dtype=jnp.bfloat16).",
         )
     )
 
 
-def check_strategy_backend(fn: str, strategy: Strategy, backend: str) -> None:
-    """Raises :class:`~spmdcomm.errors.BackendError` if ``strategy`` cannot run on ``backend``."""
-    if backend not in strategy.backends:
-        raise BackendError(
-            describe(
-                fn,
-                f"strategy {strategy!r} runs on the {' or '.join(strategy.backends)} backend, not {backend!r} "
-                "(its optimizer runs in the global view over per-leaf sharded arrays, which pmap cannot express).",
-                fix='build the step with backend="shard_map" (the default), or use strategy="ddp" with the pmap '
-                "backend.",
-            )
-        )
-
-
 # --------------------------------------------------------------------------------------------------
-
-
-def _keep_computed_values(prim: Any, *args: Any, **params: Any) -> bool:
-    """A ``jax.checkpoint`` policy that keeps what the forward pass computed (activations) and drops what it only
-    moved: gathers and the reshapes, slices, casts and transposes between a gather and its use. The backward pass
-    then gathers each parameter again instead of keeping it (naming the gathered values is not enough: the
-    policy would keep the reshape they were named from)."""
-    return prim.name not in _MOVED
-
-
-_MOVED = frozenset(
-    {
-        "all_gather",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-        "reshape",
-        "transpose",
-        "slice",
-        "squeeze",
-        "expand_dims",
-        "broadcast_in_dim",
-        "convert_element_type",
-        "concatenate",
-        "copy",
-        "copy_p",
-        "name",
-        "pvary",
-        "pcast",
-    }
-)
-
-
-def _is_float(x: jax.Array) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def _psum_whole(
-    ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array, *, across_replicas: bool = False
-) -> tuple[jax.Array, Any]:
-    """Sums ``stats`` and the leaves the shard axis does not split over the data axes, in one all-reduce; split
-    leaves are already this device's block of the sum over the shard axis, and of the sum over the data axes
-    unless ``across_replicas`` (FSDP's backward pass sums inside the shard group only: the blocks are then summed
-    across the replica axes, hybrid sharding)."""
-    leaves = jax.tree.leaves(grads)
-    split = layout.is_split("grads")
-    whole = [i for i, s in enumerate(split) if not s]
-    stats, summed = lax.psum((stats, [cast(leaves[i], ctx.reduce_dtype) for i in whole]), ctx.axes)
-    for i, s in zip(whole, summed, strict=True):
-        leaves[i] = s.astype(leaves[i].dtype)
-    if across_replicas and layout.replica_axes:
-        blocks = [i for i, s in enumerate(split) if s]
-        summed = lax.psum([cast(leaves[i], ctx.reduce_dtype) for i in blocks], layout.replica_axes)
-        for i, s in zip(blocks, summed, strict=True):
-            leaves[i] = s.astype(leaves[i].dtype)
-    return stats, jax.tree.unflatten(layout.treedef, leaves)
 
 
 def _bucketed_psum(

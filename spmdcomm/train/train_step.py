@@ -52,8 +52,6 @@ reduces exactly once.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -61,35 +59,21 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax import lax
-from jax.flatten_util import ravel_pytree
-from jax.sharding import PartitionSpec as P
 
-from spmdcomm._jax_compat import varying_axes
 from spmdcomm.collectives.spmd import check_backend
 from spmdcomm.data.placement import HostInput, check_host_input
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.train._flat import all_finite
 from spmdcomm.train._step import (
     DEFAULT_MAX_IN_FLIGHT,  # re-exported: the public home of the default window
     StepCache,
     Window,
-    call_model_fn,
     check_in_flight,
-    check_scalars,
-    compile_global_step,
-    compile_step,
     dispatch,
-    full_mask,
     place_batch,
-    sum_dtype,
-    zero_masked_rows,
 )
-from spmdcomm.train.loss_scale import next_loss_scale
-from spmdcomm.train.rng import RNG_MODES, is_key_leaf, per_example_key
+from spmdcomm.train._train_body import StepOptions, compile_train_step
+from spmdcomm.train.rng import RNG_MODES
 from spmdcomm.train.state import TrainState
-from spmdcomm.train.strategies import ReduceContext, check_strategy_backend
 
 __all__ = ["TrainStep", "make_train_step", "masked_mean"]
 
@@ -189,7 +173,7 @@ class TrainStep:
         self.options = options
         self.max_in_flight = max_in_flight
         self._window = Window(max_in_flight)
-        self._cache = StepCache("make_train_step", lambda state: _compile(options, state))
+        self._cache = StepCache("make_train_step", lambda state: compile_train_step(options, state))
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         program = self._cache.program(state)
@@ -203,20 +187,6 @@ class TrainStep:
         """Lowers the step for these inputs (``.compile().as_text()`` shows the HLO XLA runs)."""
         placed = place_batch("make_train_step", batch, state, self.options.accum_steps, self.options.host_input)
         return self._cache.program(state).lower(state, *placed)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOptions:
-    """The options of :func:`make_train_step`, validated."""
-
-    loss_fn: Callable[..., Any]
-    backend: str
-    accum_steps: int
-    reduce_dtype: Any
-    skip_nonfinite: bool
-    donate: bool
-    rng: str
-    host_input: HostInput
 
 
 def masked_mean(values: Any, mask: Any) -> jax.Array:
@@ -237,310 +207,3 @@ def masked_mean(values: Any, mask: Any) -> jax.Array:
     kept = jnp.where(mask.reshape(mask.shape + (1,) * (values.ndim - 1)), values, jnp.zeros_like(values))
     per_row = math.prod(values.shape[1:])
     return jnp.sum(kept) / jnp.maximum(jnp.sum(mask) * per_row, 1)
-
-
-def split_loss_output(out: Any, fn: str) -> tuple[Any, dict[str, Any]]:
-    """``(loss, aux dict)`` from a ``loss_fn`` result (``loss`` or ``(loss, aux)``)."""
-    if isinstance(out, tuple):
-        if len(out) != 2 or not isinstance(out[1], dict):
-            raise SpmdError(
-                describe(
-                    fn,
-                    f"loss_fn returned a tuple of {len(out)} items; expected loss or (loss, aux dict).",
-                    fix='return the scalar mean loss, or (loss, {"metric": value, "model_state": new_state}).',
-                )
-            )
-        return out[0], dict(out[1])
-    return out, {}
-
-
-# --------------------------------------------------------------------------------------------------
-# The step body
-
-
-def _compile(o: StepOptions, state: TrainState) -> Callable[..., Any]:
-    strategy, layout, axis = state.strategy, state.layout, state.data_axes
-    scaled = state.loss_scale is not None
-    ctx = ReduceContext(axis, state.data_size, o.reduce_dtype, o.skip_nonfinite or scaled)
-    varying = o.backend == "shard_map"
-    # What the step itself reports: aux metrics of these names would silently replace them.
-    hyperparams = _hyperparams(state.opt_state)
-    reserved = {"loss", "examples", "model_state", *jax.eval_shape(hyperparams, state.opt_state)}
-    reserved |= {"skipped"} if o.skip_nonfinite or scaled else set()
-    reserved |= {"loss_scale"} if scaled else set()
-    check_strategy_backend("make_train_step", strategy, o.backend)
-
-    def denominator(total: jax.Array, masked: bool) -> jax.Array | float:
-        # Masked: sums of count-weighted means over the real-example count. Unmasked: sums of means
-        # over the number of (equal) blocks, which needs no per-gradient multiplication.
-        return jnp.maximum(total, 1.0) if masked else float(ctx.size * o.accum_steps)
-
-    def reduce(state: TrainState, data: Any, mask: Any) -> tuple[Any, ...]:
-        """Per device (manual over the axis): the gradient summed over the axis, each leaf whole or as this
-        device's block (``layout.grad_specs``), the real-example total, the metric sums and the new model state."""
-        data = data if mask is None else zero_masked_rows(data, mask)
-        grad_sum, metric_sums, model_state, count = _accumulate(o, ctx, state, data, mask, varying, reserved)
-        # The example count, the metrics and the model state travel in one f32 vector (XLA:CPU pays
-        # per buffer); XLA fuses its all-reduce with the gradients' into one collective.
-        masked = mask is not None
-        weighted_state = _float_leaves(model_state)
-        if masked:
-            weighted_state = jax.tree.map(lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)), weighted_state)
-        vec, unravel = ravel_pytree((count, metric_sums, weighted_state))
-        vec, reduced = strategy.reduce(ctx, layout, grad_sum, vec)
-        total, metric_sums, stats = unravel(vec)
-        denom = denominator(total, masked)
-        new_model_state = _merge_model_state(
-            model_state, jax.tree.map(lambda v: v / denom, stats), axis, state.model_state
-        )
-        return reduced, total, metric_sums, new_model_state
-
-    def update(
-        state: TrainState, masked: bool, reduced: Any, total: jax.Array, metric_sums: Any, new_model_state: Any
-    ) -> tuple[TrainState, dict[str, jax.Array]]:
-        """The optimizer step on the model's tree: in the global view (shard_map backend), where each leaf is a
-        sharded array and XLA adds the reductions a global norm or a per-leaf statistic needs; inside pmap (DDP
-        only) on the replicated tree."""
-        denom = denominator(total, masked)
-        grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), reduced)
-        if scaled:
-            # Unscaled in float32 at least (a float16 gradient divided by 65536 underflows), as Flax's DynamicScale.
-            grads = jax.tree.map(lambda g: g.astype(sum_dtype(g.dtype)) / state.loss_scale.scale, grads)
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        params = strategy.store_params(layout, state.mesh, optax.apply_updates(state.params, updates))
-        # Keep the old state where nothing real was seen (all padding) or a gradient was not finite.
-        apply = total > 0 if masked else None
-        finite = all_finite(grads) if o.skip_nonfinite or scaled else None
-        if finite is not None:
-            apply = finite if apply is None else apply & finite
-        keep = (
-            (lambda new, old: new)
-            if apply is None
-            else (lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old))
-        )
-        new_state = state.replace(
-            step=state.step + 1,
-            params=keep(params, state.params),
-            opt_state=keep(opt_state, state.opt_state),
-            model_state=keep(new_model_state, state.model_state),
-        )
-        metrics = {k: v / denom for k, v in metric_sums.items()}
-        metrics["examples"] = total
-        if finite is not None:
-            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-        if scaled:
-            metrics["loss_scale"] = state.loss_scale.scale.astype(jnp.float32)  # the scale this step used
-            new_state = new_state.replace(loss_scale=next_loss_scale(state.loss_scale, finite))
-        metrics.update(hyperparams(opt_state))
-        return new_state, metrics
-
-    specs = state.specs()
-    if o.backend == "pmap":
-        body = lambda state, data, mask: update(state, mask is not None, *reduce(state, data, mask))
-        return compile_step("make_train_step", body, state, (specs, P()), backend=o.backend, donate=o.donate)
-    reduced_specs = (layout.manual_specs("grads"), P(), P(), P())
-    return compile_global_step(
-        "make_train_step",
-        reduce,
-        reduced_specs,
-        lambda state, data, mask, out: update(state, mask is not None, *out),
-        state,
-        donate=o.donate,
-    )
-
-
-def _accumulate(
-    o: StepOptions, ctx: ReduceContext, state: TrainState, data: Any, mask: Any, varying: bool, reserved: set[str]
-) -> tuple[Any, ...]:
-    """Runs loss_fn over the micro-batches.
-
-    Returns the sums over micro-batches of gradients (in the strategy's accumulated form) and metrics
-    (weighted by real-example count when the batch is masked), the last model state and this device's
-    real-example count.
-    """
-    axis, k, masked = state.data_axes, o.accum_steps, mask is not None
-    strategy, layout = state.strategy, state.layout
-    mask = full_mask(data) if mask is None else mask
-    micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), (data, mask))
-    micro_rng = _micro_rng(o, state, mask.shape[0] // k)
-    # Replicated parameters are marked varying so that each device differentiates its own loss. A masked block's
-    # weight (its real-example count) is applied to the loss before differentiating, never to the gradient after:
-    # a device's gradient also holds the other devices' losses wherever the model couples them (synchronised
-    # BatchNorm statistics: the transpose of their all-reduce), and split parameters (FSDP) come out summed over
-    # the axis by the transpose of the gather; each of those terms must carry its own device's weight.
-    params = _vary(state.params, axis, varying)
-    weigh_loss = masked
-    grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, weigh_loss, reserved), has_aux=True)
-    extra = {"step": state.step} if _takes_keyword(o.loss_fn, "step") else {}
-
-    def one(model_state: Any, batch: Any, m: jax.Array, j: Any) -> tuple[Any, ...]:
-        c = jnp.sum(m, dtype=jnp.float32)
-        (_, (loss, aux)), grads = grad_fn(
-            params, batch, apply_fn=state.apply_fn, model_state=model_state, rng=micro_rng(j), mask=m, count=c, **extra
-        )
-        new_model_state = aux.pop("model_state", model_state)
-        _check_same_tree(model_state, new_model_state)
-        # Masked, a block without real examples may give a NaN mean: its weight is zero, and so is
-        # its contribution. Unmasked, every block has the same count: plain sums, divided once by
-        # the number of blocks after the reduction.
-        weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v)
-        metrics = jax.tree.map(lambda v: weigh(v.astype(sum_dtype(v.dtype))), {"loss": loss, **aux})
-        if masked and not strategy.shards_params:
-            # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN.
-            grads = jax.tree.map(lambda g: jnp.where(c > 0, g, jnp.zeros_like(g)), grads)
-        return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
-
-    first = one(_vary(state.model_state, axis, varying), *jax.tree.map(lambda x: x[0], micro), 0)
-    if k == 1:
-        return first
-
-    def body(carry: Any, xs: Any) -> Any:
-        grad_sum, metric_sums, model_state, count = carry
-        (batch, m), j = xs
-        grads, metrics, model_state, c = one(model_state, batch, m, j)
-        add = lambda a, b: jax.tree.map(jnp.add, a, b)
-        return (add(grad_sum, grads), add(metric_sums, metrics), model_state, count + c), None
-
-    rest = jax.tree.map(lambda x: x[1:], micro)
-    carry, _ = lax.scan(body, _vary(first, axis, varying), (rest, jnp.arange(1, k)))
-    return carry
-
-
-def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], jax.Array]:
-    """The ``rng`` of micro-batch ``j`` (``rows`` examples) on this device."""
-    step_rng = jax.random.fold_in(state.rng, state.step)
-    device = lax.axis_index(state.data_axes)  # row-major over the data axes, as the batch is split
-    if o.rng == "per_example":
-        # Device d's block holds global rows [d * k * rows, (d + 1) * k * rows); micro-batch j of it
-        # starts j * rows further. Every device shares step_rng: only the row offset differs.
-        first = device * (o.accum_steps * rows)
-        return lambda j: per_example_key(step_rng, offset=first + j * rows, rows=rows)
-    device_rng = jax.random.fold_in(step_rng, device)
-    return lambda j: jax.random.fold_in(device_rng, j)
-
-
-def _differentiable_loss(
-    o: StepOptions, ctx: ReduceContext, state: TrainState, weigh_loss: bool, reserved: set[str]
-) -> Callable[..., Any]:
-    """``f(params, batch, ..., count) -> (differentiated value, (loss, aux))`` for ``jax.value_and_grad``: the
-    loss, weighted by the block's real-example count where the strategy needs it, times the loss scale."""
-    strategy, layout = state.strategy, state.layout
-    policy = strategy.remat_policy
-
-    def wrapped(params: Any, batch: Any, *, count: jax.Array, **kwargs: Any) -> tuple[jax.Array, Any]:
-        def forward(p: Any) -> Any:
-            return call_model_fn(
-                "make_train_step", "loss_fn", state, o.loss_fn, strategy.compute_params(ctx, layout, p), batch, **kwargs
-            )
-
-        if policy is not None:
-            # The strategy's policy says which forward values the backward pass recomputes instead of keeping
-            # (FSDP's resharding: the gathered parameters, gathered again).
-            forward = jax.checkpoint(forward, policy=policy)
-        loss, aux = split_loss_output(forward(params), "make_train_step")
-        _check_aux_names(aux, reserved)
-        scalars = {"loss": loss, **{k: v for k, v in aux.items() if k != "model_state"}}
-        check_scalars("make_train_step", scalars, "loss_fn")
-        value = jnp.where(count > 0, count * loss, jnp.zeros_like(loss)) if weigh_loss else loss
-        if state.loss_scale is not None:
-            # Not cast to the loss's dtype: 65536 is Inf in float16. A float16 loss is promoted, as in Flax.
-            value = value * state.loss_scale.scale
-        return value, (loss, dict(aux))
-
-    return wrapped
-
-
-def _hyperparams(opt_state: Any) -> Callable[[Any], dict[str, jax.Array]]:
-    """``f(opt_state) -> {name: value}``: the scalar hyperparameters of the ``optax.inject_hyperparams`` states in
-    ``opt_state`` (as the update just used them), named as given to ``inject_hyperparams``, prefixed with the state's
-    path when several states hold the same name."""
-
-    def is_injected(x: Any) -> bool:
-        return isinstance(x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState))
-
-    def found(tree: Any) -> list[tuple[str, str, Any]]:
-        injected = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_injected)[0]
-        return [
-            (jax.tree_util.keystr(path), name, value)
-            for path, node in injected
-            if is_injected(node)
-            for name, value in sorted(node.hyperparams.items())
-            if np.ndim(value) == 0
-        ]
-
-    names = [name for _, name, _ in found(opt_state)]
-    label = lambda path, name: f"{path}/{name}" if names.count(name) > 1 else name
-    return lambda tree: {label(p, n): jnp.asarray(v, jnp.float32) for p, n, v in found(tree)}
-
-
-def _check_aux_names(aux: dict[str, Any], reserved: set[str]) -> None:
-    taken = sorted(k for k in aux if k in reserved and k != "model_state")
-    if taken:
-        raise SpmdError(
-            describe(
-                "make_train_step",
-                f"loss_fn's aux holds {taken}, which the step reports itself (its metrics are "
-                f"{sorted(reserved - {'model_state'})}); the aux value would silently replace the step's.",
-                fix=f"rename the aux metric(s), e.g. {taken[0]!r} -> 'aux/{taken[0]}'.",
-            )
-        )
-
-
-def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
-    """Whether ``fn`` names the keyword parameter ``name``. A ``**kwargs`` catch-all does not count: such functions
-    often forward their keywords to one that takes only the contract's."""
-    try:
-        parameter = inspect.signature(fn).parameters.get(name)
-    except (TypeError, ValueError):  # no signature to read (a builtin): pass only the contract's arguments
-        return False
-    return parameter is not None and parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)
-
-
-def _check_same_tree(old: Any, new: Any) -> None:
-    old_def, new_def = jax.tree.structure(old), jax.tree.structure(new)
-    old_shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(old)]
-    new_shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(new)]
-    if old_def != new_def or old_shapes != new_shapes:
-        raise SpmdError(
-            describe(
-                "make_train_step",
-                f"loss_fn returned a model_state whose tree or shapes differ from "
-                f"state.model_state: expected {old_def} {old_shapes}, got {new_def} {new_shapes}.",
-                fix="return the updated model state with the same structure (or leave 'model_state' out of aux).",
-            )
-        )
-
-
-def _vary(tree: Any, axes: tuple[str, ...], varying: bool) -> Any:
-    # Marks values as varying over every data axis so that jax.grad returns the per-device gradient instead
-    # of one already summed over the axes (shard_map with check_vma=True). pmap has no such typing.
-    if not varying:
-        return tree
-
-    def one(x: jax.Array) -> jax.Array:
-        missing = tuple(a for a in axes if a not in varying_axes(x))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(one, tree)
-
-
-def _float_leaves(tree: Any) -> Any:
-    # The float leaves in the dtype they are summed in; other leaves become empty (not averaged).
-    return jax.tree.map(
-        lambda x: (
-            x.astype(sum_dtype(x.dtype)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros((0,), jnp.float32)
-        ),
-        tree,
-    )
-
-
-def _merge_model_state(local: Any, averaged: Any, axis: str, stored: Any) -> Any:
-    # Float leaves take their weighted average over the axis; integer leaves (counters, e.g. NNX
-    # RngCount) must agree on every replica and take the maximum. RNG keys are never averaged: the
-    # stored key stays (a model's streams only advance their counts), identical on every replica.
-    def merge(x: jax.Array, avg: jax.Array, old: jax.Array) -> jax.Array:
-        if is_key_leaf(x):
-            return old
-        return avg.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else lax.pmax(x, axis)
-
-    return jax.tree.map(merge, local, averaged, stored)
