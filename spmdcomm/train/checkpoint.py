@@ -42,22 +42,18 @@ each one found, so that all of them use the same checkpoint even when their view
 
 from __future__ import annotations
 
-import collections
 import json
-import math
 import os
-import warnings
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
 from spmdcomm.errors import SpmdError, check_not_deleted, describe
-from spmdcomm.runtime.process import process_count
-from spmdcomm.runtime.transport import exchange
+from spmdcomm.train._checkpoint_choice import CheckpointDamagedWarning, chosen_step, make_room
+from spmdcomm.train._checkpoint_disk import first_line
 from spmdcomm.train.state import TrainState
+from spmdcomm.train.strategies import BY_NAME
 
 __all__ = [
     "save_checkpoint",
@@ -66,16 +62,6 @@ __all__ = [
     "checkpoint_extra",
     "CheckpointDamagedWarning",
 ]
-
-
-class CheckpointDamagedWarning(UserWarning):
-    """A checkpoint was skipped (or replaced) because a file that restoring it needs is missing or unreadable.
-
-    Emitted when :func:`latest_checkpoint_step`, :func:`restore_checkpoint` or :func:`checkpoint_extra` fall
-    back to an older intact checkpoint, and when :func:`save_checkpoint` replaces a damaged checkpoint of the
-    step it saves (as :func:`spmdcomm.fit` does after resuming from an older one). The message names each
-    damaged step, the directory and what is damaged.
-    """
 
 
 def save_checkpoint(
@@ -96,8 +82,7 @@ def save_checkpoint(
     shards). A checkpoint of the same step that is already there raises :class:`~spmdcomm.SpmdError`, unless it
     is damaged: then it is replaced, with a :class:`CheckpointDamagedWarning`.
     """
-    import orbax.checkpoint as ocp
-
+    ocp = _orbax("save_checkpoint")
     _check_state("save_checkpoint", state)
     # Checked before orbax touches the arrays: a consumed state would fail half-way (or crash).
     check_not_deleted(
@@ -109,8 +94,8 @@ def save_checkpoint(
     )
     step = int(jax.device_get(state.step)) if step is None else int(step)
     extra = _json_dict("save_checkpoint", extra)
-    with _manager(directory, writing=True, max_to_keep=max_to_keep) as mgr:
-        _make_room(directory, mgr, step)
+    with _manager("save_checkpoint", directory, writing=True, max_to_keep=max_to_keep) as mgr:
+        make_room(directory, mgr, step)
         args = ocp.args.StandardSave(_arrays(state), custom_metadata=_layout_of(state))
         # Orbax's save first waits for its removal of unfinished saves, so no thread of it outlives this block.
         mgr.save(step, args=args, custom_metadata=extra, force=True)
@@ -141,11 +126,10 @@ def restore_checkpoint(
     ...     sc.restore_checkpoint(d, state, missing_ok=True) is state
     True
     """
-    import orbax.checkpoint as ocp
-
+    ocp = _orbax("restore_checkpoint")
     _check_state("restore_checkpoint", state)
-    with _manager(directory) as mgr:
-        step = _chosen_step("restore_checkpoint", directory, mgr, step, missing_ok=missing_ok)
+    with _manager("restore_checkpoint", directory) as mgr:
+        step = chosen_step("restore_checkpoint", directory, mgr, step, missing_ok=missing_ok)
         if step is None:
             return state
         saved = mgr.item_metadata(step)
@@ -177,19 +161,16 @@ def latest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
     Newer damaged checkpoints are skipped with a :class:`CheckpointDamagedWarning`; when every checkpoint is
     damaged it raises :class:`~spmdcomm.SpmdError` naming each one's damage.
     """
-    with _manager(directory) as mgr:
-        return _chosen_step("latest_checkpoint_step", directory, mgr, None, missing_ok=True)
+    with _manager("latest_checkpoint_step", directory) as mgr:
+        return chosen_step("latest_checkpoint_step", directory, mgr, None, missing_ok=True)
 
 
 def checkpoint_extra(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
     """The ``extra`` dict saved with checkpoint ``step`` (default: the newest intact one) by
     :func:`save_checkpoint`; ``{}`` when it was saved without one."""
-    with _manager(directory) as mgr:
-        step = _chosen_step("checkpoint_extra", directory, mgr, step, missing_ok=False)
+    with _manager("checkpoint_extra", directory) as mgr:
+        step = chosen_step("checkpoint_extra", directory, mgr, step, missing_ok=False)
         return dict(mgr.metadata(step).custom_metadata or {})
-
-
-# ---- private helpers -------------------------------------------------------------------------------------
 
 
 def _arrays(state: TrainState) -> dict[str, Any]:
@@ -213,11 +194,12 @@ def _with_arrays(state: TrainState, arrays: dict[str, Any]) -> TrainState:
     return state.replace(**arrays)
 
 
-def _manager(directory: str | os.PathLike[str], *, writing: bool = False, max_to_keep: int | None = None) -> Any:
+def _manager(
+    fn: str, directory: str | os.PathLike[str], *, writing: bool = False, max_to_keep: int | None = None
+) -> Any:
     """An orbax manager of ``directory``. Only a writing one creates the directory and removes unfinished saves
     (in a background thread, which its save waits for); a reading one starts no thread that outlives it."""
-    import orbax.checkpoint as ocp
-
+    ocp = _orbax(fn)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=False,
@@ -229,324 +211,20 @@ def _manager(directory: str | os.PathLike[str], *, writing: bool = False, max_to
     )
 
 
-def _chosen_step(
-    fn: str, directory: str | os.PathLike[str], mgr: Any, step: int | None, *, missing_ok: bool
-) -> int | None:
-    """``step`` if every process finds that checkpoint intact, or without ``step`` the newest checkpoint every
-    process finds intact (warning about newer damaged ones); raises naming the damage otherwise. A directory
-    without any checkpoint gives None with ``missing_ok``, and raises without."""
-    steps = list(mgr.all_steps())
-    if step is None:
-        chosen, damaged = _newest_intact(fn, directory, steps)
-        if chosen is None and damaged:
-            raise SpmdError(
-                describe(
-                    fn,
-                    f"every checkpoint in {os.fspath(directory)!r} is damaged: {_listed(damaged)}.",
-                    fix="restore the directory from a copy, or start afresh in an empty directory.",
-                )
-            )
-        if damaged:
-            warnings.warn(
-                describe(
-                    fn,
-                    f"checkpoint(s) {sorted(damaged)} in {os.fspath(directory)!r} are damaged, so checkpoint {chosen}, "
-                    f"the newest intact one, is used: {_listed(damaged)}.",
-                    fix="nothing, if going back to that checkpoint is fine (a save of a damaged step replaces it); "
-                    "otherwise find what damaged the newer ones (a full disk, an interrupted copy).",
-                ),
-                CheckpointDamagedWarning,
-                stacklevel=3,
-            )
-    else:
-        views = _views_of_step(fn, directory, steps, step)
-        chosen = step if any(step in view["steps"] for view in views) else None
-        problems = _problems(views, step) if chosen is not None else []
-        if problems:
-            raise SpmdError(
-                describe(
-                    fn,
-                    f"checkpoint {step} in {os.fspath(directory)!r} is damaged: {'; '.join(problems)}.",
-                    fix=f"leave out step= to use the newest intact checkpoint, or pass another of {sorted(steps)}.",
-                )
-            )
-        if chosen is None and any(view["steps"] for view in views):
-            missing_ok = False  # asking for a step that is not among the saved ones is a mistake
-    if chosen is None and not missing_ok:
-        there = f"it has steps {sorted(steps)}" if os.path.isdir(directory) else "the directory does not exist"
-        raise SpmdError(
+def _orbax(fn: str) -> Any:
+    """``orbax.checkpoint``, imported when ``fn`` first needs it: it is an optional dependency, so that
+    ``import spmdcomm`` works (and stays fast) without it."""
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:
+        raise ImportError(
             describe(
                 fn,
-                f"no checkpoint {'at all' if step is None else f'for step {step}'} in {os.fspath(directory)!r} "
-                f"({there}).",
-                fix="check the directory, or save first with spmdcomm.save_checkpoint.",
+                f"checkpoints need orbax-checkpoint, which cannot be imported ({e}).",
+                fix="pip install 'spmdcomm[checkpoint]' (or pip install 'orbax-checkpoint>=0.11').",
             )
-        )
-    return chosen
-
-
-def _make_room(directory: str | os.PathLike[str], mgr: Any, step: int) -> None:
-    """Deletes checkpoint ``step`` before it is saved again when it is damaged (``fit`` resumed from an older one
-    and reached that step); raises when it is intact, or when only some processes see it."""
-    steps = list(mgr.all_steps())
-    views = _views_of_step("save_checkpoint", directory, steps, step)
-    seen = [p for p, view in enumerate(views) if step in view["steps"]]
-    if not seen:
-        return
-    problems = _problems(views, step)
-    if len(seen) < len(views) or not problems:
-        where = "" if len(seen) == len(views) else f" on process(es) {seen} only (the processes see different files)"
-        raise SpmdError(
-            describe(
-                "save_checkpoint",
-                f"checkpoint {step} already exists in {os.fspath(directory)!r}{where}.",
-                fix="pass another step=, delete that checkpoint first, or give this run a directory of its own "
-                "that every process reaches.",
-            )
-        )
-    warnings.warn(
-        describe(
-            "save_checkpoint",
-            f"checkpoint {step} in {os.fspath(directory)!r} is damaged ({'; '.join(problems)}); this save replaces it.",
-        ),
-        CheckpointDamagedWarning,
-        stacklevel=3,
-    )
-    mgr.delete(step)
-
-
-def _newest_intact(
-    fn: str, directory: str | os.PathLike[str], steps: list[int]
-) -> tuple[int | None, dict[int, list[str]]]:
-    """The newest checkpoint that every process finds intact (None when there is none), and the damage of each
-    newer one.
-
-    Each process checks its checkpoints from the newest down to the first intact one, and the processes exchange
-    what they found; a checkpoint that one process found intact but another has not checked yet starts another
-    round below it. Every process computes the same rounds from the same exchanged views.
-    """
-    found: dict[int, list[str]] = {}  # this process's checks, kept across rounds
-    bound = math.inf
-    while True:
-        for step in sorted((s for s in steps if s <= bound), reverse=True):
-            if step not in found:
-                found[step] = _damage(_step_path(directory, step))
-            if not found[step]:
-                break
-        views = _exchange_views(fn, steps, found)
-        damaged: dict[int, list[str]] = {}
-        for step in sorted({s for view in views for s in view["steps"]}, reverse=True):
-            problems = _problems(views, step)
-            if problems is None:  # intact wherever checked, not yet checked everywhere
-                bound = step
-                break
-            if not problems:
-                return step, damaged
-            damaged[step] = problems
-        else:
-            return None, damaged
-
-
-def _exchange_views(fn: str, steps: list[int], found: dict[int, list[str]]) -> list[dict[str, Any]]:
-    """Every process's view of the directory, in process order: its steps and the damage it found in the steps it
-    checked (``[]``: intact). One sync point in a multi-process job; nothing is exchanged with one process."""
-    view = {"steps": sorted(steps), "damage": {str(s): problems for s, problems in found.items()}}
-    if process_count() == 1:
-        return [view]
-    return [json.loads(b) for b in exchange(fn, f"{fn}: which checkpoints are intact", json.dumps(view).encode())]
-
-
-def _views_of_step(fn: str, directory: str | os.PathLike[str], steps: list[int], step: int) -> list[dict[str, Any]]:
-    """Every process's view of checkpoint ``step`` alone (see :func:`_exchange_views`)."""
-    return _exchange_views(fn, steps, {step: _damage(_step_path(directory, step))} if step in steps else {})
-
-
-def _problems(views: list[dict[str, Any]], step: int) -> list[str] | None:
-    """The damage of checkpoint ``step`` over every process's view (``[]``: intact on all; each problem seen by
-    only some processes names them), or None when it is intact wherever checked but some process has not
-    checked it."""
-    seen: dict[str, list[int]] = {}
-    unchecked = False
-    for p, view in enumerate(views):
-        if step not in view["steps"]:
-            seen.setdefault(f"{step}/ is not in the directory", []).append(p)
-        elif str(step) in view["damage"]:
-            for problem in view["damage"][str(step)]:
-                seen.setdefault(problem, []).append(p)
-        else:
-            unchecked = True
-    if not seen:
-        return None if unchecked else []
-    return [what + ("" if len(who) == len(views) else f" (seen by process(es) {who})") for what, who in seen.items()]
-
-
-def _listed(damaged: dict[int, list[str]]) -> str:
-    return "; ".join(f"checkpoint {step}: {'; '.join(problems)}" for step, problems in damaged.items())
-
-
-def _step_path(directory: str | os.PathLike[str], step: int) -> Path:
-    return Path(os.path.abspath(os.fspath(directory))) / str(step)  # orbax's default step names
-
-
-def _damage(path: Path) -> list[str]:
-    """What is missing or unreadable in the checkpoint at ``path`` (one step's directory); ``[]`` when it is
-    intact. Each entry names the file (relative to ``path``) and its problem."""
-    problems: list[str] = []
-    step_metadata = _read_json(path, _STEP_METADATA, problems)
-    if step_metadata is not None and not isinstance(step_metadata.get("custom_metadata") or {}, dict):
-        problems.append(f"{_STEP_METADATA} ({_FILES[_STEP_METADATA]}) holds no extra dict")
-    item = _read_json(path, _ITEM_METADATA, problems)
-    for optional in [_SHARDING, *sorted(f"{_ARRAY_METADATAS}/{p.name}" for p in (path / _ARRAY_METADATAS).glob("*"))]:
-        if (path / optional).exists():
-            _read_json(path, optional, problems)
-    if item is None:
-        return problems
-    try:
-        if not isinstance(item.get("custom_metadata") or {}, dict):
-            raise TypeError("custom_metadata is not a dict")
-        leaves = list(_array_leaves(item["tree_metadata"]))
-    except (KeyError, TypeError, AttributeError) as e:
-        problems.append(f"{_ITEM_METADATA} ({_FILES[_ITEM_METADATA]}) does not describe the arrays ({e!r})")
-        return problems
-    if item.get("use_ocdbt", True):  # every spmdcomm checkpoint; other layouts are checked by restore only
-        problems += _array_damage(path / "default", item, leaves)
-    return problems
-
-
-def _read_json(path: Path, name: str, problems: list[str]) -> dict[str, Any] | None:
-    """The JSON object in file ``path/name``, or None after adding its problem to ``problems``."""
-    what = _FILES.get(name) or _FILES.get(os.path.dirname(name), "")
-    label = f"{name} ({what})" if what else name
-    try:
-        value = json.loads((path / name).read_bytes())
-    except FileNotFoundError:
-        problems.append(f"{label} is missing")
-        return None
-    except OSError as e:
-        problems.append(f"{label} is unreadable ({e.strerror})")
-        return None
-    except ValueError as e:  # also a UnicodeDecodeError
-        problems.append(f"{label} is not valid JSON, so truncated or overwritten ({e})")
-        return None
-    if not isinstance(value, dict):
-        problems.append(f"{label} holds a JSON {type(value).__name__}, not an object")
-        return None
-    return value
-
-
-def _array_leaves(tree: dict[str, Any]) -> Iterator[str]:
-    """The dotted names of the array leaves that orbax's tree metadata lists (the keys of their data)."""
-    for entry in tree.values():
-        value = entry["value_metadata"]
-        if value.get("value_type") in _ARRAY_TYPES and not value.get("skip_deserialize", False):
-            yield ".".join(str(key["key"]) for key in entry["key_metadata"])
-
-
-def _array_damage(item: Path, metadata: dict[str, Any], leaves: list[str]) -> list[str]:
-    """What is missing from the array data of ``item`` (OCDBT): its index (the manifest and the B-tree nodes), the
-    data files the index refers to (each present and long enough), and for each of ``leaves`` its zarr metadata
-    and every chunk. The chunks' bytes are not read: their damage shows when restore decodes them."""
-    import tensorstore as ts
-
-    if not (item / "manifest.ocdbt").is_file():
-        return [f"{_MANIFEST} ({_FILES[_MANIFEST]}) is missing"]
-    base = ts.KvStore.open({"driver": "file", "path": f"{item}/"}).result()
-    try:
-        versions = ts.ocdbt.dump(base).result()["versions"]
-    except Exception as e:  # tensorstore reports a corrupt manifest as ValueError
-        return [f"{_MANIFEST} ({_FILES[_MANIFEST]}) is unreadable: {_first_line(e)}"]
-    root = versions[-1]["root"].get("location") if versions else None  # no location: an empty tree
-    entries, problems = _index(base, item, root)
-    needed: dict[str, int] = {}  # data file -> the end of the last bytes the index refers to in it
-    for entry in entries.values():
-        if "indirect_value" in entry:
-            file = _relative(entry["indirect_value"])
-            needed[file] = max(needed.get(file, 0), _extent(entry["indirect_value"]))
-    problems += filter(None, (_file_problem(item, file, end, "array data") for file, end in needed.items()))
-    if problems:  # a lost node hides its leaves: listing each of them would bury the cause
-        return problems
-    metadata_name = "zarr.json" if metadata.get("use_zarr3", False) else ".zarray"
-    keys = collections.Counter(key.rsplit(b"/", 1)[0] for key in entries)  # leaf -> its keys: metadata and chunks
-    for leaf in leaves:
-        key = f"{leaf}/{metadata_name}".encode()
-        if key not in entries:
-            problems.append(f"leaf {leaf}: its array data is not in {_MANIFEST}'s index (no key {key.decode()})")
-        elif metadata_name == ".zarray" and metadata.get("store_array_data_equal_to_fill_value", False):
-            problems += _missing_chunks(base, leaf, entries[key], keys[leaf.encode()] - 1)
-    return problems
-
-
-def _index(base: Any, item: Path, root: str | None) -> tuple[dict[bytes, dict[str, Any]], list[str]]:
-    """Every key of the OCDBT B-tree below ``root``, with its entry (an inline value or where the value is), and
-    the problem of each node that is missing or unreadable."""
-    import tensorstore as ts
-
-    entries: dict[bytes, dict[str, Any]] = {}
-    problems: list[str] = []
-    pending = [] if root is None else [(root, b"")]
-    while pending:
-        location, prefix = pending.pop()
-        problem = _file_problem(item, _relative(location), _extent(location), "a node of the array index")
-        if problem is None:
-            try:
-                node = ts.ocdbt.dump(base, location).result()
-            except Exception as e:
-                problem = f"default/{_relative(location)} (a node of the array index) is unreadable: {_first_line(e)}"
-        if problem is not None:
-            problems.append(problem)
-            continue
-        for entry in node["entries"]:
-            if "location" in entry:  # an inner node: its keys continue the common prefix of its subtree
-                pending.append((entry["location"], prefix + entry.get("subtree_common_prefix", b"")))
-            else:
-                entries[prefix + entry["key"]] = entry
-    return entries, problems
-
-
-def _missing_chunks(base: Any, leaf: str, entry: dict[str, Any], have: int) -> list[str]:
-    """``leaf``'s problem when the index holds fewer than all of its chunks (orbax stores every chunk of a zarr v2
-    array); ``entry`` is its ``.zarray`` key's, ``have`` the number of its chunks in the index."""
-    import tensorstore as ts
-
-    try:
-        raw = (
-            entry["inline_value"] if "inline_value" in entry else ts.ocdbt.dump(base, entry["indirect_value"]).result()
-        )
-        zarray = json.loads(raw)
-        expected = math.prod(
-            -(-size // max(chunk, 1)) for size, chunk in zip(zarray["shape"], zarray["chunks"], strict=True)
-        )
-    except Exception as e:
-        return [f"leaf {leaf}: its zarr metadata is unreadable ({_first_line(e)})"]
-    if have < expected:
-        return [f"leaf {leaf}: {expected - have} of its {expected} chunks are missing from the array data"]
-    return []
-
-
-def _file_problem(item: Path, file: str, end: int, what: str) -> str | None:
-    """The problem of data file ``file`` of ``item`` (missing, or shorter than ``end``, the bytes referred to)."""
-    label = f"default/{file} ({what})"
-    try:
-        size = (item / file).stat().st_size
-    except FileNotFoundError:
-        return f"{label} is missing"
-    except OSError as e:
-        return f"{label} is unreadable ({e.strerror})"
-    if size < end:
-        return f"{label} is truncated: {size} bytes, the index refers to {end}"
-    return None
-
-
-def _relative(location: str) -> str:
-    """The data file of an OCDBT location ``KIND:BASE:RELATIVE:OFFSET:LENGTH``, relative to the database."""
-    _, base, relative = location.rsplit(":", 2)[0].split(":", 2)
-    return f"{base}{relative}"
-
-
-def _extent(location: str) -> int:
-    """The end (offset + length) of the bytes an OCDBT location refers to."""
-    offset, length = location.rsplit(":", 2)[1:]
-    return int(offset) + int(length)
+        ) from e
+    return ocp
 
 
 def _innermost(e: BaseException) -> str:
@@ -557,31 +235,11 @@ def _innermost(e: BaseException) -> str:
         if inner is None:
             break
         e = inner
-    return f"{type(e).__name__}: {_first_line(e)}"
+    return f"{type(e).__name__}: {first_line(e)}"
 
 
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:300] if lines else type(e).__name__
-
-
-# Orbax's files in a step's directory, and what each holds.
-_STEP_METADATA = "_CHECKPOINT_METADATA"
-_ITEM_METADATA = "default/_METADATA"
-_SHARDING = "default/_sharding"
-_ARRAY_METADATAS = "default/array_metadatas"
-_MANIFEST = "default/manifest.ocdbt"
-_FILES = {
-    _STEP_METADATA: "orbax's step metadata, with the extra dict",
-    _ITEM_METADATA: "the arrays' tree, shapes and spmdcomm layout",
-    _SHARDING: "the arrays' shardings",
-    _ARRAY_METADATAS: "a process's array metadata",
-    _MANIFEST: "the index of the array data",
-}
 # How far down an exception chain the cause of a failed read is looked for (the chains are a few links long).
 _CHAIN_DEPTH = 10
-# Orbax's type names of the leaves whose data is a zarr array in the OCDBT database.
-_ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 
 
 def _json_dict(fn: str, extra: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -624,14 +282,18 @@ _FORMAT = 2
 
 
 def _check_format(directory: str | os.PathLike[str], step: int, saved: dict[str, Any]) -> None:
-    # spmdcomm 0.2 stored ZeRO's optimizer state and FSDP's parameters as flat vectors keyed "<layer>/<dtype>".
-    if saved.get("format", 1) < _FORMAT and saved.get("strategy", "ddp") != "ddp":
+    # spmdcomm 0.2 stored what a strategy splits (ZeRO's optimizer state, FSDP's parameters) as flat vectors keyed
+    # "<layer>/<dtype>": only the checkpoints of a strategy that split nothing hold the model's tree.
+    if saved.get("format", 1) >= _FORMAT or "strategy" not in saved:
+        return
+    written = BY_NAME.get(saved["strategy"])
+    if written is None or written.shards_optimizer:
         raise SpmdError(
             describe(
                 "restore_checkpoint",
                 f"checkpoint {step} in {os.fspath(directory)!r} was saved by spmdcomm 0.2 with strategy "
                 f"{saved['strategy']!r}, whose flat-vector layout this version no longer reads.",
-                fix="restore it with spmdcomm 0.2 into a DDP template (strategy='ddp') and save it again; "
+                fix="restore it with spmdcomm 0.2 into a DDP template (strategy=spmdcomm.DDP()) and save it again; "
                 "DDP checkpoints of 0.2 restore here into any strategy.",
             )
         )

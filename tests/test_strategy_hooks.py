@@ -1,0 +1,85 @@
+"""The strategy hooks: the one registry of strategy names, and each question the state, the steps and the checkpoints
+ask a strategy (its backends, whether its gradients are local, its whole parameters, the 0.2 checkpoint layouts)."""
+
+from __future__ import annotations
+
+import numpy as np
+import optax
+import pytest
+
+import spmdcomm as sc
+from spmdcomm.train.checkpoint import _check_format
+from spmdcomm.train.strategies import BY_NAME, STRATEGIES, resolve_strategy
+
+
+def test_names_come_from_the_registry_in_order():
+    assert STRATEGIES == ("ddp", "zero1", "zero2", "fsdp")
+    assert [BY_NAME[name] for name in STRATEGIES] == [sc.DDP, sc.ZeRO1, sc.ZeRO2, sc.FSDP]
+    assert [type(resolve_strategy("f", name)) for name in STRATEGIES] == [sc.DDP, sc.ZeRO1, sc.ZeRO2, sc.FSDP]
+
+
+def test_an_unknown_name_lists_every_registered_one():
+    with pytest.raises(sc.SpmdError) as err:
+        sc.TrainState.create(params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1), strategy="zero3")
+    message = str(err.value)
+    assert message.startswith("spmdcomm.TrainState.create: strategy='zero3' is not a strategy")
+    assert all(repr(name) in message.split("Fix:")[1] for name in STRATEGIES)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "pmap_ok", "local_grads"),
+    [(sc.DDP(), True, True), (sc.ZeRO1(), False, True), (sc.ZeRO2(), False, True), (sc.FSDP(), False, False)],
+)
+def test_backend_and_local_gradient_hooks(strategy, pmap_ok, local_grads):
+    strategy.check_backend("make_eval_step", "shard_map")
+    assert strategy.local_grads is local_grads
+    if pmap_ok:
+        strategy.check_backend("make_eval_step", "pmap")
+        return
+    with pytest.raises(sc.BackendError) as err:
+        strategy.check_backend("make_eval_step", "pmap")
+    assert str(err.value).startswith(f"spmdcomm.make_eval_step: strategy {strategy!r} runs on the shard_map backend")
+    assert "not 'pmap'" in str(err.value) and 'backend="shard_map"' in str(err.value)
+
+
+def test_a_new_strategy_is_asked_not_named():
+    # A DDP variant that refuses pmap: the steps ask its hook, so they refuse it too, naming it.
+    class ShardMapOnlyDDP(sc.DDP):
+        backends = ("shard_map",)
+
+    state = sc.TrainState.create(params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1), strategy=ShardMapOnlyDDP())
+    evaluate = sc.make_eval_step(lambda p, b, *, apply_fn, model_state, mask: sc.masked_mean(b, mask), backend="pmap")
+    with pytest.raises(sc.BackendError, match=r"make_eval_step: strategy \S*ShardMapOnlyDDP\(bucket_bytes=None\) runs"):
+        evaluate(state, np.ones(8, np.float32))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_full_params_are_the_whole_replicated_tree(strategy):
+    w = np.arange(24, dtype=np.float32).reshape(8, 3)
+    state = sc.TrainState.create(params={"w": w}, tx=optax.sgd(0.1), strategy=strategy)
+    full = state.full_params()["w"]
+    assert full.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(full), w)
+    assert (full is state.params["w"]) is not BY_NAME[strategy].shards_params  # only split parameters move
+
+
+@pytest.mark.parametrize(
+    ("saved", "refused"),
+    [
+        ({"format": 1, "strategy": "ddp"}, False),
+        ({"format": 1}, False),  # before strategies were recorded: DDP's tree
+        ({"format": 2, "strategy": "fsdp"}, False),
+        ({"format": 1, "strategy": "zero1"}, True),
+        ({"format": 1, "strategy": "zero2"}, True),
+        ({"format": 1, "strategy": "fsdp"}, True),
+        ({"format": 1, "strategy": "zero3"}, True),  # no such strategy: nothing says it holds the model's tree
+    ],
+)
+def test_a_02_checkpoint_is_refused_when_its_strategy_split_state(saved, refused):
+    if not refused:
+        _check_format("ckpt", 3, saved)
+        return
+    with pytest.raises(sc.SpmdError) as err:
+        _check_format("ckpt", 3, saved)
+    assert str(err.value).startswith("spmdcomm.restore_checkpoint: checkpoint 3 in 'ckpt' was saved by spmdcomm 0.2")
+    assert f"strategy {saved['strategy']!r}" in str(err.value) and "Fix: restore it with spmdcomm 0.2" in str(err.value)
