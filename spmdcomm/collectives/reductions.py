@@ -134,7 +134,10 @@ def all_reduce(x: Any, axis: AxisName, *, op: ReduceOp = "sum", algorithm: Algor
 
 
 def all_gather(x: Any, axis: AxisName, *, dim: int = 0, tiled: bool = True) -> Any:
-    """Every device receives the blocks of all devices of ``axis``, in device order.
+    """Every device receives the blocks of all devices of ``axis``, in device order. For ``n`` devices and
+    ``dim=0``, a block of shape ``(b, ...)`` gives ``(n * b, ...)`` with ``tiled=True``, the default (torch's
+    ``all_gather_into_tensor`` shape; ``jax.lax.all_gather`` defaults to ``tiled=False``), and ``(n, b, ...)``
+    with ``tiled=False``.
 
     With ``tiled=True`` the blocks are concatenated along ``dim`` (output dimension ``dim`` is ``n`` times
     larger, as ``torch.distributed.all_gather_into_tensor``); with ``tiled=False`` they are stacked along a new
@@ -154,7 +157,10 @@ def all_gather(x: Any, axis: AxisName, *, dim: int = 0, tiled: bool = True) -> A
 
 
 def reduce_scatter(x: Any, axis: AxisName, *, dim: int = 0, op: ReduceOp = "sum", tiled: bool = True) -> Any:
-    """``torch.distributed.reduce_scatter``: reduce every device's input element-wise, then split it.
+    """``torch.distributed.reduce_scatter_tensor``: reduce every device's input element-wise, then split it. For
+    ``n`` devices and ``dim=0``, an input of shape ``(n * b, ...)`` gives each device ``(b, ...)`` with
+    ``tiled=True``, the default (torch's shape; ``jax.lax.psum_scatter`` defaults to ``tiled=False``), and an
+    input of shape ``(n, b, ...)`` gives ``(b, ...)`` with ``tiled=False``.
 
     The reduction over all devices of ``axis`` is split along ``dim`` into ``n`` equal chunks, and device ``i``
     receives chunk ``i``. With ``tiled=True`` output dimension ``dim`` is ``n`` times smaller; with
