@@ -7,12 +7,13 @@ and the sizes, before ``jax.lax`` gets a chance to fail with a bare ``AssertionE
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from spmdcomm._jax_compat import check_vma_enabled, varying_axes
 from spmdcomm.errors import AxisError, ReplicatedReductionWarning, ShapeError, SpmdError, describe
@@ -159,6 +160,33 @@ def warn_if_replicated(fn: str, pairs: list[tuple[str, Any]], axis: AxisName, op
                 stacklevel=4,
             )
             return
+
+
+def is_spec(x: Any) -> bool:
+    """Whether ``x`` is a leaf of a spec tree: a ``PartitionSpec`` or ``None``."""
+    return x is None or isinstance(x, P)
+
+
+def arg_specs(in_specs: Any, args: Sequence[Any], what: str) -> tuple[Any, ...]:
+    """One spec (tree) per argument: ``in_specs`` repeated when it is a single spec; raises when the counts differ."""
+    if is_spec(in_specs):
+        return (in_specs,) * len(args)
+    specs = tuple(in_specs)
+    if len(specs) != len(args):
+        raise SpmdError(
+            describe(
+                "spmd",
+                f"{what} has {len(specs)} entries but the function got {len(args)} arguments.",
+                fix="give one spec per argument, or a single PartitionSpec for all of them.",
+            )
+        )
+    return specs
+
+
+def hashable_specs(tree: Any) -> Hashable:
+    """A spec tree as a hashable key (its structure and its specs)."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_spec)
+    return (treedef, tuple(leaves))
 
 
 def _bound_axes() -> tuple[str, ...]:

@@ -26,11 +26,12 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm._cache import Cache
+from spmdcomm.collectives._common import arg_specs, hashable_specs, is_spec
+from spmdcomm.collectives._pmap import check_pmap_spec, make_pmap
 from spmdcomm.data.placement import HostInput, check_divisible, check_host_input, place_leaves
 from spmdcomm.errors import BackendError, SpmdError, check_not_deleted, describe
 from spmdcomm.runtime import debug
@@ -190,7 +191,7 @@ class SpmdFunction:
     def _map_args(self, mesh: Mesh, args: Sequence[Any], put: Callable[[Any, P, str], Any]) -> tuple[Any, ...]:
         """Checks every argument leaf against its spec and the mesh, then maps ``put(leaf, spec, name)`` over
         them. Host leaves are checked against the blocks when placed, where the host-input rule is known."""
-        specs = _arg_specs(self.in_specs, args, "in_specs")
+        specs = arg_specs(self.in_specs, args, "in_specs")
 
         def one(path: Any, spec: P | None, leaf: Any) -> Any:
             name = "args" + jax.tree_util.keystr(path)
@@ -218,7 +219,7 @@ class SpmdFunction:
                 ),
                 specs,
                 tuple(args),
-                is_leaf=_is_spec,
+                is_leaf=is_spec,
             )
         )
 
@@ -229,8 +230,8 @@ class SpmdFunction:
         key = (
             self.fn,
             mesh,
-            _hashable(self.in_specs),
-            _hashable(self.out_specs),
+            hashable_specs(self.in_specs),
+            hashable_specs(self.out_specs),
             self.backend,
             self.check_vma,
             self.donate_argnums,
@@ -239,30 +240,6 @@ class SpmdFunction:
 
 
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _is_spec(x: Any) -> bool:
-    return x is None or isinstance(x, P)
-
-
-def _arg_specs(in_specs: Any, args: Sequence[Any], what: str) -> tuple[Any, ...]:
-    if _is_spec(in_specs):
-        return (in_specs,) * len(args)
-    specs = tuple(in_specs)
-    if len(specs) != len(args):
-        raise SpmdError(
-            describe(
-                "spmd",
-                f"{what} has {len(specs)} entries but the function got {len(args)} arguments.",
-                fix="give one spec per argument, or a single PartitionSpec for all of them.",
-            )
-        )
-    return specs
-
-
-def _hashable(tree: Any) -> Hashable:
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_spec)
-    return (treedef, tuple(leaves))
 
 
 _PROGRAMS = Cache(limit=512)  # (function, mesh, specs, backend, options) -> the jitted program
@@ -278,110 +255,12 @@ def _make(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
             sf.fn, mesh=mesh, in_specs=_as_tuple_specs(sf.in_specs), out_specs=sf.out_specs, check_vma=sf.check_vma
         )
         return jax.jit(mapped, donate_argnums=sf.donate_argnums)
-    return _make_pmap(sf, mesh)
+    return make_pmap(sf, mesh)
 
 
 def _as_tuple_specs(in_specs: Any) -> Any:
     # shard_map takes a single P as "every argument"; lists become tuples so the prefix matches *args.
-    return in_specs if _is_spec(in_specs) else tuple(in_specs)
-
-
-def _make_pmap(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
-    """pmap over the leading device axis, with each split dimension moved there and back."""
-    _check_pmap_mesh(sf.__name__, mesh)
-    (axis,) = mesh.axis_names
-    n = mesh.shape[axis]
-    out_axes = jax.tree.map(_pmap_axis, sf.out_specs, is_leaf=_is_spec)
-    pmapped = Cache(limit=64)  # in_axes -> the pmapped function
-
-    def in_axes_of(args: tuple[Any, ...]) -> Any:
-        specs = _arg_specs(sf.in_specs, args, "in_specs")
-        return tuple(
-            jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: _pmap_axis(spec), sub), specs, args, is_leaf=_is_spec)
-        )
-
-    def split(*args: Any) -> tuple[Any, ...]:
-        specs = _arg_specs(sf.in_specs, args, "in_specs")
-        return tuple(
-            jax.tree.map(
-                lambda spec, sub: jax.tree.map(lambda x: _to_leading(x, spec, n), sub), specs, args, is_leaf=_is_spec
-            )
-        )
-
-    def merge(out: Any) -> Any:
-        return jax.tree.map(
-            lambda spec, sub: jax.tree.map(lambda y: _from_leading(y, spec), sub), sf.out_specs, out, is_leaf=_is_spec
-        )
-
-    def run(in_axes: Any, dummy: Any, parts: tuple[Any, ...]) -> Any:
-        # pmap needs one mapped argument to know its size; a dummy one serves when every input is replicated.
-        mapped = pmapped.get_or_make(
-            _hashable(in_axes),
-            lambda: jax.pmap(
-                lambda _, *a: sf.fn(*a),
-                axis_name=axis,
-                in_axes=(0, *in_axes),
-                out_axes=out_axes,
-                devices=list(mesh.devices.flat),
-            ),
-        )
-        return mapped(dummy, *parts)
-
-    if jax.process_count() == 1:
-        return jax.jit(
-            lambda *args: merge(run(in_axes_of(args), jnp.zeros((n,), jnp.int8), split(*args))),
-            donate_argnums=sf.donate_argnums,
-        )
-    # With several processes pmap cannot run inside jit: it takes global arrays split on the leading axis and
-    # returns process-local ones (leading axis = this process's devices), which are reassembled as global arrays.
-    split_jit, merge_jit = jax.jit(split), jax.jit(merge)
-    dummy = jax.device_put(np.zeros((n,), np.int8), NamedSharding(mesh, P(axis)))
-
-    def globalise(axis_or_none: int | None, y: jax.Array) -> jax.Array:
-        shards = [s.data for s in y.addressable_shards]
-        if axis_or_none is None:
-            return jax.make_array_from_single_device_arrays(y.shape, NamedSharding(mesh, P()), shards)
-        shape = (n,) + shards[0].shape[1:]
-        return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P(axis)), shards)
-
-    def call(*args: Any) -> Any:
-        out = run(in_axes_of(args), dummy, split_jit(*args))
-        out = jax.tree.map(
-            lambda a, sub: jax.tree.map(lambda y: globalise(a, y), sub),
-            out_axes,
-            out,
-            is_leaf=lambda v: v is None or isinstance(v, int),
-        )
-        return merge_jit(out)
-
-    return call
-
-
-def _split_dim(spec: P | None) -> int | None:
-    if spec is None:
-        return None
-    dims = [d for d, entry in enumerate(spec) if entry is not None and entry != ()]
-    return dims[0] if dims else None
-
-
-def _pmap_axis(spec: P | None) -> int | None:
-    return None if _split_dim(spec) is None else 0
-
-
-def _to_leading(x: Any, spec: P | None, n: int) -> Any:
-    d = _split_dim(spec)
-    if d is None:
-        return x
-    x = jnp.asarray(x)
-    return jnp.moveaxis(x.reshape(x.shape[:d] + (n, x.shape[d] // n) + x.shape[d + 1 :]), d, 0)
-
-
-def _from_leading(y: Any, spec: P | None) -> Any:
-    d = _split_dim(spec)
-    if d is None:
-        return y
-    y = jnp.moveaxis(y, 0, d)
-    return y.reshape(y.shape[:d] + (y.shape[d] * y.shape[d + 1],) + y.shape[d + 2 :])
+    return in_specs if is_spec(in_specs) else tuple(in_specs)
 
 
 def _check_spec(fn: str, name: str, spec: P, mesh: Mesh, backend: str) -> None:
@@ -397,33 +276,10 @@ def _check_spec(fn: str, name: str, spec: P, mesh: Mesh, backend: str) -> None:
     for entry in spec:
         check_mesh_axes(fn, mesh, entry if isinstance(entry, tuple) else entry)
     if backend == "pmap":
-        _check_pmap_spec(fn, name, spec, mesh)
+        check_pmap_spec(fn, name, spec, mesh)
 
 
 _DONATED_FIX = (
     "an argument listed in donate_argnums is consumed by the call; keep the call's output instead, pass a copy "
     "(jnp.copy), or leave that argument out of donate_argnums."
 )
-
-_PMAP_FIX = "use backend='shard_map', which expresses any mesh and spec."
-
-
-def _check_pmap_mesh(fn: str, mesh: Mesh) -> None:
-    if len(mesh.axis_names) != 1:
-        raise BackendError(
-            describe(fn, f"backend='pmap' needs a 1-D mesh, but the mesh has axes {dict(mesh.shape)}.", fix=_PMAP_FIX)
-        )
-
-
-def _check_pmap_spec(fn: str, name: str, spec: P, mesh: Mesh) -> None:
-    _check_pmap_mesh(fn, mesh)
-    used = [entry for entry in spec if entry is not None and entry != ()]
-    if len(used) > 1:
-        raise BackendError(
-            describe(
-                fn,
-                f"backend='pmap' can split one dimension per argument, but spec {spec} splits {len(used)}.",
-                leaf=name,
-                fix=_PMAP_FIX,
-            )
-        )
