@@ -250,18 +250,10 @@ def _settings(
     if device_ids is None and os.environ.get(ENV_LOCAL_DEVICE_IDS):
         device_ids = [int(i) for i in os.environ[ENV_LOCAL_DEVICE_IDS].split(",")]
     if None in (address, count, pid):
-        address, count, pid, device_ids = _auto_detect(address, count, pid, device_ids, timeout)
+        address, count, pid, device_ids = auto_detect_cluster(
+            address, count, pid, device_ids, timeout=max(1, math.ceil(timeout))
+        )
     return address, count, pid, device_ids
-
-
-def _auto_detect(
-    address: str | None,
-    count: int | None,
-    pid: int | None,
-    device_ids: Sequence[int] | None,
-    timeout: float,
-) -> tuple[str | None, int | None, int | None, Sequence[int] | None]:
-    return auto_detect_cluster(address, count, pid, device_ids, timeout=max(1, math.ceil(timeout)))
 
 
 def _env_int(var: str, fn: str = "initialize") -> int | None:
