@@ -63,6 +63,7 @@ from spmdcomm.reliability import (
     MetricsWriter,
     PhaseTimer,
     Preemption,
+    StuckStepError,
     Watchdog,
 )
 from spmdcomm.runtime import (
@@ -214,6 +215,7 @@ __all__ = [
     "all_gather_object",
     # failure recovery: stuck steps, preemption, where the time goes
     "Watchdog",
+    "StuckStepError",
     "STUCK_EXIT_CODE",
     "Preemption",
     "PREEMPTED_EXIT_CODE",

@@ -3,6 +3,8 @@ a stand-in for fit whose last process sleeps forever in the data phase of step 3
 timeout: slow-tier tests."""
 
 import re
+import threading
+import time
 
 import pytest
 
@@ -60,16 +62,74 @@ def test_table_has_one_aligned_row_per_process_and_marks_the_stuck_ones():
         ({"timeout": True}, "timeout=True is not a positive number of seconds"),
         ({"timeout": 10, "interval": -1}, "interval=-1 is not a positive number of seconds"),
         ({"timeout": 10, "first_step_timeout": "5"}, "first_step_timeout='5' is not a positive number of seconds"),
+        ({"timeout": 10, "on_stuck": "abort"}, "on_stuck='abort' is not 'exit', 'raise' or a callable"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, message):
-    with pytest.raises(sc.SpmdError, match=rf"^spmdcomm\.Watchdog: {re.escape(message)}\. Fix: pass e\.g\."):
+    with pytest.raises(sc.SpmdError, match=rf"^spmdcomm\.Watchdog: {re.escape(message)}\. Fix: pass "):
         sc.Watchdog(sc.PhaseTimer(), **kwargs)
 
 
 def test_the_watchdog_watches_a_phase_timer():
     with pytest.raises(sc.SpmdError, match=r"^spmdcomm\.Watchdog: timer is a dict, not a PhaseTimer"):
         sc.Watchdog({}, timeout=10)
+
+
+# ---- in-process: on_stuck="raise" and a callable (the process goes on) ------------------------------------------
+
+STUCK_AFTER = 0.3  # the watchdog's timeout in the tests below (seconds)
+GIVE_UP = 30.0  # a bound on every wait below, far above what firing takes
+
+
+def stuck_in_data_phase(timer, until=lambda: False):
+    """Two steps, then a data phase that completes no step: returns when ``until()`` or after GIVE_UP seconds."""
+    for i in range(2):
+        with timer.phase("dispatch"):
+            pass
+        timer.end_step(i)
+    deadline = time.monotonic() + GIVE_UP
+    with timer.phase("data"):
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.01)  # Python runs between the sleeps: an asynchronous exception arrives here
+
+
+def test_on_stuck_raise_raises_in_the_training_thread_and_the_process_goes_on(capfd):
+    timer = sc.PhaseTimer()
+    with pytest.raises(sc.StuckStepError) as info:
+        with sc.Watchdog(timer, timeout=STUCK_AFTER, interval=0.05, on_stuck="raise") as watchdog:
+            stuck_in_data_phase(timer)
+    message = str(info.value)
+    assert re.match(
+        rf"^spmdcomm\.Watchdog: process 0 completed no step for [\d.]+ s after the last completed step "
+        rf"\(timeout {STUCK_AFTER:g} s\)\. Stuck: process 0 \(waiting for data\)\.\n",
+        message,
+    ), message
+    assert re.search(r"^0 +\S+ +1 +waiting for data +[\d.]+ +<- stuck$", message, re.M), message
+    assert info.value.stuck == [0] and isinstance(info.value, sc.DistributedError)
+    err = capfd.readouterr().err
+    assert "Process 0 raises StuckStepError in its training thread (on_stuck='raise')." in err
+    assert f"exits with status {sc.STUCK_EXIT_CODE}" not in err
+    assert all(not t.is_alive() for t in watchdog._threads)
+
+
+def test_on_stuck_callable_gets_the_error_once_and_the_loop_decides():
+    got = []
+    fired = threading.Event()
+
+    def on_stuck(error):
+        got.append((error, threading.get_ident()))
+        fired.set()
+
+    timer = sc.PhaseTimer()
+    with sc.Watchdog(timer, timeout=STUCK_AFTER, interval=0.05, on_stuck=on_stuck) as watchdog:
+        stuck_in_data_phase(timer, until=fired.is_set)
+        time.sleep(5 * 0.05)  # more intervals pass: the watchdog fired once and stopped
+    assert fired.is_set(), "the watchdog never called on_stuck"
+    ((error, thread),) = got
+    assert type(error) is sc.StuckStepError and error.stuck == [0]
+    assert "Stuck: process 0 (waiting for data)." in str(error)
+    assert thread != threading.get_ident()  # called from the watchdog's thread, not the training thread
+    assert all(not t.is_alive() for t in watchdog._threads)
 
 
 def tables(out):

@@ -3,10 +3,11 @@
 from spmdcomm.reliability.metrics import MetricsWriter
 from spmdcomm.reliability.phases import PHASE_DESCRIPTIONS, PHASES, PhaseTimer
 from spmdcomm.reliability.preemption import PREEMPTED_EXIT_CODE, Preemption
-from spmdcomm.reliability.watchdog import STUCK_EXIT_CODE, Watchdog
+from spmdcomm.reliability.watchdog import STUCK_EXIT_CODE, StuckStepError, Watchdog
 
 __all__ = [
     "Watchdog",
+    "StuckStepError",
     "STUCK_EXIT_CODE",
     "Preemption",
     "PREEMPTED_EXIT_CODE",

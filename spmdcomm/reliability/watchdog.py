@@ -7,6 +7,13 @@ within ``timeout`` seconds, every process prints one table - process, host, last
 seconds in that phase - that marks the stuck process(es), and exits with :data:`STUCK_EXIT_CODE`, which
 ``spmdcomm-launch --max-restarts`` (or the scheduler) answers with a restart from the last checkpoint.
 
+**Why it ends the process.** A training thread blocked inside an XLA collective cannot be unwound from Python
+(torch's NCCL watchdog aborts the process for the same reason), so ``on_stuck="exit"``, the default, ends it
+through :func:`exit_stuck_process`: the one place spmdcomm ends the interpreter. ``on_stuck="raise"`` instead
+raises :class:`StuckStepError` in the training thread (Python's asynchronous exceptions: it arrives when that
+thread next runs Python code, so a thread stuck inside a device call never sees it), and a callable receives
+the error and decides.
+
 How it works, and what it costs:
 
 - Each process runs two daemon threads. A *monitor* reads the timer's snapshot every ``interval`` seconds and
@@ -19,9 +26,9 @@ How it works, and what it costs:
 - The first process whose step exceeds the timeout sets the alarm and reads every process's state (one
   directory read); the others see the alarm within ``interval`` and do the same. Each prints the table (with the stack
   of its own training thread), the processes meet at a barrier bounded by a few seconds, and every process
-  ends with ``os._exit``, which works from any thread. Waits for the service are bounded (by
-  ``_SERVICE_SECONDS`` and ``_EXIT_SECONDS``): a process that cannot reach it prints its own row only and
-  still exits, within ``timeout + interval + 6`` seconds of its last completed step.
+  does what its ``on_stuck`` says (by default it ends with ``os._exit``, which works from any thread). Waits
+  for the service are bounded (by ``_SERVICE_SECONDS`` and ``_EXIT_SECONDS``): a process that cannot reach it
+  prints its own row only and still acts, within ``timeout + interval + 6`` seconds of its last completed step.
 
 Which processes are stuck: those that never reported their state, and among the processes with the lowest
 last completed step those that are not waiting for the others (:data:`~spmdcomm.reliability.phases.WAITING_PHASES`:
@@ -38,6 +45,7 @@ waiting for devices, in a barrier, saving); when all of those wait, all of them 
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import os
@@ -48,18 +56,39 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, NoReturn
 
-from spmdcomm.errors import SpmdError, describe
+from spmdcomm.errors import DistributedError, SpmdError, describe
 from spmdcomm.reliability.phases import PHASE_DESCRIPTIONS, WAITING_PHASES, PhaseTimer
 from spmdcomm.runtime.process import process_count, process_index
 from spmdcomm.runtime.transport import attempt, coordination_client, key_process, milliseconds
 
-__all__ = ["Watchdog", "ProcessState", "STUCK_EXIT_CODE", "stuck_processes", "format_table"]
+__all__ = [
+    "Watchdog",
+    "StuckStepError",
+    "ProcessState",
+    "STUCK_EXIT_CODE",
+    "exit_stuck_process",
+    "stuck_processes",
+    "format_table",
+]
 
 # The exit status of every process of a job the watchdog ends: EX_TEMPFAIL of sysexits.h, "a temporary
 # failure; retrying may succeed".
 STUCK_EXIT_CODE = 75
+
+
+OnStuck = Literal["exit", "raise"] | Callable[["StuckStepError"], Any]
+
+
+class StuckStepError(DistributedError):
+    """A step took longer than the :class:`Watchdog`'s timeout; raised in the training thread under
+    ``on_stuck="raise"``, and given to an ``on_stuck`` callable. The message holds the watchdog's table;
+    ``stuck`` lists the processes it names (empty when the others' state is unknown)."""
+
+    def __init__(self, message: str, *, stuck: list[int] | None = None):
+        super().__init__(message)
+        self.stuck = list(stuck or [])
 
 
 class ProcessState(NamedTuple):
@@ -81,6 +110,11 @@ class Watchdog:
     most frequent publication of this process's state. The watchdog runs from creation until
     :meth:`close` (or the end of the ``with`` block); with several processes every process must run one
     (create them in the same order on every process).
+
+    ``on_stuck`` says what a process does once the table is printed: ``"exit"`` (default) ends it with
+    :data:`STUCK_EXIT_CODE` (see the module: a thread stuck in a device collective cannot be unwound);
+    ``"raise"`` raises :class:`StuckStepError` in the training thread when it next runs Python code; a
+    callable is called (in the watchdog's thread) with that error. Either way the watchdog fires once.
     """
 
     def __init__(
@@ -90,6 +124,7 @@ class Watchdog:
         timeout: float,
         first_step_timeout: float | None = None,
         interval: float = 1.0,
+        on_stuck: OnStuck = "exit",
     ):
         if not isinstance(timer, PhaseTimer):
             raise SpmdError(
@@ -99,6 +134,16 @@ class Watchdog:
                     fix="pass the sc.PhaseTimer() whose phase() and end_step() the training loop calls.",
                 )
             )
+        if on_stuck not in ("exit", "raise") and not callable(on_stuck):
+            raise SpmdError(
+                describe(
+                    "Watchdog",
+                    f"on_stuck={on_stuck!r} is not 'exit', 'raise' or a callable.",
+                    fix="pass 'exit' (end the process for a restart), 'raise' (StuckStepError in the training "
+                    "thread) or a function that takes the StuckStepError.",
+                )
+            )
+        self._on_stuck = on_stuck
         first_step_timeout = timeout if first_step_timeout is None else first_step_timeout
         for name, value in (("timeout", timeout), ("first_step_timeout", first_step_timeout), ("interval", interval)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
@@ -146,6 +191,7 @@ class Watchdog:
                 return
             if self._alarm is not None:
                 self._fire(f"process {self._alarm['process']} raised the alarm: {self._alarm['why']}")
+                return
             p = self._timer.snapshot()
             limit = self._timeouts[p.step is not None]
             waited = self._timer.clock() - p.step_start
@@ -154,6 +200,7 @@ class Watchdog:
                 self._fire(
                     f"process {self._me} completed no step for {waited:.1f} s after {after} (timeout {limit:g} s)"
                 )
+                return
 
     def _publish(self) -> None:
         """Thread: publishes this process's state when it changed and looks for the alarm, every ``interval``."""
@@ -175,7 +222,7 @@ class Watchdog:
         return attempt(lambda: self._client.key_value_set(self._prefix + key, text, allow_overwrite=True))[1] is None
 
     def _fire(self, why: str) -> None:
-        """Prints the table, meets the other processes for a bounded time, and ends the process."""
+        """Prints the table, meets the other processes for a bounded time, and does what ``on_stuck`` says."""
         p = self._timer.snapshot()
         states = {self._me: ProcessState(self._me, self._host, p.step, p.phase, self._timer.clock() - p.phase_start)}
         unknown = None  # why the other processes' state is unknown
@@ -205,13 +252,18 @@ class Watchdog:
             )
         else:
             stuck, named = [], f"unknown ({unknown}, so the other processes' state is unknown)"
-        lines = [
-            f"spmdcomm.Watchdog: {why}. Stuck: {named}. Every process exits with status {STUCK_EXIT_CODE} so that "
-            "the job can be restarted from its last checkpoint.",
-            format_table(states, self._n, stuck=stuck, absent="no report" if unknown is None else "unknown"),
-            f"Training thread of process {self._me}:",
-            _stack(p.thread),
-        ]
+        if self._on_stuck == "exit":
+            action = (
+                f"Every process exits with status {STUCK_EXIT_CODE} so that the job can be restarted from its last "
+                "checkpoint."
+            )
+        elif self._on_stuck == "raise":
+            action = f"Process {self._me} raises StuckStepError in its training thread (on_stuck='raise')."
+        else:
+            action = f"Process {self._me} hands a StuckStepError to its on_stuck function."
+        table = format_table(states, self._n, stuck=stuck, absent="no report" if unknown is None else "unknown")
+        headline = f"spmdcomm.Watchdog: {why}. Stuck: {named}."
+        lines = [f"{headline} {action}", table, f"Training thread of process {self._me}:", _stack(p.thread)]
         sys.stdout.flush()
         sys.stderr.write("\n".join(lines) + "\n")
         sys.stderr.flush()
@@ -220,11 +272,27 @@ class Watchdog:
             # must have printed by then.
             exit_barrier = self._prefix + "exit"
             _bounded(lambda: self._client.wait_at_barrier(exit_barrier, milliseconds(_EXIT_SECONDS)), _EXIT_SECONDS + 1)
-            if self._me == 0:
+            if self._me == 0 and self._on_stuck == "exit":
                 # Process 0 hosts the coordination service: when it goes, JAX aborts the other processes with a
                 # fatal error that hides their exit status. Let them exit first.
                 time.sleep(_COORDINATOR_LINGER_SECONDS)
-        os._exit(STUCK_EXIT_CODE)
+        self._closed.set()  # fires once: the publisher stops too
+        error = StuckStepError(f"{headline}\n{table}", stuck=stuck)
+        if self._on_stuck == "exit":
+            exit_stuck_process()
+        elif self._on_stuck == "raise":
+            _raise_in_thread(p.thread, error)
+        else:
+            self._on_stuck(error)
+
+
+def exit_stuck_process() -> NoReturn:
+    """Ends this process at once with :data:`STUCK_EXIT_CODE`, from any thread: what ``Watchdog(on_stuck="exit")``
+    does, and the one place spmdcomm ends the interpreter (``os._exit``: the training thread may be blocked in a
+    device collective that Python cannot interrupt, and exit handlers could wait for it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(STUCK_EXIT_CODE)
 
 
 def stuck_processes(states: Mapping[int, ProcessState], n: int) -> list[int]:
@@ -269,6 +337,18 @@ _SERVICE_SECONDS = 2.0
 _EXIT_SECONDS = 3.0
 _COORDINATOR_LINGER_SECONDS = 1.0
 _STACK_FRAMES = 12
+
+
+def _raise_in_thread(thread: int, error: StuckStepError) -> None:
+    """Raises ``error`` in thread ``thread`` when it next runs Python code (``PyThreadState_SetAsyncExc``)."""
+    # CPython raises an asynchronous exception from its class, so the message and fields travel in a subclass.
+    carried = type(
+        "StuckStepError",
+        (StuckStepError,),
+        {"__init__": lambda self: StuckStepError.__init__(self, str(error), stuck=error.stuck), "__module__": __name__},
+    )
+    if ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(carried)) != 1:
+        sys.stderr.write("spmdcomm.Watchdog: the training thread has ended; nothing to raise StuckStepError in.\n")
 
 
 def _describe(phase: str) -> str:
