@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm._cache import Cache
 from spmdcomm.collectives.spmd import SpmdFunction, check_backend
 from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, check_not_deleted, describe
@@ -51,8 +52,8 @@ class StepCache:
     def __init__(self, fn: str, compile_fn: Callable[[TrainState], Callable[..., Any]]):
         self.fn = fn
         self._compile = compile_fn
-        self._compiled: dict[Any, Callable[..., Any]] = {}
-        self._placements_ok: set[Any] = set()
+        self._compiled = Cache(limit=64)  # state tree (mesh, strategy, shapes) -> the compiled program
+        self._placements_ok = Cache(limit=64)  # placements of state.step that passed the full mesh check
 
     def program(self, state: Any) -> Callable[..., Any]:
         """The compiled program for ``state``, after the checks every call makes on it."""
@@ -69,10 +70,7 @@ class StepCache:
         # a state moved to another mesh would get JAX's raw device error.
         check_not_deleted(self.fn, state, arg="state", fix=_CONSUMED_STATE_FIX, leaves=leaves)
         self._check_mesh(state)
-        hit = self._compiled.get(treedef)
-        if hit is None:
-            hit = self._compiled[treedef] = self._compile(state)
-        return hit
+        return self._compiled.get_or_make(treedef, lambda: self._compile(state))
 
     def _check_mesh(self, state: TrainState) -> None:
         # Cheap on the hot path: the state a step returns is on the state's mesh object itself, so one
@@ -85,7 +83,7 @@ class StepCache:
             return
         raise_if_misplaced(self.fn, state)
         if where is not None:
-            self._placements_ok.add(where)
+            self._placements_ok.put(where, True)
 
 
 def dispatch(fn: str, program: Callable[..., Any], state: TrainState, batch: tuple[Any, Any]) -> Any:
