@@ -1,7 +1,7 @@
 """prefetch_to_device: placement, order, padding, errors, early stop, look-ahead bound, staging and aliasing.
 
 Batches are placed by the loop's own thread while the loader is free and by background threads once it
-takes time; ``mode`` forces one way or the other (threads from the start, or never) to test both, and a
+takes time (``threads="auto"``); ``mode`` passes ``threads="always"`` or ``"never"`` to test both ways, and a
 manual clock decides what "takes time" means in the tests of the switch itself.
 """
 
@@ -48,9 +48,8 @@ def no_thread_left_behind():
     assert wait_until(lambda: not prefetch_threads()), "a prefetch thread outlived its test"
 
 
-@pytest.fixture(params=["inline", "threaded"])
-def mode(request, monkeypatch):
-    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", float("inf") if request.param == "inline" else 0.0)
+@pytest.fixture(params=["never", "always"], ids=["inline", "threaded"])
+def mode(request):
     return request.param
 
 
@@ -69,9 +68,9 @@ def batches(n, rows=8):
 
 def test_order_values_and_placement(mesh, mode):
     n = mesh.shape["data"]
-    with sc.prefetch_to_device(batches(6, rows=2 * n), mesh=mesh) as it:
+    with sc.prefetch_to_device(batches(6, rows=2 * n), mesh=mesh, threads=mode) as it:
         got = list(it)
-        assert it.threaded == (mode == "threaded")
+        assert it.threaded == (mode == "always")
     assert len(got) == 6
     for i, b in enumerate(got):
         assert b["x"].sharding == sc.data_sharding(mesh=mesh) and b["i"].sharding == sc.data_sharding(mesh=mesh)
@@ -85,13 +84,13 @@ def test_tuples_namedtuples_and_explicit_sharding(mode):
     mesh = sc.make_mesh({"data": 4, "model": 2})
     sharding = jax.sharding.NamedSharding(mesh, sc.P("data", "model"))
     src = [Pair(np.arange(16.0).reshape(8, 2) + k, np.ones((8, 2))) for k in range(3)]
-    with sc.prefetch_to_device(iter(src), sharding=sharding) as it:
+    with sc.prefetch_to_device(iter(src), sharding=sharding, threads=mode) as it:
         for want, got in zip(src, it, strict=True):
             assert isinstance(got, Pair) and got.x.sharding == sharding
             np.testing.assert_array_equal(np.asarray(got.x), want.x)
             for shard in got.x.addressable_shards:
                 np.testing.assert_array_equal(np.asarray(shard.data), want.x[shard.index])
-    with sc.prefetch_to_device(iter([(np.zeros(8), np.ones(8))])) as it:
+    with sc.prefetch_to_device(iter([(np.zeros(8), np.ones(8))]), threads=mode) as it:
         ((a, b),) = list(it)
         assert float(b.sum()) == 8.0
 
@@ -99,7 +98,7 @@ def test_tuples_namedtuples_and_explicit_sharding(mode):
 def test_multiple_of_yields_masked_batches_with_exact_means(mode):
     sizes = [8, 16, 5, 13, 1]
     src = ({"x": np.arange(n, dtype=np.float32) + 1} for n in sizes)
-    with sc.prefetch_to_device(src, multiple_of=8) as it:
+    with sc.prefetch_to_device(src, multiple_of=8, threads=mode) as it:
         for n, b in zip(sizes, it, strict=True):
             assert isinstance(b, sc.MaskedBatch) and b.mask.shape[0] % 8 == 0
             x, m = np.asarray(b.data["x"]), np.asarray(b.mask)
@@ -129,7 +128,7 @@ def test_producer_exception_reraised_with_original_traceback(mode):
         yield {"x": np.zeros(8)}
         raise KeyError("record 17 is corrupt")
 
-    it = sc.prefetch_to_device(broken())
+    it = sc.prefetch_to_device(broken(), threads=mode)
     next(it)
     with pytest.raises(KeyError, match="record 17 is corrupt") as info:
         next(it)
@@ -141,14 +140,13 @@ def test_producer_exception_reraised_with_original_traceback(mode):
 
 
 def test_shape_error_from_producer_says_how_to_pad(mode):
-    it = sc.prefetch_to_device(iter([{"x": np.zeros((7, 2))}]))
+    it = sc.prefetch_to_device(iter([{"x": np.zeros((7, 2))}]), threads=mode)
     with pytest.raises(ShapeError, match=r"leaf \['x'\]: dimension 0 of size 7 .*multiple_of=8"):
         next(it)
 
 
 @pytest.mark.parametrize("how", ["break_close", "context", "gc"])
-def test_early_stop_ends_the_threads_even_with_a_full_queue(how, monkeypatch):
-    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", 0.0)
+def test_early_stop_ends_the_threads_even_with_a_full_queue(how):
 
     def endless():
         i = 0
@@ -157,11 +155,11 @@ def test_early_stop_ends_the_threads_even_with_a_full_queue(how, monkeypatch):
             i += 1
 
     if how == "context":
-        with sc.prefetch_to_device(endless(), size=3) as it:
+        with sc.prefetch_to_device(endless(), size=3, threads="always") as it:
             next(it)
             assert wait_until(lambda: it._state.queue.qsize() == 3)
     else:
-        it = sc.prefetch_to_device(endless(), size=3)
+        it = sc.prefetch_to_device(endless(), size=3, threads="always")
         b = next(it)
         assert wait_until(lambda: it._state.queue.qsize() == 3)
         threads = it._state.threads
@@ -176,8 +174,7 @@ def test_early_stop_ends_the_threads_even_with_a_full_queue(how, monkeypatch):
 
 
 @pytest.mark.parametrize("how", ["break_close", "context", "gc"])
-def test_early_stop_in_line_closes_the_loader(how, monkeypatch):
-    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", float("inf"))
+def test_early_stop_in_line_closes_the_loader(how):
     closed = []
 
     def endless():
@@ -187,7 +184,7 @@ def test_early_stop_in_line_closes_the_loader(how, monkeypatch):
         finally:
             closed.append(True)
 
-    it = sc.prefetch_to_device(endless())
+    it = sc.prefetch_to_device(endless(), threads="never")
     if how == "context":
         with it:
             next(it)
@@ -201,8 +198,7 @@ def test_early_stop_in_line_closes_the_loader(how, monkeypatch):
     assert closed == [True] and not prefetch_threads()
 
 
-def test_close_stops_a_producer_stuck_in_a_slow_loader(monkeypatch):
-    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", 0.0)
+def test_close_stops_a_producer_stuck_in_a_slow_loader():
     release = threading.Event()
 
     def slow():
@@ -210,7 +206,7 @@ def test_close_stops_a_producer_stuck_in_a_slow_loader(monkeypatch):
         release.wait(5)
         yield {"x": np.ones(8)}
 
-    it = sc.prefetch_to_device(slow())
+    it = sc.prefetch_to_device(slow(), threads="always")
     next(it)
     release.set()
     it.close()
@@ -219,7 +215,7 @@ def test_close_stops_a_producer_stuck_in_a_slow_loader(monkeypatch):
 
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_size_bounds_look_ahead(size, mode):
-    ahead = size if mode == "threaded" else 0
+    ahead = size if mode == "always" else 0
     pulled = []
 
     def counting():
@@ -227,7 +223,7 @@ def test_size_bounds_look_ahead(size, mode):
             pulled.append(i)
             yield {"x": np.full(8, i)}
 
-    with sc.prefetch_to_device(counting(), size=size) as it:
+    with sc.prefetch_to_device(counting(), size=size, threads=mode) as it:
         for consumed in range(1, 6):
             b = next(it)
             assert int(b["x"][0]) == consumed - 1
@@ -291,10 +287,10 @@ def test_stats_count_the_manual_clock(monkeypatch, mode):
             clock.now += 0.5 * (i + 1)
             yield {"x": np.full(8, i)}
 
-    with sc.prefetch_to_device(loader(), size=1) as it:
+    with sc.prefetch_to_device(loader(), size=1, threads=mode) as it:
         for _ in it:
             pass
-    if mode == "inline":  # the loop's thread waits for each loader call
+    if mode == "never":  # the loop's thread waits for each loader call
         assert list(it.stats.waits) == [0.5, 1.0, 1.5] and it.stats.total_wait == 3.0
     assert it.stats.steps == 3 and len(it.stats.waits) == 3
 
@@ -305,7 +301,7 @@ def test_stats_record_every_wait(mode):
             time.sleep(0.02)
             yield {"x": np.full(8, i)}
 
-    with sc.prefetch_to_device(slow(4), size=1) as it:
+    with sc.prefetch_to_device(slow(4), size=1, threads=mode) as it:
         for _ in it:
             pass
         s = it.stats
@@ -320,12 +316,11 @@ def staged_memory(arr):
     return [(p, p + s.data.nbytes) for s in arr.addressable_shards for p in [s.data.unsafe_buffer_pointer()]]
 
 
-def test_staged_leaves_are_aliased_on_cpu(monkeypatch):
+def test_staged_leaves_are_aliased_on_cpu():
     """What the ownership rule guards against: JAX 0.10 puts an aligned staging copy on CPU without a copy, so
     the device buffers read the staging memory itself."""
-    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", 0.0)  # the placing thread stages
     src = unaligned(np.arange(64 * 16, dtype=np.float32).reshape(64, 16))
-    with sc.prefetch_to_device(iter([{"x": src}])) as it:
+    with sc.prefetch_to_device(iter([{"x": src}]), threads="always") as it:
         (b,) = list(it)
         pool = it._state.pool
     assert pool.allocated == 1
@@ -335,16 +330,15 @@ def test_staged_leaves_are_aliased_on_cpu(monkeypatch):
     np.testing.assert_array_equal(np.asarray(b["x"]), src)
 
 
-@pytest.mark.parametrize("mode_", ["inline", "threaded"])
-def test_every_batch_kept_alive_keeps_its_values(mode_, monkeypatch):
+@pytest.mark.parametrize("mode_", ["never", "always"])
+def test_every_batch_kept_alive_keeps_its_values(mode_):
     """The loop keeps all 50 batches (and a shard of each) to the end; none is overwritten by a later one."""
-    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", float("inf") if mode_ == "inline" else 0.0)
     rng = np.random.default_rng(0)
     src = [
         {"x": unaligned(rng.standard_normal((64, 16)).astype(np.float32)), "i": np.arange(64, dtype=np.int32) + i}
         for i in range(50)
     ]
-    with sc.prefetch_to_device(iter(src), size=3) as it:
+    with sc.prefetch_to_device(iter(src), size=3, threads=mode_) as it:
         kept = [(b, b["x"].addressable_shards[3].data) for b in it]
         allocated = it._state.pool.allocated
     assert len(kept) == 50
@@ -353,15 +347,14 @@ def test_every_batch_kept_alive_keeps_its_values(mode_, monkeypatch):
         np.testing.assert_array_equal(np.asarray(got["i"]), want["i"])
         np.testing.assert_array_equal(np.asarray(shard), want["x"][24:32])
     # Every live batch has staging memory of its own ("i", 32 bytes per device, is not worth staging).
-    assert allocated == (50 if mode_ == "threaded" else 0)
+    assert allocated == (50 if mode_ == "always" else 0)
     ranges = sorted(r for b, _ in kept for r in staged_memory(b["x"]))
     assert all(end <= start for (_, end), (start, _) in itertools.pairwise(ranges))  # no two share memory
 
 
-def test_staging_memory_returns_only_when_its_batch_is_gone(monkeypatch):
-    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", 0.0)
+def test_staging_memory_returns_only_when_its_batch_is_gone():
     src = [{"x": unaligned(np.full((64, 16), i, np.float32))} for i in range(40)]
-    with sc.prefetch_to_device(iter(src), size=2) as it:
+    with sc.prefetch_to_device(iter(src), size=2, threads="always") as it:
         pool = it._state.pool
         held = next(it)  # kept to the end
         held_memory = staged_memory(held["x"])
@@ -392,7 +385,7 @@ def test_aligned_leaves_are_aliased_and_unaligned_ones_copied(mode):
     aligned = sc.data.aligned_empty((64, 16), np.float32)
     aligned[...] = 1.0
     loose = unaligned(np.full((64, 16), 2.0, np.float32))
-    with sc.prefetch_to_device(iter([{"a": aligned, "u": loose}])) as it:
+    with sc.prefetch_to_device(iter([{"a": aligned, "u": loose}]), threads=mode) as it:
         b = next(it)
     blocks = [s.data.unsafe_buffer_pointer() for s in b["a"].addressable_shards]
     assert blocks == [aligned.ctypes.data + k * aligned.nbytes // 8 for k in range(8)]  # zero-copy
@@ -411,8 +404,7 @@ def test_aligned_empty(shape, dtype):
     assert x.shape == (shape if isinstance(shape, tuple) else (shape,)) and x.dtype == dtype
 
 
-def test_staging_buffer_not_reused_while_a_dropped_batch_is_still_being_read(monkeypatch):
-    monkeypatch.setattr(prefetch, "INLINE_LOAD_SECONDS", 0.0)
+def test_staging_buffer_not_reused_while_a_dropped_batch_is_still_being_read():
 
     @jax.jit
     def slow_sum(x):
@@ -422,7 +414,7 @@ def test_staging_buffer_not_reused_while_a_dropped_batch_is_still_being_read(mon
     src = [unaligned(np.full((64, 16), i, np.float32)) for i in range(12)]
     slow_sum(jnp.asarray(src[0])).block_until_ready()
     results = []
-    with sc.prefetch_to_device(iter(src), size=2) as it:
+    with sc.prefetch_to_device(iter(src), size=2, threads="always") as it:
         for x in it:
             results.append(slow_sum(x))  # dispatched, then the loop drops x at once
             del x
@@ -436,3 +428,5 @@ def test_bad_arguments():
         sc.prefetch_to_device([], size=0)
     with pytest.raises(sc.SpmdError, match="multiple_of=0"):
         sc.prefetch_to_device([], multiple_of=0)
+    with pytest.raises(sc.SpmdError, match=r"threads='sometimes' is not one of \('auto', 'always', 'never'\)"):
+        sc.prefetch_to_device([], threads="sometimes")

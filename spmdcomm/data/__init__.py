@@ -3,7 +3,9 @@
 from spmdcomm.data.batches import MaskedBatch, ShardedSampler, join_batches, pad_batch, take_batches, unpad
 from spmdcomm.data.loader import Loader
 from spmdcomm.data.placement import shard_batch
-from spmdcomm.data.prefetch import Prefetcher, PrefetchStats, aligned_empty, prefetch_to_device
+from spmdcomm.data.prefetch import Prefetcher, prefetch_to_device
+from spmdcomm.data.staging import aligned_empty
+from spmdcomm.data.stats import PrefetchStats
 
 __all__ = [
     "MaskedBatch",

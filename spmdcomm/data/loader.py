@@ -26,7 +26,8 @@ from jax.sharding import Mesh
 
 from spmdcomm.data.batches import MaskedBatch, ShardedSampler, take_batches
 from spmdcomm.data.placement import HostInput, check_host_input
-from spmdcomm.data.prefetch import PrefetchStats, prefetch_to_device
+from spmdcomm.data.prefetch import prefetch_to_device
+from spmdcomm.data.stats import PrefetchStats
 from spmdcomm.errors import AxisError, SpmdError, describe
 from spmdcomm.runtime.mesh import default_mesh
 

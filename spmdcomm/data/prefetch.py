@@ -6,25 +6,17 @@ own rows). While the loader is effectively free (its ``next()`` returns at once)
 thread places each batch when asked, doing exactly what a synchronous ``jax.device_put`` does: thread
 hand-offs would cost more than they could hide. Once the loader is seen to take time, two background
 threads take over for good: one waits on the loader while the other places the previous batch, up to
-``size`` batches ahead of the loop.
+``size`` batches ahead of the loop. ``threads="always"`` or ``"never"`` fixes either way instead.
 
 On CPU, ``jax.device_put`` of a 64-byte aligned, contiguous NumPy array does not copy: the device array
 aliases the host memory (measured with JAX 0.10: every shard's ``unsafe_buffer_pointer`` lies inside the
 host array, and later writes to the host array show in the device array). A leaf that is already aligned
-(see :func:`aligned_empty`) is put as it is, exactly as ``jax.device_put`` would treat it. The placing
-thread copies any other leaf into an aligned staging buffer of prefetch's own, which the device arrays
+(see :func:`spmdcomm.data.aligned_empty`) is put as it is, exactly as ``jax.device_put`` would treat it. The
+placing thread copies any other leaf into an aligned staging buffer of prefetch's own, which the device arrays
 then alias.
 
-**Who owns a staging buffer.** Each staged leaf gets its memory through a lease object; the NumPy array
-handed to JAX is a view whose ``base`` is that lease. Anything that can still read the memory keeps the
-lease alive: the staged NumPy view, and every device buffer that aliases it (JAX keeps a reference to the
-host array it aliases until the device buffer is freed, which waits for every computation still reading
-it; without that reference the memory could be freed under the device array). Only when the lease is
-garbage collected does its memory go back to the pool for another batch. So a batch the loop keeps, a
-shard taken out of it, or a dropped batch that a dispatched step still reads is never overwritten; while
-leases are out, new batches get fresh buffers. If JAX copies instead of aliasing, it drops the reference
-once the copy is done and the buffer returns at once. On GPU and TPU, the placing thread
-``device_put`` s and waits for the copy, so the copy overlaps the previous step.
+Staged memory is reused only once nothing can read it (:mod:`spmdcomm.data.staging` has the rule). On GPU and
+TPU, the placing thread ``device_put`` s and waits for the copy, so the copy overlaps the previous step.
 
 >>> batches = ({"x": np.full((8, 2), float(i))} for i in range(3))
 >>> with sc.prefetch_to_device(batches) as it:
@@ -34,41 +26,40 @@ once the copy is done and the buffer returns at once. On GPU and TPU, the placin
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import itertools
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, Sharding
 
 from spmdcomm.data.batches import leading_size, pad_batch, renamed_keyword
-from spmdcomm.data.placement import Agreement, HostInput, blocks, check_host_input, place_leaves
+from spmdcomm.data.blocks import blocks
+from spmdcomm.data.placement import Agreement, HostInput, check_host_input, place_leaves
+from spmdcomm.data.staging import ALIGNMENT, StagingPool, is_aligned
+from spmdcomm.data.stats import PrefetchStats
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.runtime.mesh import data_sharding, default_mesh
 from spmdcomm.runtime.transport import Channel
 
-__all__ = ["prefetch_to_device", "aligned_empty", "Prefetcher", "PrefetchStats"]
+__all__ = ["prefetch_to_device", "Prefetcher", "Threads", "THREADS"]
+
+Threads = Literal["auto", "always", "never"]
+THREADS: tuple[str, ...] = ("auto", "always", "never")
 
 # Seconds between checks of the stop flag (and of the producer's health) while waiting.
 POLL_SECONDS = 0.05
 # Seconds close() waits for the producer thread to finish (it may be inside a slow next(iterable)).
 CLOSE_TIMEOUT = 10.0
-# How many recent per-step waits PrefetchStats.waits keeps.
-WAIT_HISTORY = 4096
-# A loader call slower than this (seconds) counts as slow. The loop's thread places batches itself until
-# slow calls dominate (a decaying count of them passes SLOW_CALLS), then the threads start; with 0 they
-# start at once.
+# A loader call slower than this (seconds) counts as slow. Under threads="auto" the loop's thread places batches
+# itself until slow calls dominate (a decaying count of them passes SLOW_CALLS), then the threads start.
 INLINE_LOAD_SECONDS = 2e-4
 SLOW_CALLS = 1.5
-# Host arrays aligned to this many bytes are put on CPU devices without a copy.
-ALIGNMENT = 64
 # The clock of the wait statistics and of the slow-loader rule (a manual clock makes that rule testable).
 clock = time.perf_counter
 
@@ -82,6 +73,7 @@ def prefetch_to_device(
     sharding: Sharding | None = None,
     multiple_of: int | None = None,
     host_input: HostInput = "local",
+    threads: Threads = "auto",
     pad_to_multiple: int | None = None,
 ) -> Prefetcher:
     """Iterates over ``iterable``'s batches placed on the mesh, prefetched up to ``size`` ahead.
@@ -95,18 +87,28 @@ def prefetch_to_device(
     (use this process's device count along the axis to accept any batch size); ``pad_to_multiple=`` is its old
     spelling, accepted with a ``DeprecationWarning`` until the next release.
 
-    At most ``size`` batches are taken from ``iterable`` ahead of the one the loop has (none while the
-    loader is effectively free and the loop's thread places batches itself). An exception in
+    ``threads`` says who fetches and places: ``"auto"`` (default) the loop's thread while the loader is
+    effectively free, two background threads for good once its calls take time; ``"always"`` the threads
+    from the start; ``"never"`` the loop's thread, always. At most ``size`` batches are taken from
+    ``iterable`` ahead of the one the loop has (none while the loop's thread places batches itself). An exception in
     ``iterable`` is raised in the loop with its original traceback. Stop early with ``break`` plus
     :meth:`Prefetcher.close`, a ``with`` block, or by dropping the iterator: the threads end. Time the
     loop spent waiting for data is in :attr:`Prefetcher.stats`.
 
     As with ``jax.device_put``, a 64-byte aligned, contiguous NumPy leaf may be aliased on CPU rather
     than copied: the loader must not write into an array after yielding it (allocate a fresh one per
-    batch, e.g. with :func:`aligned_empty`). Unaligned leaves are copied, so their memory may be reused.
+    batch, e.g. with :func:`spmdcomm.data.aligned_empty`). Unaligned leaves are copied, so their memory may be reused.
     ``jax.Array`` leaves are passed on (moved only if their sharding differs).
     """
     check_host_input("prefetch_to_device", host_input)
+    if threads not in THREADS:
+        raise SpmdError(
+            describe(
+                "prefetch_to_device",
+                f"threads={threads!r} is not one of {THREADS}.",
+                fix="leave the default 'auto' (threads start once the loader takes time), or force 'always' / 'never'.",
+            )
+        )
     size = int(size)
     if size < 1:
         raise SpmdError(
@@ -129,68 +131,30 @@ def prefetch_to_device(
         )
     if sharding is None:
         sharding = data_sharding(mesh=default_mesh() if mesh is None else mesh, axis=axis)
-    return Prefetcher(iter(iterable), size, sharding, multiple_of, host_input)
-
-
-def aligned_empty(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
-    """An uninitialised C-contiguous NumPy array whose data starts on a 64-byte boundary.
-
-    Loaders that fill their batches into such arrays let :func:`prefetch_to_device` (and
-    ``jax.device_put``) put them on CPU devices without copying, as long as each device's block is a
-    multiple of 64 bytes. The device arrays then alias the memory: do not write into it afterwards.
-
-    >>> x = sc.data.aligned_empty((256, 3), np.float32)
-    >>> x.ctypes.data % 64, x.shape, x.dtype, x.flags.c_contiguous
-    (0, (256, 3), dtype('float32'), True)
-    """
-    dtype = np.dtype(dtype)
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    offset = (-raw.ctypes.data) % ALIGNMENT
-    return raw[offset:][:nbytes].view(dtype).reshape(shape)
-
-
-@dataclasses.dataclass
-class PrefetchStats:
-    """Time the training loop spent waiting for its next batch (seconds).
-
-    ``last_wait`` is the latest step's wait, ``waits`` the most recent per-step waits (up to
-    ``WAIT_HISTORY``), ``total_wait`` and ``max_wait`` cover all ``steps``.
-    """
-
-    steps: int = 0
-    total_wait: float = 0.0
-    last_wait: float = 0.0
-    max_wait: float = 0.0
-    waits: collections.deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=WAIT_HISTORY))
-
-    @property
-    def mean_wait(self) -> float:
-        """Average wait per step."""
-        return self.total_wait / self.steps if self.steps else 0.0
-
-    def record(self, wait: float) -> None:
-        """Adds one step's wait."""
-        self.steps += 1
-        self.total_wait += wait
-        self.last_wait = wait
-        self.max_wait = max(self.max_wait, wait)
-        self.waits.append(wait)
+    return Prefetcher(iter(iterable), size, sharding, multiple_of, host_input, threads=threads)
 
 
 class Prefetcher(Iterator[Any]):
-    """The iterator :func:`prefetch_to_device` returns; also a context manager that stops its threads."""
+    """The iterator :func:`prefetch_to_device` returns (annotate with ``spmdcomm.data.Prefetcher``; not an ``sc``
+    name, and built by that function only); also a context manager that stops its threads."""
 
     def __init__(
-        self, source: Iterator[Any], size: int, sharding: Sharding, multiple_of: int | None, host_input: HostInput
+        self,
+        source: Iterator[Any],
+        size: int,
+        sharding: Sharding,
+        multiple_of: int | None,
+        host_input: HostInput,
+        *,
+        threads: Threads = "auto",
     ):
         self.stats = PrefetchStats()
         self._state = _State(source, size, sharding, multiple_of, host_input)
         self._slow_calls = 0.0  # decaying count of slow loader calls while placing in-line
         # The threads hold only the state, never this object, so dropping the iterator stops them.
         self._finalizer = weakref.finalize(self, _stop, self._state)
-        if INLINE_LOAD_SECONDS <= 0:
+        self._auto = threads == "auto"  # the loop's thread may hand over to the threads
+        if threads == "always":
             _start_threads(self._state)
 
     def __next__(self) -> Any:
@@ -232,7 +196,7 @@ class Prefetcher(Iterator[Any]):
             raise
         self.stats.record(clock() - start)
         self._slow_calls = 0.75 * self._slow_calls + (loaded - start > INLINE_LOAD_SECONDS)
-        if self._slow_calls > SLOW_CALLS:
+        if self._auto and self._slow_calls > SLOW_CALLS:
             _start_threads(state)
         return placed
 
@@ -283,7 +247,7 @@ class _State:
         self.threads: tuple[threading.Thread, ...] = ()
         self.cpu = next(iter(sharding.device_set)).platform == "cpu"
         self.plans: dict[tuple[Any, ...], bool] = {}  # (shape, dtype) -> whether staging lets devices alias it
-        self.pool = _StagingPool(keep=size + 3)
+        self.pool = StagingPool(keep=size + 3)
 
 
 # Numbers the prefetchers of this process; each one's channel has the same name on every process.
@@ -376,7 +340,7 @@ def _place(state: _State, batch: Any, *, stage: bool) -> Any:
     for _, leaf in flat:
         if not isinstance(leaf, jax.Array):
             leaf = np.asarray(leaf)
-            if stage and _stageable(state, leaf) and not _aligned(leaf):
+            if stage and _stageable(state, leaf) and not is_aligned(leaf):
                 leaf = state.pool.copy(leaf)
         leaves.append(leaf)
     placed = place_leaves(
@@ -409,52 +373,3 @@ def _plan(state: _State, leaf: np.ndarray) -> bool:
     if any(t != 1 for t in total[1:]) or leaf.shape[0] % mine[0]:
         return False  # a split beyond dimension 0 makes blocks non-contiguous; uneven rows raise when placed
     return (leaf.nbytes // mine[0]) % ALIGNMENT == 0
-
-
-def _aligned(leaf: np.ndarray) -> bool:
-    return leaf.flags.c_contiguous and leaf.ctypes.data % ALIGNMENT == 0
-
-
-class _Lease:
-    """Owns one staging buffer's memory while anything can read it (see the module's ownership rule).
-
-    NumPy arrays made from it (``np.asarray(lease)``) and their views keep it as their ``base``; when it is
-    collected, a finalizer hands the memory back to its pool.
-    """
-
-    def __init__(self, raw: np.ndarray):
-        self.__array_interface__ = {
-            "data": (raw.ctypes.data, False),
-            "shape": raw.shape,
-            "typestr": "|u1",
-            "version": 3,
-        }
-
-
-class _StagingPool:
-    """Aligned staging memory per size in bytes; a buffer comes back only when its lease is collected."""
-
-    def __init__(self, keep: int):
-        self.keep = keep  # free buffers kept per size; more are released to the allocator
-        self.free: dict[int, collections.deque[np.ndarray]] = {}
-        self.allocated = 0  # buffers ever allocated (the rest of the copies reused returned ones)
-
-    def copy(self, leaf: np.ndarray) -> np.ndarray:
-        """An aligned copy of ``leaf`` in memory that nothing else can read, leased to the returned array."""
-        free = self.free.setdefault(leaf.nbytes, collections.deque())
-        try:
-            raw = free.pop()
-        except IndexError:
-            raw = aligned_empty(leaf.nbytes, np.uint8)
-            self.allocated += 1
-        lease = _Lease(raw)
-        # The finalizer holds the memory (raw) and may run on any thread, JAX's included: deque appends are
-        # atomic, so it takes no lock.
-        weakref.finalize(lease, self._give_back, free, raw).atexit = False
-        view = np.asarray(lease).view(leaf.dtype).reshape(leaf.shape)
-        np.copyto(view, leaf)
-        return view
-
-    def _give_back(self, free: collections.deque[np.ndarray], raw: np.ndarray) -> None:
-        if len(free) < self.keep:
-            free.append(raw)

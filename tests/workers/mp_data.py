@@ -12,8 +12,6 @@ import numpy as np  # noqa: E402
 from checks import check, checks  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from spmdcomm.data import prefetch  # noqa: E402
-
 pid, nproc = sc.process_index(), sc.process_count()
 mesh = sc.data_mesh()
 local = sc.local_device_count()
@@ -39,13 +37,10 @@ masked = sc.shard_batch(sc.pad_batch({"x": mine[: rows - 1]}, local))
 check_placement("shard_batch mask", masked.mask, np.tile(np.r_[np.ones(rows - 1, bool), False], nproc))
 
 # prefetch_to_device: same layout, several batches, padding; placed in-line and by the threads.
-default_inline_load_seconds = prefetch.INLINE_LOAD_SECONDS
-for inline_load_seconds in (float("inf"), 0.0):
-    prefetch.INLINE_LOAD_SECONDS = inline_load_seconds
-    with sc.prefetch_to_device({"x": mine + 1000 * k} for k in range(3)) as it:
+for threads in ("never", "always"):
+    with sc.prefetch_to_device(({"x": mine + 1000 * k} for k in range(3)), threads=threads) as it:
         for k, b in enumerate(it):
             check_placement(f"prefetch batch {k}, threaded={it.threaded}", b["x"], global_x + 1000 * k)
-prefetch.INLINE_LOAD_SECONDS = default_inline_load_seconds
 with sc.prefetch_to_device(iter([{"x": mine[: rows - 1]}]), multiple_of=local) as it:
     (b,) = list(it)
     real = sum(int(np.asarray(s.data).sum()) for s in b.mask.addressable_shards)

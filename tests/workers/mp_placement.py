@@ -14,8 +14,6 @@ import pytest  # noqa: E402
 from checks import check, checks  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from spmdcomm.data import prefetch  # noqa: E402
-
 pid, nproc = sc.process_index(), sc.process_count()
 mesh = sc.data_mesh()
 local = sc.local_device_count()
@@ -71,13 +69,13 @@ check("spmd local sum", total(mine), global_x.sum(0))
 check("spmd local sum, second call (cached signature)", total(mine + 1), global_x.sum(0) + nproc * rows)
 
 # prefetch_to_device: both rules, placed in-line and by the threads.
-default_inline_load_seconds = prefetch.INLINE_LOAD_SECONDS
-for inline_load_seconds in (float("inf"), 0.0):
-    prefetch.INLINE_LOAD_SECONDS = inline_load_seconds
-    with sc.prefetch_to_device({"x": mine + 1000 * k} for k in range(3)) as it:
+for threads in ("never", "always"):
+    with sc.prefetch_to_device(({"x": mine + 1000 * k} for k in range(3)), threads=threads) as it:
         for k, b in enumerate(it):
             check_global(f"prefetch local batch {k}, threaded={it.threaded}", b["x"], global_x + 1000 * k)
-    with sc.prefetch_to_device(({"x": global_x + 1000 * k} for k in range(3)), host_input="global") as it:
+    with sc.prefetch_to_device(
+        ({"x": global_x + 1000 * k} for k in range(3)), host_input="global", threads=threads
+    ) as it:
         for k, b in enumerate(it):
             check_global(f"prefetch global batch {k}, threaded={it.threaded}", b["x"], global_x + 1000 * k)
 
@@ -101,12 +99,10 @@ with raises("global mismatch", sc.ProcessMismatchError, "leaf ['x']", "host_inpu
 # (A signature a process has already agreed on is not checked again: both sides must be new to be compared.)
 with raises("dtype mismatch", sc.ProcessMismatchError, "leaf ['x']", "float32", "float64"):
     sc.shard_batch({"x": np.ones((5 * local, 2), np.float32 if pid == 0 else np.float64)})
-for inline_load_seconds in (float("inf"), 0.0):
-    prefetch.INLINE_LOAD_SECONDS = inline_load_seconds
-    with raises(f"prefetch mismatch, inline={inline_load_seconds > 0}", sc.ProcessMismatchError, *shapes):
-        with sc.prefetch_to_device(iter([{"x": uneven}])) as it:
+for threads in ("never", "always"):
+    with raises(f"prefetch mismatch, threads={threads}", sc.ProcessMismatchError, *shapes):
+        with sc.prefetch_to_device(iter([{"x": uneven}]), threads=threads) as it:
             next(it)
-prefetch.INLINE_LOAD_SECONDS = default_inline_load_seconds
 
 # Rows that do not divide over one process's devices: that process says how to pad, the others name it.
 odd = np.ones((local + (1 if pid == 0 else 0), 2), np.float32)
