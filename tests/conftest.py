@@ -219,6 +219,8 @@ def _sigterm_when_every_rank_printed(
     proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     for reader in readers:
         reader.join(10)
+    proc.stdout.close()
+    proc.stderr.close()
     return "".join(out), "".join(err)
 
 

@@ -259,6 +259,7 @@ def test_launcher_signal_leaves_no_process(tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        proc.stderr.close()
 
 
 @pytest.mark.slow

@@ -105,4 +105,5 @@ def test_download_checks_checksums_and_tries_mirrors(tmp_path, monkeypatch):
         assert not any((tmp_path / "dl2").glob("*.gz"))  # nothing half-written under a real name
     finally:
         server.shutdown()
+        server.server_close()
         thread.join(timeout=10)

@@ -6,6 +6,7 @@ import os
 import struct
 import sys
 import threading
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -181,7 +182,7 @@ def test_tensorboard_scalars_are_written_through_tensorboardx(tmp_path):
 
 def _tf_records(path):
     """The payloads of a TFRecord file: length (uint64), its CRC, the payload, its CRC."""
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     i = 0
     while i < len(data):
         (n,) = struct.unpack("<Q", data[i : i + 8])

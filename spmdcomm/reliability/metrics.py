@@ -10,7 +10,8 @@ file per process.
 >>> path = os.path.join(tempfile.mkdtemp(), "metrics.{process}.jsonl")
 >>> with sc.MetricsWriter(path) as writer:
 ...     writer.write(0, {"loss": 0.5, "time/data": 0.25})
->>> [json.loads(line) for line in open(path.format(process=0))][0]["loss"]
+>>> with open(path.format(process=0)) as lines:
+...     json.loads(next(lines))["loss"]
 0.5
 """
 
