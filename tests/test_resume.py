@@ -22,7 +22,6 @@ import optax
 import pytest
 
 import spmdcomm as sc
-import spmdcomm.data.prefetch
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_PATH = ROOT / "tests" / "workers" / "resume_job.py"
@@ -137,12 +136,11 @@ class CountingRows:
         return self.rows[index]
 
 
-def test_loader_position_counts_batches_handed_out_not_prefetched(monkeypatch):
-    monkeypatch.setattr(spmdcomm.data.prefetch, "INLINE_LOAD_SECONDS", 0)  # background threads from the start
+def test_loader_position_counts_batches_handed_out_not_prefetched():
     data = job.dataset()
     counting = {"x": CountingRows(data["x"]), "y": data["y"]}
     sampler = sc.ShardedSampler(job.EXAMPLES, shard_index=0, num_shards=1, seed=3)
-    loader = sc.Loader(counting, sampler, batch_size=8, epochs=2, prefetch=2, mesh=mesh())
+    loader = sc.Loader(counting, sampler, batch_size=8, epochs=2, prefetch=2, mesh=mesh(), threads="always")
     it = iter(loader)
     first = next(it)
     deadline = time.monotonic() + 60

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from spmdcomm.data.batches import MaskedBatch, ShardedSampler, take_batches
 from spmdcomm.data.placement import HostInput, check_host_input
-from spmdcomm.data.prefetch import prefetch_to_device
+from spmdcomm.data.prefetch import Threads, prefetch_to_device
 from spmdcomm.data.stats import PrefetchStats
 from spmdcomm.errors import AxisError, SpmdError, describe
 from spmdcomm.runtime.mesh import default_mesh
@@ -48,7 +48,8 @@ class Loader:
     step places them). ``host_input`` is what a batch means with several processes, as in
     :func:`spmdcomm.shard_batch`: ``"local"`` (default) this process's rows, the sampler being this process's
     shard; ``"global"`` the whole global batch on every process (a sampler of one shard, the same on every
-    process); it is passed to the prefetch that places the batches, so it needs ``prefetch >= 1``. Each
+    process); it is passed to the prefetch that places the batches, so it needs ``prefetch >= 1``, as is
+    ``threads`` (see :func:`spmdcomm.prefetch_to_device`: who fetches and places the batches). Each
     pass over the loader starts at the position and moves it as batches reach the caller, so the position
     always names the next batch the caller has not received; the epochs after the last one yield nothing.
     """
@@ -64,6 +65,7 @@ class Loader:
         mesh: Mesh | None = None,
         axis: str | tuple[str, ...] = "data",
         host_input: HostInput = "local",
+        threads: Threads = "auto",
     ):
         if not isinstance(sampler, ShardedSampler):
             raise SpmdError(
@@ -94,6 +96,7 @@ class Loader:
         self.mesh = mesh
         self.axis = axis
         self.host_input = host_input
+        self.threads = threads
         self.stats: PrefetchStats | None = None  # the latest pass's waits for data (None without prefetch)
         if prefetch and mesh is not None:
             self._check_axis(mesh)  # the default mesh waits for the first pass: it starts JAX's backends
@@ -104,7 +107,9 @@ class Loader:
         batches: Iterator[MaskedBatch] = self._host_batches(epoch, batch)
         if self.prefetch:
             mesh = self._check_axis(default_mesh() if self.mesh is None else self.mesh)
-            batches = prefetch_to_device(batches, self.prefetch, mesh=mesh, axis=self.axis, host_input=self.host_input)
+            batches = prefetch_to_device(
+                batches, self.prefetch, mesh=mesh, axis=self.axis, host_input=self.host_input, threads=self.threads
+            )
             self.stats = batches.stats
         try:
             for item in batches:
