@@ -10,6 +10,7 @@ Where a public API exists it is used instead.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -91,10 +92,7 @@ def varying_axes(x: Any) -> frozenset[str]:
 
 def coordination_client() -> Any | None:
     """JAX's coordination-service client of this job (barriers, a key-value store); None before joining."""
-    try:
-        from jax._src.distributed import global_state
-    except ImportError:
-        global_state = None
+    global_state = _private("jax._src.distributed", "global_state")
     if global_state is None or not hasattr(global_state, "client"):
         raise DistributedError(
             _unsupported(
@@ -107,11 +105,7 @@ def coordination_client() -> Any | None:
 
 def backends_initialized() -> bool:
     """Whether JAX's backends have started in this process (after which it can no longer join a job)."""
-    try:
-        from jax._src import xla_bridge
-    except ImportError:
-        xla_bridge = None
-    check = getattr(xla_bridge, "backends_are_initialized", None)
+    check = _private("jax._src.xla_bridge", "backends_are_initialized")
     if check is None:
         raise DistributedError(
             _unsupported(
@@ -164,11 +158,7 @@ _DETECT_PARAMS = frozenset(
 
 def _resolve_check_vma_flag() -> Any:
     global _check_vma_flag
-    try:
-        from jax._src import config as jax_config
-    except ImportError:
-        jax_config = None
-    flag = getattr(jax_config, "_check_vma", None)
+    flag = _private("jax._src.config", "_check_vma")
     if flag is None or not hasattr(flag, "value"):
         raise SpmdError(
             _unsupported("jax._src.config._check_vma", "tell shard_map(check_vma=True) from pmap and check_vma=False")
@@ -178,11 +168,7 @@ def _resolve_check_vma_flag() -> Any:
 
 
 def _cluster_detector() -> Any:
-    try:
-        from jax._src.clusters import ClusterEnv
-    except ImportError:
-        ClusterEnv = None
-    detect = getattr(ClusterEnv, "auto_detect_unset_distributed_params", None)
+    detect = getattr(_private("jax._src.clusters", "ClusterEnv"), "auto_detect_unset_distributed_params", None)
     # Checked before the call, so that a changed signature is reported as such rather than as a
     # TypeError that could also come from inside the detection.
     try:
@@ -200,6 +186,14 @@ def _cluster_detector() -> Any:
             )
         )
     return detect
+
+
+def _private(module: str, name: str) -> Any:
+    """JAX's internal ``module.name``, or None where the installed JAX lacks the module or the name."""
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
 
 
 def _unsupported(missing: str, purpose: str, *, fix: str | None = None) -> str:

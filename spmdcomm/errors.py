@@ -129,9 +129,10 @@ def check_not_deleted(fn: str, tree: Any, *, arg: str, fix: str, leaves: list[An
     # An inlined loop: this runs on every train step, over every leaf of the state.
     concrete = _CONCRETE_ARRAY
     for x in leaves:
-        known = concrete.get(type(x))
+        kind: type = type(x)  # declared: mypy takes type[Any], unlike type, for unhashable
+        known = concrete.get(kind)
         if known is None:
-            known = _has_buffers(type(x))
+            known = _has_buffers(kind)
         if known and x.is_deleted():
             break
     else:

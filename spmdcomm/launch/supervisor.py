@@ -273,7 +273,7 @@ class _Job:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.interrupted is not None:
-                return self._interrupt()
+                return self._interrupt(self.interrupted)
             codes = {rank: p.poll() for rank, p in self.procs.items()}
             failed = [(r, c) for r, c in codes.items() if c not in (None, 0)]
             if failed:
@@ -290,9 +290,9 @@ class _Job:
                 self._drain()
                 return 0
             if deadline is not None and time.monotonic() > deadline:
-                running = ", ".join(str(r) for r, c in codes.items() if c is None)
+                ranks = ", ".join(str(r) for r, c in codes.items() if c is None)
                 self.say(
-                    f"timed out: the timeout of {timeout:g} s expired with rank(s) {running} still running; "
+                    f"timed out: the timeout of {timeout:g} s expired with rank(s) {ranks} still running; "
                     "stopping all processes."
                 )
                 self.stop()
@@ -300,7 +300,7 @@ class _Job:
                 break
             time.sleep(_POLL_SECONDS)
         # A stop requested while the failed attempt was being stopped still wins over its failure.
-        return self._interrupt() if self.interrupted is not None else status
+        return self._interrupt(self.interrupted) if self.interrupted is not None else status
 
     def stop(self, sig: int = signal.SIGTERM, *, grace: float | None = None) -> None:
         """Sends ``sig`` to every running process group, then SIGKILL after ``grace`` seconds (default: the job's
@@ -318,11 +318,11 @@ class _Job:
         with self.lock:
             print(f"spmdcomm-launch: {message}", file=sys.stderr, flush=True)
 
-    def _interrupt(self) -> int:
-        name = signal.Signals(self.interrupted).name
+    def _interrupt(self, sig: int) -> int:
+        name = signal.Signals(sig).name
         self.say(f"received {name}; stopping all processes (a stop, not a failure: no restart).")
-        self.stop(self.interrupted)
-        return 128 + self.interrupted
+        self.stop(sig)
+        return 128 + sig
 
     def _signal_all(self, sig: int) -> None:
         for p in self.procs.values():

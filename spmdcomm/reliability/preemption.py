@@ -201,6 +201,7 @@ class Preemption:
             text, missing = attempt(lambda: self._client.key_value_try_get(self._prefix + "notice"))
             if missing:  # not set (or the service is unreachable)
                 continue
+            assert text is not None  # nothing went wrong, so attempt returned the call's result: a str
             self._agree(json.loads(text))
             return
 

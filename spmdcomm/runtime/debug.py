@@ -102,6 +102,7 @@ def fingerprint(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: M
 def _leaf(x: Any) -> tuple[tuple[int, ...], str, str | None]:
     dtype = str(getattr(x, "dtype", type(x).__name__))
     sharding = getattr(x, "sharding", None)
+    where: str | None
     if isinstance(sharding, NamedSharding):
         where = f"{sharding.spec} over mesh {dict(sharding.mesh.shape)}"
     else:

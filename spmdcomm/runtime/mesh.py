@@ -106,7 +106,9 @@ def platform(sharding: Sharding | None = None) -> str:
     ('cpu', 'cpu')
     """
     if sharding is not None:
-        return next(iter(sharding.device_set)).platform
+        # jaxlib ships no type stubs, so mypy knows a Device's attributes only through jax.Device (Any)
+        first: jax.Device = next(iter(sharding.device_set))
+        return first.platform
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     return getattr(device, "platform", None) or jax.default_backend()
 

@@ -60,7 +60,8 @@ def check_replicas_in_sync(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> li
         for path, x in flat
         if isinstance(x, jax.Array) and x.sharding.is_fully_replicated and x.size
     ]
-    devices = leaves[0][1].sharding.device_set if leaves else set()
+    # jax.Device: jaxlib ships no type stubs, so mypy knows a Device's attributes only through this name (Any)
+    devices: set[jax.Device] = leaves[0][1].sharding.device_set if leaves else set()
     leaves = [(name, x) for name, x in leaves if x.sharding.device_set == devices]
     names = [name for name, _ in leaves]
     local = sorted((d for d in devices if d.process_index == process_index()), key=lambda d: d.id)

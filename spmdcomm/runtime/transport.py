@@ -19,6 +19,8 @@ import os
 import sys
 import zlib
 from collections.abc import Callable, Mapping
+from functools import partial
+from types import FrameType
 from typing import Any, TypeVar
 
 import jax
@@ -115,7 +117,7 @@ class Channel:
         missing = [p for p in range(n) if p not in arrived]
         last = []
         for p in range(n):
-            text, _ = attempt(lambda p=p: client.key_value_try_get(f"{self.prefix}last/{p}"))
+            text, _ = attempt(partial(client.key_value_try_get, f"{self.prefix}last/{p}"))
             last.append(f"process {p}: " + (_where(json.loads(text)) if text else "no sync point yet"))
         if missing:
             what = f"process(es) {missing} did not arrive within {timeout:g} s"
@@ -202,7 +204,7 @@ def refuse_in_trace(fn: str, tree: Any = None) -> None:
 def call_site() -> str:
     """``file:line`` of the innermost frame outside spmdcomm and contextlib."""
     here = os.path.dirname(os.path.abspath(__file__))
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         if os.path.dirname(path) != here and not path.endswith("contextlib.py"):
