@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from spmdcomm.collectives.spmd import SpmdFunction
 
 
-def make_pmap(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
+def make_pmap(sf: SpmdFunction, mesh: Mesh) -> jax.stages.Wrapped:
     """pmap over the leading device axis, with each split dimension moved there and back."""
     _check_pmap_mesh(sf.__name__, mesh)
     (axis,) = mesh.axis_names
@@ -91,7 +91,7 @@ def make_pmap(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
         )
         return merge_jit(out)
 
-    return call
+    return _MultiProcessPmap(sf.__name__, call)
 
 
 def check_pmap_spec(fn: str, name: str, spec: P, mesh: Mesh) -> None:
@@ -112,6 +112,35 @@ def check_pmap_spec(fn: str, name: str, spec: P, mesh: Mesh) -> None:
 
 
 _PMAP_FIX = "use backend='shard_map', which expresses any mesh and spec."
+
+
+class _MultiProcessPmap:
+    """The pmap program of a multi-process job: callable, but with no one program to trace or lower (pmap runs
+    between two jitted steps that move the data), which ``trace`` and ``lower`` say instead of failing on a
+    missing attribute."""
+
+    def __init__(self, fn: str, call: Callable[..., Any]):
+        self._fn = fn
+        self._call = call
+
+    def __call__(self, *args: Any) -> Any:
+        return self._call(*args)
+
+    def trace(self, *args: Any) -> jax.stages.Traced:
+        raise self._no_single_program("trace")
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        raise self._no_single_program("lower")
+
+    def _no_single_program(self, method: str) -> BackendError:
+        return BackendError(
+            describe(
+                self._fn,
+                f"{method}() needs one program, but with backend='pmap' and {jax.process_count()} processes pmap "
+                "runs between two jitted steps that split the global arrays into process-local ones and back.",
+                fix="use backend='shard_map' (one program on any number of processes), or lower in a one-process run.",
+            )
+        )
 
 
 def _check_pmap_mesh(fn: str, mesh: Mesh) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -195,7 +196,8 @@ def reduce_scatter(x: Any, axis: AxisName, *, dim: int = 0, op: ReduceOp = "sum"
         mixed = lax.all_to_all(leaf, axis, d, d, tiled=True)
         chunk = leaf.shape[d] // n
         stacked = mixed.reshape(leaf.shape[:d] + (n, chunk) + leaf.shape[d + 1 :])
-        reduced = {"max": jnp.max, "min": jnp.min, "prod": _prod}[op](stacked, axis=d)
+        reducers: dict[str, Callable[..., jax.Array]] = {"max": jnp.max, "min": jnp.min, "prod": _prod}
+        reduced = reducers[op](stacked, axis=d)
         return reduced if tiled else jnp.squeeze(reduced, d)
 
     return map_leaves("reduce_scatter", one, x)

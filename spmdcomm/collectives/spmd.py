@@ -21,7 +21,7 @@ with ``backend="pmap"``. It can express only 1-D meshes and at most one split di
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -100,6 +100,8 @@ def check_backend(fn: str, backend: str) -> None:
 
 class SpmdFunction:
     """What :func:`spmd` returns (``spmdcomm.collectives.SpmdFunction``, not in ``sc``); call it like the original."""
+
+    __name__: str  # the wrapped function's, copied by functools.update_wrapper in __init__
 
     def __init__(
         self,
@@ -223,7 +225,7 @@ class SpmdFunction:
             )
         )
 
-    def program(self, mesh: Mesh | None = None) -> Callable[..., Any]:
+    def program(self, mesh: Mesh | None = None) -> jax.stages.Wrapped:
         """The jitted ``shard_map`` (or ``pmap``) program on ``mesh`` (default: :meth:`resolved_mesh`), without
         the per-call checks and host placement: its arguments must already be placed as ``in_specs`` say."""
         mesh = self.resolved_mesh() if mesh is None else mesh
@@ -245,11 +247,11 @@ class SpmdFunction:
 _PROGRAMS = Cache(limit=512)  # (function, mesh, specs, backend, options) -> the jitted program
 
 
-def _build(key: Hashable, sf: SpmdFunction) -> Callable[..., Any]:
+def _build(key: tuple[Any, ...], sf: SpmdFunction) -> jax.stages.Wrapped:
     return _PROGRAMS.get_or_make(key, lambda: _make(sf, key[1]))
 
 
-def _make(sf: SpmdFunction, mesh: Mesh) -> Callable[..., Any]:
+def _make(sf: SpmdFunction, mesh: Mesh) -> jax.stages.Wrapped:
     if sf.backend == "shard_map":
         mapped = jax.shard_map(
             sf.fn, mesh=mesh, in_specs=_as_tuple_specs(sf.in_specs), out_specs=sf.out_specs, check_vma=sf.check_vma
