@@ -205,21 +205,23 @@ class Watchdog:
     def _publish(self) -> None:
         """Thread: publishes this process's state when it changed and looks for the alarm, every ``interval``."""
         client, published = self._client, None
+        assert client is not None  # __init__ starts this thread only for a multi-process job, which has a client
         while not self._closed.wait(self._interval):
             p = self._timer.snapshot()
             state = {"host": self._host, "step": p.step, "phase": p.phase, "since": p.phase_start_wall}
-            if state != published and self._set(f"state/{self._me}", json.dumps(state)):
+            if state != published and self._set(client, f"state/{self._me}", json.dumps(state)):
                 published = state
             alarm, missing = attempt(lambda: client.key_value_try_get(self._prefix + "alarm"))
             if missing:  # not set (or the service is unreachable)
                 continue
+            assert alarm is not None  # nothing went wrong, so attempt returned the call's result: a str
             self._alarm = json.loads(alarm)
             self._wake.set()
             return
 
-    def _set(self, key: str, text: str) -> bool:
-        """Whether the coordination service took ``text`` under this watchdog's ``key``."""
-        return attempt(lambda: self._client.key_value_set(self._prefix + key, text, allow_overwrite=True))[1] is None
+    def _set(self, client: Any, key: str, text: str) -> bool:
+        """Whether the coordination service (``client``) took ``text`` under this watchdog's ``key``."""
+        return attempt(lambda: client.key_value_set(self._prefix + key, text, allow_overwrite=True))[1] is None
 
     def _fire(self, why: str) -> None:
         """Prints the table, meets the other processes for a bounded time, and does what ``on_stuck`` says."""
@@ -267,23 +269,23 @@ class Watchdog:
         sys.stdout.flush()
         sys.stderr.write("\n".join(lines) + "\n")
         sys.stderr.flush()
-        if self._client is not None:
+        if (client := self._client) is not None:
             # The processes meet before exiting: the first to exit makes the launcher stop the others, which
             # must have printed by then.
             exit_barrier = self._prefix + "exit"
-            _bounded(lambda: self._client.wait_at_barrier(exit_barrier, milliseconds(_EXIT_SECONDS)), _EXIT_SECONDS + 1)
+            _bounded(lambda: client.wait_at_barrier(exit_barrier, milliseconds(_EXIT_SECONDS)), _EXIT_SECONDS + 1)
             if self._me == 0 and self._on_stuck == "exit":
                 # Process 0 hosts the coordination service: when it goes, JAX aborts the other processes with a
                 # fatal error that hides their exit status. Let them exit first.
                 time.sleep(_COORDINATOR_LINGER_SECONDS)
         self._closed.set()  # fires once: the publisher stops too
-        error = StuckStepError(f"{headline}\n{table}", stuck=stuck)
+        stuck_error = StuckStepError(f"{headline}\n{table}", stuck=stuck)
         if self._on_stuck == "exit":
             exit_stuck_process()
         elif self._on_stuck == "raise":
-            _raise_in_thread(p.thread, error)
+            _raise_in_thread(p.thread, stuck_error)
         else:
-            self._on_stuck(error)
+            self._on_stuck(stuck_error)
 
 
 def exit_stuck_process() -> NoReturn:
