@@ -71,6 +71,7 @@ def initialize(
     *,
     local_device_ids: Sequence[int] | None = None,
     timeout: float = DEFAULT_INIT_TIMEOUT,
+    exit_on_uncaught_error: bool = True,
 ) -> None:
     """Joins this process to a multi-process JAX job; does nothing when there is only one process.
 
@@ -87,6 +88,12 @@ def initialize(
     ``timeout`` also bounds the wait for all processes to join: when one never arrives, JAX aborts
     the processes that are waiting after about that long (it offers no way to turn this into an
     exception).
+
+    With ``exit_on_uncaught_error`` (the default) an exception that nothing catches, once it has ended the script
+    and printed its traceback, ends the process at once with status 1 instead of running JAX's exit handler:
+    that handler waits up to 5 minutes at a shutdown barrier for processes that are themselves waiting for
+    this one inside a collective, so the job would hang instead of failing, and the launcher would see the
+    failure only at its timeout. Pass ``False`` to keep Python's normal exit (and its ``atexit`` handlers).
     """
     if jax.distributed.is_initialized():
         _check_same_job(num_processes, process_id)
@@ -132,7 +139,8 @@ def initialize(
         coordinator_bind_address=f"{host}:{port}" if is_loopback(host) else None,
     )
     _publish_host(pid, timeout)
-    _exit_at_once_on_uncaught_errors()
+    if exit_on_uncaught_error:
+        _exit_at_once_on_uncaught_errors()
 
 
 def is_initialized() -> bool:
