@@ -148,6 +148,8 @@ def inventory(module: Module, mesh: Mesh | None) -> list[Collective]:
         result = done_of[inst.name].shape if inst.opcode.endswith("-start") and inst.name in done_of else inst.shape
         sent = sum(_shape_bytes(by_name[o].shape) for o in inst.operands if o in by_name)
         dtypes = tuple(dict.fromkeys(_dtype_name(t) for t, _ in _ARRAY.findall(result)))
+        groups: tuple[tuple[int, ...], ...]
+        pairs: tuple[tuple[int, int], ...]
         if kind == "collective-permute":
             groups, pairs = (), _pairs(inst.attrs)
         else:

@@ -62,6 +62,15 @@ def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> 
         )
     compiled = _compile(fn, args, kwargs)
     text = compiled.as_text()
+    if text is None:  # JAX's answer where a backend cannot print its compiled program
+        raise SpmdError(
+            describe(
+                "explain",
+                "the compiled program has no text to read (its as_text() returned None: the backend does not "
+                "print it).",
+                fix="explain the function on a backend that prints its compiled HLO: cpu, gpu or tpu.",
+            )
+        )
     module = _parse_module(text)
     devices = module.devices
     if mesh is not None and mesh.size != devices:
@@ -101,10 +110,16 @@ class DeviceMemory:
     @property
     def total_bytes(self) -> int | None:
         """Arguments + outputs + temporaries + generated code - aliased (``None`` if any is unknown)."""
-        parts = (self.argument_bytes, self.output_bytes, self.temp_bytes, self.generated_code_bytes, self.alias_bytes)
-        if any(p is None for p in parts):
+        args, outs, temps, code, alias = (
+            self.argument_bytes,
+            self.output_bytes,
+            self.temp_bytes,
+            self.generated_code_bytes,
+            self.alias_bytes,
+        )
+        if args is None or outs is None or temps is None or code is None or alias is None:
             return None
-        return parts[0] + parts[1] + parts[2] + parts[3] - parts[4]
+        return args + outs + temps + code - alias
 
 
 @dataclasses.dataclass(frozen=True)
