@@ -4,9 +4,10 @@ into them (with the message that says how to pad): the arithmetic under :mod:`sp
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
+import jax
 import numpy as np
 from jax.sharding import Sharding
 
@@ -70,7 +71,9 @@ def blocks(sharding: Sharding, ndim: int) -> tuple[tuple[int, ...], tuple[int, .
     distinct ones this process's devices hold, and the ids of this process's devices in block order."""
     probe = (len(sharding.device_set),) * ndim
     every = sharding.devices_indices_map(probe)
-    mine = sharding.addressable_devices_indices_map(probe)
+    # JAX types the values as `Index | None` but takes them from devices_indices_map, which has no None; jax.Device:
+    # jaxlib ships no type stubs, so mypy knows a Device's attributes only through this name (Any).
+    mine = cast(Mapping[jax.Device, tuple[slice, ...]], sharding.addressable_devices_indices_map(probe))
     total, local, ids = [], [], []
     for d in range(ndim):
         total.append(len({index[d].indices(probe[d])[0] for index in every.values()}))

@@ -210,7 +210,7 @@ def place_leaves(
         if several and not s.is_fully_addressable:
             spanning.append(i)
         else:
-            check_divisible(fn, lambda i=i: names()[i], x.shape, s)
+            check_divisible(fn, functools.partial(_nth, names, i), x.shape, s)
             puts.append(i)
     if puts:
         moved = jax.device_put([out[i] for i in puts], [shardings[i] for i in puts])
@@ -279,7 +279,7 @@ class Agreement:
         problem, shapes = None, []
         try:
             for i, (x, s) in enumerate(zip(hosts, shardings, strict=True)):
-                shapes.append(check_divisible(fn, lambda i=i: names()[i], x.shape, s, local=local))
+                shapes.append(check_divisible(fn, functools.partial(_nth, names, i), x.shape, s, local=local))
         except ShapeError as e:
             problem = e
         # Every process reports its problem (if any) and its leaves before anyone moves data, so that all of
@@ -342,6 +342,11 @@ def _broadcast(fn: str, sharding: Any, tree: Any, count: int) -> list[Sharding]:
     return out
 
 
+def _nth(names: Callable[[], Sequence[str]], i: int) -> str:
+    # Leaf names are built only for an error message, so they are passed as this function, not as text.
+    return names()[i]
+
+
 def _check_same_leaves(fn: str, host_input: str, got: list[dict[str, Any]]) -> None:
     """Raises :class:`ProcessMismatchError` naming the first leaf whose name, shape or dtype differs."""
     first = [g["leaves"] for g in got]
@@ -358,7 +363,8 @@ def _check_same_leaves(fn: str, host_input: str, got: list[dict[str, Any]]) -> N
         message = f"processes passed trees with different leaves at position {j} ({seen})."
         leaf = None
     else:
-        seen = ", ".join(f"process {p} {tuple(c[1])} {c[2]}" for p, c in enumerate(column))
+        rows = [c for c in column if c is not None]  # all of them: every process has a leaf here (checked above)
+        seen = ", ".join(f"process {p} {tuple(c[1])} {c[2]}" for p, c in enumerate(rows))
         rule = (
             "with host_input='local' each process passes its own rows and the global array is their "
             "concatenation, so every process must pass the same local shape"

@@ -44,7 +44,7 @@ from spmdcomm.data.placement import Agreement, HostInput, check_host_input, plac
 from spmdcomm.data.staging import ALIGNMENT, StagingPool, is_aligned
 from spmdcomm.data.stats import PrefetchStats
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.runtime.mesh import data_sharding, default_mesh
+from spmdcomm.runtime.mesh import data_sharding, default_mesh, platform
 from spmdcomm.runtime.transport import Channel
 
 __all__ = ["prefetch_to_device", "Prefetcher", "Threads", "THREADS"]
@@ -245,7 +245,7 @@ class _State:
         self.stop = threading.Event()
         self.finished = False
         self.threads: tuple[threading.Thread, ...] = ()
-        self.cpu = next(iter(sharding.device_set)).platform == "cpu"
+        self.cpu = platform(sharding) == "cpu"
         self.plans: dict[tuple[Any, ...], bool] = {}  # (shape, dtype) -> whether staging lets devices alias it
         self.pool = StagingPool(keep=size + 3)
 
