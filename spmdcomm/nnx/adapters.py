@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax.numpy as jnp
 
@@ -60,7 +60,8 @@ def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
             s.key.set_value(key)
             if per_example:
                 s.count.set_value(count + s.count.get_value())
-        _, _, new_state = nnx.split(model, nnx.Param, ...)
+        # Two filters give exactly two states, where nnx.split's type allows any number after the first.
+        _, _, new_state = cast("tuple[nnx.GraphDef[Any], nnx.State, nnx.State]", nnx.split(model, nnx.Param, ...))
         return loss, {**aux, "model_state": new_state}
 
     return loss_fn

@@ -197,7 +197,7 @@ class TreeLayout:
         leaves = jax.tree.leaves(grads)
         out = list(leaves)
         for idx in self._by_dtype(self.grad_leaf_specs).values():
-            dims = [self._dim(self.grad_leaf_specs[i]) for i in idx]
+            dims = [self._split_dim(self.grad_leaf_specs[i]) for i in idx]
             rows = [_to_blocks(cast(leaves[i], reduce_dtype), d, self.size) for i, d in zip(idx, dims, strict=True)]
             packed = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
             # Reduce-scattered inside the shard group, then the blocks summed across groups (hybrid sharding).
@@ -240,7 +240,7 @@ class TreeLayout:
             local = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
             rows = lax.all_gather(local, self.shard_axis, tiled=False, to="invarying")
             for i, part in zip(idx, _split(rows, [x.shape[0] for x in flat]), strict=True):
-                out[i] = _from_blocks(part, self.shapes[i], self._dim(self.grad_leaf_specs[i]), self.size)
+                out[i] = _from_blocks(part, self.shapes[i], self._split_dim(self.grad_leaf_specs[i]), self.size)
         return jax.tree.unflatten(self.treedef, out)
 
     def is_split(self, which: str) -> tuple[bool, ...]:
@@ -253,6 +253,12 @@ class TreeLayout:
 
     def _dim(self, spec: P) -> int | None:
         return _dim(spec, self.shard_axis)
+
+    def _split_dim(self, spec: P) -> int:
+        """The dimension the shard axis splits, for a leaf that :meth:`_by_dtype` picked."""
+        dim = self._dim(spec)
+        assert dim is not None  # _by_dtype picks only the leaves the shard axis splits
+        return dim
 
     def _by_dtype(self, specs: tuple[P, ...]) -> dict[str, list[int]]:
         """The indices of the leaves of ``specs`` that the shard axis splits, by dtype."""

@@ -49,13 +49,13 @@ class StepCache:
     """Per-step memory of compiled programs (by state tree, which includes mesh and strategy) and of the
     state placements that passed the full mesh check."""
 
-    def __init__(self, fn: str, compile_fn: Callable[[TrainState], Callable[..., Any]]):
+    def __init__(self, fn: str, compile_fn: Callable[[TrainState], jax.stages.Wrapped]):
         self.fn = fn
         self._compile = compile_fn
         self._compiled = Cache(limit=64)  # state tree (mesh, strategy, shapes) -> the compiled program
         self._placements_ok = Cache(limit=64)  # placements of state.step that passed the full mesh check
 
-    def program(self, state: Any) -> Callable[..., Any]:
+    def program(self, state: Any) -> jax.stages.Wrapped:
         """The compiled program for ``state``, after the checks every call makes on it."""
         if not isinstance(state, TrainState):
             raise SpmdError(
@@ -124,7 +124,7 @@ def raise_if_misplaced(fn: str, state: TrainState, *, cause: Exception | None = 
 
 def compile_step(
     fn: str, body: Callable[..., Any], state: TrainState, out_specs: Any, *, backend: str, donate: bool
-) -> Callable[..., Any]:
+) -> jax.stages.Wrapped:
     """The compiled ``body(state, data, mask)`` on the state's mesh, the batch split over its data axes; on the
     ``shard_map`` backend manual over the data axes only (model axes are XLA's)."""
     check_backend(fn, backend)
@@ -152,7 +152,7 @@ def compile_global_step(
     state: TrainState,
     *,
     donate: bool,
-) -> Callable[..., Any]:
+) -> jax.stages.Wrapped:
     """The compiled step ``finish(state, data, mask, local(state, data, mask))`` on the state's mesh.
 
     ``local`` runs per device (``shard_map``, manual over the state's data axes, the batch split over them; model
@@ -182,7 +182,9 @@ def _local(body: Callable[..., Any], state: TrainState, out_specs: Any) -> Calla
     )
 
 
-def place_batch(fn: str, batch: Any, state: TrainState, multiple_of: int, host_input: str) -> tuple[Any, Any]:
+def place_batch(
+    fn: str, batch: Any, state: TrainState, multiple_of: int, host_input: placement.HostInput
+) -> tuple[Any, Any]:
     """Splits ``batch`` over the state's data axis: ``(data, mask)`` global arrays (``mask`` may be None)."""
     return placement.place_batch(
         fn,
@@ -308,6 +310,6 @@ def _describe_mesh(mesh: Mesh) -> str:
 
 def _describe_placement(sharding: Any) -> str:
     other = getattr(sharding, "mesh", None)
-    if getattr(other, "devices", None) is not None:
+    if other is not None and getattr(other, "devices", None) is not None:
         return _describe_mesh(other)
     return f"devices {sorted(d.id for d in sharding.device_set)} ({type(sharding).__name__})"

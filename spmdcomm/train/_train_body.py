@@ -67,7 +67,7 @@ def split_loss_output(out: Any, fn: str) -> tuple[Any, dict[str, Any]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def compile_train_step(o: StepOptions, state: TrainState) -> Callable[..., Any]:
+def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
     """The compiled ``step(state, data, mask) -> (state, metrics)`` for ``state``'s mesh, strategy and shapes."""
     strategy, layout, axis = state.strategy, state.layout, state.data_axes
     scaled = state.loss_scale is not None
@@ -140,6 +140,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> Callable[..., Any]:
             metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         if scaled:
             metrics["loss_scale"] = state.loss_scale.scale.astype(jnp.float32)  # the scale this step used
+            assert finite is not None  # a scaled step always checks its gradient (above)
             new_state = new_state.replace(loss_scale=next_loss_scale(state.loss_scale, finite))
         metrics.update(hyperparams(opt_state))
         return new_state, metrics
@@ -200,7 +201,8 @@ def _accumulate(
             grads = jax.tree.map(lambda g: jnp.where(c > 0, g, jnp.zeros_like(g)), grads)
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 
-    first = one(_vary(state.model_state, axis, varying), *jax.tree.map(lambda x: x[0], micro), 0)
+    batch0, mask0 = jax.tree.map(lambda x: x[0], micro)
+    first = one(_vary(state.model_state, axis, varying), batch0, mask0, 0)
     if k == 1:
         return first
 
@@ -307,7 +309,9 @@ def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
 
 
 def _check_same_tree(old: Any, new: Any) -> None:
-    old_def, new_def = jax.tree.structure(old), jax.tree.structure(new)
+    # jax.tree_util.PyTreeDef: jaxlib ships no type stubs, so mypy knows a treedef's methods only through this name
+    old_def: jax.tree_util.PyTreeDef = jax.tree.structure(old)
+    new_def: jax.tree_util.PyTreeDef = jax.tree.structure(new)
     old_shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(old)]
     new_shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(new)]
     if old_def != new_def or old_shapes != new_shapes:
@@ -344,7 +348,7 @@ def _float_leaves(tree: Any) -> Any:
     )
 
 
-def _merge_model_state(local: Any, averaged: Any, axis: str, stored: Any) -> Any:
+def _merge_model_state(local: Any, averaged: Any, axis: str | tuple[str, ...], stored: Any) -> Any:
     # Float leaves take their weighted average over the axis; integer leaves (counters, e.g. NNX
     # RngCount) must agree on every replica and take the maximum. RNG keys are never averaged: the
     # stored key stays (a model's streams only advance their counts), identical on every replica.

@@ -136,7 +136,7 @@ class EvalStep:
         """Lowers the evaluation for these inputs (``.compile().as_text()`` shows the HLO XLA runs)."""
         return self._cache.program(state).lower(state, *place_batch("make_eval_step", batch, state, 1, self.host_input))
 
-    def _compile(self, state: TrainState) -> Callable[..., Any]:
+    def _compile(self, state: TrainState) -> jax.stages.Wrapped:
         axis, strategy = state.data_axes, state.strategy
         strategy.check_backend("make_eval_step", self.backend)
         ctx = ReduceContext(axis, state.data_size, None, False)

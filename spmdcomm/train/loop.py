@@ -138,6 +138,7 @@ def fit(
 
         for i in itertools.count():
             if stop is not None and stop.should_stop(first + i):
+                assert checkpoints is not None  # _wants_preemption watches for a stop only with checkpoints
                 drain(0)
                 if not checkpoints.saved_last:  # a stop right after a periodic save (or the resume) keeps that one
                     with timer.phase("save"):
@@ -161,6 +162,7 @@ def fit(
             drain(step.max_in_flight)  # the metrics of the step one in-flight window back
             saving = checkpoints is not None and checkpoints.stepped()
             if saving:
+                assert checkpoints is not None  # saving is False without checkpoints
                 # The steps before this one are reported before their state is saved: a run killed after the
                 # save does not train them again, so their records must not wait in the window.
                 drain(1)
@@ -251,15 +253,14 @@ def _check_hooks(hooks: Any, data: Any) -> tuple[Hook, ...]:
 
 def _due(hooks: tuple[Hook, ...], step: int, epoch: int | None, *, ended_epoch: bool) -> list[Hook]:
     """The hooks to run after global step ``step`` (of epoch ``epoch``, its last one when ``ended_epoch``)."""
-    return [
-        h
-        for h in hooks
-        if (
-            step % h.every_steps == 0
-            if h.every_steps is not None
-            else ended_epoch and epoch is not None and (epoch + 1) % h.every_epochs == 0
-        )
-    ]
+    return [h for h in hooks if _is_due(h, step, epoch, ended_epoch=ended_epoch)]
+
+
+def _is_due(hook: Hook, step: int, epoch: int | None, *, ended_epoch: bool) -> bool:
+    if hook.every_steps is not None:
+        return step % hook.every_steps == 0
+    assert hook.every_epochs is not None  # Hook.__post_init__ takes exactly one of the two
+    return ended_epoch and epoch is not None and (epoch + 1) % hook.every_epochs == 0
 
 
 def _run_hooks(hooks: list[Hook], state: TrainState, step: int, epoch: int | None, *, taken: Any) -> dict[str, Any]:

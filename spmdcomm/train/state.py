@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import flax.struct
 import jax
@@ -58,6 +58,10 @@ class TrainState:
     axis: str | tuple[str, ...] = flax.struct.field(pytree_node=False, default="data")
     strategy: Strategy = flax.struct.field(pytree_node=False, default=None)
     layout: Any = flax.struct.field(pytree_node=False, default=None)
+
+    if TYPE_CHECKING:  # flax.struct.dataclass adds it when the class is built; declared for type checkers
+
+        def replace(self, **changes: Any) -> TrainState: ...
 
     @classmethod
     def create(
@@ -154,7 +158,10 @@ class TrainState:
         """
         from flax import nnx
 
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        # Two filters give exactly two states, where nnx.split's type allows any number after the first.
+        graphdef, params, rest = cast(
+            "tuple[nnx.GraphDef[Any], nnx.State, nnx.State]", nnx.split(model, nnx.Param, ...)
+        )
         specs = nnx.get_partition_spec(params)  # the model's sharding metadata
         if "param_specs" not in kwargs and any(s != P() for s in jax.tree.leaves(specs, is_leaf=_is_spec)):
             kwargs["param_specs"] = specs
@@ -274,6 +281,8 @@ def model_partitioning(
         params = meta.unbox(params)
     if param_specs is None:
         return params, None
+    # jax.tree_util.PyTreeDef: jaxlib ships no type stubs, so mypy knows a treedef's methods only through this name
+    treedef: jax.tree_util.PyTreeDef
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     try:
         specs = treedef.flatten_up_to(param_specs)
