@@ -81,8 +81,10 @@ class StopAt:
         if not self.kill:
             raise Stopped
         jax.block_until_ready(state)
-        sc.barrier(f"kill {self.mode}", timeout=60)
+        # Printed before the barrier: once the first process is dead, the launcher stops the others, so a line
+        # printed after it could be lost by a process that was still on its way to printing it.
         print(f"KILLING {self.mode} before step {self.at}", flush=True)
+        sc.barrier(f"kill {self.mode}", timeout=60)
         os.kill(os.getpid(), signal.SIGKILL)
         raise AssertionError("still alive after SIGKILL")
 
