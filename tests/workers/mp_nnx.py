@@ -3,9 +3,10 @@
 Usage: spmdcomm-launch -n 2 --devices-per-process 2 mp_nnx.py OUT_DIR
 Every process builds its model with DIFFERENT seeds (seed = process index), so its stream keys
 differ: TrainState.create_nnx must broadcast process 0's, key data included. Process 0 writes the
-parameters and the key data after 2 per-example steps; every process prints its keys.
+parameters and the key data after 2 per-example steps; every process writes its keys to OUT_DIR/keys.<process>.json.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def main(out_dir: Path) -> None:
         for x in jax.tree.leaves(state.model_state)
         if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key)
     ]
-    print("KEYS", jax.process_index(), keys, flush=True)
+    # A file per process, not a printed line: Gloo's C++ prints share stdout and can cut into it.
+    (out_dir / f"keys.{jax.process_index()}.json").write_text(json.dumps(keys))
     step = sc.make_train_step(sc.nnx_loss_fn(nnx_mse), rng="per_example")
     data = [local_rows(b, mesh) for b in batches(2)]
     assert len(jax.tree.leaves(data[0])[0]) == GLOBAL // jax.process_count()
