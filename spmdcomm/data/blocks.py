@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import cast
 
 import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from spmdcomm._cache import Cache
 from spmdcomm.errors import ShapeError, describe
 from spmdcomm.runtime.process import process_count, process_index
 
@@ -59,10 +60,7 @@ def check_divisible(
         if size % k:
             raise ShapeError(_not_divisible(fn, _name(leaf), d, shape, sharding, k, total[d], devices[d], local))
         out.append(size // k * total[d] if local else size)
-    if len(_GLOBAL_SHAPES) >= _CACHE_LIMIT:
-        _GLOBAL_SHAPES.clear()
-    _GLOBAL_SHAPES[key] = tuple(out)
-    return tuple(out)
+    return _GLOBAL_SHAPES.put(key, tuple(out))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -85,8 +83,7 @@ def blocks(sharding: Sharding, ndim: int) -> tuple[tuple[int, ...], tuple[int, .
 # ---------------------------------------------------------------------------------------------------------
 
 
-_CACHE_LIMIT = 4096
-_GLOBAL_SHAPES: dict[Any, tuple[int, ...]] = {}
+_GLOBAL_SHAPES = Cache(limit=4096)  # (sharding, shape, local) -> the global shape
 
 
 def _name(leaf: str | Callable[[], str]) -> str:

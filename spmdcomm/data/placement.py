@@ -41,6 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, Sharding
 
+from spmdcomm._cache import Cache
 from spmdcomm.data.batches import MaskedBatch, leading_size
 from spmdcomm.data.blocks import blocks, check_divisible
 from spmdcomm.errors import ProcessMismatchError, ShapeError, SpmdError, describe
@@ -259,7 +260,8 @@ class Agreement:
 
     def __init__(self, channel: Channel | None = None):
         self.channel = channel
-        self.known: dict[Any, list[tuple[int, ...]]] = {}
+        # Every process sees the same sequence of signatures, so all of them hit, miss and evict alike.
+        self.known = Cache(limit=4096)
 
     def global_shapes(
         self,
@@ -301,10 +303,7 @@ class Agreement:
                     )
                 )
         _check_same_leaves(fn, host_input, got)
-        if len(self.known) >= _CACHE_LIMIT:
-            self.known.clear()
-        self.known[key] = shapes
-        return shapes
+        return self.known.put(key, shapes)
 
     def refuse(self, fn: str, problem: Exception, timeout: float) -> None:
         """Tells the other processes, at the sync point where they check their host input, that this process
@@ -320,7 +319,6 @@ class Agreement:
 # ---------------------------------------------------------------------------------------------------------
 
 
-_CACHE_LIMIT = 4096
 _MAIN = Agreement()
 
 
