@@ -49,10 +49,10 @@ class BackendError(SpmdError):
 
 
 class DeletedArrayError(SpmdError, RuntimeError):
-    """An argument holds an array whose buffers were already freed, usually because an earlier call
-    consumed it through buffer donation (``donate=True``, ``donate_argnums``).
+    """An argument holds an array whose buffers were already freed, usually by an earlier call's donation.
 
-    Raised before dispatch: handing a deleted array to a compiled computation can kill the process
+    The earlier call consumed it through buffer donation (``donate=True``, ``donate_argnums``). Raised
+    before dispatch: handing a deleted array to a compiled computation can kill the process
     (JAX 0.10 segfaults on multi-device CPU). It is an :class:`SpmdError` because the caller passed a
     stale value, and a ``RuntimeError`` so code written against JAX's own "Array has been deleted"
     error still catches it.
@@ -60,8 +60,10 @@ class DeletedArrayError(SpmdError, RuntimeError):
 
 
 class TracedCallError(SpmdError):
-    """A host-side call (barrier, host collective, ...) made inside a traced function, where it would run once
-    at trace time and be missing from the compiled program."""
+    """A host-side call (barrier, host collective, ...) made inside a traced function.
+
+    There it would run once at trace time and be missing from the compiled program.
+    """
 
 
 class ReplicatedReductionWarning(UserWarning):

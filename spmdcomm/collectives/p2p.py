@@ -30,10 +30,25 @@ def permute(x: Any, axis: AxisName, *, perm: Sequence[tuple[int, int]]) -> Any:
     destination receives zeros. Output shape: the input shape. Derivative: that of ``jax.lax.ppermute``
     (linear; the transpose sends cotangents back along the inverted pairs).
 
-    >>> f = sc.spmd(lambda x: sc.permute(x, "data", perm=[(0, 1), (1, 0)]),
-    ...             in_specs=sc.P("data"), out_specs=sc.P("data"))
-    >>> f(np.arange(1, 9)).tolist()
-    [2, 1, 0, 0, 0, 0, 0, 0]
+    Args:
+      x: a pytree of arrays or numbers, this device's block of each leaf.
+      axis: the mesh axis to send along, or a tuple of axes acting as one (device index row-major over them);
+        it must be bound by the enclosing ``spmd``, ``jax.shard_map`` or ``jax.pmap``.
+      perm: ``(source, destination)`` pairs of integer device indices along ``axis``, each in ``[0, n)``.
+
+    Returns:
+      A pytree like ``x`` holding the block sent to this device, or zeros where none is.
+
+    Raises:
+      AxisError: if ``axis`` is not bound here or is an empty tuple, or ``perm`` is not a sequence of integer
+        pairs, names a device outside ``[0, n)`` or repeats a source or a destination.
+      SpmdError: if a leaf is not an array or number.
+
+    Examples:
+      >>> f = sc.spmd(lambda x: sc.permute(x, "data", perm=[(0, 1), (1, 0)]),
+      ...             in_specs=sc.P("data"), out_specs=sc.P("data"))
+      >>> f(np.arange(1, 9)).tolist()
+      [2, 1, 0, 0, 0, 0, 0, 0]
     """
     n = bound_size("permute", axis)
     pairs = _check_perm(perm, axis, n)
@@ -43,11 +58,27 @@ def permute(x: Any, axis: AxisName, *, perm: Sequence[tuple[int, int]]) -> Any:
 def shift(x: Any, axis: AxisName, *, offset: int = 1) -> Any:
     """Ring shift: device ``i`` sends its block to device ``(i + offset) % n``, like ``jnp.roll`` over devices.
 
-    Derivative: that of ``jax.lax.ppermute`` (linear; the transpose shifts by ``-offset``).
+    Output shape: the input shape. Derivative: that of ``jax.lax.ppermute`` (linear; the transpose shifts by
+    ``-offset``).
 
-    >>> f = sc.spmd(lambda x: sc.shift(x, "data", offset=1), in_specs=sc.P("data"), out_specs=sc.P("data"))
-    >>> f(np.arange(8)).tolist()
-    [7, 0, 1, 2, 3, 4, 5, 6]
+    Args:
+      x: a pytree of arrays or numbers, this device's block of each leaf.
+      axis: the mesh axis to shift along, or a tuple of axes acting as one (device index row-major over them);
+        it must be bound by the enclosing ``spmd``, ``jax.shard_map`` or ``jax.pmap``.
+      offset: how many devices along to send (default 1); negative shifts the other way, and a multiple of
+        ``n`` returns ``x`` without communication.
+
+    Returns:
+      A pytree like ``x`` holding the block of device ``(i - offset) % n``.
+
+    Raises:
+      AxisError: if ``axis`` is not bound here, or is an empty tuple.
+      SpmdError: if ``offset`` is not an integer, or a leaf is not an array or number.
+
+    Examples:
+      >>> f = sc.spmd(lambda x: sc.shift(x, "data", offset=1), in_specs=sc.P("data"), out_specs=sc.P("data"))
+      >>> f(np.arange(8)).tolist()
+      [7, 0, 1, 2, 3, 4, 5, 6]
     """
     n = bound_size("shift", axis)
     if not is_index(offset):
@@ -67,24 +98,40 @@ def shift(x: Any, axis: AxisName, *, offset: int = 1) -> Any:
 def scan(x: Any, axis: AxisName, *, op: ScanOp = "sum", inclusive: bool = True) -> Any:
     """Prefix reduction over the devices of ``axis`` (``MPI_Scan``): device ``i`` receives ``op`` over devices 0..i.
 
-    ``op`` is one of ``"sum"``, ``"max"``, ``"min"``, ``"prod"``. With ``inclusive=False`` (``MPI_Exscan``)
-    device ``i`` receives ``op`` over devices ``0..i-1``, and device 0 the identity of ``op``: 0 for sum, 1 for
-    prod, ``-inf`` (or the dtype's minimum, ``False`` for booleans) for max, ``+inf`` (the maximum, ``True``)
-    for min. Output shape: the input shape. Booleans are summed as ``int32`` counts, as in
-    :func:`~spmdcomm.psum`; their max/min/prod are any/all/all. Runs in ``ceil(log2(n))`` rounds of
-    ``jax.lax.ppermute`` (Hillis-Steele: round ``k`` combines the value from ``2**k`` devices back; one more
-    round shifts for the exclusive scan).
+    With ``inclusive=False`` (``MPI_Exscan``) device ``i`` receives ``op`` over devices ``0..i-1``, and device 0
+    the identity of ``op``: 0 for sum, 1 for prod, ``-inf`` (or the dtype's minimum, ``False`` for booleans)
+    for max, ``+inf`` (the maximum, ``True``) for min. Output shape: the input shape. Booleans are summed as
+    ``int32`` counts, as in :func:`~spmdcomm.psum`; their max/min/prod are any/all/all. Runs in
+    ``ceil(log2(n))`` rounds of ``jax.lax.ppermute`` (Hillis-Steele: round ``k`` combines the value from
+    ``2**k`` devices back; one more round shifts for the exclusive scan).
 
     Derivative: that of the same ``ppermute``/``where`` program (for max/min the ties of each pairwise
     ``jnp.maximum``/``jnp.minimum`` split evenly).
 
-    >>> f = sc.spmd(lambda x: sc.scan(x, "data"), in_specs=sc.P("data"), out_specs=sc.P("data"))
-    >>> f(np.arange(1, 9)).tolist()
-    [1, 3, 6, 10, 15, 21, 28, 36]
-    >>> g = sc.spmd(lambda x: sc.scan(x, "data", op="max", inclusive=False), in_specs=sc.P("data"),
-    ...             out_specs=sc.P("data"))
-    >>> g(np.array([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0])).tolist()
-    [-inf, 3.0, 3.0, 4.0, 4.0, 5.0, 9.0, 9.0]
+    Args:
+      x: a pytree of arrays or numbers, this device's block of each leaf.
+      axis: the mesh axis to scan over, or a tuple of axes acting as one (device index row-major over them);
+        it must be bound by the enclosing ``spmd``, ``jax.shard_map`` or ``jax.pmap``.
+      op: one of ``"sum"`` (default), ``"max"``, ``"min"``, ``"prod"`` (:data:`~spmdcomm.collectives.SCAN_OPS`).
+      inclusive: whether device ``i``'s own block is part of its prefix (``True``, default, ``MPI_Scan``) or
+        not (``False``, ``MPI_Exscan``).
+
+    Returns:
+      A pytree like ``x`` whose leaves are this device's prefix reduction.
+
+    Raises:
+      AxisError: if ``axis`` is not bound here, or is an empty tuple.
+      SpmdError: if ``op`` is unknown, ``inclusive`` is not a bool, ``op`` is ``"max"``/``"min"`` on a complex
+        leaf, or a leaf is not an array or number.
+
+    Examples:
+      >>> f = sc.spmd(lambda x: sc.scan(x, "data"), in_specs=sc.P("data"), out_specs=sc.P("data"))
+      >>> f(np.arange(1, 9)).tolist()
+      [1, 3, 6, 10, 15, 21, 28, 36]
+      >>> g = sc.spmd(lambda x: sc.scan(x, "data", op="max", inclusive=False), in_specs=sc.P("data"),
+      ...             out_specs=sc.P("data"))
+      >>> g(np.array([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0])).tolist()
+      [-inf, 3.0, 3.0, 4.0, 4.0, 5.0, 9.0, 9.0]
     """
     check_op("scan", op, SCAN_OPS)
     if not isinstance(inclusive, (bool, np.bool_)):

@@ -43,9 +43,24 @@ def broadcast(x: Any, axis: AxisName, *, root: int = 0) -> Any:
     Derivative: that of ``psum(where(axis_index(axis) == root, x, 0), axis)``: linear, the root receives
     the cotangent (summed over devices under ``pmap``), the other devices zero.
 
-    >>> f = sc.spmd(lambda x: sc.broadcast(x, "data", root=3), in_specs=sc.P("data"), out_specs=sc.P())
-    >>> f(np.arange(8.0))
-    Array([3.], dtype=float32)
+    Args:
+      x: a pytree of arrays or numbers, this device's block of each leaf (the same shape on every device).
+      axis: the mesh axis to broadcast over, or a tuple of axes acting as one (device index row-major over them);
+        it must be bound by the enclosing ``spmd``, ``jax.shard_map`` or ``jax.pmap``.
+      root: the index along ``axis`` of the device whose block is sent (default 0).
+
+    Returns:
+      A pytree like ``x`` holding device ``root``'s blocks, identical on every device.
+
+    Raises:
+      AxisError: if ``axis`` is not bound here or is an empty tuple, or ``root`` is not an integer in
+        ``[0, n)``.
+      SpmdError: if a leaf is not an array or number.
+
+    Examples:
+      >>> f = sc.spmd(lambda x: sc.broadcast(x, "data", root=3), in_specs=sc.P("data"), out_specs=sc.P())
+      >>> f(np.arange(8.0))
+      Array([3.], dtype=float32)
     """
     n = bound_size("broadcast", axis)
     root = check_root("broadcast", root, n, axis=axis)
@@ -61,9 +76,26 @@ def reduce(x: Any, axis: AxisName, *, root: int = 0, op: ReduceOp = "sum") -> An
     Derivative: that of ``where(axis_index(axis) == root, all_reduce(x, axis, op), x)``, with
     :func:`~spmdcomm.all_reduce`'s derivative for ``op``.
 
-    >>> f = sc.spmd(lambda x: sc.reduce(x, "data", root=0), in_specs=sc.P("data"), out_specs=sc.P("data"))
-    >>> f(np.arange(8.0)).tolist()
-    [28.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    Args:
+      x: a pytree of arrays or numbers, this device's block of each leaf.
+      axis: the mesh axis to reduce over, or a tuple of axes acting as one (device index row-major over them);
+        it must be bound by the enclosing ``spmd``, ``jax.shard_map`` or ``jax.pmap``.
+      root: the index along ``axis`` of the device that receives the result (default 0).
+      op: one of ``"sum"`` (default), ``"mean"``, ``"max"``, ``"min"``, ``"prod"``, as in
+        :func:`~spmdcomm.all_reduce`.
+
+    Returns:
+      A pytree like ``x``: on device ``root`` the reduction over ``axis``, on the others their own input.
+
+    Raises:
+      AxisError: if ``axis`` is not bound here or is an empty tuple, or ``root`` is not an integer in
+        ``[0, n)``.
+      SpmdError: if ``op`` is unknown, or a leaf is not an array or number.
+
+    Examples:
+      >>> f = sc.spmd(lambda x: sc.reduce(x, "data", root=0), in_specs=sc.P("data"), out_specs=sc.P("data"))
+      >>> f(np.arange(8.0)).tolist()
+      [28.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     """
     check_op("reduce", op, REDUCE_OPS)
     n = bound_size("reduce", axis)
@@ -87,9 +119,27 @@ def gather(x: Any, axis: AxisName, *, root: int = 0, dim: int = 0) -> Any:
     Derivative: linear, that of ``where(axis_index(axis) == root, all_gather(x, axis, dim=dim), 0)``: block
     ``i`` of the root's cotangent goes back to device ``i``.
 
-    >>> f = sc.spmd(lambda x: sc.gather(x, "data", root=1), in_specs=sc.P("data"), out_specs=sc.P("data"))
-    >>> f(np.arange(8)).reshape(8, 8)[:3].tolist()[1]
-    [0, 1, 2, 3, 4, 5, 6, 7]
+    Args:
+      x: a pytree of arrays or numbers, this device's block of each leaf (at least 1-d).
+      axis: the mesh axis to gather over, or a tuple of axes acting as one (device index row-major over them);
+        it must be bound by the enclosing ``spmd``, ``jax.shard_map`` or ``jax.pmap``.
+      root: the index along ``axis`` of the device that receives the blocks (default 0).
+      dim: the dimension the blocks are concatenated along (default 0); negative values count from the end.
+
+    Returns:
+      A pytree like ``x``: on device ``root`` the ``n`` blocks in device order, on the others zeros of that
+      shape.
+
+    Raises:
+      AxisError: if ``axis`` is not bound here or is an empty tuple, or ``root`` is not an integer in
+        ``[0, n)``.
+      ShapeError: if a leaf is 0-d or ``dim`` is out of range for it.
+      SpmdError: if a leaf is not an array or number.
+
+    Examples:
+      >>> f = sc.spmd(lambda x: sc.gather(x, "data", root=1), in_specs=sc.P("data"), out_specs=sc.P("data"))
+      >>> f(np.arange(8)).reshape(8, 8)[:3].tolist()[1]
+      [0, 1, 2, 3, 4, 5, 6, 7]
     """
     n = bound_size("gather", axis)
     root = check_root("gather", root, n, axis=axis)
@@ -106,9 +156,27 @@ def scatter(x: Any, axis: AxisName, *, root: int = 0, dim: int = 0) -> Any:
     Derivative: linear, that of slicing chunk ``i`` out of :func:`broadcast`: device ``i``'s cotangent becomes
     chunk ``i`` of the root's, the other devices get zero.
 
-    >>> f = sc.spmd(lambda x: sc.scatter(x, "data", root=0), in_specs=sc.P(), out_specs=sc.P("data"))
-    >>> f(np.arange(8.0)).tolist()
-    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    Args:
+      x: a pytree of arrays or numbers, this device's block of each leaf (the same shape on every device).
+      axis: the mesh axis to scatter over, or a tuple of axes acting as one (device index row-major over them);
+        it must be bound by the enclosing ``spmd``, ``jax.shard_map`` or ``jax.pmap``.
+      root: the index along ``axis`` of the device whose block is split (default 0).
+      dim: the dimension split into ``n`` chunks (default 0); negative values count from the end.
+
+    Returns:
+      A pytree like ``x`` holding this device's chunk of the root's blocks.
+
+    Raises:
+      AxisError: if ``axis`` is not bound here or is an empty tuple, or ``root`` is not an integer in
+        ``[0, n)``.
+      ShapeError: if a leaf is 0-d, ``dim`` is out of range for it, or dimension ``dim`` does not divide by
+        ``n``.
+      SpmdError: if a leaf is not an array or number.
+
+    Examples:
+      >>> f = sc.spmd(lambda x: sc.scatter(x, "data", root=0), in_specs=sc.P(), out_specs=sc.P("data"))
+      >>> f(np.arange(8.0)).tolist()
+      [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     """
     n = bound_size("scatter", axis)
     root = check_root("scatter", root, n, axis=axis)

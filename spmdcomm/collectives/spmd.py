@@ -57,8 +57,12 @@ def spmd(
 ) -> SpmdFunction | Callable[[Callable[..., Any]], SpmdFunction]:
     """Compiles ``fn`` to run once per device of ``mesh``, on the blocks that ``in_specs`` describe.
 
+    Usable as ``spmd(fn, in_specs=..., out_specs=...)`` or as a decorator ``@spmd(in_specs=..., ...)``.
+    Compiled functions are cached per (function, mesh, specs, backend, options) and per input shape, so
+    repeated calls with same-shaped inputs neither re-trace nor re-compile.
+
     Args:
-      fn: the per-device function. Inside it, collectives name the mesh axes.
+      fn: the per-device function. Inside it, collectives name the mesh axes. Leave it out to get a decorator.
       in_specs: a ``PartitionSpec`` for all arguments, or a pytree prefix of the argument tuple.
       out_specs: a ``PartitionSpec`` or a pytree prefix of the output.
       mesh: the device mesh; ``None`` uses :func:`spmdcomm.default_mesh` (1-D ``"data"`` over all devices).
@@ -69,9 +73,17 @@ def spmd(
         process's part of the global array; ``"global"``, the full value, the same on every process. See
         :mod:`spmdcomm.data.placement`. With one process both mean the same.
 
-    Usable as ``spmd(fn, in_specs=..., out_specs=...)`` or as a decorator ``@spmd(in_specs=..., ...)``.
-    Compiled functions are cached per (function, mesh, specs, backend, options) and per input shape, so
-    repeated calls with same-shaped inputs neither re-trace nor re-compile.
+    Returns:
+      An :class:`SpmdFunction` to call like ``fn``; without ``fn``, a decorator that makes one.
+
+    Raises:
+      BackendError: if ``backend`` is neither ``"shard_map"`` nor ``"pmap"``.
+      SpmdError: if ``host_input`` is neither ``"local"`` nor ``"global"``.
+
+    Examples:
+      >>> f = sc.spmd(lambda x: x * sc.axis_size("data"), in_specs=sc.P("data"), out_specs=sc.P("data"))
+      >>> f(np.ones(8)).tolist()
+      [8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0]
     """
     check_backend("spmd", backend)
     check_host_input("spmd", host_input)
@@ -99,7 +111,22 @@ def check_backend(fn: str, backend: str) -> None:
 
 
 class SpmdFunction:
-    """What :func:`spmd` returns (``spmdcomm.collectives.SpmdFunction``, not in ``sc``); call it like the original."""
+    """What :func:`spmd` returns (``spmdcomm.collectives.SpmdFunction``, not in ``sc``); call it like the original.
+
+    Build it through :func:`spmd`, which checks ``backend`` and ``host_input`` and turns an int
+    ``donate_argnums`` into a tuple. Each argument below is kept as an attribute of the same name.
+
+    Args:
+      fn: the per-device function.
+      in_specs: a ``PartitionSpec`` for all arguments, or a pytree prefix of the argument tuple.
+      out_specs: a ``PartitionSpec`` or a pytree prefix of the output.
+      mesh: the device mesh, or ``None`` for :func:`spmdcomm.default_mesh` at each call.
+      backend: ``"shard_map"`` or ``"pmap"``.
+      check_vma: shard_map's check that ``out_specs=P()`` outputs really are identical on every device.
+      donate_argnums: the indices of the arguments whose buffers the call may reuse for its outputs.
+      host_input: what a host (NumPy) argument means with several processes: ``"local"`` (default) or
+        ``"global"`` (see :func:`spmd`).
+    """
 
     __name__: str  # the wrapped function's, copied by functools.update_wrapper in __init__
 
@@ -128,6 +155,30 @@ class SpmdFunction:
         self._fast = Cache(limit=64)
 
     def __call__(self, *args: Any) -> Any:
+        """Runs the compiled function on ``args`` and returns its output as global arrays.
+
+        Arguments not yet placed as ``in_specs`` say are placed first (:meth:`place`); a call whose leaves all
+        sit where the previous call with the same tree placed them skips that walk. Inside a traced function
+        (``jax.jit``, ``jax.grad``, ``jax.vmap``, ``jax.checkpoint``) the outer trace owns placement, so the call
+        is exactly the raw ``shard_map`` (or ``pmap``) program, with the same input checks.
+
+        Args:
+          *args: the arguments of ``fn``: ``jax.Array`` values, host values (NumPy) or numbers.
+
+        Returns:
+          ``fn``'s output, its blocks assembled into global arrays as ``out_specs`` say.
+
+        Raises:
+          DeletedArrayError: if an argument holds a deleted array (e.g. donated to an earlier call).
+          AxisError: if a spec names an axis the mesh does not have.
+          ShapeError: if a split dimension does not divide into the mesh's blocks.
+          BackendError: with ``backend="pmap"``, for a mesh that is not 1-D, a spec that splits more than one
+            dimension, or a traced call in a job of several processes.
+          SpmdError: if a spec is not a ``PartitionSpec``, ``in_specs`` has another number of entries than
+            ``args``, or an argument leaf is neither an array nor a number.
+          ProcessMismatchError: with several processes, if they pass leaves that would build different global
+            arrays.
+        """
         mesh = self.resolved_mesh()
         leaves, treedef = jax.tree.flatten(args)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
@@ -149,12 +200,28 @@ class SpmdFunction:
         return compiled(*placed)
 
     def lower(self, *args: Any) -> jax.stages.Lowered:
-        """Places ``args`` and lowers the compiled function for them (``.compile().as_text()`` gives HLO)."""
+        """Places ``args`` and lowers the compiled function for them (``.compile().as_text()`` gives HLO).
+
+        Args:
+          *args: the arguments of a call, as for :meth:`__call__`.
+
+        Returns:
+          The ``jax.stages.Lowered`` program for these arguments' shapes and shardings.
+
+        Raises:
+          BackendError: with ``backend="pmap"`` in a job of several processes, which has no single program.
+          SpmdError: for arguments that :meth:`place` rejects (an ``AxisError``, ``ShapeError`` or
+            ``BackendError`` among them, as listed there).
+        """
         placed = self.place(args)
         return self.program().lower(*placed)
 
     def resolved_mesh(self) -> Mesh:
-        """The mesh this function runs on: its own, or :func:`spmdcomm.default_mesh`."""
+        """The mesh this function runs on: its own, or :func:`spmdcomm.default_mesh`.
+
+        Returns:
+          ``self.mesh`` if it was given, else the current default mesh.
+        """
         return self.mesh if self.mesh is not None else default_mesh()
 
     def place(self, args: Sequence[Any]) -> tuple[Any, ...]:
@@ -162,6 +229,22 @@ class SpmdFunction:
 
         Host leaves follow :mod:`spmdcomm.data.placement`'s rule under this function's ``host_input``; all of
         them go to the devices in one batched call. Leaves already placed so are returned as they are.
+
+        Args:
+          args: the arguments of a call, one entry per positional argument of ``fn``.
+
+        Returns:
+          A tuple like ``args`` whose leaves are ``jax.Array`` values with the shardings their specs name.
+
+        Raises:
+          AxisError: if a spec names an axis the mesh does not have.
+          ShapeError: if a split dimension does not divide into the mesh's blocks.
+          BackendError: with ``backend="pmap"``, for a mesh that is not 1-D or a spec that splits more than one
+            dimension.
+          SpmdError: if a spec is not a ``PartitionSpec``, ``in_specs`` has another number of entries than
+            ``args``, or an argument leaf is neither an array nor a number.
+          ProcessMismatchError: with several processes, if they pass leaves that would build different global
+            arrays.
         """
         mesh = self.resolved_mesh()
         leaves: list[Any] = []
@@ -226,8 +309,20 @@ class SpmdFunction:
         )
 
     def program(self, mesh: Mesh | None = None) -> jax.stages.Wrapped:
-        """The jitted ``shard_map`` (or ``pmap``) program on ``mesh`` (default: :meth:`resolved_mesh`), without
-        the per-call checks and host placement: its arguments must already be placed as ``in_specs`` say."""
+        """The jitted ``shard_map`` (or ``pmap``) program on ``mesh``, without the per-call checks and placement.
+
+        Its arguments must already be placed as ``in_specs`` say. Programs are cached per (function, mesh,
+        specs, backend, options).
+
+        Args:
+          mesh: the mesh to run on; ``None`` (default) uses :meth:`resolved_mesh`.
+
+        Returns:
+          The jitted program (a ``jax.stages.Wrapped``).
+
+        Raises:
+          BackendError: with ``backend="pmap"``, if ``mesh`` is not 1-D.
+        """
         mesh = self.resolved_mesh() if mesh is None else mesh
         key = (
             self.fn,

@@ -35,15 +35,22 @@ COLLECTIVE_KINDS: tuple[str, ...] = ("all-reduce", "reduce-scatter", "all-gather
 class Collective:
     """Identical collectives of one compiled program (same kind, size, dtypes, groups and place).
 
-    ``bytes`` is one operation's message size per device (see :mod:`spmdcomm.explain.report`); ``total_bytes`` is
-    ``count * bytes``. ``buffers`` is how many arrays one operation moves: XLA fuses several reductions into
-    one variadic all-reduce, which still pays per buffer on some backends. ``replica_groups`` lists the
-    device groups that reduce or exchange together and ``source_target_pairs`` the ``(source, target)``
-    pairs of a collective-permute (each empty for the other kinds). Device numbers are positions in the
-    program's devices, in ``mesh.devices.flat`` order. ``axes`` names the mesh axes the groups span
-    (``None`` when no mesh is known or the groups are not whole mesh axes). ``where`` is ``"entry"`` for the
-    program's top level, else the constructs around it, outermost first, joined by ``"/"``: ``"while"``
-    (runs once per loop iteration), ``"conditional"``, ``"call"``.
+    Device numbers are positions in the program's devices, in ``mesh.devices.flat`` order.
+
+    Attributes:
+      kind: one of :data:`COLLECTIVE_KINDS`.
+      count: how many such collectives the program holds.
+      bytes: one operation's message size per device (see :mod:`spmdcomm.explain.report`); ``total_bytes`` is
+        ``count * bytes``.
+      buffers: how many arrays one operation moves: XLA fuses several reductions into one variadic all-reduce,
+        which still pays per buffer on some backends.
+      dtypes: the dtypes of the arrays it moves, by NumPy name (e.g. ``"float32"``).
+      replica_groups: the device groups that reduce or exchange together (empty for a collective-permute).
+      source_target_pairs: the ``(source, target)`` pairs of a collective-permute (empty for the other kinds).
+      axes: the mesh axes the groups span; ``None`` when no mesh is known or the groups are not whole mesh
+        axes.
+      where: ``"entry"`` for the program's top level, else the constructs around it, outermost first, joined
+        by ``"/"``: ``"while"`` (runs once per loop iteration), ``"conditional"``, ``"call"``.
     """
 
     kind: str

@@ -39,18 +39,31 @@ __all__ = ["explain", "Explanation", "Collective", "DeviceMemory", "COLLECTIVE_K
 def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> Explanation:
     """Compiles ``fn(*args, **kwargs)`` (without running it) and reports its collectives and memory.
 
-    ``fn`` is anything with a ``.lower(*args, **kwargs)`` method returning a ``jax.stages.Lowered`` (a train
-    or eval step, an ``spmd`` function, a ``jax.jit`` function), a plain function (lowered through
-    ``jax.jit``), or an already lowered or compiled program (then pass no arguments). The arguments are
-    those of a call; a train step is not run, so its donated state stays usable.
+    A train step is not run, so its donated state stays usable. Counts and bytes are per call and per
+    device; a collective inside a loop counts once (see :attr:`Collective.where`).
 
-    ``mesh`` names the axes of the device groups; by default the function's own mesh (``fn.mesh``, an
-    ``spmd`` function's resolved mesh) or the mesh of its placed arguments. Counts and bytes are per call
-    and per device; a collective inside a loop counts once (see :attr:`Collective.where`).
+    Args:
+      fn: anything with a ``.lower(*args, **kwargs)`` method returning a ``jax.stages.Lowered`` (a train or
+        eval step, an ``spmd`` function, a ``jax.jit`` function), a plain function (lowered through
+        ``jax.jit``), or an already lowered or compiled program (then pass no arguments).
+      *args: the positional arguments of a call.
+      mesh: the mesh whose axes name the device groups; by default the function's own mesh (``fn.mesh``, an
+        ``spmd`` function's resolved mesh) or the mesh of its placed arguments.
+      **kwargs: the keyword arguments of a call.
 
-    >>> report = sc.explain(jax.jit(lambda x: x * 2), np.ones(4, np.float32))
-    >>> report.collectives, report.memory.argument_bytes
-    ((), 16)
+    Returns:
+      An :class:`Explanation` of the compiled program.
+
+    Raises:
+      SpmdError: if ``mesh`` is not a ``jax.sharding.Mesh`` or has another number of devices than the
+        program, ``fn`` is neither callable nor has a ``.lower`` method (or that returns no
+        ``jax.stages.Lowered``), arguments come with an already lowered or compiled ``fn``, or the backend
+        does not print its compiled program.
+
+    Examples:
+      >>> report = sc.explain(jax.jit(lambda x: x * 2), np.ones(4, np.float32))
+      >>> report.collectives, report.memory.argument_bytes
+      ((), 16)
     """
     if mesh is not None and not isinstance(mesh, Mesh):
         raise SpmdError(
@@ -97,8 +110,15 @@ def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> 
 class DeviceMemory:
     """Per-device memory of a compiled program, from ``Compiled.memory_analysis()``, in bytes.
 
-    Each field is ``None`` where the backend does not report it. ``alias_bytes`` are outputs that reuse a
-    donated argument's buffer, so they are counted in both ``argument_bytes`` and ``output_bytes``.
+    Each field is ``None`` where the backend does not report it.
+
+    Attributes:
+      argument_bytes: the program's arguments.
+      output_bytes: its outputs.
+      temp_bytes: its temporaries.
+      generated_code_bytes: its generated code.
+      alias_bytes: outputs that reuse a donated argument's buffer, so they are counted in both
+        ``argument_bytes`` and ``output_bytes``.
     """
 
     argument_bytes: int | None
@@ -126,9 +146,16 @@ class DeviceMemory:
 class Explanation:
     """What :func:`explain` found: the program's collectives, in program order, and its per-device memory.
 
-    ``name`` is the function's name (its class name for a step object, the HLO module's name for a lowered
-    or compiled program). ``str(explanation)`` (or :meth:`table`) prints an aligned table. ``hlo`` is the
-    optimised HLO text the collectives were read from.
+    ``str(explanation)`` (or :meth:`table`) prints an aligned table.
+
+    Attributes:
+      name: the function's name (its class name for a step object, the HLO module's name for a lowered or
+        compiled program).
+      devices: the number of devices the program runs on.
+      mesh: the mesh whose axes name the collectives' device groups, or ``None`` when none is known.
+      collectives: the collectives, in program order.
+      memory: the per-device memory XLA reserved.
+      hlo: the optimised HLO text the collectives were read from.
     """
 
     name: str
@@ -139,17 +166,45 @@ class Explanation:
     hlo: str = dataclasses.field(repr=False)
 
     def count(self, kind: str | None = None, *, over: str | None = None) -> int:
-        """How many collectives of ``kind`` (default: of every kind) the program holds; with ``over``, only those
-        whose groups span that mesh axis (e.g. the axis that crosses the network between nodes)."""
+        """How many collectives of ``kind`` the program holds, per call.
+
+        Args:
+          kind: one of :data:`COLLECTIVE_KINDS`; ``None`` (default) counts every kind.
+          over: a mesh axis name: count only the collectives whose groups span that axis (e.g. the axis that
+            crosses the network between nodes); ``None`` (default) counts them all.
+
+        Returns:
+          The sum of :attr:`Collective.count` over the matching collectives.
+
+        Raises:
+          SpmdError: if ``kind`` is not a collective kind, or ``over`` is not an axis of :attr:`mesh`.
+        """
         return sum(c.count for c in self._of_kind(kind, over))
 
     def total_bytes(self, kind: str | None = None, *, over: str | None = None) -> int:
-        """The message bytes of all collectives of ``kind`` (default: every kind), per device, per call; with
-        ``over``, only those whose groups span that mesh axis."""
+        """The message bytes of all collectives of ``kind``, per device, per call.
+
+        Args:
+          kind: one of :data:`COLLECTIVE_KINDS`; ``None`` (default) sums every kind.
+          over: a mesh axis name: sum only the collectives whose groups span that axis; ``None`` (default) sums
+            them all.
+
+        Returns:
+          The sum of :attr:`Collective.total_bytes` over the matching collectives.
+
+        Raises:
+          SpmdError: if ``kind`` is not a collective kind, or ``over`` is not an axis of :attr:`mesh`.
+        """
         return sum(c.total_bytes for c in self._of_kind(kind, over))
 
     def table(self) -> str:
-        """The collectives and the memory as aligned text."""
+        """The collectives and the memory as aligned text.
+
+        Returns:
+          One line naming the program, its devices and mesh; one row per collective (count, bytes, total, buffers,
+          dtypes, axes, groups, where) with the totals (and, on a mesh of several axes, the totals over each
+          axis), or ``no collectives``; then the memory per device.
+        """
         mesh = "" if self.mesh is None else " (mesh " + " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items()) + ")"
         lines = [f"{self.name} on {self.devices} device(s){mesh}"]
         rows = [("collective", "count", "bytes", "total", "buffers", "dtypes", "axes", "groups", "where")]
