@@ -19,14 +19,14 @@ from spmdcomm.train._layout import TreeLayout
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """Base class of the data-parallel strategies (:class:`~spmdcomm.DDP`, :class:`~spmdcomm.ZeRO1`,
-    :class:`~spmdcomm.ZeRO2`, :class:`~spmdcomm.FSDP`).
+    """Base class of the data-parallel strategies.
 
-    ``layout`` (when the state is created) decides each leaf's ``PartitionSpec``. Inside the compiled step,
-    which is manual over the data axis: ``compute_params`` (the parameter tree the model sees), per micro-batch
-    ``micro_grads`` (the local gradient in the form the strategy accumulates), then ``reduce`` (its sum over
-    the axis, each leaf in its ``grad_specs`` form). The optimizer then runs in the global view on that tree, and
-    ``store_params`` puts the new parameters in their stored layout.
+    The strategies are :class:`~spmdcomm.DDP`, :class:`~spmdcomm.ZeRO1`, :class:`~spmdcomm.ZeRO2` and
+    :class:`~spmdcomm.FSDP`. ``layout`` (when the state is created) decides each leaf's ``PartitionSpec``. Inside
+    the compiled step, which is manual over the data axis: ``compute_params`` (the parameter tree the model sees),
+    per micro-batch ``micro_grads`` (the local gradient in the form the strategy accumulates), then ``reduce`` (its
+    sum over the axis, each leaf in its ``grad_specs`` form). The optimizer then runs in the global view on that
+    tree, and ``store_params`` puts the new parameters in their stored layout.
     """
 
     #: The name ``TrainState.create(..., strategy=...)`` accepts and a checkpoint records.
@@ -47,8 +47,20 @@ class Strategy:
         axes: tuple[str, ...],
         model_specs: tuple[P, ...] | None = None,
     ) -> TreeLayout:
-        """The per-leaf specs for ``params`` on ``mesh`` over the data ``axes`` (and each leaf's model spec):
-        hashable, stored in the state."""
+        """The per-leaf specs for ``params`` on ``mesh`` over the data ``axes`` (and each leaf's model spec).
+
+        Args:
+          params: the model's parameter tree, as ``TrainState.create`` got it.
+          tx: the optax transformation; its state's leaves get specs too.
+          mesh: the mesh the state lives on.
+          axes: the data axes (a tuple of mesh axis names) the batch is split over.
+          model_specs: each parameter leaf's ``PartitionSpec`` over the model axes, in the tree's leaf order;
+            ``None`` when no leaf is split over a model axis.
+
+        Returns:
+          The :class:`~spmdcomm.train._layout.TreeLayout` of parameters, gradients and optimizer state: hashable,
+          stored in the state.
+        """
         return TreeLayout.build(
             params,
             tx,
@@ -61,7 +73,15 @@ class Strategy:
         )
 
     def check_backend(self, fn: str, backend: str) -> None:
-        """Raises :class:`~spmdcomm.errors.BackendError` (naming ``fn``) unless the strategy runs on ``backend``."""
+        """Raises :class:`~spmdcomm.errors.BackendError` (naming ``fn``) unless the strategy runs on ``backend``.
+
+        Args:
+          fn: the public function to name in the error (e.g. ``"make_train_step"``).
+          backend: the step's backend, ``"shard_map"`` or ``"pmap"``.
+
+        Raises:
+          BackendError: when ``backend`` is not in the strategy's ``backends``.
+        """
         if backend not in self.backends:
             raise BackendError(
                 describe(
@@ -74,41 +94,100 @@ class Strategy:
             )
 
     def flat_bucket_bytes(self, mesh: Mesh) -> int | None:
-        """The size of the flat buffers the gradients are all-reduced in on ``mesh`` (None: leaf by leaf)."""
+        """The size of the flat buffers the gradients are all-reduced in on ``mesh``.
+
+        Args:
+          mesh: the mesh the state lives on.
+
+        Returns:
+          The bucket size in bytes, or ``None``: leaf by leaf (the base class's answer).
+        """
         return None
 
     @property
     def remat_policy(self) -> Any:
-        """A ``jax.checkpoint`` policy for ``loss_fn``: which forward values the backward pass recomputes
-        rather than keeps (None: keep everything, no ``jax.checkpoint``)."""
+        """The ``jax.checkpoint`` policy the step applies to ``loss_fn``.
+
+        It says which forward values the backward pass recomputes rather than keeps (None: keep everything, no
+        ``jax.checkpoint``).
+        """
         return None
 
     @property
     def local_grads(self) -> bool:
-        """Whether a device's gradient holds only terms of its own loss, so that the step may zero the gradient of
-        a micro-batch without real examples (its backward pass may give 0 * NaN). False when split parameters
-        bring every device's terms in through the transpose of their gather."""
+        """Whether a device's gradient holds only terms of its own loss.
+
+        If so, the step may zero the gradient of a micro-batch without real examples (its backward pass may give
+        0 * NaN). False when split parameters bring every device's terms in through the transpose of their gather.
+        """
         return not self.shards_params
 
     def full_params(self, layout: TreeLayout, mesh: Mesh, params: Any) -> Any:
-        """In the global view: the stored ``params`` as the model's whole tree (split over model axes only)."""
+        """In the global view: the stored ``params`` as the model's whole tree (split over model axes only).
+
+        Args:
+          layout: the state's layout.
+          mesh: the state's mesh.
+          params: the stored parameters (``state.params``).
+
+        Returns:
+          The parameter tree, whole over the data axes: ``params`` itself unless the strategy splits them.
+        """
         return params
 
     def compute_params(self, ctx: ReduceContext, layout: TreeLayout, params: Any) -> Any:
-        """Inside the step: the parameter tree the model is applied to."""
+        """Inside the step: the parameter tree the model is applied to.
+
+        Args:
+          ctx: the step's data axes, their device count and options.
+          layout: the state's layout.
+          params: this device's view of the stored parameters.
+
+        Returns:
+          The parameters the model sees: ``params`` itself unless the strategy splits or casts them.
+        """
         return params
 
     def micro_grads(self, ctx: ReduceContext, layout: TreeLayout, grads: Any) -> Any:
-        """Inside the step: one micro-batch's gradient in the form it is accumulated in."""
+        """Inside the step: one micro-batch's gradient in the form it is accumulated in.
+
+        Args:
+          ctx: the step's data axes, their device count and options.
+          layout: the state's layout.
+          grads: this device's gradient of one micro-batch.
+
+        Returns:
+          The gradient to add to the accumulator: ``grads`` itself unless the strategy reduces per micro-batch.
+        """
         return grads
 
     def store_params(self, layout: TreeLayout, mesh: Mesh, params: Any) -> Any:
-        """In the global view, after the optimizer: the new parameters in their stored layout."""
+        """In the global view, after the optimizer: the new parameters in their stored layout.
+
+        Args:
+          layout: the state's layout.
+          mesh: the state's mesh.
+          params: the parameters the optimizer produced.
+
+        Returns:
+          The parameters laid out as ``state.params`` stores them: ``params`` itself unless the strategy moves them.
+        """
         return params
 
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
-        """Sums the f32 ``stats`` vector and the accumulated gradients over the axis: ``(stats, reduced)``, each
-        gradient leaf as ``layout.grad_specs`` says (whole, or this device's block)."""
+        """Sums the ``stats`` vector and the accumulated gradients over the data axes.
+
+        Args:
+          ctx: the step's data axes, their device count and options (``reduce_dtype``).
+          layout: the state's layout.
+          grads: this device's accumulated gradient.
+          stats: one float vector (float32, float64 under x64) of the real-example count, the metric sums and the
+            model state, summed along with the gradients.
+
+        Returns:
+          ``(stats, reduced)``: the summed vector, and each gradient leaf summed as ``layout.grad_specs`` says
+          (whole, or this device's block).
+        """
         raise NotImplementedError
 
 

@@ -61,16 +61,65 @@ class SyncBatchNorm(nn.BatchNorm):
     each dimension 1 or ``x``'s, and marks the entries that count (e.g. ``mask[:, None, None, None]`` for the train
     step's row mask and an NHWC ``x``). While initialising, the statistics are this device's (no axis is needed).
 
-    >>> bn = sc.SyncBatchNorm(use_running_average=False, momentum=0.9)
-    >>> x = np.arange(8, dtype=np.float32).reshape(4, 2)
-    >>> variables = bn.init(jax.random.PRNGKey(0), x)
-    >>> y, updated = bn.apply(variables, x, mutable=["batch_stats"])
-    >>> updated["batch_stats"]["mean"].tolist(), y.mean(0).round(6).tolist()
-    ([0.30000001192092896, 0.4000000059604645], [0.0, 0.0])
+    Attributes:
+      use_running_average: True normalizes with the running statistics, False with the batch's (updating the
+        running ones); ``None`` (default): given to ``__call__`` instead.
+      axis: the feature axis (or axes) of the input; ``-1`` by default.
+      momentum: the running averages' decay: ``momentum * old + (1 - momentum) * batch``; 0.99 by default.
+      epsilon: added to the variance before its inverse square root; 1e-5 by default.
+      dtype: the dtype of the computation and the output; ``None`` (default): inferred from the input and the
+        parameters (Flax's rule).
+      param_dtype: the dtype of ``scale`` and ``bias`` (and of the running statistics without
+        ``force_float32_reductions``); float32 by default.
+      use_bias: whether to add the learned ``bias``; True by default.
+      use_scale: whether to multiply by the learned ``scale``; True by default.
+      bias_init: the initializer of ``bias``; zeros by default.
+      scale_init: the initializer of ``scale``; ones by default.
+      axis_name: the mesh axis name (or tuple of them) the statistics are taken over; ``None`` (default): this
+        device's only.
+      axis_index_groups: not supported: must stay ``None``.
+      use_fast_variance: True (default): the variance from the sums of ``x`` and ``|x|^2`` in one all-reduce;
+        False: the two-pass variance (a second all-reduce).
+      force_float32_reductions: True (default): the statistics are computed in float32 at least and the running
+        ones stored in float32.
+      parent: Flax's module parent.
+      name: Flax's module name (unnamed, it is auto-named ``BatchNorm_0``, ``BatchNorm_1``, ...).
+
+    Examples:
+      >>> bn = sc.SyncBatchNorm(use_running_average=False, momentum=0.9)
+      >>> x = np.arange(8, dtype=np.float32).reshape(4, 2)
+      >>> variables = bn.init(jax.random.PRNGKey(0), x)
+      >>> y, updated = bn.apply(variables, x, mutable=["batch_stats"])
+      >>> updated["batch_stats"]["mean"].tolist(), y.mean(0).round(6).tolist()
+      ([0.30000001192092896, 0.4000000059604645], [0.0, 0.0])
     """
 
     @nn.compact
     def __call__(self, x: Any, use_running_average: bool | None = None, *, mask: Any = None) -> jax.Array:
+        """Normalizes ``x`` with the batch statistics of its unmasked entries over ``axis_name``, or the running ones.
+
+        In training mode the statistics of the entries where ``mask`` is True, on every device of ``axis_name``,
+        normalize ``x`` and update the running ``mean``/``var`` (features with no such entry keep theirs); masked
+        entries, NaN included, count for nothing.
+
+        Args:
+          x: the input, with the features on the layer's ``axis``.
+          use_running_average: True normalizes with the running statistics, False with the batch's and updates
+            the running ones; give it here or in the constructor, not both.
+          mask: a bool array of ``x``'s rank, each dimension 1 or ``x``'s, True for the entries that count;
+            ``None`` (default) counts all.
+
+        Returns:
+          The normalized input, of ``x``'s shape.
+
+        Raises:
+          ValueError: when ``use_running_average`` is given both here and in the constructor, or in neither
+            (Flax's ``merge_param``).
+          SpmdError: when ``axis_index_groups`` is set.
+          ShapeError: when ``mask``'s shape does not broadcast to ``x``'s.
+          AxisError: in training mode (not while initialising), when ``axis_name`` is set but not bound where the
+            layer runs.
+        """
         use_running_average = nn.merge_param("use_running_average", self.use_running_average, use_running_average)
         check_no_groups("SyncBatchNorm", self.axis_index_groups)
         features, reduction_axes = feature_axes(x.ndim, self.axis)

@@ -72,15 +72,29 @@ def save_checkpoint(
     max_to_keep: int | None = None,
     extra: dict[str, Any] | None = None,
 ) -> int:
-    """Saves ``state`` as checkpoint ``step`` (default ``state.step``) under ``directory``; returns
-    the step.
+    """Saves ``state`` as checkpoint ``step`` (default ``state.step``) under ``directory``.
 
-    Blocks until the checkpoint is complete; no orbax thread is left working on ``directory``. ``max_to_keep``
-    deletes the oldest checkpoints beyond that many. ``extra`` is a small JSON-serialisable dict saved in the
-    same checkpoint (atomically with the arrays; process 0's is written), read back by :func:`checkpoint_extra`:
-    e.g. the data position that :func:`spmdcomm.fit` records. Every process must call it (each writes its own
-    shards). A checkpoint of the same step that is already there raises :class:`~spmdcomm.SpmdError`, unless it
-    is damaged: then it is replaced, with a :class:`CheckpointDamagedWarning`.
+    Blocks until the checkpoint is complete; no orbax thread is left working on ``directory``. Every process must
+    call it (each writes its own shards). A damaged checkpoint of the same step is replaced, with a
+    :class:`CheckpointDamagedWarning`.
+
+    Args:
+      directory: the checkpoint directory (created when missing); the checkpoint goes to ``directory/step``.
+      state: the :class:`~spmdcomm.TrainState` to save (not one a donating step consumed).
+      step: the checkpoint's step; ``None`` (default): ``state.step``.
+      max_to_keep: deletes the oldest checkpoints beyond that many; ``None`` (default): keeps all.
+      extra: a small JSON-serialisable dict saved in the same checkpoint (atomically with the arrays; process 0's
+        is written), read back by :func:`checkpoint_extra`: e.g. the data position that :func:`spmdcomm.fit`
+        records. ``None`` (default): none.
+
+    Returns:
+      The step saved.
+
+    Raises:
+      SpmdError: when ``state`` is not a :class:`~spmdcomm.TrainState`, ``extra`` is not a dict JSON stores
+        unchanged, or an intact checkpoint of the same step is already there.
+      DeletedArrayError: when ``state`` was consumed by a donating step.
+      ImportError: when orbax-checkpoint cannot be imported.
     """
     ocp = _orbax("save_checkpoint")
     _check_state("save_checkpoint", state)
@@ -112,19 +126,33 @@ def restore_checkpoint(
 ) -> TrainState:
     """Returns ``state`` with every array replaced by checkpoint ``step``'s (default: the newest intact one).
 
-    ``state`` is the template: the restored arrays get its shapes, dtypes and shardings, and its
-    static fields (``apply_fn``, ``tx``, mesh, strategy and layout) are kept. A checkpoint of another
-    strategy or axis size is read into the template's shardings (see the module docstring); one whose leaves
-    differ from the template's raises :class:`~spmdcomm.SpmdError` naming them, and so does a damaged one (see
-    the module docstring for the fallback without ``step``). With ``missing_ok=True``, a ``directory`` that does
-    not exist or holds no checkpoint returns ``state`` itself (as Flax's ``restore_checkpoint`` does); by
-    default that raises.
+    A checkpoint of another strategy or axis size is read into the template's shardings (see the module
+    docstring, also for the fallback without ``step`` when newer checkpoints are damaged).
 
-    >>> import optax, tempfile
-    >>> state = sc.TrainState.create(params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1))
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     sc.restore_checkpoint(d, state, missing_ok=True) is state
-    True
+    Args:
+      directory: the checkpoint directory.
+      state: the template: the restored arrays get its shapes, dtypes and shardings, and its static fields
+        (``apply_fn``, ``tx``, mesh, strategy and layout) are kept.
+      step: the checkpoint to restore; ``None`` (default): the newest intact one.
+      missing_ok: ``True``: a ``directory`` that does not exist or holds no checkpoint returns ``state`` itself
+        (as Flax's ``restore_checkpoint`` does); ``False`` (default): that raises.
+
+    Returns:
+      The restored :class:`~spmdcomm.TrainState` (``state`` itself when ``missing_ok`` found no checkpoint).
+
+    Raises:
+      SpmdError: naming them, when the checkpoint's leaves differ from the template's; naming the damage, when
+        the checkpoint (or, without ``step``, every checkpoint) is damaged or its bytes fail to decode; and when
+        there is no checkpoint and not ``missing_ok``, ``step`` is not among the saved ones, or ``state`` is not
+        a :class:`~spmdcomm.TrainState`.
+      ImportError: when orbax-checkpoint cannot be imported.
+
+    Examples:
+      >>> import optax, tempfile
+      >>> state = sc.TrainState.create(params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1))
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     sc.restore_checkpoint(d, state, missing_ok=True) is state
+      True
     """
     ocp = _orbax("restore_checkpoint")
     _check_state("restore_checkpoint", state)
@@ -155,19 +183,39 @@ def restore_checkpoint(
 
 
 def latest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
-    """The newest intact checkpoint's step in ``directory``, or ``None`` when there is no checkpoint (or no
-    directory).
+    """The newest intact checkpoint's step in ``directory``.
 
-    Newer damaged checkpoints are skipped with a :class:`CheckpointDamagedWarning`; when every checkpoint is
-    damaged it raises :class:`~spmdcomm.SpmdError` naming each one's damage.
+    Newer damaged checkpoints are skipped with a :class:`CheckpointDamagedWarning`.
+
+    Args:
+      directory: the checkpoint directory.
+
+    Returns:
+      The step, or ``None`` when there is no checkpoint (or no directory).
+
+    Raises:
+      SpmdError: when every checkpoint is damaged, naming each one's damage.
+      ImportError: when orbax-checkpoint cannot be imported.
     """
     with _manager("latest_checkpoint_step", directory) as mgr:
         return chosen_step("latest_checkpoint_step", directory, mgr, None, missing_ok=True)
 
 
 def checkpoint_extra(directory: str | os.PathLike[str], *, step: int | None = None) -> dict[str, Any]:
-    """The ``extra`` dict saved with checkpoint ``step`` (default: the newest intact one) by
-    :func:`save_checkpoint`; ``{}`` when it was saved without one."""
+    """The ``extra`` dict saved with a checkpoint by :func:`save_checkpoint`.
+
+    Args:
+      directory: the checkpoint directory.
+      step: the checkpoint; ``None`` (default): the newest intact one.
+
+    Returns:
+      A copy of the ``extra`` dict; ``{}`` when the checkpoint was saved without one.
+
+    Raises:
+      SpmdError: when there is no checkpoint (or none of ``step``), or the one asked for (without ``step``:
+        every one) is damaged.
+      ImportError: when orbax-checkpoint cannot be imported.
+    """
     with _manager("checkpoint_extra", directory) as mgr:
         step = chosen_step("checkpoint_extra", directory, mgr, step, missing_ok=False)
         return dict(mgr.metadata(step).custom_metadata or {})

@@ -41,22 +41,35 @@ def make_eval_step(
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     host_input: HostInput = "local",
 ) -> EvalStep:
-    """Returns ``evaluate(state, batch) -> metrics``: exact means over the real examples of the
-    global batch, on the state's mesh and data axis.
+    """Returns ``evaluate(state, batch) -> metrics``: exact means over the real examples of the global batch.
 
-    ``metric_fn(params, batch, *, apply_fn, model_state, mask)`` returns a dict of scalar means over
-    the real examples of this device's block (or a scalar, reported as ``"loss"``). Each is weighted
-    by the block's real-example count, so padded rows of a :class:`~spmdcomm.MaskedBatch` never
-    count. ``metrics["examples"]`` is the number of real examples. ``backend``, ``max_in_flight`` and
-    ``host_input`` are as in :func:`~spmdcomm.make_train_step`.
+    It runs on the state's mesh and data axis. Each metric is weighted by the block's real-example count, so
+    padded rows of a :class:`~spmdcomm.MaskedBatch` never count.
 
-    >>> import optax
-    >>> state = sc.TrainState.create(params={"w": np.float32(2.0)}, tx=optax.sgd(0.1))
-    >>> def metric_fn(params, batch, *, apply_fn, model_state, mask):
-    ...     return {"mean_pred": sc.masked_mean(batch * params["w"], mask)}
-    >>> evaluate = sc.make_eval_step(metric_fn)
-    >>> float(evaluate(state, sc.pad_batch(np.arange(5.0, dtype=np.float32), 8))["mean_pred"])
-    4.0
+    Args:
+      metric_fn: ``metric_fn(params, batch, *, apply_fn, model_state, mask)`` returns a dict of scalar means over
+        the real examples of this device's block (or a scalar, reported as ``"loss"``).
+      backend: as in :func:`~spmdcomm.make_train_step`.
+      max_in_flight: as in :func:`~spmdcomm.make_train_step`.
+      host_input: as in :func:`~spmdcomm.make_train_step`.
+
+    Returns:
+      The :class:`~spmdcomm.train.EvalStep` ``evaluate``; ``evaluate(state, batch)`` returns a dict of scalar
+      arrays: ``metric_fn``'s means over the real examples of the global batch, and ``"examples"``, the number of
+      real examples.
+
+    Raises:
+      BackendError: when ``backend`` is not ``"shard_map"`` or ``"pmap"``.
+      SpmdError: when ``max_in_flight`` is not an int in 1..16 or ``host_input`` not one of its values.
+
+    Examples:
+      >>> import optax
+      >>> state = sc.TrainState.create(params={"w": np.float32(2.0)}, tx=optax.sgd(0.1))
+      >>> def metric_fn(params, batch, *, apply_fn, model_state, mask):
+      ...     return {"mean_pred": sc.masked_mean(batch * params["w"], mask)}
+      >>> evaluate = sc.make_eval_step(metric_fn)
+      >>> float(evaluate(state, sc.pad_batch(np.arange(5.0, dtype=np.float32), 8))["mean_pred"])
+      4.0
     """
     check_backend("make_eval_step", backend)
     return EvalStep(
@@ -73,15 +86,28 @@ def evaluate(eval_step: EvalStep, state: TrainState, batches: Iterable[Any]) -> 
     Each batch's means are weighted by its real-example count (``metrics["examples"]``), so a padded last batch
     (:func:`~spmdcomm.pad_batch`, a :class:`~spmdcomm.Loader` over the eval set) counts only its real rows, and the
     result equals the metrics of one batch holding the whole set. The sums are taken on the host in float64, one
-    in-flight window behind the devices. ``"examples"`` is the number of real examples seen. Every process passes its
-    own batches (as to the eval step); the result is the same on all.
+    in-flight window behind the devices. Every process passes its own batches (as to the eval step); the result is
+    the same on all.
 
-    >>> import optax
-    >>> state = sc.TrainState.create(params={"w": np.float32(1.0)}, tx=optax.sgd(0.1))
-    >>> mean_x = sc.make_eval_step(lambda p, b, *, apply_fn, model_state, mask: sc.masked_mean(b * p["w"], mask))
-    >>> data = np.arange(10.0, dtype=np.float32)
-    >>> sc.evaluate(mean_x, state, [sc.pad_batch(data[:8], 8), sc.pad_batch(data[8:], 8)])
-    {'loss': 4.5, 'examples': 10.0}
+    Args:
+      eval_step: a step made by :func:`~spmdcomm.make_eval_step`.
+      state: the :class:`~spmdcomm.TrainState` to evaluate.
+      batches: an iterable of batches, each as the eval step takes it.
+
+    Returns:
+      A dict of Python floats: each metric's mean over the real examples, and ``"examples"``, the number of real
+      examples seen.
+
+    Raises:
+      SpmdError: when ``eval_step`` is not an evaluation step.
+
+    Examples:
+      >>> import optax
+      >>> state = sc.TrainState.create(params={"w": np.float32(1.0)}, tx=optax.sgd(0.1))
+      >>> mean_x = sc.make_eval_step(lambda p, b, *, apply_fn, model_state, mask: sc.masked_mean(b * p["w"], mask))
+      >>> data = np.arange(10.0, dtype=np.float32)
+      >>> sc.evaluate(mean_x, state, [sc.pad_batch(data[:8], 8), sc.pad_batch(data[8:], 8)])
+      {'loss': 4.5, 'examples': 10.0}
     """
     if not isinstance(eval_step, EvalStep):
         raise SpmdError(
@@ -112,8 +138,17 @@ def evaluate(eval_step: EvalStep, state: TrainState, batches: Iterable[Any]) -> 
 
 
 class EvalStep:
-    """An evaluation step, made by :func:`make_eval_step` (annotate with ``spmdcomm.train.EvalStep``; not an ``sc``
-    name). Call it as ``evaluate(state, batch)``."""
+    """An evaluation step, made by :func:`make_eval_step`.
+
+    Annotate with ``spmdcomm.train.EvalStep`` (not an ``sc`` name). Call it as ``evaluate(state, batch)``; it
+    compiles once per state structure (mesh, strategy, shapes).
+
+    Args:
+      metric_fn: the user's metric function, as :func:`make_eval_step` describes it.
+      backend: ``"shard_map"`` or ``"pmap"`` (checked by :func:`make_eval_step`).
+      max_in_flight: how many calls back a call waits for before dispatching (checked, 1..16).
+      host_input: what a host (NumPy) batch means with several processes, ``"local"`` or ``"global"``.
+    """
 
     def __init__(self, metric_fn: Callable[..., Any], *, backend: str, max_in_flight: int, host_input: HostInput):
         self.metric_fn = metric_fn
@@ -124,6 +159,23 @@ class EvalStep:
         self._cache = StepCache("make_eval_step", self._compile)
 
     def __call__(self, state: TrainState, batch: Any) -> dict[str, jax.Array]:
+        """Evaluates ``metric_fn`` on ``batch``: see :func:`make_eval_step`.
+
+        Args:
+          state: the :class:`~spmdcomm.TrainState`, on the mesh it was created on (not consumed).
+          batch: a pytree of arrays whose dimension 0 is the global batch, or a :class:`~spmdcomm.MaskedBatch`.
+
+        Returns:
+          The metrics: means over the batch's real examples, and ``"examples"``, their number.
+
+        Raises:
+          SpmdError: when ``state`` is not a :class:`~spmdcomm.TrainState` or lives on other devices than its mesh.
+          DeletedArrayError: when ``state`` was consumed by a donating train step.
+          ShapeError: when the batch's rows do not split evenly over the data devices, or ``metric_fn`` returns a
+            non-scalar metric.
+          AxisError: when ``metric_fn`` runs a collective over an axis the step does not run over.
+          BackendError: when the state's strategy does not run on the step's backend.
+        """
         program = self._cache.program(state)
         self._window.wait_for_room()
         metrics = dispatch(
@@ -133,7 +185,15 @@ class EvalStep:
         return metrics
 
     def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
-        """Lowers the evaluation for these inputs (``.compile().as_text()`` shows the HLO XLA runs)."""
+        """Lowers the evaluation for these inputs (``.compile().as_text()`` shows the HLO XLA runs).
+
+        Args:
+          state: the :class:`~spmdcomm.TrainState`, as for a call.
+          batch: a batch as for a call (placed, not run).
+
+        Returns:
+          The ``jax.stages.Lowered`` evaluation program for these inputs.
+        """
         return self._cache.program(state).lower(state, *place_batch("make_eval_step", batch, state, 1, self.host_input))
 
     def _compile(self, state: TrainState) -> jax.stages.Wrapped:

@@ -29,19 +29,27 @@ class FSDP(Strategy):
     the blocks in the global view. :meth:`TrainState.full_params <spmdcomm.TrainState.full_params>` gathers the
     whole tree.
 
-    ``reshard_after_forward=True`` (default, as torch's): the gathered parameters are not kept for the backward
-    pass, which gathers again each one it needs (a ``jax.checkpoint`` policy that keeps every computed value,
-    the activations, and drops only what was moved: gathers and the reshapes and casts after them; no layer is
-    recomputed). ``False`` keeps the gathered parameters from the forward to the backward pass (one all-gather
-    per leaf instead of up to two). XLA:CPU in jax 0.10 merges the second gathers with the first (it drops the
-    rematerialisation barrier before its common-subexpression pass), so on CPU both compile alike.
-    ``param_dtype`` (e.g. ``jnp.bfloat16``): the model computes with low-precision copies of the gathered
-    parameters while the blocks, the gradients and the optimizer stay float32 (torch's
-    ``MixedPrecisionPolicy(param_dtype=...)``): the blocks are gathered in ``param_dtype`` (half the bytes for
-    bfloat16) and the gradients reduce-scattered in it, or in the step's ``reduce_dtype`` when given.
+    XLA:CPU in jax 0.10 merges the backward pass's second gathers with the first (it drops the rematerialisation
+    barrier before its common-subexpression pass), so on CPU both values of ``reshard_after_forward`` compile alike.
 
-    >>> sc.FSDP(param_dtype=jnp.bfloat16)
-    FSDP(reshard_after_forward=True, param_dtype=dtype(bfloat16))
+    Args:
+      reshard_after_forward: ``True`` (default, as torch's): the gathered parameters are not kept for the backward
+        pass, which gathers again each one it needs (a ``jax.checkpoint`` policy that keeps every computed value,
+        the activations, and drops only what was moved: gathers and the reshapes and casts after them; no layer
+        is recomputed). ``False`` keeps the gathered parameters from the forward to the backward pass (one
+        all-gather per leaf instead of up to two).
+      param_dtype: ``None`` (default) computes with the parameters' own dtype. A float dtype (e.g.
+        ``jnp.bfloat16``): the model computes with low-precision copies of the gathered parameters while the
+        blocks, the gradients and the optimizer stay float32 (torch's ``MixedPrecisionPolicy(param_dtype=...)``):
+        the blocks are gathered in ``param_dtype`` (half the bytes for bfloat16) and the gradients
+        reduce-scattered in it, or in the step's ``reduce_dtype`` when given.
+
+    Raises:
+      SpmdError: when ``param_dtype`` is not a float dtype.
+
+    Examples:
+      >>> sc.FSDP(param_dtype=jnp.bfloat16)
+      FSDP(reshard_after_forward=True, param_dtype=dtype(bfloat16))
     """
 
     name: ClassVar[str] = "fsdp"

@@ -42,53 +42,75 @@ def fit(
     metrics_log: str | os.PathLike[str] | None = None,
     tensorboard_dir: str | os.PathLike[str] | None = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
-    """Runs ``step`` over the batches of ``data``; returns the final state and this call's metrics, one
-    dict of Python floats per step.
+    """Runs ``step`` over the batches of ``data`` and returns the final state and this call's metrics.
 
     Metrics are fetched to the host one in-flight window late (the step's ``max_in_flight``), so the
     loop never stalls on the newest step and never queues more executions than XLA:CPU can hold.
-    ``callback(i, metrics)`` sees each step's metrics in order (``i`` counts this call's steps from 0).
-    ``max_steps`` ends the run once ``state.step`` (the global step count, restored with a checkpoint) reaches it,
-    even with batches left; the data's position then names the first batch not trained on.
-
-    ``hooks`` (:class:`Hook`) run on the host between steps: every ``n`` global steps or at the end of every ``n``
-    epochs (evaluation, logging, sample generation), and what they return joins that step's metrics.
 
     With ``checkpoint_dir``, the run survives being killed and restarted: ``fit`` first restores the
     latest complete checkpoint there, if any (the state, whose ``rng`` and ``step`` fix every later
     random draw, and the data position), then skips the batches that state has trained on, saves every
     ``save_every`` steps (counted by ``state.step``, so a restarted run saves at the same steps) and at
-    the end, and keeps the newest ``max_to_keep`` checkpoints (default: all). A restarted run then ends
-    with bitwise the parameters of one that never stopped. ``data`` must be able to resume: an object
-    with ``state_dict()`` (a JSON-serialisable position of the next batch not yet handed out) and
-    ``load_state_dict()``, such as :class:`spmdcomm.Loader`. ``state`` is the template the checkpoint is
-    restored into (see :func:`spmdcomm.restore_checkpoint`). Each save is atomic (a process killed while
-    saving leaves the previous checkpoint as the latest), and every process must call ``fit`` alike:
+    the end. A restarted run then ends with bitwise the parameters of one that never stopped. ``data`` must
+    then be able to resume: an object with ``state_dict()`` (a JSON-serialisable position of the next batch not
+    yet handed out) and ``load_state_dict()``, such as :class:`spmdcomm.Loader`. ``state`` is the template the
+    checkpoint is restored into (see :func:`spmdcomm.restore_checkpoint`). Each save is atomic (a process killed
+    while saving leaves the previous checkpoint as the latest), and every process must call ``fit`` alike:
     each writes its own shards, and process 0's data position is saved.
 
     Where each step's time goes: every step's metrics also hold the seconds it spent in each phase,
     ``"time/data"`` (waiting for data), ``"time/dispatch"``, ``"time/devices"`` (waiting for the devices,
-    one in-flight window back), ``"time/save"``, ``"time/hooks"`` and ``"time/other"`` (:class:`spmdcomm.PhaseTimer`);
-    ``metrics_log`` appends them with the metrics to a JSON-lines file and ``tensorboard_dir`` writes
-    TensorBoard scalars (:class:`spmdcomm.MetricsWriter`; ``{process}`` in a path is the process index).
+    one in-flight window back), ``"time/save"``, ``"time/hooks"`` and ``"time/other"`` (:class:`spmdcomm.PhaseTimer`).
 
-    Failures: ``watchdog_timeout`` (seconds) starts a :class:`spmdcomm.Watchdog`: when a step takes longer
-    (the first step gets 10x, for compilation), every process prints one table naming the stuck
-    process(es) and their phase, and exits with status :data:`spmdcomm.STUCK_EXIT_CODE` (75), so that
-    ``spmdcomm-launch --max-restarts`` restarts the job. ``preemption`` (default: on with a
-    ``checkpoint_dir``; create ``fit`` in the main thread) makes SIGTERM stop every process at one agreed
-    step, save a checkpoint there and raise :class:`Preempted`, a ``SystemExit`` with status
-    :data:`spmdcomm.PREEMPTED_EXIT_CODE` (143): uncaught, the process ends with that status (the launcher and
-    schedulers read it as "preempted, restart me"); the next start resumes from the checkpoint.
+    Args:
+      step: the train step, from :func:`~spmdcomm.make_train_step`.
+      state: the state to train from; with ``checkpoint_dir``, also the template a checkpoint is restored into.
+      data: an iterable of batches (resumable with ``checkpoint_dir``, see above).
+      max_steps: ends the run once ``state.step`` (the global step count, restored with a checkpoint) reaches it,
+        even with batches left; the data's position then names the first batch not trained on. ``None``
+        (default): run until ``data`` ends.
+      hooks: :class:`Hook` s run on the host between steps: every ``n`` global steps or at the end of every ``n``
+        epochs (evaluation, logging, sample generation); what they return joins that step's metrics.
+      callback: ``callback(i, metrics)`` sees each step's metrics in order (``i`` counts this call's steps from 0).
+      checkpoint_dir: a directory every process can reach, to resume from and save to (see above); ``None``
+        (default): no checkpoints.
+      save_every: save every this many steps (by ``state.step``); ``None`` (default): only at the end. Needs
+        ``checkpoint_dir``.
+      max_to_keep: keep the newest this many checkpoints; ``None`` (default): all. Needs ``checkpoint_dir``.
+      watchdog_timeout: seconds; starts a :class:`spmdcomm.Watchdog`: when a step takes longer (the first step gets
+        10x, for compilation), every process prints one table naming the stuck process(es) and their phase, and
+        exits with status :data:`spmdcomm.STUCK_EXIT_CODE` (75), so that ``spmdcomm-launch --max-restarts``
+        restarts the job. ``None`` (default): no watchdog.
+      preemption: makes SIGTERM stop every process at one agreed step, save a checkpoint there and raise
+        :class:`Preempted` (default: on with a ``checkpoint_dir``; create ``fit`` in the main thread). ``True``
+        needs ``checkpoint_dir``.
+      metrics_log: a JSON-lines file each step's metrics, phase times included, are appended to
+        (:class:`spmdcomm.MetricsWriter`; ``{process}`` in the path is the process index); ``None`` (default): none.
+      tensorboard_dir: a directory TensorBoard scalars are written to (:class:`spmdcomm.MetricsWriter`;
+        ``{process}`` in the path is the process index); ``None`` (default): none.
 
-    >>> import optax
-    >>> def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
-    ...     return sc.masked_mean((batch - params["c"]) ** 2, mask)
-    >>> state = sc.TrainState.create(params={"c": np.float32(0.0)}, tx=optax.sgd(0.25))
-    >>> batches = [np.full(8, 4.0, np.float32)] * 20
-    >>> state, history = sc.fit(sc.make_train_step(loss_fn), state, batches)
-    >>> len(history), round(float(state.params["c"]), 4)
-    (20, 4.0)
+    Returns:
+      ``(state, history)``: the final state, and one dict of Python floats per step this call ran (its metrics,
+      phase times and what the hooks returned).
+
+    Raises:
+      Preempted: after a preemption stop saved its checkpoint: a ``SystemExit`` with status
+        :data:`spmdcomm.PREEMPTED_EXIT_CODE` (143); uncaught, the process ends with that status (the launcher
+        and schedulers read it as "preempted, restart me"); the next start resumes from the checkpoint.
+      SpmdError: for an invalid argument (``max_steps``, ``save_every`` or ``max_to_keep`` not a positive int,
+        either of the last two or ``preemption=True`` without ``checkpoint_dir``, ``data`` that cannot resume,
+        a hook that is not a :class:`Hook`, or an epoch hook over data that counts no epochs), a checkpoint
+        without a data position, or a hook whose result is not a dict or names a metric already reported.
+
+    Examples:
+      >>> import optax
+      >>> def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
+      ...     return sc.masked_mean((batch - params["c"]) ** 2, mask)
+      >>> state = sc.TrainState.create(params={"c": np.float32(0.0)}, tx=optax.sgd(0.25))
+      >>> batches = [np.full(8, 4.0, np.float32)] * 20
+      >>> state, history = sc.fit(sc.make_train_step(loss_fn), state, batches)
+      >>> len(history), round(float(state.params["c"]), 4)
+      (20, 4.0)
     """
     max_steps = _optional_positive("max_steps", max_steps)
     hooks = _check_hooks(hooks, data)
@@ -184,9 +206,12 @@ _END = object()
 
 
 class Preempted(SystemExit):
-    """Raised by :func:`fit` after a preemption stop saved its checkpoint: a ``SystemExit`` whose ``code`` is
-    :data:`spmdcomm.PREEMPTED_EXIT_CODE`, so that, uncaught, the process ends with the status a launcher or
-    scheduler reads as "preempted". ``step`` is the global step the run stopped (and saved) at."""
+    """Raised by :func:`fit` after a preemption stop saved its checkpoint.
+
+    A ``SystemExit`` whose ``code`` is :data:`spmdcomm.PREEMPTED_EXIT_CODE`, so that, uncaught, the process ends
+    with the status a launcher or scheduler reads as "preempted". ``step`` is the global step the run stopped (and
+    saved) at.
+    """
 
     def __init__(self, step: int):
         super().__init__(PREEMPTED_EXIT_CODE)
@@ -197,16 +222,26 @@ class Preempted(SystemExit):
 class Hook:
     """A function :func:`fit` calls between steps: ``fn(state, *, step, epoch) -> dict | None``.
 
-    It runs after every ``every_steps``-th global step (``state.step`` a multiple of it) or after the last step of
-    every ``every_epochs``-th epoch (the data must count epochs, as :class:`spmdcomm.Loader` does); give exactly
-    one. ``step`` is the global step count (``state.step``, an int), ``epoch`` the epoch of that step's batch (for an
-    epoch hook, the epoch that just ended; ``None`` when the data counts no epochs). ``state`` is the state after
-    the step: use it before returning (the next step consumes it). The returned dict of scalars (e.g. evaluation
-    metrics from :func:`spmdcomm.evaluate`) joins that step's metrics in ``fit``'s history, log and callback.
+    Give exactly one of ``every_steps`` and ``every_epochs``. ``fn``'s ``step`` is the global step count
+    (``state.step``, an int), ``epoch`` the epoch of that step's batch (for an epoch hook, the epoch that just
+    ended; ``None`` when the data counts no epochs). ``state`` is the state after the step: use it before returning
+    (the next step consumes it). The returned dict of scalars (e.g. evaluation metrics from
+    :func:`spmdcomm.evaluate`) joins that step's metrics in ``fit``'s history, log and callback.
 
-    >>> seen = []
-    >>> sc.Hook(lambda state, *, step, epoch: seen.append(step), every_steps=100).every_steps
-    100
+    Args:
+      fn: the callable ``fn(state, *, step, epoch) -> dict | None``.
+      every_steps: run after every ``every_steps``-th global step (``state.step`` a multiple of it).
+      every_epochs: run after the last step of every ``every_epochs``-th epoch (the data must count epochs, as
+        :class:`spmdcomm.Loader` does).
+
+    Raises:
+      SpmdError: when ``fn`` is not callable, or not exactly one of ``every_steps`` and ``every_epochs`` is given
+        as a positive int.
+
+    Examples:
+      >>> seen = []
+      >>> sc.Hook(lambda state, *, step, epoch: seen.append(step), every_steps=100).every_steps
+      100
     """
 
     fn: Callable[..., dict[str, Any] | None]

@@ -35,15 +35,26 @@ __all__ = ["TrainState", "optimizer_state_bytes"]
 class TrainState:
     """Everything one training step reads and writes, placed on the mesh (a pytree).
 
-    ``step`` counts global steps, ``params`` are the trained parameters, ``opt_state`` the optax state,
-    ``model_state`` the mutable model state (Flax ``batch_stats``, NNX ``BatchStat``, NNX RNG stream keys
-    and counts ...; ``{}`` when none), ``rng`` a raw ``uint32[2]`` base key and ``loss_scale`` the dynamic loss
-    scale (a Flax ``DynamicScale``, replicated; ``None`` without scaling, see :mod:`spmdcomm.train.loss_scale`). The
-    static fields are ``apply_fn`` (a Flax ``Module.apply``, an NNX ``GraphDef`` or any callable handed to
-    ``loss_fn``), ``tx``, the ``mesh`` and data ``axis`` the state lives on (one mesh axis, or a tuple of them: hybrid
-    sharding), its ``strategy`` and the strategy's ``layout`` (the ``PartitionSpec`` of every leaf, over the
-    data axes and the model axes: the mesh's other axes). Under every strategy ``params`` is the model's parameter
-    tree and ``opt_state`` is ``tx.init(params)``, as on one device; only the leaves' shardings differ.
+    Build it with :meth:`create` (or :meth:`create_nnx`); the steps return new states. Under every strategy
+    ``params`` is the model's parameter tree and ``opt_state`` is ``tx.init(params)``, as on one device; only the
+    leaves' shardings differ. The fields from ``apply_fn`` on are static (not pytree leaves).
+
+    Attributes:
+      step: the global step count (an int32 scalar, replicated).
+      params: the trained parameters.
+      opt_state: the optax state.
+      model_state: the mutable model state (Flax ``batch_stats``, NNX ``BatchStat``, NNX RNG stream keys and
+        counts ...; ``{}`` when none).
+      rng: a raw ``uint32[2]`` base key.
+      loss_scale: the dynamic loss scale (a Flax ``DynamicScale``, replicated; ``None`` without scaling, see
+        :mod:`spmdcomm.train.loss_scale`).
+      apply_fn: a Flax ``Module.apply``, an NNX ``GraphDef`` or any callable handed to ``loss_fn``.
+      tx: the optax ``GradientTransformation``.
+      mesh: the mesh the state lives on.
+      axis: the data axis: one mesh axis, or a tuple of them (hybrid sharding).
+      strategy: the :class:`~spmdcomm.train.Strategy` that placed the state.
+      layout: the strategy's layout: the ``PartitionSpec`` of every leaf, over the data axes and the model axes
+        (the mesh's other axes).
     """
 
     step: jax.Array
@@ -80,34 +91,55 @@ class TrainState:
     ) -> TrainState:
         """Builds the state and places it on ``mesh`` as ``strategy`` says (default: replicated, DDP).
 
-        ``mesh`` defaults to every device on one ``"data"`` axis; ``axis`` is the mesh axis the batch
-        is split over, or a tuple of mesh axes (the batch is split over all of them). ``strategy`` is
-        ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"fsdp"`` or a :class:`~spmdcomm.train.Strategy` object such as
-        ``sc.DDP(bucket_bytes=...)`` (see :mod:`spmdcomm.train.strategies`). With several data axes, e.g.
-        ``mesh=sc.make_mesh({"replica": 2, "shard": 4}), axis=("replica", "shard")``, ZeRO and FSDP split over
-        the last one and replicate over the others (hybrid sharding, torch's ``HYBRID_SHARD`` on a 2-D mesh):
-        lay the last axis inside a node.
-
-        Mesh axes that are not data axes are model axes: ``param_specs`` (a tree like ``params`` of
-        ``PartitionSpec`` over model axes, ``None`` for a leaf not split) says how each parameter is split over
-        them; Flax ``nn.with_partitioning`` boxes in ``params`` (and NNX sharding metadata, through
-        :meth:`create_nnx`) give the same. The strategy's data split is added on another dimension; the step
-        leaves the model axes to XLA.
+        With several data axes, e.g. ``mesh=sc.make_mesh({"replica": 2, "shard": 4}), axis=("replica", "shard")``,
+        ZeRO and FSDP split over the last one and replicate over the others (hybrid sharding, torch's
+        ``HYBRID_SHARD`` on a 2-D mesh): lay the last axis inside a node. Mesh axes that are not data axes are
+        model axes: the strategy's data split is added on another dimension than a parameter's model split, and
+        the step leaves the model axes to XLA.
 
         With several processes, process 0's ``params``, ``model_state`` and ``rng`` are broadcast so every
         replica starts identical (DDP's init-time broadcast), after a timed check that every process passed
-        the same tree structure, shapes and dtypes (:class:`~spmdcomm.ProcessMismatchError` names a process
-        that differs; a missing process is named after the sync timeout).
-        ``rng`` is an int seed, a key, or ``None`` (seed 0). ``loss_scale="dynamic"`` (or a Flax
-        ``DynamicScale``) makes every train step scale the loss, unscale the reduced gradients, skip a non-finite
-        step and adapt the scale (float16 training, torch's ``GradScaler``; see :mod:`spmdcomm.train.loss_scale`).
-        Typed key leaves (``jax.random.key``, NNX
-        ``RngKey``) stay typed keys; they travel as their key data.
+        the same tree structure, shapes and dtypes. Typed key leaves (``jax.random.key``, NNX ``RngKey``) stay
+        typed keys; they travel as their key data.
 
-        >>> import optax
-        >>> s = sc.TrainState.create(params={"w": np.ones(3, np.float32)}, tx=optax.adam(1e-3))
-        >>> int(s.step), s.params["w"].sharding.is_fully_replicated, s.strategy
-        (0, True, DDP(bucket_bytes=None))
+        Args:
+          params: the model's parameter tree (Flax ``nn.with_partitioning`` boxes give each leaf's model spec).
+          tx: the optax transformation; the optimizer state is ``tx.init(params)``.
+          apply_fn: what ``loss_fn`` gets as ``apply_fn`` (a Flax ``Module.apply``, an NNX ``GraphDef``, any
+            callable); ``None`` by default.
+          model_state: the mutable model state (e.g. Flax ``batch_stats``); ``None`` (default) stores ``{}``.
+          rng: an int seed, a key, or ``None`` (seed 0).
+          mesh: the mesh to place the state on; ``None`` (default): every device on one ``"data"`` axis.
+          axis: the mesh axis the batch is split over, or a tuple of mesh axes (the batch is split over all of
+            them); ``"data"`` by default.
+          strategy: ``"ddp"`` (default), ``"zero1"``, ``"zero2"``, ``"fsdp"`` or a
+            :class:`~spmdcomm.train.Strategy` object such as ``sc.DDP(bucket_bytes=...)`` (see
+            :mod:`spmdcomm.train.strategies`).
+          param_specs: a tree like ``params`` of ``PartitionSpec`` over the model axes (``None`` for a leaf not
+            split): how each parameter is split over them; NNX sharding metadata, through :meth:`create_nnx`,
+            gives the same. ``None`` (default): no model split, or the boxes' specs.
+          loss_scale: ``"dynamic"`` (or a Flax ``DynamicScale``) makes every train step scale the loss, unscale
+            the reduced gradients, skip a non-finite step and adapt the scale (float16 training, torch's
+            ``GradScaler``; see :mod:`spmdcomm.train.loss_scale`); ``None`` (default): no scaling.
+
+        Returns:
+          The new :class:`TrainState` at step 0, every leaf placed as the strategy's layout says.
+
+        Raises:
+          AxisError: when ``axis`` is not a mesh axis (or tuple of distinct ones), or a parameter spec names a
+            data axis or an axis the mesh lacks.
+          ShapeError: when a parameter spec has more entries than its leaf has dimensions, or splits a dimension
+            its axes do not divide.
+          SpmdError: for an unknown ``strategy``, an unusable ``loss_scale``, or ``param_specs`` whose structure
+            is not ``params``'s (or that come with boxed ``params``).
+          ProcessMismatchError: when a process passed another tree structure, shapes or dtypes (it is named).
+          BarrierTimeoutError: when a process does not reach the check within the sync timeout (it is named).
+
+        Examples:
+          >>> import optax
+          >>> s = sc.TrainState.create(params={"w": np.ones(3, np.float32)}, tx=optax.adam(1e-3))
+          >>> int(s.step), s.params["w"].sharding.is_fully_replicated, s.strategy
+          (0, True, DDP(bucket_bytes=None))
         """
         mesh = default_mesh() if mesh is None else mesh
         axis = check_data_axes("TrainState.create", mesh, axis)
@@ -148,13 +180,29 @@ class TrainState:
         ``apply_fn`` becomes the ``GraphDef``, ``model_state`` every non-``Param`` variable (e.g.
         ``BatchStat``, and the ``RngKey``/``RngCount`` of ``nnx.Rngs`` streams such as
         ``nnx.Dropout(rate, rngs=rngs)``'s). Pair it with :func:`~spmdcomm.nnx_loss_fn` and
-        :func:`~spmdcomm.nnx_metric_fn`. ``kwargs`` go to :meth:`create`.
+        :func:`~spmdcomm.nnx_metric_fn`.
 
-        >>> from flax import nnx
-        >>> import optax
-        >>> s = sc.TrainState.create_nnx(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), tx=optax.sgd(0.1))
-        >>> sorted(s.params.keys())
-        ['bias', 'kernel']
+        Args:
+          model: the Flax NNX module.
+          tx: the optax transformation, as in :meth:`create`.
+          **kwargs: the other arguments of :meth:`create` (``rng``, ``mesh``, ``axis``, ``strategy``,
+            ``loss_scale`` ...). Without ``param_specs``, the model's sharding metadata gives them when any
+            parameter carries some.
+
+        Returns:
+          The new :class:`TrainState`, as :meth:`create` builds it.
+
+        Raises:
+          AxisError: as :meth:`create`.
+          ShapeError: as :meth:`create`.
+          SpmdError: as :meth:`create`.
+
+        Examples:
+          >>> from flax import nnx
+          >>> import optax
+          >>> s = sc.TrainState.create_nnx(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), tx=optax.sgd(0.1))
+          >>> sorted(s.params.keys())
+          ['bias', 'kernel']
         """
         from flax import nnx
 
@@ -178,7 +226,12 @@ class TrainState:
         return math.prod(int(self.mesh.shape[a]) for a in self.data_axes)
 
     def specs(self) -> TrainState:
-        """The state with a ``PartitionSpec`` in place of each array (prefix tree): how it is split."""
+        """The state with a ``PartitionSpec`` in place of each array (prefix tree): how it is split.
+
+        Returns:
+          A :class:`TrainState` whose array fields hold ``PartitionSpec`` s (``P()`` for a replicated field); its
+          static fields are this state's.
+        """
         return self.replace(
             step=P(),
             params=self.layout.param_specs,
@@ -189,7 +242,11 @@ class TrainState:
         )
 
     def manual_specs(self) -> TrainState:
-        """As :meth:`specs`, over the data axes only: what a ``shard_map`` manual over them takes."""
+        """As :meth:`specs`, over the data axes only: what a ``shard_map`` manual over them takes.
+
+        Returns:
+          A :class:`TrainState` whose array fields hold ``PartitionSpec`` s naming only the data axes.
+        """
         return self.replace(
             step=P(),
             params=self.layout.manual_specs("params"),
@@ -200,17 +257,25 @@ class TrainState:
         )
 
     def shardings(self) -> TrainState:
-        """The state with the ``NamedSharding`` of each array in place of it (prefix tree)."""
+        """The state with the ``NamedSharding`` of each array in place of it (prefix tree).
+
+        Returns:
+          A :class:`TrainState` whose array fields hold ``NamedSharding`` s on ``mesh``, as :meth:`specs` says.
+        """
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.specs(), is_leaf=lambda x: isinstance(x, P))
 
     def full_params(self) -> Any:
-        """The model's parameter tree, replicated on the mesh: ``params`` itself, or, under a strategy that
-        splits the parameters (:class:`~spmdcomm.FSDP`), ``params`` gathered.
+        """The model's parameter tree, replicated on the mesh.
 
-        >>> import optax
-        >>> s = sc.TrainState.create(params={"w": np.ones((8, 3), np.float32)}, tx=optax.sgd(0.1), strategy="fsdp")
-        >>> s.params["w"].shape, s.params["w"].sharding.spec, s.full_params()["w"].sharding.spec
-        ((8, 3), P('data',), P())
+        Returns:
+          ``params`` itself, or, under a strategy that splits the parameters (:class:`~spmdcomm.FSDP`), ``params``
+          gathered (still split over the model axes, if any).
+
+        Examples:
+          >>> import optax
+          >>> s = sc.TrainState.create(params={"w": np.ones((8, 3), np.float32)}, tx=optax.sgd(0.1), strategy="fsdp")
+          >>> s.params["w"].shape, s.params["w"].sharding.spec, s.full_params()["w"].sharding.spec
+          ((8, 3), P('data',), P())
         """
         return self.strategy.full_params(self.layout, self.mesh, self.params)
 
@@ -223,10 +288,19 @@ class TrainState:
 def optimizer_state_bytes(state: TrainState) -> int:
     """Bytes of ``state.opt_state`` held on one device (the largest, when devices differ).
 
-    >>> import optax
-    >>> s = sc.TrainState.create(params={"w": np.zeros(1000, np.float32)}, tx=optax.adam(1e-3))
-    >>> sc.optimizer_state_bytes(s)  # two float32 moments of 1000 entries, and an int32 count
-    8004
+    Only this process's devices are counted.
+
+    Args:
+      state: the train state.
+
+    Returns:
+      The bytes of the optimizer state's shards on the device that holds the most (0 for an empty state).
+
+    Examples:
+      >>> import optax
+      >>> s = sc.TrainState.create(params={"w": np.zeros(1000, np.float32)}, tx=optax.adam(1e-3))
+      >>> sc.optimizer_state_bytes(s)  # two float32 moments of 1000 entries, and an int32 count
+      8004
     """
     per_device: dict[Any, int] = collections.defaultdict(int)
     for leaf in jax.tree.leaves(state.opt_state):

@@ -68,14 +68,19 @@ _ONE_BUFFER = 2**40  # a bucket size no model reaches: one flat all-reduce buffe
 class DDP(Strategy):
     """Replicated parameters and optimizer state; gradients all-reduced (torch ``DistributedDataParallel``).
 
-    ``bucket_bytes``: ``None`` (default) chooses: leaf by leaf within one process (XLA fuses the leaves into
-    one variadic all-reduce, and flattening costs more than it saves there), one flat buffer per dtype when
-    the mesh spans several processes (each gloo/NCCL call has a fixed cost; measured 2x faster for a small
-    CNN over gloo), with the step's metrics riding in it. An int flattens the gradients into buffers of at
-    most that many bytes, one all-reduce each (torch's ``bucket_cap_mb``).
+    Args:
+      bucket_bytes: ``None`` (default) chooses: leaf by leaf within one process (XLA fuses the leaves into
+        one variadic all-reduce, and flattening costs more than it saves there), one flat buffer per dtype when
+        the mesh spans several processes (each gloo/NCCL call has a fixed cost; measured 2x faster for a small
+        CNN over gloo), with the step's metrics riding in it. An int flattens the gradients into buffers of at
+        most that many bytes, one all-reduce each (torch's ``bucket_cap_mb``).
 
-    >>> sc.DDP(bucket_bytes=25 * 2**20)
-    DDP(bucket_bytes=26214400)
+    Raises:
+      SpmdError: when ``bucket_bytes`` is neither ``None`` nor a positive int.
+
+    Examples:
+      >>> sc.DDP(bucket_bytes=25 * 2**20)
+      DDP(bucket_bytes=26214400)
     """
 
     name: ClassVar[str] = "ddp"

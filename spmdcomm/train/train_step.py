@@ -93,7 +93,13 @@ def make_train_step(
     """Returns ``step(state, batch) -> (state, metrics)``: one data-parallel optimizer step.
 
     The mesh, the data axis and the strategy (DDP, buckets, ZeRO-1) are the state's: see
-    :meth:`TrainState.create <spmdcomm.TrainState.create>`.
+    :meth:`TrainState.create <spmdcomm.TrainState.create>`. ``state`` must still live where ``TrainState.create``
+    put it (a state moved to other devices raises :class:`SpmdError` naming both meshes). Float64 model state and
+    metrics (``jax_enable_x64``) are averaged in float64; narrower floats in float32, cast back.
+
+    ``batch`` is a pytree of arrays whose dimension 0 is the global batch (host NumPy, placed by the step; or
+    ``jax.Array``), or a :class:`~spmdcomm.MaskedBatch`, whose masked-out rows reach ``loss_fn`` as zeros (a NaN
+    there changes nothing).
 
     Args:
       loss_fn: see the module docstring for the contract.
@@ -123,17 +129,18 @@ def make_train_step(
         process's rows, ``"global"`` the whole global batch, passed by every process (see
         :mod:`spmdcomm.data.placement`).
 
-    ``state`` must still live where ``TrainState.create`` put it (a state moved to other devices raises
-    :class:`SpmdError` naming both meshes). Float64 model state and metrics (``jax_enable_x64``) are
-    averaged in float64; narrower floats in float32, cast back.
+    Returns:
+      The :class:`~spmdcomm.train.TrainStep` ``step``; ``step(state, batch)`` returns the new state and
+      ``metrics``, a dict of scalar arrays: the loss and ``aux`` metrics (means over the real examples of the
+      global batch), ``"examples"`` (real examples in the global batch), with ``skip_nonfinite`` or a loss scale
+      ``"skipped"`` (1.0 for a skipped step), with a loss scale ``"loss_scale"`` (the scale this step used), and
+      the scalar hyperparameters of any ``optax.inject_hyperparams`` in ``tx`` as this step used them (e.g.
+      ``"learning_rate"``).
 
-    ``batch`` is a pytree of arrays whose dimension 0 is the global batch (host NumPy, placed by the
-    step; or ``jax.Array``), or a :class:`~spmdcomm.MaskedBatch`, whose masked-out rows reach
-    ``loss_fn`` as zeros (a NaN there changes nothing). ``metrics`` holds the loss and ``aux`` metrics (means over
-    the real examples of the global batch), ``"examples"`` (real examples in the global batch), with
-    ``skip_nonfinite`` or a loss scale ``"skipped"`` (1.0 for a skipped step), with a loss scale ``"loss_scale"``
-    (the scale this step used), and the scalar hyperparameters of any ``optax.inject_hyperparams`` in ``tx`` as this
-    step used them (e.g. ``"learning_rate"``).
+    Raises:
+      BackendError: when ``backend`` is not ``"shard_map"`` or ``"pmap"``.
+      SpmdError: when ``accum_steps`` is not a positive int, ``max_in_flight`` not an int in 1..16, or ``rng``
+        or ``host_input`` not one of their values.
     """
     check_backend("make_train_step", backend)
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, (int, np.integer)) or accum_steps < 1:
@@ -166,8 +173,15 @@ def make_train_step(
 
 
 class TrainStep:
-    """A data-parallel train step, made by :func:`make_train_step` (annotate with ``spmdcomm.train.TrainStep``; not an
-    ``sc`` name). Call it as ``step(state, batch)``; it compiles once per state structure (mesh, strategy, shapes)."""
+    """A data-parallel train step, made by :func:`make_train_step`.
+
+    Annotate with ``spmdcomm.train.TrainStep`` (not an ``sc`` name). Call it as ``step(state, batch)``; it compiles
+    once per state structure (mesh, strategy, shapes).
+
+    Args:
+      options: the step's checked options, as :func:`make_train_step` builds them.
+      max_in_flight: how many calls back a call waits for before dispatching (checked, 1..16).
+    """
 
     def __init__(self, options: StepOptions, max_in_flight: int):
         self.options = options
@@ -176,6 +190,24 @@ class TrainStep:
         self._cache = StepCache("make_train_step", lambda state: compile_train_step(options, state))
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        """Runs one optimizer step on ``batch``: see :func:`make_train_step`.
+
+        Args:
+          state: the :class:`~spmdcomm.TrainState`, on the mesh it was created on (consumed when the step
+            donates).
+          batch: a pytree of arrays whose dimension 0 is the global batch, or a :class:`~spmdcomm.MaskedBatch`.
+
+        Returns:
+          ``(new_state, metrics)``, the metrics as :func:`make_train_step` lists them.
+
+        Raises:
+          SpmdError: when ``state`` is not a :class:`~spmdcomm.TrainState` or lives on other devices than its mesh.
+          DeletedArrayError: when ``state`` was consumed by an earlier donating step.
+          ShapeError: when the batch's rows do not split evenly over the data devices (times ``accum_steps``), or
+            ``loss_fn`` returns a non-scalar loss or metric.
+          AxisError: when ``loss_fn`` runs a collective over an axis the step does not run over.
+          BackendError: when the state's strategy does not run on the step's backend.
+        """
         program = self._cache.program(state)
         self._window.wait_for_room()
         placed = place_batch("make_train_step", batch, state, self.options.accum_steps, self.options.host_input)
@@ -184,7 +216,18 @@ class TrainStep:
         return new_state, metrics
 
     def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
-        """Lowers the step for these inputs (``.compile().as_text()`` shows the HLO XLA runs)."""
+        """Lowers the step for these inputs (``.compile().as_text()`` shows the HLO XLA runs).
+
+        A step compiled by hand with ``step.lower(state, batch).compile()`` bypasses the in-flight window and the
+        state checks.
+
+        Args:
+          state: the :class:`~spmdcomm.TrainState`, as for a call.
+          batch: a batch as for a call (placed, not run).
+
+        Returns:
+          The ``jax.stages.Lowered`` step program for these inputs.
+        """
         placed = place_batch("make_train_step", batch, state, self.options.accum_steps, self.options.host_input)
         return self._cache.program(state).lower(state, *placed)
 
@@ -192,13 +235,20 @@ class TrainStep:
 def masked_mean(values: Any, mask: Any) -> jax.Array:
     """Mean of ``values`` over the rows where ``mask`` is True (0.0 when there are none).
 
-    ``values`` has ``mask``'s length in dimension 0; extra dimensions are averaged too. Masked-out
-    rows never reach the result or its gradient, even when they hold NaN or Inf. (A value computed
+    Masked-out rows never reach the result or its gradient, even when they hold NaN or Inf. (A value computed
     from a NaN input still has a NaN gradient path upstream; the train and eval steps therefore
     zero the masked-out rows of the batch before calling ``loss_fn``.)
 
-    >>> float(sc.masked_mean(jnp.array([1.0, 2.0, 9.0]), jnp.array([True, True, False])))
-    1.5
+    Args:
+      values: an array with ``mask``'s length in dimension 0; extra dimensions are averaged too.
+      mask: a bool vector (or one convertible to bool) marking the rows that count.
+
+    Returns:
+      A scalar: the mean over every entry of the kept rows.
+
+    Examples:
+      >>> float(sc.masked_mean(jnp.array([1.0, 2.0, 9.0]), jnp.array([True, True, False])))
+      1.5
     """
     values = jnp.asarray(values)
     mask = jnp.asarray(mask, dtype=bool)
