@@ -39,7 +39,16 @@ class MetricsWriter:
     ``Infinity``). With ``tensorboard_dir`` each value is also a TensorBoard scalar named after its key,
     written by ``tensorboardX.SummaryWriter``. ``{process}`` in either path becomes this process's index.
     Lines are flushed as written; TensorBoard files on :meth:`close`, every ``flush_seconds`` and when
-    tensorboardX's queue is full.
+    tensorboardX's queue is full. A context manager: leaving the ``with`` block closes it.
+
+    Args:
+      path: the JSON-lines file to append to (its directory is created); None for none.
+      tensorboard_dir: the directory of TensorBoard event files (needs tensorboardX); None for none.
+      flush_seconds: seconds between flushes of the TensorBoard files (rounded, at least 1).
+
+    Raises:
+      SpmdError: when neither ``path`` nor ``tensorboard_dir`` is given, or ``tensorboard_dir`` is given and
+        tensorboardX is not installed.
     """
 
     def __init__(
@@ -68,7 +77,15 @@ class MetricsWriter:
             self._file = open(target, "a", encoding="utf-8")
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Records ``metrics`` (names to numbers: Python, NumPy or 0-d JAX values) for step ``step``."""
+        """Records ``metrics`` (names to numbers: Python, NumPy or 0-d JAX values) for step ``step``.
+
+        Args:
+          step: the step number, written as an int (the ``"step"`` field and TensorBoard's global step).
+          metrics: metric name to a number that ``float()`` accepts (not a string).
+
+        Raises:
+          SpmdError: when a name is not a str or a value is not a number; nothing is written then.
+        """
         values = {name: _number(name, value) for name, value in metrics.items()}
         if self._file is not None:
             self._file.write(json.dumps({"step": int(step), "time": time.time(), **values}) + "\n")

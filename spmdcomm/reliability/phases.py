@@ -70,9 +70,12 @@ class Progress(NamedTuple):
 class PhaseTimer:
     """Seconds per phase of each step, for the metrics and for the watchdog.
 
-    ``clock`` is the monotonic clock in seconds (``time.monotonic`` by default; tests pass a manual one). One
-    thread, the training loop, drives a timer; any thread may call :meth:`snapshot`. Cost: two clock reads and
-    a few attribute writes per phase change (about a microsecond).
+    One thread, the training loop, drives a timer; any thread may call :meth:`snapshot`. Cost: two clock reads
+    and a few attribute writes per phase change (about a microsecond).
+
+    Args:
+      clock: the monotonic clock in seconds, also the clock of :meth:`snapshot`'s times (``time.monotonic`` by
+        default; tests pass a manual one).
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic):
@@ -85,8 +88,12 @@ class PhaseTimer:
     def phase(self, name: str) -> Iterator[None]:
         """Counts the time inside the block as phase ``name`` (nested blocks count for the innermost phase).
 
-        ``name`` is one of :data:`PHASES` or a name of your own (e.g. ``"eval"``), which becomes a key of
-        :meth:`end_step`'s result.
+        Args:
+          name: one of :data:`PHASES` or a non-empty name of your own (e.g. ``"eval"``), which becomes a key of
+            :meth:`end_step`'s result.
+
+        Raises:
+          SpmdError: when ``name`` is not a non-empty str.
         """
         if not isinstance(name, str) or not name:
             raise SpmdError(
@@ -106,8 +113,15 @@ class PhaseTimer:
     def end_step(self, step: int) -> dict[str, float]:
         """Marks step ``step`` as completed and returns the seconds each phase took since the previous step.
 
-        Every phase of :data:`PHASES` is a key (0.0 when unused), plus the names of your own phases used in
-        this step; the values add up to the step's wall time.
+        Args:
+          step: the index of the step that just completed, an int >= 0.
+
+        Returns:
+          Phase name to seconds: every phase of :data:`PHASES` is a key (0.0 when unused), plus the names of
+          your own phases used in this step; the values add up to the step's wall time.
+
+        Raises:
+          SpmdError: when ``step`` is not an int >= 0.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise SpmdError(
@@ -124,7 +138,13 @@ class PhaseTimer:
         return times
 
     def snapshot(self) -> Progress:
-        """The last completed step, the current phase and when it began (callable from any thread)."""
+        """The last completed step, the current phase and when it began (callable from any thread).
+
+        Returns:
+          An immutable ``Progress`` record: ``step`` (None before the first), ``phase``, ``phase_start`` and
+          ``step_start`` on the timer's clock, ``phase_start_wall`` as ``time.time()``, and ``thread``, the id
+          of the thread that drives the timer.
+        """
         return self._progress
 
     def _switch(self, name: str) -> None:

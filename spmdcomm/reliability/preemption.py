@@ -59,17 +59,23 @@ DEFAULT_PREEMPTION_TIMEOUT = 10.0
 
 
 class Preemption:
-    """Notes a stop request (a signal, or :meth:`request`) and agrees with the other processes on the step
-    at which all of them stop.
+    """Notes a stop request (a signal or :meth:`request`) and agrees with all processes on the step they stop at.
 
-    ``signals`` are the signals that request a stop (default SIGTERM; SLURM's ``--signal=USR1@60`` wants
-    ``signal.SIGUSR1`` too). Their handlers are installed when the object is created, which must happen in
-    the main thread, and the previous ones restored by :meth:`close` (or leaving the ``with`` block); a
-    handler installed outside Python (JAX's preemption notifier) is restored as the default action.
-    ``timeout`` bounds the agreement (default :data:`DEFAULT_PREEMPTION_TIMEOUT`, 10 s); keep it well below the
-    launcher's ``--grace``, so that a process that cannot agree says so before it is killed. With several
-    processes two daemon threads wait for a request (this process's, and any process's notice in the
-    coordination service); :meth:`close` ends them.
+    The signals' handlers are installed when the object is created, which must happen in the main thread, and
+    the previous ones restored by :meth:`close` (or leaving the ``with`` block); a handler installed outside
+    Python (JAX's preemption notifier) is restored as the default action. With several processes two daemon
+    threads wait for a request (this process's, and any process's notice in the coordination service);
+    :meth:`close` ends them.
+
+    Args:
+      signals: the signals that request a stop (default SIGTERM; SLURM's ``--signal=USR1@60`` wants
+        ``signal.SIGUSR1`` too); SIGKILL cannot be caught.
+      timeout: seconds the agreement may take (default :data:`DEFAULT_PREEMPTION_TIMEOUT`, 10 s); keep it well
+        below the launcher's ``--grace``, so that a process that cannot agree says so before it is killed.
+
+    Raises:
+      SpmdError: when ``signals`` is empty, holds SIGKILL or something that is not a signal, ``timeout`` is not
+        a positive number, or the object is created outside the main thread.
     """
 
     def __init__(
@@ -117,7 +123,15 @@ class Preemption:
                 self._threads.append(thread)
 
     def request(self, reason: str = "request()") -> None:
-        """Asks every process to stop, as the signals do (e.g. from a scheduler's API or a health check)."""
+        """Asks every process to stop, as the signals do (e.g. from a scheduler's API or a health check).
+
+        Only the first request counts; later ones (and later signals) change nothing. Safe to call from a signal
+        handler.
+
+        Args:
+          reason: why the stop was asked, shown in :attr:`reason` (a signal's request gives its name, e.g.
+            ``"SIGTERM"``).
+        """
         # This runs inside signal handlers, which may interrupt any code of the main thread, a handler included:
         # the assignment comes first, so that a nested call returns before taking the event's lock again.
         if self._requested is None:
@@ -129,9 +143,17 @@ class Preemption:
 
         Call it at every step boundary, with consecutive step numbers that are the same on every process;
         then it returns True at the same step on all of them, once, after a stop was requested anywhere.
-        Raises :class:`~spmdcomm.errors.BarrierTimeoutError` naming the processes that did not take part in
-        the agreement within ``timeout`` seconds, and :class:`~spmdcomm.errors.DistributedError` when a step
-        number jumps past the agreed step.
+
+        Args:
+          step: the number of the step about to run (the number of steps completed so far).
+
+        Returns:
+          True when ``step`` is the agreed stop step, else False.
+
+        Raises:
+          BarrierTimeoutError: naming the processes that did not take part in the agreement within ``timeout``
+            seconds.
+          DistributedError: when a step number jumps past the agreed step.
         """
         with self._lock:  # held by the background thread while the processes agree
             if self._failure is not None:
@@ -164,8 +186,10 @@ class Preemption:
         return None if notice is None else f"{notice['reason']} on process {notice['process']}"
 
     def close(self) -> None:
-        """Restores the previous signal handlers and stops the background threads: returns at once, unless the
-        processes are agreeing on a stop step right then (then within ``timeout``)."""
+        """Restores the previous signal handlers and stops the background threads.
+
+        Returns at once, unless the processes are agreeing on a stop step right then (then within ``timeout``).
+        """
         self._closed.set()
         self._wanted.set()
         for thread in self._threads:

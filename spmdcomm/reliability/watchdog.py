@@ -82,9 +82,11 @@ OnStuck = Literal["exit", "raise"] | Callable[["StuckStepError"], Any]
 
 
 class StuckStepError(DistributedError):
-    """A step took longer than the :class:`Watchdog`'s timeout; raised in the training thread under
-    ``on_stuck="raise"``, and given to an ``on_stuck`` callable. The message holds the watchdog's table;
-    ``stuck`` lists the processes it names (empty when the others' state is unknown)."""
+    """A step took longer than the :class:`Watchdog`'s timeout.
+
+    Raised in the training thread under ``on_stuck="raise"``, and given to an ``on_stuck`` callable. The message
+    holds the watchdog's table; ``stuck`` lists the processes it names (empty when the others' state is unknown).
+    """
 
     def __init__(self, message: str, *, stuck: list[int] | None = None):
         super().__init__(message)
@@ -104,17 +106,25 @@ class ProcessState(NamedTuple):
 class Watchdog:
     """Ends every process of the job, naming the stuck one(s), when a step takes longer than ``timeout`` s.
 
-    ``timer`` is the :class:`~spmdcomm.PhaseTimer` the training loop drives: a step is complete at
-    ``timer.end_step``. ``first_step_timeout`` (default ``timeout``) applies until the first step
-    completes, which includes compilation. ``interval`` is the period in seconds of the checks and the
-    most frequent publication of this process's state. The watchdog runs from creation until
-    :meth:`close` (or the end of the ``with`` block); with several processes every process must run one
-    (create them in the same order on every process).
+    The watchdog runs from creation until :meth:`close` (or the end of the ``with`` block); with several
+    processes every process must run one (create them in the same order on every process). Whatever
+    ``on_stuck`` says, the watchdog fires once.
 
-    ``on_stuck`` says what a process does once the table is printed: ``"exit"`` (default) ends it with
-    :data:`STUCK_EXIT_CODE` (see the module: a thread stuck in a device collective cannot be unwound);
-    ``"raise"`` raises :class:`StuckStepError` in the training thread when it next runs Python code; a
-    callable is called (in the watchdog's thread) with that error. Either way the watchdog fires once.
+    Args:
+      timer: the :class:`~spmdcomm.PhaseTimer` the training loop drives: a step is complete at
+        ``timer.end_step``.
+      timeout: seconds a step may take, from the end of the previous step.
+      first_step_timeout: seconds until the first step completes, which includes compilation (default
+        ``timeout``).
+      interval: the period in seconds of the checks and the most frequent publication of this process's state.
+      on_stuck: what a process does once the table is printed: ``"exit"`` (default) ends it with
+        :data:`STUCK_EXIT_CODE` (see the module: a thread stuck in a device collective cannot be unwound);
+        ``"raise"`` raises :class:`StuckStepError` in the training thread when it next runs Python code; a
+        callable is called (in the watchdog's thread) with that error.
+
+    Raises:
+      SpmdError: when ``timer`` is not a :class:`~spmdcomm.PhaseTimer`, ``on_stuck`` is not ``"exit"``,
+        ``"raise"`` or a callable, or a timeout or ``interval`` is not a positive number.
     """
 
     def __init__(
@@ -170,8 +180,11 @@ class Watchdog:
             thread.start()
 
     def close(self) -> None:
-        """Stops watching; returns when the threads have ended (at once, unless a call to the coordination
-        service is under way: then within ``_SERVICE_SECONDS``)."""
+        """Stops watching; returns when the threads have ended.
+
+        That is at once, unless a call to the coordination service is under way: then within
+        ``_SERVICE_SECONDS`` (2 s) per thread.
+        """
         self._closed.set()
         self._wake.set()
         for thread in self._threads:

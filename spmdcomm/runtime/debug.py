@@ -41,12 +41,26 @@ def set_debug(on: bool | None = True) -> None:
     """Turns debug mode on or off for this process; ``None`` defers to ``SPMDCOMM_DEBUG`` again.
 
     Every process must make the same choice: the check is a sync point that all of them join.
+
+    Args:
+      on: True to check every :func:`spmdcomm.spmd` call across processes, False to skip the check, None to
+        follow ``SPMDCOMM_DEBUG``.
+
+    Examples:
+      >>> sc.set_debug(False); sc.runtime.debug_enabled()
+      False
+      >>> sc.set_debug(None)
     """
     _override[0] = on
 
 
 def enabled() -> bool:
-    """Whether debug mode is on: :func:`set_debug`, else ``SPMDCOMM_DEBUG`` set and not ``0``."""
+    """Whether debug mode is on: :func:`set_debug`, else ``SPMDCOMM_DEBUG`` set and not ``0``.
+
+    Returns:
+      The last :func:`set_debug` choice other than None; else True when ``SPMDCOMM_DEBUG`` is set to anything
+      but empty, ``0``, ``false``, ``no`` or ``off`` (any case).
+    """
     if _override[0] is not None:
         return _override[0]
     return os.environ.get(ENV_DEBUG, "").strip().lower() not in ("", "0", "false", "no", "off")

@@ -47,8 +47,23 @@ def host_all_reduce(tree: Any, *, op: str = "sum", timeout: float = DEFAULT_TIME
     floats. Every process must pass the same tree structure, shapes and dtypes (checked; a mismatch
     raises :class:`~spmdcomm.errors.ProcessMismatchError` naming the process and leaf).
 
-    >>> sc.host_all_reduce([np.arange(3), 2.0], op="max")
-    [array([0, 1, 2]), array(2.)]
+    Args:
+      tree: a pytree of this process's host values (NumPy arrays, numbers, fully addressable ``jax.Array`` s).
+      op: the reduction, one of :data:`spmdcomm.collectives.REDUCE_OPS`.
+      timeout: seconds to wait for the other processes.
+
+    Returns:
+      A tree of the same structure whose leaves are NumPy arrays of the leaves' shapes, the same on every
+      process.
+
+    Raises:
+      SpmdError: when ``op`` is unknown, or a leaf is a ``jax.Array`` spread over several processes.
+      ProcessMismatchError: when the processes' structures, shapes or dtypes differ.
+      BarrierTimeoutError: when a process does not arrive within ``timeout`` seconds.
+
+    Examples:
+      >>> sc.host_all_reduce([np.arange(3), 2.0], op="max")
+      [array([0, 1, 2]), array(2.)]
     """
     refuse_in_trace("host_all_reduce", tree)
     reduce = _HOST_REDUCERS[check_op("host_all_reduce", op)]
@@ -61,8 +76,21 @@ def host_all_gather(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> Any:
 
     Row ``p`` holds process ``p``'s value. Shapes, dtypes and structure must agree (checked).
 
-    >>> sc.host_all_gather({"step": 7})
-    {'step': array([7])}
+    Args:
+      tree: a pytree of this process's host values (NumPy arrays, numbers, fully addressable ``jax.Array`` s).
+      timeout: seconds to wait for the other processes.
+
+    Returns:
+      A tree of the same structure whose leaves are NumPy arrays of shape ``(process_count(), *leaf.shape)``.
+
+    Raises:
+      SpmdError: when a leaf is a ``jax.Array`` spread over several processes.
+      ProcessMismatchError: when the processes' structures, shapes or dtypes differ.
+      BarrierTimeoutError: when a process does not arrive within ``timeout`` seconds.
+
+    Examples:
+      >>> sc.host_all_gather({"step": 7})
+      {'step': array([7])}
     """
     refuse_in_trace("host_all_gather", tree)
     return _gather_tree("host_all_gather", tree, timeout)
@@ -74,8 +102,23 @@ def host_broadcast(tree: Any, *, root: int = 0, timeout: float = DEFAULT_TIMEOUT
     The other processes' trees are ignored (any structure will do, e.g. ``None``). The values travel
     through the coordination service, like :func:`broadcast_object`: meant for small trees.
 
-    >>> sc.host_broadcast({"lr": 0.1})
-    {'lr': array(0.1)}
+    Args:
+      tree: on process ``root``, a pytree of host values (NumPy arrays, numbers, fully addressable
+        ``jax.Array`` s); ignored elsewhere.
+      root: the index of the process whose tree every process receives.
+      timeout: seconds to wait for the other processes.
+
+    Returns:
+      Process ``root``'s tree with NumPy array leaves, on every process.
+
+    Raises:
+      SpmdError: when ``root`` is not a process index, or a leaf is a ``jax.Array`` spread over several
+        processes.
+      BarrierTimeoutError: when a process does not arrive within ``timeout`` seconds.
+
+    Examples:
+      >>> sc.host_broadcast({"lr": 0.1})
+      {'lr': array(0.1)}
     """
     refuse_in_trace("host_broadcast", tree)
     root = check_root("host_broadcast", root, process_count(), what="process")
@@ -88,8 +131,21 @@ def broadcast_object(obj: Any, *, root: int = 0, timeout: float = DEFAULT_TIMEOU
     Objects travel through the coordination service, meant for small values (up to a few MB).
     With one process the object itself is returned.
 
-    >>> sc.broadcast_object({"seed": 42})
-    {'seed': 42}
+    Args:
+      obj: on process ``root``, a picklable object; ignored elsewhere.
+      root: the index of the process whose object every process receives.
+      timeout: seconds to wait for the other processes.
+
+    Returns:
+      An unpickled copy of process ``root``'s object (``obj`` itself with one process).
+
+    Raises:
+      SpmdError: when ``root`` is not a process index.
+      BarrierTimeoutError: when a process does not arrive within ``timeout`` seconds.
+
+    Examples:
+      >>> sc.broadcast_object({"seed": 42})
+      {'seed': 42}
     """
     refuse_in_trace("broadcast_object", obj)
     root = check_root("broadcast_object", root, process_count(), what="process")
@@ -106,8 +162,19 @@ def all_gather_object(obj: Any, *, timeout: float = DEFAULT_TIMEOUT) -> list[Any
     Objects travel through the coordination service, meant for small values (up to a few MB).
     With one process it returns ``[obj]``.
 
-    >>> sc.all_gather_object("ok")
-    ['ok']
+    Args:
+      obj: this process's picklable object.
+      timeout: seconds to wait for the other processes.
+
+    Returns:
+      A list of ``process_count()`` objects: item ``p`` is an unpickled copy of process ``p``'s object.
+
+    Raises:
+      BarrierTimeoutError: when a process does not arrive within ``timeout`` seconds.
+
+    Examples:
+      >>> sc.all_gather_object("ok")
+      ['ok']
     """
     refuse_in_trace("all_gather_object", obj)
     if process_count() == 1:

@@ -34,7 +34,21 @@ __all__ = [
 
 
 def data_mesh(*, axis: str = "data", devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh with one axis named ``axis`` over ``devices`` (default: every device of every process)."""
+    """A 1-D mesh with one axis over the given devices.
+
+    Args:
+      axis: the name of the mesh's one axis.
+      devices: the devices of the mesh, in this order; default every device of every process, laid out by
+        ``jax.make_mesh``.
+
+    Returns:
+      A ``Mesh`` of shape ``{axis: len(devices)}`` with an ``AxisType.Auto`` axis; the same object for the same
+      axis and devices.
+
+    Examples:
+      >>> dict(sc.data_mesh(axis="batch").shape)
+      {'batch': 8}
+    """
     devs = tuple(jax.devices() if devices is None else devices)
     return _cached_mesh(((axis, len(devs)),), devs, devices is not None)
 
@@ -44,6 +58,22 @@ def make_mesh(axes: Mapping[str, int], *, devices: Sequence[jax.Device] | None =
 
     One size may be ``-1``: it takes whatever the other sizes leave. The product of the sizes must equal the
     number of devices. Devices are laid out by ``jax.make_mesh`` (topology-aware on GPU and TPU).
+
+    Args:
+      axes: axis name to size, in mesh order; at most one size is ``-1``.
+      devices: the devices of the mesh, kept in this order; default every device of every process, laid out
+        by ``jax.make_mesh``.
+
+    Returns:
+      A ``Mesh`` with ``AxisType.Auto`` axes; the same object for the same axes and devices.
+
+    Raises:
+      SpmdError: when ``axes`` is empty, a size is 0 or below -1, more than one size is -1, names repeat, or
+        the sizes do not multiply to (or, with -1, divide) the device count.
+
+    Examples:
+      >>> dict(sc.make_mesh({"data": -1, "model": 2}).shape)
+      {'data': 4, 'model': 2}
     """
     devs = tuple(jax.devices() if devices is None else devices)
     if not axes:
@@ -82,19 +112,45 @@ def make_mesh(axes: Mapping[str, int], *, devices: Sequence[jax.Device] | None =
 
 
 def default_mesh() -> Mesh:
-    """The mesh used when a function's ``mesh`` argument is ``None``: :func:`data_mesh` over all devices."""
+    """The mesh used when a function's ``mesh`` argument is ``None``: :func:`data_mesh` over all devices.
+
+    Returns:
+      ``data_mesh()``: one axis ``"data"`` over every device of every process.
+    """
     return data_mesh()
 
 
 def data_sharding(*, mesh: Mesh | None = None, axis: str | tuple[str, ...] = "data") -> NamedSharding:
-    """A sharding that splits dimension 0 across ``axis`` and replicates over the other mesh axes."""
+    """A sharding that splits dimension 0 across ``axis`` and replicates over the other mesh axes.
+
+    Args:
+      mesh: the mesh to shard over; default :func:`default_mesh`.
+      axis: the mesh axis (or tuple of axes) that dimension 0 is split across.
+
+    Returns:
+      ``NamedSharding(mesh, P(axis))``.
+
+    Raises:
+      AxisError: when ``axis`` names an axis that ``mesh`` does not have.
+
+    Examples:
+      >>> sc.data_sharding().spec
+      P('data',)
+    """
     mesh = default_mesh() if mesh is None else mesh
     check_mesh_axes("data_sharding", mesh, axis)
     return NamedSharding(mesh, P(axis))
 
 
 def replicated_sharding(*, mesh: Mesh | None = None) -> NamedSharding:
-    """A sharding that holds a full copy of the value on every device of ``mesh``."""
+    """A sharding that holds a full copy of the value on every device of ``mesh``.
+
+    Args:
+      mesh: the mesh whose devices hold the copies; default :func:`default_mesh`.
+
+    Returns:
+      ``NamedSharding(mesh, P())``.
+    """
     return NamedSharding(default_mesh() if mesh is None else mesh, P())
 
 

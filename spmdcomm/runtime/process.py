@@ -94,6 +94,26 @@ def initialize(
     that handler waits up to 5 minutes at a shutdown barrier for processes that are themselves waiting for
     this one inside a collective, so the job would hang instead of failing, and the launcher would see the
     failure only at its timeout. Pass ``False`` to keep Python's normal exit (and its ``atexit`` handlers).
+
+    Args:
+      coordinator_address: ``HOST:PORT`` of process 0's coordination service (an IPv6 host in brackets);
+        default ``SPMDCOMM_COORDINATOR``, else auto-detection.
+      num_processes: the number of processes in the job; default ``SPMDCOMM_NUM_PROCESSES``, else
+        auto-detection.
+      process_id: this process's index in ``[0, num_processes)``; default ``SPMDCOMM_PROCESS_ID``, else
+        auto-detection.
+      local_device_ids: the ids of the accelerators this process uses; default ``SPMDCOMM_LOCAL_DEVICE_IDS``
+        (comma-separated), else all it sees.
+      timeout: seconds to wait for the coordinator to be reachable and for every process to join (default
+        :data:`DEFAULT_INIT_TIMEOUT`, 120).
+      exit_on_uncaught_error: end the process with status 1 right after an uncaught exception's traceback.
+
+    Raises:
+      CoordinatorError: when the coordinator is not reachable within ``timeout`` (processes other than 0), or
+        its port is not free (process 0).
+      DistributedError: when a multi-process job lacks the address or this process's id, the address is not
+        ``HOST:PORT``, JAX's backend already runs, a launcher variable is not an integer, or a second call
+        names another process count or id.
     """
     if jax.distributed.is_initialized():
         _check_same_job(num_processes, process_id)
@@ -144,15 +164,30 @@ def initialize(
 
 
 def is_initialized() -> bool:
-    """Whether this process has joined a multi-process job (False for a single process)."""
+    """Whether this process has joined a multi-process job.
+
+    Returns:
+      True once :func:`initialize` (or ``jax.distributed.initialize``) has joined a job; False for a single
+      process.
+    """
     return jax.distributed.is_initialized()
 
 
 def is_main_process(*, local: bool = False) -> bool:
     """Whether this is process 0 of the job (``local=True``: process 0 of its host, local rank 0).
 
-    >>> sc.is_main_process()
-    True
+    Args:
+      local: ask about this host (local rank 0) instead of the whole job (process index 0).
+
+    Returns:
+      True on process 0 (``local=True``: on local rank 0), else False.
+
+    Raises:
+      DistributedError: with ``local=True``, when the local rank is unknown (see :func:`local_rank`).
+
+    Examples:
+      >>> sc.is_main_process()
+      True
     """
     return (local_rank() if local else process_index()) == 0
 
@@ -162,6 +197,13 @@ def local_rank() -> int:
 
     Known from :func:`initialize` (processes publish their host names), else from the launcher's
     ``SPMDCOMM_LOCAL_RANK``, SLURM's ``SLURM_LOCALID`` or Open MPI's ``OMPI_COMM_WORLD_LOCAL_RANK``.
+
+    Returns:
+      The local rank, an int >= 0; 0 for a single process.
+
+    Raises:
+      DistributedError: when the process joined a job without :func:`initialize` and no launcher variable
+        gives its local rank.
     """
     if _hosts:
         me = process_index()
@@ -181,12 +223,20 @@ def local_rank() -> int:
 
 
 def restart_count() -> int:
-    """How many times ``spmdcomm-launch --max-restarts`` has restarted this job: 0 on the first attempt
-    and outside the launcher (read from ``SPMDCOMM_RESTART_COUNT``). A script can use it to resume from
-    its last checkpoint instead of starting over.
+    """How many times ``spmdcomm-launch --max-restarts`` has restarted this job.
 
-    >>> sc.restart_count()
-    0
+    Read from ``SPMDCOMM_RESTART_COUNT``. A script can use it to resume from its last checkpoint instead of
+    starting over.
+
+    Returns:
+      The number of restarts: 0 on the first attempt and outside the launcher.
+
+    Raises:
+      DistributedError: when ``SPMDCOMM_RESTART_COUNT`` is set but not an integer.
+
+    Examples:
+      >>> sc.restart_count()
+      0
     """
     return _env_int(ENV_RESTART_COUNT, "restart_count") or 0
 
@@ -194,8 +244,18 @@ def restart_count() -> int:
 def process_devices(process: int | None = None) -> list[jax.Device]:
     """The devices attached to process ``process`` (default: this one), in device-id order.
 
-    >>> [d.id for d in sc.process_devices(0)][:3]
-    [0, 1, 2]
+    Args:
+      process: a process index in ``[0, process_count())``; None for this process.
+
+    Returns:
+      The list of that process's devices: ``jax.local_devices()`` for this process, else sorted by id.
+
+    Raises:
+      SpmdError: when ``process`` is not an int in ``[0, process_count())``.
+
+    Examples:
+      >>> [d.id for d in sc.process_devices(0)][:3]
+      [0, 1, 2]
     """
     n = process_count()
     if process is None:
@@ -212,22 +272,38 @@ def process_devices(process: int | None = None) -> list[jax.Device]:
 
 
 def process_index() -> int:
-    """This process's index among all processes (0 in a single-process run)."""
+    """This process's index among all processes.
+
+    Returns:
+      An int in ``[0, process_count())``; 0 in a single-process run.
+    """
     return jax.process_index()
 
 
 def process_count() -> int:
-    """The number of processes in the job (1 in a single-process run)."""
+    """The number of processes in the job.
+
+    Returns:
+      The process count; 1 in a single-process run.
+    """
     return jax.process_count()
 
 
 def device_count() -> int:
-    """The number of devices across all processes."""
+    """The number of devices across all processes.
+
+    Returns:
+      ``jax.device_count()``: every process's devices together.
+    """
     return jax.device_count()
 
 
 def local_device_count() -> int:
-    """The number of devices attached to this process."""
+    """The number of devices attached to this process.
+
+    Returns:
+      ``jax.local_device_count()``.
+    """
     return jax.local_device_count()
 
 

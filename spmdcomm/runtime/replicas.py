@@ -34,8 +34,13 @@ __all__ = ["Divergence", "check_replicas_in_sync", "assert_replicated"]
 
 @dataclasses.dataclass(frozen=True)
 class Divergence:
-    """One replicated leaf whose copy on ``device`` (in ``process``) differs from the first device's
-    copy."""
+    """One replicated leaf whose copy on ``device`` (in ``process``) differs from the first device's copy.
+
+    Attributes:
+      leaf: the leaf's path in the tree, as ``jax.tree_util.keystr`` writes it (``"<root>"`` for a bare leaf).
+      device: the id of the device holding the differing copy.
+      process: the index of the process that owns that device.
+    """
 
     leaf: str
     device: int
@@ -52,6 +57,17 @@ def check_replicas_in_sync(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> li
     that does not arrive within ``timeout`` seconds is named in a
     :class:`~spmdcomm.errors.BarrierTimeoutError`, and processes whose replicated leaves differ
     in name raise :class:`~spmdcomm.errors.ProcessMismatchError` naming them.
+
+    Args:
+      tree: a pytree whose fully replicated ``jax.Array`` leaves are compared (other leaves are skipped).
+      timeout: seconds to wait for the other processes at the sync point.
+
+    Returns:
+      A list of :class:`Divergence`, by leaf in tree order, then by device id; ``[]`` when every copy agrees.
+
+    Raises:
+      BarrierTimeoutError: when a process does not arrive within ``timeout`` seconds.
+      ProcessMismatchError: when the processes' replicated leaves differ in name.
     """
     refuse_in_trace(_FN, tree)
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
@@ -96,11 +112,21 @@ def check_replicas_in_sync(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> li
 
 
 def assert_replicated(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """Raises :class:`~spmdcomm.errors.ReplicaDivergenceError` naming the first leaf whose replicas
-    differ.
+    """Raises :class:`~spmdcomm.errors.ReplicaDivergenceError` naming the first leaf whose replicas differ.
 
     Cheap enough to call every few hundred steps (one checksum per leaf per device, and with several
-    processes one sync point bounded by ``timeout`` seconds).
+    processes one sync point bounded by ``timeout`` seconds). Compares what :func:`check_replicas_in_sync`
+    compares.
+
+    Args:
+      tree: a pytree whose fully replicated ``jax.Array`` leaves are compared (other leaves are skipped).
+      timeout: seconds to wait for the other processes at the sync point.
+
+    Raises:
+      ReplicaDivergenceError: when a copy differs; the message names the first leaf, its device and process,
+        the number of differing (leaf, device) pairs and up to 5 other differing leaves.
+      BarrierTimeoutError: when a process does not arrive within ``timeout`` seconds.
+      ProcessMismatchError: when the processes' replicated leaves differ in name.
     """
     diverged = check_replicas_in_sync(tree, timeout=timeout)
     if diverged:

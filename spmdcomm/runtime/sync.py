@@ -43,7 +43,17 @@ def barrier(name: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> Non
     raises :class:`~spmdcomm.errors.BarrierTimeoutError` naming the missing processes and where each
     process last synchronised. With one process it only waits for local device work.
 
-    >>> sc.barrier()
+    Args:
+      name: a label for the barrier, compared across processes; None for an unnamed barrier.
+      timeout: seconds to wait for the other processes.
+
+    Raises:
+      BarrierTimeoutError: when a process does not arrive within ``timeout`` seconds.
+      ProcessMismatchError: when the processes' k-th sync points differ (another name or another call).
+      TracedCallError: when called inside a traced function (``jax.jit``, ``spmd``, ``lax.scan``, ...).
+
+    Examples:
+      >>> sc.barrier()
     """
     refuse_in_trace("barrier")
     _wait_local_devices()
@@ -57,7 +67,16 @@ def sync_devices(*, timeout: float = DEFAULT_TIMEOUT) -> None:
     Each process waits for its own devices, then all processes meet at a bounded barrier (it never
     runs a device collective, which could hang without a timeout).
 
-    >>> sc.sync_devices()
+    Args:
+      timeout: seconds to wait for the other processes at the barrier.
+
+    Raises:
+      BarrierTimeoutError: when a process does not arrive within ``timeout`` seconds.
+      ProcessMismatchError: when the processes' k-th sync points differ.
+      TracedCallError: when called inside a traced function.
+
+    Examples:
+      >>> sc.sync_devices()
     """
     refuse_in_trace("sync_devices")
     _wait_local_devices()
@@ -75,8 +94,18 @@ def main_process_first(*, local: bool = False, timeout: float = DEFAULT_TIMEOUT)
     :class:`~spmdcomm.errors.RemoteProcessError` with its error instead of hanging; if it does not
     finish within ``timeout`` seconds, they raise :class:`~spmdcomm.errors.BarrierTimeoutError`.
 
-    >>> with sc.main_process_first():
-    ...     data = list(range(3))
+    Args:
+      local: one main process per host (local rank 0) instead of process 0 of the job.
+      timeout: seconds the other processes wait for the main process to finish the block.
+
+    Raises:
+      RemoteProcessError: on the waiting processes, when the main process raised inside the block.
+      BarrierTimeoutError: on the waiting processes, when the main process does not finish within ``timeout``.
+      TracedCallError: when entered inside a traced function.
+
+    Examples:
+      >>> with sc.main_process_first():
+      ...     data = list(range(3))
     """
     refuse_in_trace("main_process_first")
     if process_count() == 1:
