@@ -42,7 +42,12 @@ __all__ = [
 
 
 class MaskedBatch(NamedTuple):
-    """A batch whose leaves share a leading example dimension, and a bool ``mask`` of real examples."""
+    """A batch whose leaves share a leading example dimension, and a bool ``mask`` of real examples.
+
+    Attributes:
+      data: the batch, a pytree of arrays with a common size of dimension 0.
+      mask: a bool vector with one entry per row of ``data``; True marks a real example, False padding.
+    """
 
     data: Any
     mask: Any
@@ -55,6 +60,26 @@ def pad_batch(batch: Any, multiple_of: int | None = None, *, multiple: int | Non
     common leading size. ``multiple_of`` is the keyword every spmdcomm function that pads takes
     (``pad_batch(batch, 8)`` works too); ``multiple=`` is its old spelling, accepted with a
     ``DeprecationWarning`` until the next release.
+
+    Args:
+      batch: a pytree of arrays with a common leading size, or a :class:`MaskedBatch`.
+      multiple_of: the positive int the padded leading size is a multiple of (usually the number of devices
+        along the data axis).
+      multiple: the deprecated spelling of ``multiple_of``; pass only one of the two.
+
+    Returns:
+      A :class:`MaskedBatch`: the leaves padded with zero rows (unchanged when the size already divides) and a
+      bool mask, True for the real rows (the given mask for a :class:`MaskedBatch`, else all of them).
+
+    Raises:
+      SpmdError: when ``multiple_of`` is missing or not a positive int, both spellings are given, or a leaf
+        is not an array.
+      ShapeError: when a leaf is a scalar or the leaves' leading sizes differ.
+
+    Examples:
+      >>> b = sc.pad_batch({"x": np.arange(3.0)}, 4)
+      >>> b.data["x"].tolist(), b.mask.tolist()
+      ([0.0, 1.0, 2.0, 0.0], [True, True, True, False])
     """
     multiple_of = renamed_keyword("pad_batch", "multiple", multiple, "multiple_of", multiple_of)
     if multiple_of is None:
@@ -95,6 +120,21 @@ def unpad(batch: MaskedBatch | Any, mask: Any = None) -> Any:
     """Drops the padded rows: keeps the rows of each leaf where the mask is True.
 
     Takes a :class:`MaskedBatch`, or any pytree (e.g. per-example model outputs) and a ``mask``.
+
+    Args:
+      batch: a :class:`MaskedBatch` (its own mask is used), or a pytree of arrays with a leading example
+        dimension.
+      mask: a bool vector with one entry per row; needed when ``batch`` is not a :class:`MaskedBatch`.
+
+    Returns:
+      The pytree of ``batch``'s data with every leaf a NumPy array of its real rows only.
+
+    Raises:
+      SpmdError: when ``batch`` is not a :class:`MaskedBatch` and no ``mask`` is given.
+
+    Examples:
+      >>> sc.unpad({"y": np.arange(4) * 10}, np.array([True, False, True, False]))["y"].tolist()
+      [0, 20]
     """
     if isinstance(batch, MaskedBatch):
         batch, mask = batch.data, batch.mask
@@ -128,9 +168,24 @@ class ShardedSampler:
     ``(seed, epoch)``, a sampler restored to a position mid-epoch (:meth:`load_state_dict`) yields exactly
     that epoch's remaining batches, also with another number of shards of the same global batch size.
 
-    >>> s = sc.ShardedSampler(10, shard_index=1, num_shards=2, shuffle=False)
-    >>> [(b.data.tolist(), b.mask.tolist()) for b in s.batches(3)]  # global batches 0..5 and 6..9 + 2 padding
-    [([3, 4, 5], [True, True, True]), ([9, 0, 0], [True, False, False])]
+    Args:
+      num_examples: the number of examples in the data set, an int >= 0.
+      shard_index: this shard's index in ``[0, num_shards)``, usually :func:`spmdcomm.process_index`.
+      num_shards: the number of shards, an int >= 1, usually :func:`spmdcomm.process_count`.
+      shuffle: whether each epoch draws a new order from ``(seed, epoch)`` (default True); False keeps
+        ``0 .. num_examples - 1``.
+      seed: the shuffle seed (default 0), the same on every shard.
+      drop_remainder: whether to skip the examples that do not fill a last global batch (default False:
+        pad it).
+
+    Raises:
+      SpmdError: when ``num_examples`` or ``num_shards`` is not an int in range, or ``shard_index`` is not in
+        ``[0, num_shards)``.
+
+    Examples:
+      >>> s = sc.ShardedSampler(10, shard_index=1, num_shards=2, shuffle=False)
+      >>> [(b.data.tolist(), b.mask.tolist()) for b in s.batches(3)]  # global batches 0..5 and 6..9 + 2 padding
+      [([3, 4, 5], [True, True, True]), ([9, 0, 0], [True, False, False])]
     """
 
     def __init__(
@@ -170,15 +225,26 @@ class ShardedSampler:
         the training loop takes each batch (not as prefetch fetches it), so a position saved with a
         checkpoint names exactly the batches the saved state has not trained on.
 
-        >>> s = sc.ShardedSampler(8, shard_index=0, num_shards=1, shuffle=False)
-        >>> s.load_state_dict({"epoch": 2, "batch": 1})
-        >>> [b.data.tolist() for b in s.batches(3)], s.state_dict()
-        ([[3, 4, 5], [6, 7, 0]], {'epoch': 3, 'batch': 0})
+        Returns:
+          A new dict ``{"epoch": e, "batch": b}`` of ints, for :meth:`load_state_dict`.
+
+        Examples:
+          >>> s = sc.ShardedSampler(8, shard_index=0, num_shards=1, shuffle=False)
+          >>> s.load_state_dict({"epoch": 2, "batch": 1})
+          >>> [b.data.tolist() for b in s.batches(3)], s.state_dict()
+          ([[3, 4, 5], [6, 7, 0]], {'epoch': 3, 'batch': 0})
         """
         return {"epoch": self.epoch, "batch": self.batch}
 
     def load_state_dict(self, state: Any) -> None:
-        """Moves the position to ``state`` (as :meth:`state_dict` returns it)."""
+        """Moves the position to ``state`` (as :meth:`state_dict` returns it).
+
+        Args:
+          state: a dict with exactly the keys ``"epoch"`` and ``"batch"``, each an int >= 0.
+
+        Raises:
+          SpmdError: when ``state`` is not such a dict.
+        """
         keys = {"epoch", "batch"}
         if not isinstance(state, dict) or set(state) != keys:
             raise SpmdError(
@@ -192,26 +258,55 @@ class ShardedSampler:
         self.batch = _non_negative("ShardedSampler.load_state_dict", "state['batch']", state["batch"])
 
     def num_batches(self, batch_size: int) -> int:
-        """The number of batches every shard gets per epoch for a per-shard ``batch_size``."""
+        """The number of batches every shard gets per epoch for a per-shard ``batch_size``.
+
+        Args:
+          batch_size: the rows per shard and batch, a positive int.
+
+        Returns:
+          ``num_examples / (batch_size x num_shards)`` rounded up, or down with ``drop_remainder``.
+
+        Raises:
+          SpmdError: when ``batch_size`` is not a positive int.
+        """
         step = self.num_shards * _positive("ShardedSampler.num_batches", "batch_size", batch_size)
         if self.drop_remainder:
             return self.num_examples // step
         return -(-self.num_examples // step)
 
     def order(self, epoch: int) -> np.ndarray:
-        """All ``num_examples`` indices in the order of ``epoch`` (identical on every shard)."""
+        """All ``num_examples`` indices in the order of ``epoch`` (identical on every shard).
+
+        Args:
+          epoch: the epoch whose order to draw (with ``shuffle=False`` the order is the same for every epoch).
+
+        Returns:
+          An int array of length ``num_examples``: a permutation drawn from ``(seed, epoch)``, or
+          ``arange(num_examples)`` without shuffle.
+        """
         if not self.shuffle:
             return np.arange(self.num_examples)
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
 
     def batches(self, batch_size: int, *, epoch: int | None = None, start: int | None = None) -> Iterator[MaskedBatch]:
-        """This shard's index batches for one epoch: ``MaskedBatch(indices, mask)`` of ``batch_size`` each,
-        from batch ``start`` on (the earlier ones skipped).
+        """This shard's index batches for one epoch, from batch ``start`` on (the earlier ones skipped).
 
         ``epoch=None`` starts at the position (:meth:`state_dict`; ``start`` defaults to its batch) and
         moves it to the start of the next epoch (at this call, not lazily). An explicit ``epoch`` leaves the
         position alone; ``start`` then defaults to 0. Padded positions hold index 0 and ``mask`` False, so
         gathering them never fails.
+
+        Args:
+          batch_size: the rows per batch of this shard, a positive int.
+          epoch: the epoch to give; ``None`` (default) the position's, which moves on to the next epoch.
+          start: the index of the first batch to give, an int >= 0; ``None`` (default) the position's batch
+            when ``epoch`` is ``None``, else 0.
+
+        Returns:
+          An iterator over ``MaskedBatch(indices, mask)`` es of ``batch_size`` int indices and a bool mask each.
+
+        Raises:
+          SpmdError: when ``batch_size`` is not a positive int or ``start`` is negative.
         """
         batch_size = _positive("ShardedSampler.batches", "batch_size", batch_size)
         if start is not None:
@@ -242,10 +337,19 @@ def take_batches(dataset: Any, index_batches: Iterable[Any]) -> Iterator[MaskedB
     that takes an integer index array). ``index_batches`` yields :class:`MaskedBatch` es of indices (as
     :meth:`ShardedSampler.batches` does) or plain index arrays (all rows real). Padded rows are zeros.
 
-    >>> s = sc.ShardedSampler(5, shard_index=0, num_shards=1, shuffle=False)
-    >>> [(b.data["x"].tolist(), b.mask.tolist()) for b in sc.take_batches({"x": np.arange(5) * 10},
-    ...                                                                  s.batches(4))]
-    [([0, 10, 20, 30], [True, True, True, True]), ([40, 0, 0, 0], [True, False, False, False])]
+    Args:
+      dataset: a pytree of arrays indexed along dimension 0.
+      index_batches: an iterable of :class:`MaskedBatch` es of indices, or of plain index arrays.
+
+    Yields:
+      ``MaskedBatch(rows, mask)`` per index batch: ``dataset``'s pytree of the rows (zeros where ``mask`` is
+      False) and the index batch's mask (all True for a plain index array).
+
+    Examples:
+      >>> s = sc.ShardedSampler(5, shard_index=0, num_shards=1, shuffle=False)
+      >>> [(b.data["x"].tolist(), b.mask.tolist()) for b in sc.take_batches({"x": np.arange(5) * 10},
+      ...                                                                  s.batches(4))]
+      [([0, 10, 20, 30], [True, True, True, True]), ([40, 0, 0, 0], [True, False, False, False])]
     """
     for item in index_batches:
         idx, mask = (item.data, item.mask) if isinstance(item, MaskedBatch) else (item, None)
@@ -267,11 +371,25 @@ def join_batches(
     masked batches (zero data, all-False ``mask``) shaped like its last batch, or like ``like`` if it
     had none, so it keeps calling the same collectives as the others and nobody hangs (torch's
     ``Join``, Horovod's ``hvd.join``). Batches come out as :class:`MaskedBatch` (plain batches get an
-    all-True mask).
-    With one process it only adds the mask.
+    all-True mask). With one process it only adds the mask.
 
-    >>> [b.mask.tolist() for b in sc.join_batches([{"x": np.ones(2)}])]
-    [[True, True]]
+    Args:
+      batches: this process's batches: pytrees of arrays with a common leading size, or :class:`MaskedBatch` es.
+      like: an example batch that shapes the empty batches of a process that had none at all (default
+        ``None``: its last batch does).
+      timeout: seconds each step's sync point waits for the other processes (default 300).
+
+    Yields:
+      :class:`MaskedBatch` es: this process's batches, then, until every process has run out, fully masked
+      batches of the same shapes.
+
+    Raises:
+      BarrierTimeoutError: when another process does not reach a step's sync point within ``timeout``.
+      SpmdError: when this process had no batches and no ``like`` was given.
+
+    Examples:
+      >>> [b.mask.tolist() for b in sc.join_batches([{"x": np.ones(2)}])]
+      [[True, True]]
     """
     source, template = iter(batches), like
     # A channel of its own: this generator often runs in a prefetch thread, beside the main thread's syncs.

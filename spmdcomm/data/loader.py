@@ -35,23 +35,46 @@ __all__ = ["Loader"]
 
 
 class Loader:
-    """Yields ``dataset``'s rows in ``sampler``'s batches of ``batch_size`` for ``epochs`` epochs, from the
-    sampler's position on, as :class:`~spmdcomm.MaskedBatch` es placed on the mesh ``prefetch`` batches ahead.
+    """A resumable iterable of a data set's batches in a :class:`~spmdcomm.ShardedSampler`'s order, prefetched.
 
-    ``dataset`` is a pytree of arrays indexed along dimension 0 (see :func:`spmdcomm.take_batches`);
-    ``sampler`` is this process's shard and ``batch_size`` its rows per step, so every global batch is the
-    processes' batches side by side, in process order: the same rows, padding in the same places, for any
+    Iterating yields ``dataset``'s rows in ``sampler``'s batches of ``batch_size`` for ``epochs`` epochs, from
+    the sampler's position on, as :class:`~spmdcomm.MaskedBatch` es placed on the mesh ``prefetch`` batches
+    ahead. ``sampler`` is this process's shard and ``batch_size`` its rows per step, so every global batch is
+    the processes' batches side by side, in process order: the same rows, padding in the same places, for any
     number of processes sharing one global batch size (see :class:`~spmdcomm.ShardedSampler`), so a run
-    resumed on another split of the same devices trains on the same global arrays. ``prefetch=k`` places
-    batches through :func:`spmdcomm.prefetch_to_device` on ``mesh`` (default :func:`spmdcomm.default_mesh`)
-    split over ``axis``, which must be an axis of that mesh; ``prefetch=0`` yields host batches (the train
-    step places them). ``host_input`` is what a batch means with several processes, as in
-    :func:`spmdcomm.shard_batch`: ``"local"`` (default) this process's rows, the sampler being this process's
-    shard; ``"global"`` the whole global batch on every process (a sampler of one shard, the same on every
-    process); it is passed to the prefetch that places the batches, so it needs ``prefetch >= 1``, as is
-    ``threads`` (see :func:`spmdcomm.prefetch_to_device`: who fetches and places the batches). Each
-    pass over the loader starts at the position and moves it as batches reach the caller, so the position
-    always names the next batch the caller has not received; the epochs after the last one yield nothing.
+    resumed on another split of the same devices trains on the same global arrays. Each pass over the loader
+    starts at the position and moves it as batches reach the caller, so the position always names the next
+    batch the caller has not received; the epochs after the last one yield nothing. ``len(loader)`` is the
+    number of batches a pass from the current position yields; ``loader.stats`` the latest pass's
+    :class:`~spmdcomm.data.PrefetchStats` (``None`` without prefetch).
+
+    Args:
+      dataset: a pytree of arrays indexed along dimension 0 (see :func:`spmdcomm.take_batches`).
+      sampler: this process's :class:`~spmdcomm.ShardedSampler`; it holds the position.
+      batch_size: this process's rows per step, an int >= 1.
+      epochs: the number of epochs, counted from epoch 0, an int >= 0 (default 1).
+      prefetch: ``k >= 1`` places batches ``k`` ahead through :func:`spmdcomm.prefetch_to_device`
+        (default 2); 0 yields host batches (the train step places them).
+      mesh: the mesh batches are placed on (default :func:`spmdcomm.default_mesh`).
+      axis: the mesh axis (or axes) dimension 0 is split over, which must be an axis of ``mesh`` (default
+        ``"data"``).
+      host_input: what a batch means with several processes, as in :func:`spmdcomm.shard_batch`: ``"local"``
+        (default) this process's rows, the sampler being this process's shard; ``"global"`` the whole global
+        batch on every process (a sampler of one shard, the same on every process). It is passed to the
+        prefetch that places the batches, so it needs ``prefetch >= 1``.
+      threads: who fetches and places the batches, passed to :func:`spmdcomm.prefetch_to_device` (default
+        ``"auto"``).
+
+    Raises:
+      SpmdError: when ``sampler`` is not a :class:`~spmdcomm.ShardedSampler`, ``batch_size``, ``epochs`` or
+        ``prefetch`` is out of range, or ``host_input="global"`` comes with ``prefetch=0``.
+      AxisError: when ``axis`` is not an axis of ``mesh`` (of the default mesh: at the first pass).
+
+    Examples:
+      >>> sampler = sc.ShardedSampler(6, shard_index=0, num_shards=1, shuffle=False)
+      >>> loader = sc.Loader({"x": np.arange(6.0)}, sampler, batch_size=4, prefetch=0)
+      >>> len(loader), [b.mask.tolist() for b in loader], loader.state_dict()
+      (2, [[True, True, True, True], [True, True, False, False]], {'epoch': 1, 'batch': 0, 'global_batch_size': 4})
     """
 
     def __init__(
@@ -130,8 +153,12 @@ class Loader:
         return (self.epochs - epoch) * self.sampler.num_batches(self.batch_size) - batch
 
     def state_dict(self) -> dict[str, int]:
-        """The position: ``{"epoch", "batch"}`` of the next batch not yet handed out, and the
-        ``global_batch_size`` (``batch_size`` x the sampler's ``num_shards``) that batch indices count in."""
+        """The position: the epoch and batch of the next batch not yet handed out.
+
+        Returns:
+          A new dict ``{"epoch": e, "batch": b, "global_batch_size": g}`` of ints, ``g`` being ``batch_size`` x
+          the sampler's ``num_shards``, the global batch size that batch indices count in.
+        """
         return {**self.sampler.state_dict(), "global_batch_size": self._global_batch_size()}
 
     def load_state_dict(self, state: Any) -> None:
@@ -139,6 +166,12 @@ class Loader:
 
         The global batch size must match; the number of shards (processes) may differ, since batch ``b``
         of an epoch holds the same examples for any split of one global batch size.
+
+        Args:
+          state: a dict ``{"epoch", "batch", "global_batch_size"}`` that :meth:`state_dict` returned.
+
+        Raises:
+          SpmdError: when ``state`` is not such a dict, or its ``global_batch_size`` differs from this loader's.
         """
         if not isinstance(state, dict) or "global_batch_size" not in state:
             raise SpmdError(

@@ -176,9 +176,29 @@ def shard_batch(
     Like ``jax.device_put``, a 64-byte aligned NumPy leaf may be aliased on CPU rather than copied: do
     not write into it while its device array is in use. (:func:`spmdcomm.prefetch_to_device` copies.)
 
-    >>> b = sc.shard_batch({"x": np.arange(16.0).reshape(8, 2)})
-    >>> b["x"].sharding.spec == sc.P("data"), b["x"].addressable_shards[1].data.tolist()
-    (True, [[2.0, 3.0]])
+    Args:
+      batch: a pytree of arrays with a common leading size, or a :class:`~spmdcomm.MaskedBatch`.
+      mesh: the mesh to place on (default :func:`spmdcomm.default_mesh`).
+      axis: the mesh axis, or tuple of axes, that dimension 0 is split over (default ``"data"``).
+      host_input: ``"local"`` (default): each process passes its own rows; ``"global"``: every process
+        passes the whole batch.
+
+    Returns:
+      ``batch`` with every leaf a global ``jax.Array`` split along dimension 0 over ``axis``; a
+      :class:`~spmdcomm.MaskedBatch` for a :class:`~spmdcomm.MaskedBatch`, its mask split alike.
+
+    Raises:
+      ShapeError: when the rows do not split evenly over the devices along ``axis`` (this process's, for
+        process-local input), or a mask's shape does not match the rows.
+      AxisError: when ``axis`` names an axis that ``mesh`` does not have.
+      SpmdError: when ``host_input`` is neither ``"local"`` nor ``"global"``, or a leaf is not an array.
+      ProcessMismatchError: when processes pass leaves of different shapes, dtypes or trees.
+      BarrierTimeoutError: when another process does not reach the check of a new shape signature in time.
+
+    Examples:
+      >>> b = sc.shard_batch({"x": np.arange(16.0).reshape(8, 2)})
+      >>> b["x"].sharding.spec == sc.P("data"), b["x"].addressable_shards[1].data.tolist()
+      (True, [[2.0, 3.0]])
     """
     mesh = default_mesh() if mesh is None else mesh
     data, mask = place_batch("shard_batch", batch, mesh=mesh, axis=axis, host_input=host_input)

@@ -79,26 +79,50 @@ def prefetch_to_device(
     """Iterates over ``iterable``'s batches placed on the mesh, prefetched up to ``size`` ahead.
 
     Each batch is a pytree of arrays (dicts, tuples, NamedTuples, :class:`~spmdcomm.MaskedBatch`) with a
-    common leading size, placed split along dimension 0 over ``axis`` of ``mesh`` (default
-    :func:`spmdcomm.default_mesh`), or as ``sharding`` says if given. Host leaves follow
-    :mod:`spmdcomm.data.placement`'s rule: by default each process's loader yields its own rows;
-    ``host_input="global"``: every process yields the whole batch. ``multiple_of=k`` pads every batch to a
-    multiple of ``k`` examples (as :func:`spmdcomm.pad_batch` does) and yields :class:`~spmdcomm.MaskedBatch` es
-    (use this process's device count along the axis to accept any batch size); ``pad_to_multiple=`` is its old
-    spelling, accepted with a ``DeprecationWarning`` until the next release.
-
-    ``threads`` says who fetches and places: ``"auto"`` (default) the loop's thread while the loader is
-    effectively free, two background threads for good once its calls take time; ``"always"`` the threads
-    from the start; ``"never"`` the loop's thread, always. At most ``size`` batches are taken from
-    ``iterable`` ahead of the one the loop has (none while the loop's thread places batches itself). An exception in
-    ``iterable`` is raised in the loop with its original traceback. Stop early with ``break`` plus
-    :meth:`Prefetcher.close`, a ``with`` block, or by dropping the iterator: the threads end. Time the
-    loop spent waiting for data is in :attr:`Prefetcher.stats`.
+    common leading size. Host leaves follow :mod:`spmdcomm.data.placement`'s rule. At most ``size`` batches
+    are taken from ``iterable`` ahead of the one the loop has (none while the loop's thread places batches
+    itself). An exception in ``iterable`` is raised in the loop with its original traceback, and so is a
+    placement error (those of :func:`spmdcomm.shard_batch`), at the batch that causes it. Stop early with
+    ``break`` plus :meth:`Prefetcher.close`, a ``with`` block, or by dropping the iterator: the threads end.
+    Time the loop spent waiting for data is in :attr:`Prefetcher.stats`.
 
     As with ``jax.device_put``, a 64-byte aligned, contiguous NumPy leaf may be aliased on CPU rather
     than copied: the loader must not write into an array after yielding it (allocate a fresh one per
     batch, e.g. with :func:`spmdcomm.data.aligned_empty`). Unaligned leaves are copied, so their memory may be reused.
     ``jax.Array`` leaves are passed on (moved only if their sharding differs).
+
+    Args:
+      iterable: the batches, any iterable of pytrees of arrays.
+      size: the most batches taken ahead of the loop, an int >= 1 (default 2, double buffering).
+      mesh: the mesh to place on (default :func:`spmdcomm.default_mesh`); unused when ``sharding`` is given.
+      axis: the mesh axis, or tuple of axes, that dimension 0 is split over (default ``"data"``).
+      sharding: one ``Sharding`` for every leaf, in place of ``mesh`` and ``axis`` (default ``None``: split
+        dimension 0 over ``axis`` of ``mesh``).
+      multiple_of: ``k`` pads every batch to a multiple of ``k`` examples (as :func:`spmdcomm.pad_batch`
+        does) and yields :class:`~spmdcomm.MaskedBatch` es (use this process's device count along the axis
+        to accept any batch size); ``None`` (default) pads nothing.
+      host_input: ``"local"`` (default): each process's loader yields its own rows; ``"global"``: every
+        process yields the whole batch.
+      threads: who fetches and places: ``"auto"`` (default) the loop's thread while the loader is
+        effectively free, two background threads for good once its calls take time; ``"always"`` the threads
+        from the start; ``"never"`` the loop's thread, always.
+      pad_to_multiple: the old spelling of ``multiple_of``, accepted with a ``DeprecationWarning`` until the
+        next release.
+
+    Returns:
+      A :class:`Prefetcher`: an iterator over the placed batches, and a context manager that stops its
+      threads.
+
+    Raises:
+      SpmdError: when ``size``, ``multiple_of``, ``host_input`` or ``threads`` is invalid, or both spellings
+        of ``multiple_of`` are given.
+      AxisError: when ``axis`` names an axis that ``mesh`` does not have.
+
+    Examples:
+      >>> batches = ({"x": np.arange(6.0)} for _ in range(2))
+      >>> with sc.prefetch_to_device(batches, multiple_of=8) as it:
+      ...     print([(b.data["x"].shape, int(b.mask.sum())) for b in it])
+      [((8,), 6), ((8,), 6)]
     """
     check_host_input("prefetch_to_device", host_input)
     if threads not in THREADS:
@@ -135,8 +159,19 @@ def prefetch_to_device(
 
 
 class Prefetcher(Iterator[Any]):
-    """The iterator :func:`prefetch_to_device` returns (annotate with ``spmdcomm.data.Prefetcher``; not an ``sc``
-    name, and built by that function only); also a context manager that stops its threads."""
+    """The iterator :func:`prefetch_to_device` returns; also a context manager that stops its threads.
+
+    Annotate with ``spmdcomm.data.Prefetcher``: it is not an ``sc`` name, and is built by that function only,
+    which checks the arguments. ``stats`` holds the loop's waits for data (:class:`PrefetchStats`).
+
+    Args:
+      source: the iterator of host batches.
+      size: the most batches taken ahead of the loop, an int >= 1.
+      sharding: the ``Sharding`` of every leaf.
+      multiple_of: pads every batch to a multiple of this many examples; ``None`` pads nothing.
+      host_input: ``"local"`` or ``"global"``, as in :func:`prefetch_to_device`.
+      threads: ``"auto"`` (default), ``"always"`` or ``"never"``, as in :func:`prefetch_to_device`.
+    """
 
     def __init__(
         self,

@@ -36,9 +36,18 @@ def aligned_empty(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.n
     ``jax.device_put``) put them on CPU devices without copying, as long as each device's block is a
     multiple of 64 bytes. The device arrays then alias the memory: do not write into it afterwards.
 
-    >>> x = sc.data.aligned_empty((256, 3), np.float32)
-    >>> x.ctypes.data % 64, x.shape, x.dtype, x.flags.c_contiguous
-    (0, (256, 3), dtype('float32'), True)
+    Args:
+      shape: the array's shape, an int for one dimension or a tuple of ints.
+      dtype: anything ``np.dtype`` accepts (default ``np.float32``).
+
+    Returns:
+      A new, uninitialised, writable C-contiguous array of ``shape`` and ``dtype`` whose data address is a
+      multiple of 64.
+
+    Examples:
+      >>> x = sc.data.aligned_empty((256, 3), np.float32)
+      >>> x.ctypes.data % 64, x.shape, x.dtype, x.flags.c_contiguous
+      (0, (256, 3), dtype('float32'), True)
     """
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)

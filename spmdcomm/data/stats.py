@@ -15,8 +15,14 @@ WAIT_HISTORY = 4096
 class PrefetchStats:
     """Time the training loop spent waiting for its next batch (seconds).
 
-    ``last_wait`` is the latest step's wait, ``waits`` the most recent per-step waits (up to
-    ``WAIT_HISTORY``), ``total_wait`` and ``max_wait`` cover all ``steps``.
+    ``total_wait`` and ``max_wait`` cover all ``steps``; ``mean_wait`` is their average.
+
+    Attributes:
+      steps: the number of batches handed to the loop so far.
+      total_wait: the seconds waited over all ``steps``.
+      last_wait: the latest step's wait, in seconds.
+      max_wait: the longest wait of any step, in seconds.
+      waits: the most recent per-step waits in seconds, oldest first (up to ``WAIT_HISTORY``, 4096).
     """
 
     steps: int = 0
@@ -31,7 +37,11 @@ class PrefetchStats:
         return self.total_wait / self.steps if self.steps else 0.0
 
     def record(self, wait: float) -> None:
-        """Adds one step's wait."""
+        """Adds one step's wait.
+
+        Args:
+          wait: the seconds the loop waited for this step's batch.
+        """
         self.steps += 1
         self.total_wait += wait
         self.last_wait = wait

@@ -15,8 +15,7 @@ __all__ = ["nnx_loss_fn", "nnx_metric_fn"]
 
 
 def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Adapts ``fn(model, batch, *, rng, mask) -> loss | (loss, metrics)`` on a Flax NNX model to
-    the contract.
+    """Adapts a loss function of a Flax NNX model to :func:`make_train_step`'s ``loss_fn`` contract.
 
     The model is rebuilt with ``nnx.merge(apply_fn, params, model_state)``; variables the call
     changed (e.g. ``BatchStat``, ``RngCount``) come back as the new model state. Use with
@@ -33,15 +32,25 @@ def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
     ``accum_steps`` either. The model runs in whatever mode it was created in (``nnx.Dropout`` is
     active by default); :func:`nnx_metric_fn` switches to evaluation mode.
 
-    >>> from flax import nnx
-    >>> import optax
-    >>> state = sc.TrainState.create_nnx(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), tx=optax.sgd(0.1))
-    >>> def mse(model, batch, *, rng, mask):
-    ...     return sc.masked_mean((model(batch["x"])[:, 0] - batch["y"]) ** 2, mask)
-    >>> step = sc.make_train_step(sc.nnx_loss_fn(mse))
-    >>> state, m = step(state, {"x": np.ones((8, 2), np.float32), "y": np.ones(8, np.float32)})
-    >>> int(state.step)
-    1
+    Args:
+      fn: ``fn(model, batch, *, rng, mask) -> loss | (loss, metrics)``, called with the rebuilt model, the
+        step's ``rng`` and the block's ``mask`` (as :func:`make_train_step`'s ``loss_fn`` gets them).
+
+    Returns:
+      ``loss_fn(params, batch, *, apply_fn, model_state, rng, mask) -> (loss, aux)`` for
+      :func:`make_train_step`: ``aux`` is ``fn``'s metrics (empty without them) plus the new model state under
+      ``"model_state"``.
+
+    Examples:
+      >>> from flax import nnx
+      >>> import optax
+      >>> state = sc.TrainState.create_nnx(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), tx=optax.sgd(0.1))
+      >>> def mse(model, batch, *, rng, mask):
+      ...     return sc.masked_mean((model(batch["x"])[:, 0] - batch["y"]) ** 2, mask)
+      >>> step = sc.make_train_step(sc.nnx_loss_fn(mse))
+      >>> state, m = step(state, {"x": np.ones((8, 2), np.float32), "y": np.ones(8, np.float32)})
+      >>> int(state.step)
+      1
     """
     from flax import nnx
 
@@ -68,24 +77,32 @@ def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def nnx_metric_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Adapts ``fn(model, batch, *, mask) -> metrics dict | scalar`` on a Flax NNX model to the
-    :func:`make_eval_step` contract.
+    """Adapts a metric function of a Flax NNX model to the :func:`make_eval_step` contract.
 
     The model is rebuilt with ``nnx.merge(apply_fn, params, model_state)`` and switched to
     evaluation mode (``model.eval()``: ``nnx.Dropout`` off, ``nnx.BatchNorm`` on its running
     statistics); the state is not changed. Use with :meth:`TrainState.create_nnx`.
 
-    >>> from flax import nnx
-    >>> import optax
-    >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Dropout(0.9, rngs=nnx.Rngs(1)))
-    >>> state = sc.TrainState.create_nnx(model, tx=optax.sgd(0.1))
-    >>> def mean_out(model, batch, *, mask):
-    ...     return {"out": sc.masked_mean(model(batch).sum(-1), mask)}
-    >>> evaluate = sc.make_eval_step(sc.nnx_metric_fn(mean_out))
-    >>> x = np.ones((8, 2), np.float32)
-    >>> model.eval()  # the same model without dropout, for comparison
-    >>> bool(np.isclose(evaluate(state, x)["out"], model(x[:1]).sum()))
-    True
+    Args:
+      fn: ``fn(model, batch, *, mask) -> metrics dict | scalar``, called with the rebuilt model in evaluation
+        mode and the block's ``mask``.
+
+    Returns:
+      ``metric_fn(params, batch, *, apply_fn, model_state, mask)`` for :func:`make_eval_step`, returning what
+      ``fn`` returns.
+
+    Examples:
+      >>> from flax import nnx
+      >>> import optax
+      >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), nnx.Dropout(0.9, rngs=nnx.Rngs(1)))
+      >>> state = sc.TrainState.create_nnx(model, tx=optax.sgd(0.1))
+      >>> def mean_out(model, batch, *, mask):
+      ...     return {"out": sc.masked_mean(model(batch).sum(-1), mask)}
+      >>> evaluate = sc.make_eval_step(sc.nnx_metric_fn(mean_out))
+      >>> x = np.ones((8, 2), np.float32)
+      >>> model.eval()  # the same model without dropout, for comparison
+      >>> bool(np.isclose(evaluate(state, x)["out"], model(x[:1]).sum()))
+      True
     """
     from flax import nnx
 
