@@ -20,18 +20,3 @@ import spmdcomm as sc  # noqa: E402
 @pytest.fixture(autouse=True)
 def _doctest_namespace(doctest_namespace):
     doctest_namespace.update(jax=jax, np=np, sc=sc, jnp=jax.numpy)
-
-
-def pytest_xdist_auto_num_workers(config) -> int:
-    """``-n auto``: one worker more than cores. A worker whose test waits on the processes it started (a job, an
-    example's run) leaves its core to them, and a worker that waits for the XLA compiler's threads or for a
-    barrier's poll leaves part of one: one spare keeps the cores busy. The fast tier on 2 cores measured 3 min 16 s
-    with 3 workers against 3 min 52 s with 2."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores + 1
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """The slow tier first, each test keeping its place otherwise: under pytest-xdist the workers take tests in this
-    order, and a long job taken last would leave one worker running it while the others have nothing left."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
