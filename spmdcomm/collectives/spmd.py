@@ -32,7 +32,8 @@ from jax.sharding import PartitionSpec as P
 from spmdcomm._cache import Cache
 from spmdcomm.collectives._common import arg_specs, hashable_specs, is_spec
 from spmdcomm.collectives._pmap import check_pmap_spec, make_pmap
-from spmdcomm.data.placement import HostInput, check_divisible, check_host_input, place_leaves
+from spmdcomm.data.blocks import check_divisible
+from spmdcomm.data.placement import HostInput, check_host_input, place_leaves
 from spmdcomm.errors import BackendError, SpmdError, check_not_deleted, describe
 from spmdcomm.runtime import debug
 from spmdcomm.runtime.mesh import check_mesh_axes, default_mesh

@@ -1,9 +1,10 @@
 """Layer 3, data: padded batches, samplers, placing host input on devices, prefetching and the loader."""
 
-from spmdcomm.data.batches import MaskedBatch, ShardedSampler, join_batches, pad_batch, take_batches, unpad
+from spmdcomm.data.batches import MaskedBatch, join_batches, pad_batch, take_batches, unpad
 from spmdcomm.data.loader import Loader
 from spmdcomm.data.placement import shard_batch
 from spmdcomm.data.prefetch import Prefetcher, prefetch_to_device
+from spmdcomm.data.sampler import ShardedSampler
 from spmdcomm.data.staging import aligned_empty
 from spmdcomm.data.stats import PrefetchStats
 

@@ -24,9 +24,10 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from spmdcomm.data.batches import MaskedBatch, ShardedSampler, take_batches
+from spmdcomm.data.batches import MaskedBatch, take_batches
 from spmdcomm.data.placement import HostInput, check_host_input
 from spmdcomm.data.prefetch import Threads, prefetch_to_device
+from spmdcomm.data.sampler import ShardedSampler
 from spmdcomm.data.stats import PrefetchStats
 from spmdcomm.errors import AxisError, SpmdError, describe
 from spmdcomm.runtime.mesh import default_mesh

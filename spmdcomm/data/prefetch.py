@@ -16,7 +16,8 @@ placing thread copies any other leaf into an aligned staging buffer of prefetch'
 then alias.
 
 Staged memory is reused only once nothing can read it (:mod:`spmdcomm.data.staging` has the rule). On GPU and
-TPU, the placing thread ``device_put`` s and waits for the copy, so the copy overlaps the previous step.
+TPU, the placing thread ``device_put`` s and waits for the copy, so the copy overlaps the previous step. The threads
+and the placing of one batch are in :mod:`spmdcomm.data.prefetch_threads`.
 
 >>> batches = ({"x": np.full((8, 2), float(i))} for i in range(3))
 >>> with sc.prefetch_to_device(batches) as it:
@@ -26,36 +27,27 @@ TPU, the placing thread ``device_put`` s and waits for the copy, so the copy ove
 
 from __future__ import annotations
 
-import itertools
 import queue
-import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
-import jax
 import numpy as np
 from jax.sharding import Mesh, Sharding
 
-from spmdcomm.data.batches import leading_size, pad_batch, renamed_keyword
-from spmdcomm.data.blocks import blocks
-from spmdcomm.data.placement import Agreement, HostInput, check_host_input, place_leaves
-from spmdcomm.data.staging import ALIGNMENT, StagingPool, is_aligned
+from spmdcomm.data.batches import renamed_keyword
+from spmdcomm.data.placement import HostInput, check_host_input
+from spmdcomm.data.prefetch_threads import POLL_SECONDS, SharedState, place_fetched, start_threads, stop
 from spmdcomm.data.stats import PrefetchStats
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.runtime.mesh import data_sharding, default_mesh, platform
-from spmdcomm.runtime.transport import Channel
+from spmdcomm.runtime.mesh import data_sharding, default_mesh
 
 __all__ = ["prefetch_to_device", "Prefetcher", "Threads", "THREADS"]
 
 Threads = Literal["auto", "always", "never"]
 THREADS: tuple[str, ...] = ("auto", "always", "never")
 
-# Seconds between checks of the stop flag (and of the producer's health) while waiting.
-POLL_SECONDS = 0.05
-# Seconds close() waits for the producer thread to finish (it may be inside a slow next(iterable)).
-CLOSE_TIMEOUT = 10.0
 # A loader call slower than this (seconds) counts as slow. Under threads="auto" the loop's thread places batches
 # itself until slow calls dominate (a decaying count of them passes SLOW_CALLS), then the threads start.
 INLINE_LOAD_SECONDS = 2e-4
@@ -184,13 +176,13 @@ class Prefetcher(Iterator[Any]):
         threads: Threads = "auto",
     ):
         self.stats = PrefetchStats()
-        self._state = _State(source, size, sharding, multiple_of, host_input)
+        self._state = SharedState(source, size, sharding, multiple_of, host_input)
         self._slow_calls = 0.0  # decaying count of slow loader calls while placing in-line
         # The threads hold only the state, never this object, so dropping the iterator stops them.
-        self._finalizer = weakref.finalize(self, _stop, self._state)
+        self._finalizer = weakref.finalize(self, stop, self._state)
         self._auto = threads == "auto"  # the loop's thread may hand over to the threads
         if threads == "always":
-            _start_threads(self._state)
+            start_threads(self._state)
 
     def __next__(self) -> Any:
         if self._state.threads:
@@ -225,14 +217,14 @@ class Prefetcher(Iterator[Any]):
         try:
             batch = next(state.source)
             loaded = clock()
-            placed = _place(state, batch, stage=False)
+            placed = place_fetched(state, batch, stage=False)
         except BaseException:
             self.close()
             raise
         self.stats.record(clock() - start)
         self._slow_calls = 0.75 * self._slow_calls + (loaded - start > INLINE_LOAD_SECONDS)
         if self._auto and self._slow_calls > SLOW_CALLS:
-            _start_threads(state)
+            start_threads(state)
         return placed
 
     def _next_from_threads(self) -> Any:
@@ -255,156 +247,3 @@ class Prefetcher(Iterator[Any]):
         if kind == "error":
             raise value
         raise StopIteration
-
-
-# ---------------------------------------------------------------------------------------------------------
-
-
-class _State:
-    """What the producer thread and the consumer share (the producer must not see the Prefetcher)."""
-
-    def __init__(
-        self, source: Iterator[Any], size: int, sharding: Sharding, multiple_of: int | None, host_input: HostInput
-    ):
-        self.source = source
-        self.size = size
-        self.sharding = sharding
-        self.multiple_of = multiple_of
-        self.host_input = host_input
-        # New shape signatures are agreed on this prefetcher's own channel (named alike on every process):
-        # the placing thread must not take sync points from the main thread's sequence.
-        self.agreement = Agreement(Channel(f"prefetch/{next(_PREFETCHERS)}"))
-        self.fetched: queue.Queue[tuple[str, Any]] = queue.Queue()  # host batches, not yet placed
-        self.queue: queue.Queue[tuple[str, Any]] = queue.Queue()  # placed batches
-        self.slots = threading.Semaphore(size)  # batches taken from source but not yet handed out
-        self.stop = threading.Event()
-        self.finished = False
-        self.threads: tuple[threading.Thread, ...] = ()
-        self.cpu = platform(sharding) == "cpu"
-        self.plans: dict[tuple[Any, ...], bool] = {}  # (shape, dtype) -> whether staging lets devices alias it
-        self.pool = StagingPool(keep=size + 3)
-
-
-# Numbers the prefetchers of this process; each one's channel has the same name on every process.
-_PREFETCHERS = itertools.count()
-
-
-def _start_threads(state: _State) -> None:
-    # One thread waits on the source while the other places the previous batch, so a loader that
-    # waits (on storage, on the network) overlaps with the placement.
-    state.threads = tuple(
-        threading.Thread(target=target, args=(state,), daemon=True, name="spmdcomm-prefetch")
-        for target in (_fetch, _place_all)
-    )
-    for thread in state.threads:
-        thread.start()
-
-
-def _stop(state: _State) -> None:
-    state.stop.set()
-    state.finished = True
-    state.slots.release()
-    deadline = time.monotonic() + CLOSE_TIMEOUT
-    for thread in state.threads:
-        if thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
-    if not state.threads:  # in-line: nobody else is running the source
-        _close_source(state)
-
-
-def _fetch(state: _State) -> None:
-    """Takes batches from the source, at most ``size`` ahead of the consumer, into ``state.fetched``."""
-    try:
-        while True:
-            while not state.slots.acquire(timeout=POLL_SECONDS):
-                if state.stop.is_set():
-                    return
-            if state.stop.is_set():
-                return
-            try:
-                item = next(state.source)
-            except StopIteration:
-                state.fetched.put(("done", None))
-                return
-            state.fetched.put(("item", item))
-    except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
-        state.fetched.put(("error", e))
-    finally:
-        _close_source(state)
-
-
-def _close_source(state: _State) -> None:
-    close = getattr(state.source, "close", None)
-    if close is not None:
-        try:
-            close()
-        except Exception:  # noqa: BLE001 - a failing close must not hide the real outcome
-            pass
-
-
-def _place_all(state: _State) -> None:
-    """Places fetched batches on the mesh, in order, into ``state.queue``."""
-    while not state.stop.is_set():
-        try:
-            kind, value = state.fetched.get(timeout=POLL_SECONDS)
-        except queue.Empty:
-            continue
-        if kind == "item":
-            try:
-                value = _place(state, value, stage=True)
-                if not state.cpu:  # the copy overlaps the loop's step, not the loop's next wait
-                    jax.block_until_ready(value)
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
-                kind, value = "error", e
-        state.queue.put((kind, value))
-        if kind != "item":
-            return
-
-
-def _place(state: _State, batch: Any, *, stage: bool) -> Any:
-    """The batch as global arrays; with ``stage``, unaligned CPU leaves are first copied into staging buffers.
-
-    Without it, this is a plain ``device_put`` (JAX copies unaligned leaves on its own threads).
-    """
-    if state.multiple_of is not None:
-        batch = pad_batch(batch, state.multiple_of)
-    else:
-        leading_size("prefetch_to_device", batch)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
-    leaves = []
-    for _, leaf in flat:
-        if not isinstance(leaf, jax.Array):
-            leaf = np.asarray(leaf)
-            if stage and _stageable(state, leaf) and not is_aligned(leaf):
-                leaf = state.pool.copy(leaf)
-        leaves.append(leaf)
-    placed = place_leaves(
-        "prefetch_to_device",
-        leaves,
-        [state.sharding] * len(leaves),
-        names=lambda: [jax.tree_util.keystr(path) for path, _ in flat],
-        host_input=state.host_input,
-        agreement=state.agreement,
-    )
-    return jax.tree_util.tree_unflatten(treedef, placed)
-
-
-def _stageable(state: _State, leaf: np.ndarray) -> bool:
-    """Whether a staged copy of ``leaf`` lets every device block alias it: on CPU, with each block a
-    contiguous run of a multiple of ``ALIGNMENT`` bytes of the host array."""
-    key = (leaf.shape, leaf.dtype)
-    hit = state.plans.get(key)
-    if hit is None:
-        hit = state.plans[key] = _plan(state, leaf)
-    return hit
-
-
-def _plan(state: _State, leaf: np.ndarray) -> bool:
-    if not state.cpu or leaf.ndim == 0 or leaf.nbytes == 0:
-        return False
-    if state.host_input == "global" and not state.sharding.is_fully_addressable:
-        return False  # each process puts only its part of the global value: copying all of it would not pay
-    total, mine, _ = blocks(state.sharding, leaf.ndim)
-    if any(t != 1 for t in total[1:]) or leaf.shape[0] % mine[0]:
-        return False  # a split beyond dimension 0 makes blocks non-contiguous; uneven rows raise when placed
-    return (leaf.nbytes // mine[0]) % ALIGNMENT == 0
