@@ -10,7 +10,8 @@ from spmdcomm.train.checkpoint import (
     save_checkpoint,
 )
 from spmdcomm.train.eval_step import EvalStep, evaluate, make_eval_step
-from spmdcomm.train.loop import Hook, Preempted, fit
+from spmdcomm.train.hooks import Hook
+from spmdcomm.train.loop import Preempted, fit
 from spmdcomm.train.state import TrainState, optimizer_state_bytes
 from spmdcomm.train.strategies import DDP, FSDP, STRATEGIES, Strategy, ZeRO1, ZeRO2
 from spmdcomm.train.train_step import TrainStep, make_train_step, masked_mean

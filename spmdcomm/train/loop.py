@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -20,10 +19,11 @@ from spmdcomm.reliability.phases import PhaseTimer
 from spmdcomm.reliability.preemption import PREEMPTED_EXIT_CODE, Preemption
 from spmdcomm.reliability.watchdog import Watchdog
 from spmdcomm.train.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
+from spmdcomm.train.hooks import Hook, check_hooks, data_epoch, due_hooks, optional_positive, run_hooks
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.train_step import TrainStep
 
-__all__ = ["fit", "Hook", "Preempted"]
+__all__ = ["fit", "Preempted"]
 
 
 def fit(
@@ -112,8 +112,8 @@ def fit(
       >>> len(history), round(float(state.params["c"]), 4)
       (20, 4.0)
     """
-    max_steps = _optional_positive("max_steps", max_steps)
-    hooks = _check_hooks(hooks, data)
+    max_steps = optional_positive("max_steps", max_steps)
+    hooks = check_hooks(hooks, data)
     checkpoints = None
     if checkpoint_dir is not None:
         checkpoints = _Checkpoints(checkpoint_dir, data, save_every=save_every, max_to_keep=max_to_keep)
@@ -132,7 +132,7 @@ def fit(
     history: list[dict[str, float]] = []
     hooked: dict[int, dict[str, Any]] = {}  # what the hooks returned after step i, joined to its metrics
     first = checkpoints.step if checkpoints is not None else int(jax.device_get(state.step))
-    epoch = _epoch(data)
+    epoch = data_epoch(data)
     with contextlib.ExitStack() as stack:
         # Closed in reverse: the writer, the preemption handlers and the watchdog's threads end with the loop;
         # a loader's prefetch threads stop even when the loop ends early (an exception here or in a callback).
@@ -176,11 +176,11 @@ def fit(
                 state, metrics = step(state, batch)
             pending.append((i, metrics))
             if hooks:
-                ended, epoch = epoch, _epoch(data)
-                due = _due(hooks, first + i + 1, ended, ended_epoch=epoch != ended)
+                ended, epoch = epoch, data_epoch(data)
+                due = due_hooks(hooks, first + i + 1, ended, ended_epoch=epoch != ended)
                 if due:
                     with timer.phase("hooks"):
-                        hooked[i] = _run_hooks(due, state, first + i + 1, ended, taken=metrics)
+                        hooked[i] = run_hooks(due, state, first + i + 1, ended, taken=metrics)
             drain(step.max_in_flight)  # the metrics of the step one in-flight window back
             saving = checkpoints is not None and checkpoints.stepped()
             if saving:
@@ -218,124 +218,6 @@ class Preempted(SystemExit):
         self.step = step
 
 
-@dataclasses.dataclass(frozen=True)
-class Hook:
-    """A function :func:`fit` calls between steps: ``fn(state, *, step, epoch) -> dict | None``.
-
-    Give exactly one of ``every_steps`` and ``every_epochs``. ``fn``'s ``step`` is the global step count
-    (``state.step``, an int), ``epoch`` the epoch of that step's batch (for an epoch hook, the epoch that just
-    ended; ``None`` when the data counts no epochs). ``state`` is the state after the step: use it before returning
-    (the next step consumes it). The returned dict of scalars (e.g. evaluation metrics from
-    :func:`spmdcomm.evaluate`) joins that step's metrics in ``fit``'s history, log and callback.
-
-    Args:
-      fn: the callable ``fn(state, *, step, epoch) -> dict | None``.
-      every_steps: run after every ``every_steps``-th global step (``state.step`` a multiple of it).
-      every_epochs: run after the last step of every ``every_epochs``-th epoch (the data must count epochs, as
-        :class:`spmdcomm.Loader` does).
-
-    Raises:
-      SpmdError: when ``fn`` is not callable, or not exactly one of ``every_steps`` and ``every_epochs`` is given
-        as a positive int.
-
-    Examples:
-      >>> seen = []
-      >>> sc.Hook(lambda state, *, step, epoch: seen.append(step), every_steps=100).every_steps
-      100
-    """
-
-    fn: Callable[..., dict[str, Any] | None]
-    every_steps: int | None = None
-    every_epochs: int | None = None
-
-    def __post_init__(self) -> None:
-        if not callable(self.fn):
-            raise SpmdError(describe("Hook", f"fn={self.fn!r} is not callable.", fix="pass fn(state, *, step, epoch)."))
-        given = [name for name in ("every_steps", "every_epochs") if getattr(self, name) is not None]
-        if len(given) != 1:
-            raise SpmdError(
-                describe(
-                    "Hook",
-                    f"give exactly one of every_steps and every_epochs (got {given or 'neither'}).",
-                    fix="e.g. sc.Hook(evaluate_fn, every_epochs=1) or sc.Hook(log_fn, every_steps=100).",
-                )
-            )
-        _optional_positive(given[0], getattr(self, given[0]), fn="Hook")
-
-
-def _check_hooks(hooks: Any, data: Any) -> tuple[Hook, ...]:
-    hooks = tuple(hooks)
-    for h in hooks:
-        if not isinstance(h, Hook):
-            raise SpmdError(
-                describe(
-                    "fit",
-                    f"hooks holds a {type(h).__name__}, not a spmdcomm.Hook.",
-                    fix="wrap the function: hooks=[sc.Hook(fn, every_epochs=1)].",
-                )
-            )
-    if any(h.every_epochs is not None for h in hooks) and _epoch(data) is None:
-        raise SpmdError(
-            describe(
-                "fit",
-                f"a Hook with every_epochs needs data that counts epochs, but data is a {type(data).__name__} "
-                "without state_dict()['epoch'].",
-                fix="pass a sc.Loader(dataset, sampler, batch_size=..., epochs=...), or use every_steps.",
-            )
-        )
-    return hooks
-
-
-def _due(hooks: tuple[Hook, ...], step: int, epoch: int | None, *, ended_epoch: bool) -> list[Hook]:
-    """The hooks to run after global step ``step`` (of epoch ``epoch``, its last one when ``ended_epoch``)."""
-    return [h for h in hooks if _is_due(h, step, epoch, ended_epoch=ended_epoch)]
-
-
-def _is_due(hook: Hook, step: int, epoch: int | None, *, ended_epoch: bool) -> bool:
-    if hook.every_steps is not None:
-        return step % hook.every_steps == 0
-    assert hook.every_epochs is not None  # Hook.__post_init__ takes exactly one of the two
-    return ended_epoch and epoch is not None and (epoch + 1) % hook.every_epochs == 0
-
-
-def _run_hooks(hooks: list[Hook], state: TrainState, step: int, epoch: int | None, *, taken: Any) -> dict[str, Any]:
-    """What ``hooks`` returned after global step ``step``, checked against the step's metrics ``taken``."""
-    out: dict[str, Any] = {}
-    for h in hooks:
-        result = h.fn(state, step=step, epoch=epoch)
-        if result is None:
-            continue
-        if not isinstance(result, dict):
-            raise SpmdError(
-                describe("fit", f"hook {h.fn!r} returned a {type(result).__name__}; expected a dict or None.")
-            )
-        clash = sorted(k for k in result if k in taken or k in out or k.startswith("time/"))
-        if clash:
-            raise SpmdError(
-                describe(
-                    "fit",
-                    f"hook {h.fn!r} returned {clash}, which name metrics the step or another hook already reports.",
-                    fix="prefix the hook's metrics, e.g. 'eval/accuracy'.",
-                )
-            )
-        out.update(result)
-    return out
-
-
-def _epoch(data: Any) -> int | None:
-    """The epoch of the next batch ``data`` hands out, when it counts epochs (a :class:`spmdcomm.Loader`)."""
-    position = getattr(data, "state_dict", None)
-    position = position() if callable(position) else None
-    epoch = position.get("epoch") if isinstance(position, dict) else None
-    return epoch if isinstance(epoch, int) else None
-
-
-def _optional_positive(name: str, value: Any, *, fn: str = "fit") -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise SpmdError(describe(fn, f"{name}={value!r} must be a positive int or None.", fix=f"e.g. {name}=100."))
-    return value
-
-
 def _wants_preemption(preemption: bool | None, checkpoints: Any) -> bool:
     if preemption and checkpoints is None:
         raise SpmdError(
@@ -364,7 +246,7 @@ class _Checkpoints:
                 )
             )
         for name, value in (("save_every", save_every), ("max_to_keep", max_to_keep)):
-            _optional_positive(name, value)
+            optional_positive(name, value)
         self.directory = directory
         self.data = data
         self.save_every = save_every

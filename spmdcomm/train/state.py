@@ -20,10 +20,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm.data import placement
-from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
 from spmdcomm.runtime.host_collectives import broadcast_tree
-from spmdcomm.runtime.mesh import check_mesh_axes, default_mesh
+from spmdcomm.runtime.mesh import default_mesh
 from spmdcomm.train._layout import reshard
+from spmdcomm.train._mesh_axes import check_data_axes, data_axes, model_partitioning
 from spmdcomm.train.loss_scale import resolve_loss_scale
 from spmdcomm.train.rng import data_to_keys, keys_to_data
 from spmdcomm.train.strategies import DDP, Strategy, resolve_strategy
@@ -310,138 +310,6 @@ def optimizer_state_bytes(state: TrainState) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-
-
-def data_axes(axis: str | tuple[str, ...]) -> tuple[str, ...]:
-    """``axis`` (one data axis or a tuple of them) as a tuple."""
-    return tuple(axis) if isinstance(axis, tuple) else (axis,)
-
-
-def check_data_axes(fn: str, mesh: Mesh, axis: Any) -> str | tuple[str, ...]:
-    """``axis`` checked against ``mesh``: a mesh axis name, or a non-empty tuple of distinct ones (a tuple of
-    one becomes its name)."""
-    names = axis if isinstance(axis, tuple) else (axis,)
-    if not names or not all(isinstance(a, str) for a in names) or len(set(names)) != len(names):
-        raise AxisError(
-            describe(
-                fn,
-                f"axis={axis!r} must be a mesh axis name or a tuple of distinct ones.",
-                fix='pass e.g. axis="data", or axis=("replica", "shard") for hybrid sharding.',
-            )
-        )
-    check_mesh_axes(fn, mesh, names)
-    return names[0] if len(names) == 1 else names
-
-
-def model_partitioning(
-    fn: str, params: Any, param_specs: Any, mesh: Mesh, axes: tuple[str, ...]
-) -> tuple[Any, tuple[P, ...] | None]:
-    """``(params, model specs)``: Flax ``nn.Partitioned`` boxes in ``params`` unboxed into their specs, or
-    ``param_specs`` (a tree like ``params``) flattened; each spec checked against the mesh's model axes and
-    the leaf's shape. ``None`` when no leaf is split over a model axis."""
-    from flax.core import meta
-
-    boxed = any(isinstance(x, meta.AxisMetadata) for x in jax.tree.leaves(params, is_leaf=_is_box))
-    if boxed:
-        if param_specs is not None:
-            raise SpmdError(
-                describe(
-                    fn,
-                    "params carry Flax partitioning metadata (nn.with_partitioning) and param_specs was given too.",
-                    fix="give one: drop param_specs, or pass nn.unbox(params).",
-                )
-            )
-        param_specs = meta.get_partition_spec(params)
-        params = meta.unbox(params)
-    if param_specs is None:
-        return params, None
-    # jax.tree_util.PyTreeDef: jaxlib ships no type stubs, so mypy knows a treedef's methods only through this name
-    treedef: jax.tree_util.PyTreeDef
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    try:
-        specs = treedef.flatten_up_to(param_specs)
-    except (ValueError, TypeError) as e:
-        raise SpmdError(
-            describe(
-                fn,
-                f"param_specs does not have the structure of params: {e}",
-                fix="give a tree like params with a PartitionSpec (or None) per leaf.",
-            )
-        ) from None
-    model_axes = tuple(a for a in mesh.axis_names if a not in axes)
-    out = []
-    for (path, leaf), spec in zip(flat, specs, strict=True):
-        out.append(_check_model_spec(fn, jax.tree_util.keystr(path), np.shape(leaf), spec, mesh, axes, model_axes))
-    return params, tuple(out) if any(s != P() for s in out) else None
-
-
-def _check_model_spec(
-    fn: str,
-    name: str,
-    shape: tuple[int, ...],
-    spec: Any,
-    mesh: Mesh,
-    axes: tuple[str, ...],
-    model_axes: tuple[str, ...],
-) -> P:
-    if spec is None:
-        return P()
-    if not isinstance(spec, P):
-        spec = P(*spec) if isinstance(spec, (tuple, list)) else spec
-    if not isinstance(spec, P):
-        raise SpmdError(
-            describe(fn, f"param_specs gives {spec!r}, not a PartitionSpec.", leaf=f"params{name}", fix="give P(...).")
-        )
-    if len(spec) > len(shape):
-        raise ShapeError(
-            describe(
-                fn,
-                f"spec {spec} has {len(spec)} entries but the leaf has shape {shape}.",
-                leaf=f"params{name}",
-                fix="give at most one entry per dimension.",
-            )
-        )
-    for dim, entry in enumerate(spec):
-        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-        for a in names:
-            if a in axes:
-                raise AxisError(
-                    describe(
-                        fn,
-                        f"spec {spec} splits dimension {dim} over {a!r}, a data axis; the strategy decides how "
-                        f"parameters are split over the data axes {axes}.",
-                        leaf=f"params{name}",
-                        fix=f"name only model axes {model_axes} in parameter specs.",
-                    )
-                )
-            if a not in model_axes:
-                raise AxisError(
-                    describe(
-                        fn,
-                        f"spec {spec} names {a!r}, which is not an axis of the mesh {dict(mesh.shape)}.",
-                        leaf=f"params{name}",
-                        fix=f"name the mesh's model axes {model_axes} (map logical names to mesh axes first, "
-                        "e.g. with nn.logical_to_mesh_axes).",
-                    )
-                )
-        k = math.prod(int(mesh.shape[a]) for a in names)
-        if shape[dim] % k:
-            raise ShapeError(
-                describe(
-                    fn,
-                    f"spec {spec} splits dimension {dim} of size {shape[dim]} over {names} ({k} devices), which "
-                    "does not divide it.",
-                    leaf=f"params{name}",
-                    fix=f"make dimension {dim} a multiple of {k}, or split another dimension.",
-                )
-            )
-    return spec
-
-
-def _is_box(x: Any) -> bool:
-    from flax.core import meta
-
-    return isinstance(x, meta.AxisMetadata)
 
 
 def _is_spec(x: Any) -> bool:
