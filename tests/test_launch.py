@@ -63,7 +63,7 @@ def test_gpus_per_process_assigns_disjoint_local_devices(tmp_path, capsys):
 
 
 def test_initialize_reads_local_device_ids(monkeypatch):
-    from spmdcomm.runtime import process as runtime
+    from spmdcomm.runtime import distributed as runtime
 
     monkeypatch.setenv(runtime.ENV_LOCAL_DEVICE_IDS, "2,3")
     monkeypatch.setenv(runtime.ENV_COORDINATOR, "127.0.0.1:1")

@@ -9,10 +9,12 @@ Every function validates its input before calling ``jax.lax``: an unknown axis, 
 not divide, a ``root`` out of range, an unknown op, a non-array leaf or a bad permutation raise an
 :class:`~spmdcomm.errors.SpmdError` subclass naming the function, the leaf path, the axis and the sizes.
 
-The collectives live in three modules, all re-exported here:
+The collectives live in four modules, all re-exported here:
 
-- :mod:`spmdcomm.collectives.reductions`: every device plays the same part (``psum``, ``pmean``, ``pmax``,
-  ``pmin``, ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``axis_index``, ``axis_size``);
+- :mod:`spmdcomm.collectives.reductions`: every device receives the reduction over the axis (``psum``,
+  ``pmean``, ``pmax``, ``pmin``, ``all_reduce``), and the axis queries (``axis_index``, ``axis_size``);
+- :mod:`spmdcomm.collectives.exchanges`: blocks regrouped along a dimension (``all_gather``,
+  ``reduce_scatter``, ``all_to_all``);
 - :mod:`spmdcomm.collectives.rooted`: one device sends or receives (``broadcast``, ``reduce``, ``gather``,
   ``scatter``), built from data movement so that they run on every backend and deliver values exactly;
 - :mod:`spmdcomm.collectives.p2p`: point-to-point sends and the prefix scan built on them (``permute``,
@@ -40,19 +42,17 @@ Array([28.], dtype=float32)
 """
 
 from spmdcomm._ops import REDUCE_OPS, SCAN_OPS
+from spmdcomm.collectives.exchanges import all_gather, all_to_all, reduce_scatter
 from spmdcomm.collectives.p2p import permute, scan, shift
 from spmdcomm.collectives.reductions import (
     RS_AG_MIN_BYTES,
-    all_gather,
     all_reduce,
-    all_to_all,
     axis_index,
     axis_size,
     pmax,
     pmean,
     pmin,
     psum,
-    reduce_scatter,
 )
 from spmdcomm.collectives.rooted import BROADCAST_SPLIT_MIN_BYTES, broadcast, gather, reduce, scatter
 from spmdcomm.collectives.spmd import SpmdFunction, spmd

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from spmdcomm.errors import SpmdError, describe
+from spmdcomm.runtime.distributed import host_and_port, is_loopback
 from spmdcomm.runtime.process import (
     ENV_COORDINATOR,
     ENV_LOCAL_DEVICE_IDS,
@@ -28,8 +29,6 @@ from spmdcomm.runtime.process import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_RESTART_COUNT,
-    host_and_port,
-    is_loopback,
 )
 
 __all__ = [

@@ -2,6 +2,7 @@
 
 from spmdcomm.runtime.debug import enabled as debug_enabled
 from spmdcomm.runtime.debug import set_debug
+from spmdcomm.runtime.distributed import initialize, is_initialized
 from spmdcomm.runtime.host_collectives import (
     all_gather_object,
     broadcast_object,
@@ -12,8 +13,6 @@ from spmdcomm.runtime.host_collectives import (
 from spmdcomm.runtime.mesh import data_mesh, data_sharding, default_mesh, make_mesh, replicated_sharding
 from spmdcomm.runtime.process import (
     device_count,
-    initialize,
-    is_initialized,
     is_main_process,
     local_device_count,
     local_rank,
