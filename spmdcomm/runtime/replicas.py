@@ -2,8 +2,8 @@
 
 A data-parallel run silently goes wrong when replicas drift apart (a non-deterministic op, a process
 that skipped a step, a bad restore). These checks compare a 64-bit checksum of each replicated
-leaf's bit pattern on every device (one small computation per device, no copy of the data to the
-host) and name the first leaf that differs, with the device and process holding the differing copy.
+leaf's bit pattern on every device (one program over the devices, reading each copy where it lies, no copy of
+the data to the host) and name the first leaf that differs, with the device and process holding the differing copy.
 Across processes the checksums meet at a timed sync point (:mod:`spmdcomm.runtime.transport`), so a process that
 never calls the check is named instead of leaving the others waiting.
 
@@ -24,7 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from spmdcomm._cache import Cache
 from spmdcomm.errors import ReplicaDivergenceError, describe
 from spmdcomm.runtime.process import process_count, process_index
 from spmdcomm.runtime.transport import DEFAULT_TIMEOUT, check_same_across_processes, refuse_in_trace
@@ -81,12 +84,8 @@ def check_replicas_in_sync(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> li
     leaves = [(name, x) for name, x in leaves if x.sharding.device_set == devices]
     names = [name for name, _ in leaves]
     local = sorted((d for d in devices if d.process_index == process_index()), key=lambda d: d.id)
-    sums = []
-    for device in local:
-        shards = [next(s.data for s in x.addressable_shards if s.device == device) for _, x in leaves]
-        sums.append(np.asarray(_checksums(shards)))
     ids = np.array([[d.id, d.process_index] for d in local], dtype=np.int64).reshape(-1, 2)
-    table = np.asarray(sums, dtype=np.uint32).reshape(len(local), len(leaves), 2)
+    table = _local_checksums([x for _, x in leaves], local)
     if process_count() > 1:
         # Every process joins the exchange, even one with nothing to compare, so that none is left waiting.
         got = check_same_across_processes(
@@ -150,10 +149,40 @@ def assert_replicated(tree: Any, *, timeout: float = DEFAULT_TIMEOUT) -> None:
 _FN = "check_replicas_in_sync"
 
 
-@jax.jit
+def _local_checksums(leaves: list[jax.Array], devices: list[jax.Device]) -> np.ndarray:
+    """``(devices, leaves, 2)`` uint32: each device's checksums of its own copy of each leaf.
+
+    One program over ``devices`` reads every copy where it lies: its inputs are the leaves' own per-device buffers
+    gathered into arrays on one mesh (nothing is copied or compared on the way), so it compiles once per tree of
+    shapes and set of devices, where a program per device would compile once per device.
+    """
+    if not leaves or not devices:
+        return np.zeros((len(devices), len(leaves), 2), np.uint32)
+    mesh = Mesh(np.array(devices), ("copy",))
+    replicated = NamedSharding(mesh, P())
+    copies = [
+        jax.make_array_from_single_device_arrays(
+            x.shape, replicated, [next(s.data for s in x.addressable_shards if s.device == d) for d in devices]
+        )
+        for x in leaves
+    ]
+    per_device = _PER_DEVICE.get_or_make(
+        tuple(d.id for d in devices),
+        lambda: jax.jit(
+            jax.shard_map(
+                lambda *xs: _checksums(list(xs))[None],
+                mesh=mesh,
+                in_specs=P(),
+                out_specs=P("copy"),
+                check_vma=False,
+            )
+        ),
+    )
+    return np.asarray(per_device(*copies), dtype=np.uint32)
+
+
 def _checksums(leaves: list[jax.Array]) -> jax.Array:
-    """Two uint32 sums per leaf over its bit pattern (plain and position-weighted), stacked (leaves,
-    2)."""
+    """Two uint32 sums per leaf over its bit pattern (plain and position-weighted), stacked (leaves, 2)."""
     rows = []
     for x in leaves:
         bits = _as_uint32(x).reshape(-1)
@@ -173,3 +202,6 @@ def _as_uint32(x: jax.Array) -> jax.Array:
     unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size]
     bits = lax.bitcast_convert_type(x, unsigned)  # 8-byte types gain a trailing dimension of 2
     return bits.astype(jnp.uint32)
+
+
+_PER_DEVICE = Cache(limit=16)  # this process's device ids -> the jitted checksum program over them
