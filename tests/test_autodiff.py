@@ -14,7 +14,9 @@ for the reference:
 The pmap backend is compared with the reference under ``shard_map(check_vma=False)``, which is what
 ``jax.pmap`` runs in JAX 0.10.
 
-Which cases run: every case on the shard_map backend over 1, 2, 4 and 8 devices, and on the pmap backend over 4.
+Which cases run: every case on the shard_map backend over 1, 2 and 8 devices, and on the pmap backend over 4. One
+device is the degenerate axis; two, where a device's left and right neighbours are the same device and the root's
+other device is the only one; eight, the general case (4 added nothing that 2 and 8 do not show).
 Since JAX 0.10 jax.pmap is jit(shard_map), so the pmap backend differentiates the same collective programs; what
 differs between the backends is the cotangent convention of ``grad_inside_sum`` above, and that does not depend
 on the device count. The fast tier (``-m "not slow"``) runs the table on shard_map over 2 devices; the other
@@ -271,7 +273,6 @@ def compare(ours: dict[str, Any], ref: dict[str, Any], what: str) -> None:
     [
         pytest.param("shard_map", 1, marks=pytest.mark.slow),
         ("shard_map", 2),
-        pytest.param("shard_map", 4, marks=pytest.mark.slow),
         pytest.param("shard_map", 8, marks=pytest.mark.slow),
         pytest.param("pmap", 4, marks=pytest.mark.slow),
     ],

@@ -1,5 +1,8 @@
 """SyncBatchNorm (Linen and NNX): padded or not, on 1 to 8 devices and on a 2-D data mesh, training equals one device
-running Flax's own BatchNorm on the real rows alone; without an axis it equals Flax's BatchNorm; bad input raises."""
+running Flax's own BatchNorm on the real rows alone; without an axis it equals Flax's BatchNorm; bad input raises.
+
+The fast tier (``-m "not slow"``) trains three of the step cases: devices holding no real row, no padding, and
+FSDP with uneven real rows."""
 
 from __future__ import annotations
 
@@ -152,19 +155,27 @@ def assert_equal_to_reference(state, history, expected):
     sc.assert_replicated(state)
 
 
-def case(api, devices, real, opt, strategy="ddp"):
-    return pytest.param(api, devices, real, opt, strategy, id=f"{api}-{devices}dev-{real}of{ROWS}-{opt}-{strategy}")
+def case(api, devices, real, opt, strategy="ddp", *, fast=False):
+    return pytest.param(
+        api,
+        devices,
+        real,
+        opt,
+        strategy,
+        id=f"{api}-{devices}dev-{real}of{ROWS}-{opt}-{strategy}",
+        marks=() if fast else pytest.mark.slow,
+    )
 
 
 @pytest.mark.parametrize(
     "api,devices,real,opt,strategy",
     [
-        case("linen", 8, 40, "sgd"),  # 3 devices hold no real row: Flax's pmean of masked means is NaN
+        case("linen", 8, 40, "sgd", fast=True),  # 3 devices hold no real row: Flax's pmean of masked means is NaN
         case("nnx", 8, 40, "adam"),
-        case("linen", 4, 64, "adam"),  # no padding
+        case("linen", 4, 64, "adam", fast=True),  # no padding
         case("nnx", 2, 64, "sgd"),
         case("linen", 1, 60, "adam"),
-        case("nnx", 8, 60, "sgd", "fsdp"),  # 7 devices with 8 real rows, one with 4
+        case("nnx", 8, 60, "sgd", "fsdp", fast=True),  # 7 devices with 8 real rows, one with 4
         case("linen", 4, 60, "sgd", "fsdp"),
         case("linen", 2, 60, "adam"),
         case("nnx", 4, 40, "adam"),

@@ -173,6 +173,7 @@ def test_readme_command_runs_as_written(command, tmp_path):
     assert summary["dataset"] == "digits" and summary["final_test_accuracy"] >= 0.8, summary
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc", [d for d in DOCS if blocks(d, "python")], ids=lambda p: p.name)
 def test_docs_python_blocks_print_what_the_docs_show(doc, tmp_path):
     """Each document's Python blocks, in order, in one interpreter on 8 fake CPU devices; what each block prints
@@ -181,6 +182,7 @@ def test_docs_python_blocks_print_what_the_docs_show(doc, tmp_path):
     assert not failures, "\n\n".join(failures)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "block",
