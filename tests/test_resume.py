@@ -1,6 +1,7 @@
 """Exact resume: the sampler's and the loader's positions, fit's checkpoints (a run stopped after any step and
-resumed through fit ends bitwise like one that never stopped, with dropout and BatchNorm), a process SIGKILLed
-while saving, and a 2 x 2 process job whose rank is SIGKILLed mid-epoch and restarted.
+resumed through fit ends bitwise like one that never stopped, with dropout and BatchNorm), and a process SIGKILLed
+while saving. A 2 x 2 process job whose rank is SIGKILLed mid-epoch (and again inside a save) and restarted is
+tests/test_recovery.py's.
 
 The training job (model, data, loader) is tests/workers/resume_job.py, shared with the subprocess tests."""
 
@@ -359,22 +360,3 @@ def test_process_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, st
     assert len(history) == STEPS - 4
     assert_bitwise(host_leaves(state), straight)
     assert not any(p.name.startswith("8.") for p in ckpt.iterdir())  # orbax removed the unfinished save
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_job_with_a_rank_killed_mid_epoch_restarts_to_the_same_parameters(launch, tmp_path):
-    launch("resume_job.py", "-", tmp_path / "straight.npz")  # 2 processes x 2 devices, no checkpoints
-    ckpt = tmp_path / "ckpt"
-    # On the first attempt rank 1 SIGKILLs itself instead of running step 11 (epoch 1, batch 4); the launcher
-    # stops the job and starts it again, and fit resumes from checkpoint 8 (epoch 1, batch 2).
-    out = launch("resume_job.py", ckpt, tmp_path / "resumed.npz", "--kill-at", 11, "--kill-rank", 1, max_restarts=1)
-    # The launcher reports the first failure it sees: rank 1's SIGKILL, or rank 0's error when its collective
-    # loses the peer (an uncaught exception exits at once, spmdcomm.runtime), whichever it polls first.
-    log = out.stderr + out.stdout
-    assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL|rank 0 \(pid \d+\) exited with status 1", log), log
-    assert "restart 1 of 1" in log
-    assert f"[rank 0] trained {STEPS - 8} steps, state.step {STEPS}" in out.stdout, out.stdout
-    assert sc.checkpoint_extra(ckpt)["data"] == {"epoch": job.EPOCHS, "batch": 0, "global_batch_size": job.GLOBAL_BATCH}
-    with np.load(tmp_path / "straight.npz") as a, np.load(tmp_path / "resumed.npz") as b:
-        assert_bitwise(dict(b), dict(a))
