@@ -52,7 +52,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 MARKDOWN = [ROOT / "README.md", *DOCS]
 KINDS = ("python", "bash", "text", "sh")
-CI_COMMANDS = {"pip install -e '.[test]'", "ruff check .", "ruff format --check .", "mypy", "python -m pytest -n auto"}
+CI_COMMANDS = {
+    "pip install -e '.[test]'",
+    "ruff check .",
+    "ruff format --check .",
+    "mypy",
+    "python -m pytest -n auto --dist loadfile",
+}
 DOC_TIMEOUT = 300.0  # seconds for all Python blocks of one document
 COMMAND_TIMEOUT = 120.0  # seconds for one command of a bash block
 

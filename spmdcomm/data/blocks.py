@@ -3,7 +3,6 @@ into them (with the message that says how to pad): the arithmetic under :mod:`sp
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import cast
 
@@ -63,10 +62,20 @@ def check_divisible(
     return _GLOBAL_SHAPES.put(key, tuple(out))
 
 
-@functools.lru_cache(maxsize=1024)
 def blocks(sharding: Sharding, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[list[int], ...]]:
     """For each of ``ndim`` dimensions placed on ``sharding``: how many blocks all devices hold, how many
     distinct ones this process's devices hold, and the ids of this process's devices in block order."""
+    return _BLOCKS.get_or_make((sharding, ndim), lambda: _count_blocks(sharding, ndim))
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+_GLOBAL_SHAPES = Cache(limit=4096)  # (sharding, shape, local) -> the global shape
+_BLOCKS = Cache(limit=1024)  # (sharding, ndim) -> what blocks() answers
+
+
+def _count_blocks(sharding: Sharding, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[list[int], ...]]:
     probe = (len(sharding.device_set),) * ndim
     every = sharding.devices_indices_map(probe)
     # JAX types the values as `Index | None` but takes them from devices_indices_map, which has no None; jax.Device:
@@ -78,12 +87,6 @@ def blocks(sharding: Sharding, ndim: int) -> tuple[tuple[int, ...], tuple[int, .
         local.append(len({index[d].indices(probe[d])[0] for index in mine.values()}))
         ids.append(sorted((index[d].indices(probe[d])[0], dev.id) for dev, index in mine.items()))
     return tuple(total), tuple(local), tuple([i for _, i in pairs] for pairs in ids)
-
-
-# ---------------------------------------------------------------------------------------------------------
-
-
-_GLOBAL_SHAPES = Cache(limit=4096)  # (sharding, shape, local) -> the global shape
 
 
 def _name(leaf: str | Callable[[], str]) -> str:
