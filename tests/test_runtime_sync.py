@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import spmdcomm as sc
-from spmdcomm.runtime import debug
+from spmdcomm.runtime import debug, transport
 from spmdcomm.runtime import process as runtime
 
 ENV = (
@@ -133,16 +133,67 @@ def test_debug_switch(monkeypatch):
     assert not sc.runtime.debug_enabled()
 
 
-def test_debug_fingerprint_diff():
+class _TwoProcesses:
+    """The main channel of a two-process job seen from process 0: the first call fixes process 0's payload,
+    later calls pair it with this process's payload as process 1's."""
+
+    def __init__(self):
+        self.sent = []
+
+    def exchange(self, fn, label, payload, *, timeout):
+        self.sent.append((label, payload))
+        return [self.sent[0][1], payload]
+
+
+_PLACED = "P('data',) over mesh {'data': 2}"  # the sharding of x on process 0
+
+
+@pytest.mark.parametrize(
+    ("name", "tree", "in_specs", "expected"),
+    [
+        (
+            "step",
+            {"x": np.zeros((4, 2), np.float16), "y": np.zeros(3, np.int32)},
+            sc.P("data"),
+            "args[0]['x'] is shape (4, 2), dtype float16, sharding None "
+            f"(process 0: shape (4, 2), dtype float32, sharding {_PLACED})",
+        ),
+        (
+            "step",
+            {"x": np.zeros((6, 2), np.float32), "y": np.zeros(3, np.int32)},
+            sc.P("data"),
+            "args[0]['x'] is shape (6, 2), dtype float32, sharding None "
+            f"(process 0: shape (4, 2), dtype float32, sharding {_PLACED})",
+        ),
+        (
+            "step",
+            {"x": "placed", "y": np.zeros(5, np.int32)},
+            sc.P("data"),
+            "args[0]['y'] is shape (5,), dtype int32, sharding None "
+            "(process 0: shape (3,), dtype int32, sharding None)",
+        ),
+        ("step", {"x": "placed"}, sc.P("data"), "args[0]['y'] missing"),
+        ("step", {"x": "placed", "y": np.zeros(3, np.int32), "z": 1}, sc.P("data"), "args[0]['z'] only on process 1"),
+        ("step", {"x": "placed", "y": np.zeros(3, np.int32)}, sc.P(), "in_specs is P() (process 0: P('data',))"),
+        ("eval", {"x": "placed", "y": np.zeros(3, np.int32)}, sc.P("data"), "function is eval (process 0: step)"),
+    ],
+)
+def test_debug_check_names_the_differing_leaf_with_both_processes_values(monkeypatch, name, tree, in_specs, expected):
     mesh = sc.data_mesh(devices=jax.devices()[:2])
     placed = jax.device_put(np.zeros((4, 2), np.float32), sc.data_sharding(mesh=mesh))
-    a = debug.fingerprint("step", ({"x": placed, "y": np.zeros(3, np.int32)},), in_specs=sc.P("data"), mesh=mesh)
-    b = debug.fingerprint("step", ({"x": np.zeros((4, 2), np.float16), "z": 1},), in_specs=sc.P(), mesh=mesh)
-    assert a["leaves"]["[0]['x']"] == ((4, 2), "float32", "P('data',) over mesh {'data': 2}")
-    assert debug._diff(b, a) == [
-        "in_specs P() vs P('data',) on process 0",
-        "args[0]['x']: dtype float16 vs float32 on process 0",
-        "args[0]['x']: sharding None vs P('data',) over mesh {'data': 2} on process 0",
-        "args[0]['y'] is missing (not on both)",
-        "args[0]['z'] is extra (not on both)",
-    ]
+    ref = {"x": placed, "y": np.zeros(3, np.int32)}
+    assert debug.fingerprint("step", (ref,))["leaves"]["[0]['x']"] == ((4, 2), "float32", _PLACED)
+    channel = _TwoProcesses()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(transport, "_MAIN", channel)
+    debug.check_call("step", (ref,), in_specs=sc.P("data"), mesh=mesh)  # process 0's call; the same on both
+    mine = {k: placed if isinstance(v, str) else v for k, v in tree.items()}
+    with pytest.raises(sc.ProcessMismatchError) as e:
+        debug.check_call(name, (mine,), in_specs=in_specs, mesh=mesh)
+    assert str(e.value) == (
+        f"spmdcomm.{name}: process(es) [1] passed inputs to the spmd debug check that differ from process 0's "
+        f"(seen on process 0): process 1: {expected}. Fix: give every process inputs of the same global shape, "
+        "dtype and sharding (pad the last batch, e.g. with spmdcomm.pad_batch), and call the same functions in the "
+        "same order."
+    )
+    assert [label for label, _ in channel.sent] == ["spmd debug check"] * 2

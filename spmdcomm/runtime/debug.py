@@ -19,16 +19,14 @@ True
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from spmdcomm.errors import ProcessMismatchError, describe
-from spmdcomm.runtime.process import process_count, process_index
-from spmdcomm.runtime.transport import exchange
+from spmdcomm.runtime.process import process_count
+from spmdcomm.runtime.transport import check_same_across_processes
 
 __all__ = ["set_debug", "enabled", "check_call", "fingerprint", "ENV_DEBUG"]
 
@@ -70,6 +68,9 @@ def check_call(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Me
     """Raises :class:`~spmdcomm.errors.ProcessMismatchError` on every process unless all processes
     call function ``name`` with the same input structure, shapes, dtypes, shardings, specs and mesh.
 
+    The message names each process that differs from process 0 and its differing entries of the
+    :func:`fingerprint` (``function``, ``in_specs``, ``mesh``, ``args<path>``) with both processes' values.
+
     Runs before the inputs are placed: placing host data on a multi-process mesh is itself a
     cross-process transfer, which aborts when the shapes differ.
 
@@ -77,21 +78,18 @@ def check_call(name: str, args: Sequence[Any], *, in_specs: Any = None, mesh: Me
     """
     if process_count() == 1:
         return
-    mine = fingerprint(name, args, in_specs=in_specs, mesh=mesh)
-    prints = [pickle.loads(b) for b in exchange(name, "spmd debug check", pickle.dumps(mine))]
-    diffs = {p: _diff(fp, prints[0]) for p, fp in enumerate(prints) if fp != prints[0]}
-    if not diffs:
-        return
-    text = " ".join(f"Process {p} differs from process 0: {'; '.join(d)}." for p, d in diffs.items())
-    raise ProcessMismatchError(
-        describe(
-            name,
-            f"debug check on process {process_index()}: the processes called it with different "
-            f"inputs, which would hang, abort or compute garbage. {text}",
-            fix="give every process inputs of the same global shape, dtype and sharding (pad the "
-            "last batch, e.g. with spmdcomm.pad_batch), and call the same functions in the same "
-            "order.",
-        )
+    fp = fingerprint(name, args, in_specs=in_specs, mesh=mesh)
+    signature = {key: str(fp[key]) for key in ("function", "in_specs", "mesh")}
+    for path, (shape, dtype, sharding) in fp["leaves"].items():
+        signature[f"args{path}"] = f"shape {shape}, dtype {dtype}, sharding {sharding}"
+    check_same_across_processes(
+        name,
+        "inputs to the spmd debug check",
+        signature,
+        fix="give every process inputs of the same global shape, dtype and sharding (pad the "
+        "last batch, e.g. with spmdcomm.pad_batch), and call the same functions in the same "
+        "order.",
+        label="spmd debug check",
     )
 
 
@@ -122,20 +120,3 @@ def _leaf(x: Any) -> tuple[tuple[int, ...], str, str | None]:
     else:
         where = None if sharding is None else type(sharding).__name__
     return tuple(getattr(x, "shape", ())), dtype, where
-
-
-def _diff(fp: dict[str, Any], ref: dict[str, Any]) -> list[str]:
-    out = [
-        f"{key} {fp[key]} vs {ref[key]} on process 0" for key in ("function", "in_specs", "mesh") if fp[key] != ref[key]
-    ]
-    for path in sorted(set(fp["leaves"]) | set(ref["leaves"])):
-        a, b = fp["leaves"].get(path), ref["leaves"].get(path)
-        if a is None or b is None:
-            out.append(f"args{path} is {'missing' if a is None else 'extra'} (not on both)")
-            continue
-        out += [
-            f"args{path}: {k} {x} vs {y} on process 0"
-            for k, x, y in zip(("shape", "dtype", "sharding"), a, b, strict=True)
-            if x != y
-        ]
-    return out
