@@ -6,115 +6,122 @@ for you and tables of its constants stay in their layer, for annotations and too
 ``spmdcomm.collectives.SpmdFunction``, ``spmdcomm.collectives.REDUCE_OPS``.
 """
 
-from jax.sharding import PartitionSpec as P
+from typing import TYPE_CHECKING, Any
 
 from spmdcomm._version import __version__ as __version__  # written in _version.py only
-from spmdcomm.collectives import (
-    all_gather,
-    all_reduce,
-    all_to_all,
-    axis_index,
-    axis_size,
-    broadcast,
-    gather,
-    permute,
-    pmax,
-    pmean,
-    pmin,
-    psum,
-    reduce,
-    reduce_scatter,
-    scan,
-    scatter,
-    shift,
-    spmd,
-)
-from spmdcomm.data import (
-    Loader,
-    MaskedBatch,
-    ShardedSampler,
-    join_batches,
-    pad_batch,
-    prefetch_to_device,
-    shard_batch,
-    take_batches,
-    unpad,
-)
-from spmdcomm.errors import (
-    AxisError,
-    BackendError,
-    BarrierTimeoutError,
-    CoordinatorError,
-    DeletedArrayError,
-    DistributedError,
-    ProcessMismatchError,
-    RemoteProcessError,
-    ReplicaDivergenceError,
-    ReplicatedReductionWarning,
-    ShapeError,
-    SpmdError,
-    TracedCallError,
-)
-from spmdcomm.explain import explain
-from spmdcomm.nnx import nnx_loss_fn, nnx_metric_fn
-from spmdcomm.reliability import (
-    PREEMPTED_EXIT_CODE,
-    STUCK_EXIT_CODE,
-    MetricsWriter,
-    PhaseTimer,
-    Preemption,
-    StuckStepError,
-    Watchdog,
-)
-from spmdcomm.runtime import (
-    all_gather_object,
-    assert_replicated,
-    barrier,
-    broadcast_object,
-    check_replicas_in_sync,
-    data_mesh,
-    data_sharding,
-    default_mesh,
-    device_count,
-    host_all_gather,
-    host_all_reduce,
-    host_broadcast,
-    initialize,
-    is_initialized,
-    is_main_process,
-    local_device_count,
-    local_rank,
-    main_process_first,
-    make_mesh,
-    process_count,
-    process_devices,
-    process_index,
-    replicated_sharding,
-    restart_count,
-    set_debug,
-    sync_devices,
-)
-from spmdcomm.train import (
-    DDP,
-    FSDP,
-    CheckpointDamagedWarning,
-    Hook,
-    Preempted,
-    SyncBatchNorm,
-    TrainState,
-    ZeRO1,
-    ZeRO2,
-    checkpoint_extra,
-    evaluate,
-    fit,
-    latest_checkpoint_step,
-    make_eval_step,
-    make_train_step,
-    masked_mean,
-    optimizer_state_bytes,
-    restore_checkpoint,
-    save_checkpoint,
-)
+
+# The layers load on the first use of a public name (``__getattr__`` below), not at ``import spmdcomm``: the launcher
+# (``python -m spmdcomm.launch``, which imports this package first) then starts no JAX. For type checkers and
+# readers, the names and where they come from:
+if TYPE_CHECKING:
+    from jax.sharding import PartitionSpec as P
+
+    from spmdcomm.collectives import (
+        all_gather,
+        all_reduce,
+        all_to_all,
+        axis_index,
+        axis_size,
+        broadcast,
+        gather,
+        permute,
+        pmax,
+        pmean,
+        pmin,
+        psum,
+        reduce,
+        reduce_scatter,
+        scan,
+        scatter,
+        shift,
+        spmd,
+    )
+    from spmdcomm.data import (
+        Loader,
+        MaskedBatch,
+        ShardedSampler,
+        join_batches,
+        pad_batch,
+        prefetch_to_device,
+        shard_batch,
+        take_batches,
+        unpad,
+    )
+    from spmdcomm.errors import (
+        AxisError,
+        BackendError,
+        BarrierTimeoutError,
+        CoordinatorError,
+        DeletedArrayError,
+        DistributedError,
+        ProcessMismatchError,
+        RemoteProcessError,
+        ReplicaDivergenceError,
+        ReplicatedReductionWarning,
+        ShapeError,
+        SpmdError,
+        TracedCallError,
+    )
+    from spmdcomm.explain import explain
+    from spmdcomm.nnx import nnx_loss_fn, nnx_metric_fn
+    from spmdcomm.reliability import (
+        PREEMPTED_EXIT_CODE,
+        STUCK_EXIT_CODE,
+        MetricsWriter,
+        PhaseTimer,
+        Preemption,
+        StuckStepError,
+        Watchdog,
+    )
+    from spmdcomm.runtime import (
+        all_gather_object,
+        assert_replicated,
+        barrier,
+        broadcast_object,
+        check_replicas_in_sync,
+        data_mesh,
+        data_sharding,
+        default_mesh,
+        device_count,
+        host_all_gather,
+        host_all_reduce,
+        host_broadcast,
+        initialize,
+        is_initialized,
+        is_main_process,
+        local_device_count,
+        local_rank,
+        main_process_first,
+        make_mesh,
+        process_count,
+        process_devices,
+        process_index,
+        replicated_sharding,
+        restart_count,
+        set_debug,
+        sync_devices,
+    )
+    from spmdcomm.train import (
+        DDP,
+        FSDP,
+        CheckpointDamagedWarning,
+        Hook,
+        Preempted,
+        SyncBatchNorm,
+        TrainState,
+        ZeRO1,
+        ZeRO2,
+        checkpoint_extra,
+        evaluate,
+        fit,
+        latest_checkpoint_step,
+        make_eval_step,
+        make_train_step,
+        masked_mean,
+        optimizer_state_bytes,
+        restore_checkpoint,
+        save_checkpoint,
+    )
 
 __all__ = [
     # the SPMD wrapper and partition specs
@@ -225,3 +232,27 @@ __all__ = [
     # debug mode
     "set_debug",
 ]
+
+# Subpackages reachable as attributes before anything imported them (``sc.nnx.SyncBatchNorm``).
+_SUBPACKAGES = ("collectives", "data", "explain", "launch", "nnx", "reliability", "runtime", "train")
+
+if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt ``sc.name`` stays an error there
+
+    def __getattr__(name: str) -> Any:
+        """Imports the layers on the first use of a public name (PEP 562), then answers as a plain attribute."""
+        import importlib
+
+        if name in _SUBPACKAGES:
+            return importlib.import_module(f"spmdcomm.{name}")
+        if name not in __all__:
+            raise AttributeError(f"module 'spmdcomm' has no attribute {name!r}")
+        from jax.sharding import PartitionSpec
+
+        layers = [importlib.import_module(f"spmdcomm.{layer}") for layer in ("errors", *_SUBPACKAGES)]
+        found = {"P": PartitionSpec}
+        found.update({n: getattr(layer, n) for layer in layers for n in getattr(layer, "__all__", ()) if n in __all__})
+        globals().update(found)
+        return found[name]
+
+    def __dir__() -> list[str]:
+        return sorted(set(globals()) | set(__all__) | set(_SUBPACKAGES))

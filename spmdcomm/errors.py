@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-
 from spmdcomm._cache import Cache
 
 __all__ = [
@@ -127,6 +125,8 @@ def check_not_deleted(fn: str, tree: Any, *, arg: str, fix: str, leaves: list[An
     (pass ``leaves=jax.tree.leaves(tree)`` when the caller flattens ``tree`` anyway); paths are only
     computed once something is found.
     """
+    import jax  # here, not at the top: the launcher imports this module without starting JAX (spmdcomm._env)
+
     leaves = jax.tree.leaves(tree) if leaves is None else leaves
     # An inlined loop: this runs on every train step, over every leaf of the state.
     concrete = _CONCRETE_ARRAY
@@ -157,6 +157,8 @@ def _has_buffers(t: type) -> bool:
     # Only concrete arrays have buffers (``is_deleted()`` on a tracer raises instead of answering).
     # The answer per type is cached: ``isinstance`` against ``jax.Array`` is an ABC check that costs
     # more than ``is_deleted()`` itself.
+    import jax
+
     return _CONCRETE_ARRAY.get_or_make(t, lambda: issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer))
 
 

@@ -3,6 +3,8 @@ in it exists, and the names that left the top level are importable from their la
 
 import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,36 @@ def test_a_removed_name_is_not_an_attribute_but_stays_in_its_layer(name):
     layer = importlib.import_module(REMOVED[name])
     assert name in layer.__all__ and getattr(layer, name) is not None
     assert f"`{name}`" in API.read_text()  # the page says where it went
+
+
+IMPORTED = "import sys; print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))"
+
+
+@pytest.mark.parametrize(
+    "code, loaded",
+    [
+        # The launcher (python -m spmdcomm.launch imports the package first) starts, watches and restarts processes:
+        # it starts no JAX, which would cost every job about a second of CPU.
+        ("import spmdcomm.launch.cli, spmdcomm.launch.supervisor", "[]"),
+        ("import spmdcomm", "[]"),
+        # The first public name loads the layers, and every name is then a plain attribute.
+        (
+            "import spmdcomm as sc; sc.psum; assert sc.__dict__['Loader'] is sc.Loader",
+            "['flax', 'jax', 'optax']",
+        ),
+        ("from spmdcomm import P; import spmdcomm.nnx", "['flax', 'jax', 'optax']"),
+    ],
+)
+def test_the_layers_load_on_the_first_public_name(code, loaded):
+    out = subprocess.run([sys.executable, "-c", f"{code}; {IMPORTED}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == loaded
+
+
+def test_an_unknown_name_is_an_attribute_error_and_dir_lists_the_public_names():
+    with pytest.raises(AttributeError, match="no attribute 'psun'"):
+        sc.psun  # noqa: B018
+    assert set(sc.__all__) <= set(dir(sc)) and "nnx" in dir(sc)
 
 
 def _documented_groups() -> list[tuple[str, list[str]]]:

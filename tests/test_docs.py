@@ -65,6 +65,9 @@ COMMAND_TIMEOUT = 120.0  # seconds for one command of a bash block
 _OPEN = re.compile(r"^```(.*)$")
 _NAMED_FILE = re.compile(r"^# (\w+\.py)$")
 _RANK = re.compile(r"^\[rank (\d+)\] ")
+# A launched rank's line that is empty or Gloo's: whole (``[Gloo] Rank 1 is connected to 3 peer ranks. ...``), or
+# its tail when the unflushed C++ output was cut after ``[Gloo] Rank `` (the cut part lands in another line).
+_GLOO_OR_BLANK = re.compile(r"\[rank \d+\]( \[Gloo\].*| (Rank )?\d+ is connected to \d+ peer ranks.*)?")
 _NAME = re.compile(r"\b(?:spmdcomm|sc)((?:\.[A-Za-z_]\w*)+)")
 _ATTRIBUTE = re.compile(r"(?<![\w.])([A-Z]\w*)((?:\.[A-Za-z_]\w*)+)")
 _TORCH_NAMES = {"DDP", "FSDP"}  # torch has classes of these names too, named in the PyTorch tables
@@ -219,7 +222,8 @@ def test_docs_commands_print_what_the_docs_show(block, tmp_path):
         ("", "a\n", False, "prints nothing, but the ```text block at line 7 shows output"),
         ("", None, False, None),
         (
-            "[rank 1] b\n[rank 0] a\n[rank 1] [Gloo] Rank 1 is connected\n[rank 1] \n[rank 0] c\n",
+            "[rank 1] b\n[rank 0] a\n[rank 1] [Gloo] Rank 1 is connected\n[rank 1] \n[rank 0] c\n"
+            "[rank 0] 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n",
             "[rank 0] a\n[rank 0] c\n[rank 1] b\n",
             True,
             None,
@@ -385,7 +389,7 @@ def _normalise(text: str, *, launched: bool = False) -> str:
     (where Gloo's unflushed C++ output split a line) dropped."""
     lines = [ln.rstrip() for ln in text.splitlines()]
     if launched:
-        lines = [ln for ln in lines if not re.fullmatch(r"\[rank \d+\]( \[Gloo\].*)?", ln)]
+        lines = [ln for ln in lines if not _GLOO_OR_BLANK.fullmatch(ln)]
         lines.sort(key=lambda ln: int(m[1]) if (m := _RANK.match(ln)) else -1)
     while lines and not lines[-1]:
         lines.pop()

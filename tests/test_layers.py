@@ -14,7 +14,17 @@ PACKAGE = ROOT / "spmdcomm"
 # Bottom to top: (layer name, the modules and packages it holds). A module belongs to the longest entry that is
 # its name or a package above it. docs/architecture.md shows the same table.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("spmdcomm.errors", "spmdcomm._version", "spmdcomm._jax_compat", "spmdcomm._ops", "spmdcomm._cache")),
+    (
+        "base",
+        (
+            "spmdcomm.errors",
+            "spmdcomm._version",
+            "spmdcomm._jax_compat",
+            "spmdcomm._ops",
+            "spmdcomm._cache",
+            "spmdcomm._env",
+        ),
+    ),
     # transport is the bottom of runtime: every module that agrees across processes imports it
     ("runtime", ("spmdcomm.runtime", "spmdcomm.runtime.transport")),
     ("launch", ("spmdcomm.launch",)),

@@ -19,9 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from spmdcomm.errors import SpmdError, describe
-from spmdcomm.runtime.distributed import host_and_port, is_loopback
-from spmdcomm.runtime.process import (
+from spmdcomm._env import (
     ENV_COORDINATOR,
     ENV_LOCAL_DEVICE_IDS,
     ENV_LOCAL_RANK,
@@ -29,7 +27,10 @@ from spmdcomm.runtime.process import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_RESTART_COUNT,
+    host_and_port,
+    is_loopback,
 )
+from spmdcomm.errors import SpmdError, describe
 
 __all__ = [
     "launch",

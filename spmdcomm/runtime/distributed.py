@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+from spmdcomm._env import host_and_port, is_loopback
 from spmdcomm._jax_compat import auto_detect_cluster, backends_initialized
 from spmdcomm.errors import CoordinatorError, DistributedError, describe
 from spmdcomm.runtime.process import (
@@ -150,17 +151,6 @@ def is_initialized() -> bool:
       process.
     """
     return jax.distributed.is_initialized()
-
-
-def host_and_port(address: str) -> tuple[str, int] | None:
-    """``HOST:PORT`` as (host without IPv6 brackets, port), or None when it is not of that form."""
-    host, _, port = address.rpartition(":")
-    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine's loopback interface."""
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,6 +17,15 @@ import socket
 
 import jax
 
+from spmdcomm._env import (
+    ENV_COORDINATOR,
+    ENV_LOCAL_DEVICE_IDS,
+    ENV_LOCAL_RANK,
+    ENV_LOCAL_WORLD_SIZE,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_RESTART_COUNT,
+)
 from spmdcomm.errors import DistributedError, SpmdError, describe
 from spmdcomm.runtime.transport import coordination_client, key_process, milliseconds
 
@@ -37,15 +46,6 @@ __all__ = [
     "ENV_LOCAL_WORLD_SIZE",
     "ENV_RESTART_COUNT",
 ]
-
-# The environment that spmdcomm-launch sets for each process and initialize() reads.
-ENV_COORDINATOR = "SPMDCOMM_COORDINATOR"  # HOST:PORT of process 0's coordination service
-ENV_NUM_PROCESSES = "SPMDCOMM_NUM_PROCESSES"
-ENV_PROCESS_ID = "SPMDCOMM_PROCESS_ID"
-ENV_LOCAL_RANK = "SPMDCOMM_LOCAL_RANK"  # index among the processes on this host
-ENV_LOCAL_DEVICE_IDS = "SPMDCOMM_LOCAL_DEVICE_IDS"  # comma-separated accelerator ids for this process
-ENV_LOCAL_WORLD_SIZE = "SPMDCOMM_LOCAL_WORLD_SIZE"  # number of processes on this host
-ENV_RESTART_COUNT = "SPMDCOMM_RESTART_COUNT"  # how often the launcher restarted the job (--max-restarts)
 
 _KV_PREFIX = "spmdcomm/host/"
 _hosts: dict[int, str] = {}  # process id -> host name, filled by publish_host() during initialize()
