@@ -233,6 +233,8 @@ __all__ = [
     "set_debug",
 ]
 
+# The layers that hold the public names, loaded together on the first use of one.
+_LAYERS = ("errors", "collectives", "data", "explain", "nnx", "reliability", "runtime", "train")
 # Subpackages reachable as attributes before anything imported them (``sc.nnx.SyncBatchNorm``).
 _SUBPACKAGES = ("collectives", "data", "explain", "launch", "nnx", "reliability", "runtime", "train")
 
@@ -248,7 +250,7 @@ if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt ``sc.name
             raise AttributeError(f"module 'spmdcomm' has no attribute {name!r}")
         from jax.sharding import PartitionSpec
 
-        layers = [importlib.import_module(f"spmdcomm.{layer}") for layer in ("errors", *_SUBPACKAGES)]
+        layers = [importlib.import_module(f"spmdcomm.{layer}") for layer in _LAYERS]
         found = {"P": PartitionSpec}
         found.update({n: getattr(layer, n) for layer in layers for n in getattr(layer, "__all__", ()) if n in __all__})
         globals().update(found)
