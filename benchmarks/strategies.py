@@ -164,7 +164,8 @@ def global_batch(model_name: str) -> int:
 
 def init_params(model_name: str) -> dict:
     inputs = model_data(model_name)[INPUT_KEY[model_name]][:2]
-    return jax.tree.map(np.asarray, dict(MODELS[model_name].init(jax.random.PRNGKey(0), inputs)["params"]))
+    params = jax.jit(MODELS[model_name].init)(jax.random.PRNGKey(0), inputs)["params"]  # one program to compile
+    return jax.tree.map(np.asarray, dict(params))
 
 
 def make_state(model_name: str, mesh, strategy) -> sc.TrainState:

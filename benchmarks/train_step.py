@@ -82,7 +82,7 @@ def plain_loss(apply_fn, params, batch):
 
 
 def init_params(model_name: str) -> dict:
-    variables = MODELS[model_name].init(jax.random.PRNGKey(0), data()["x"][:2])
+    variables = jax.jit(MODELS[model_name].init)(jax.random.PRNGKey(0), data()["x"][:2])  # one program to compile
     return jax.tree.map(np.asarray, dict(variables["params"]))
 
 

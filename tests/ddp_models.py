@@ -4,6 +4,7 @@ independent check."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -54,7 +55,7 @@ def init(kind: str, *, axis_name: str | None = None, seed: int = 0) -> tuple[Any
     """(apply_fn, params, model_state) of an "mlp" or a "cnn" (whose BatchNorm syncs over
     axis_name)."""
     model = MLP() if kind == "mlp" else CNN(axis_name=axis_name)
-    variables = model.init(jax.random.PRNGKey(seed), example_batch(kind, 2, seed=0)["x"])
+    variables = _jitted_init(model)(jax.random.PRNGKey(seed), example_batch(kind, 2, seed=0)["x"])
     variables = jax.tree.map(np.asarray, dict(variables))
     params = variables.pop("params")
     return model.apply, params, variables
@@ -170,3 +171,10 @@ def local_rows(batch, mesh):
     start = min(idx[0].start or 0 for idx in index_map.values())
     stop = max(idx[0].stop or size for idx in index_map.values())
     return jax.tree.map(lambda x: x[start:stop], batch)
+
+
+@functools.cache
+def _jitted_init(model: nn.Module):
+    """``model.init`` as one compiled program, built once per model (Flax modules are hashable dataclasses):
+    eagerly, every initializer shape and layer operation compiles its own."""
+    return jax.jit(model.init)

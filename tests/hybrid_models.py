@@ -53,7 +53,11 @@ def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
 
 def boxed_params():
     """The block's parameters with their ``nn.Partitioned`` boxes (as ``Module.init`` returns them)."""
-    return Block().init(jax.random.PRNGKey(0), np.zeros((1, SEQ, WIDTH), np.float32))["params"]
+    return _init_block(jax.random.PRNGKey(0), np.zeros((1, SEQ, WIDTH), np.float32))["params"]
+
+
+# One compiled program for every call in a process (eagerly, each initializer shape compiles its own).
+_init_block = jax.jit(Block().init)
 
 
 def plain_params():

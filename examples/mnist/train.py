@@ -170,7 +170,9 @@ def create_train_state(config: Config, *, total_steps: int) -> sc.TrainState:
     """The CNN's parameters and Adam with a cosine schedule that reaches 0 at ``total_steps``, replicated
     over every device as ``config.strategy`` says (``"zero1"``: the Adam state split over the devices)."""
     model = CNN()
-    params = model.init(jax.random.key(config.seed), np.zeros((1, 28, 28, 1), np.float32))["params"]
+    # Under jit, initialisation is one compiled program; run eagerly, every initializer shape and layer operation
+    # compiles its own (a few seconds in each process on a CPU). Flax's examples initialise the same way.
+    params = jax.jit(model.init)(jax.random.key(config.seed), np.zeros((1, 28, 28, 1), np.float32))["params"]
     tx = optax.adam(optax.cosine_decay_schedule(config.lr, max(total_steps, 1)))
     return sc.TrainState.create(
         params=params,

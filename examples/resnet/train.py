@@ -12,6 +12,7 @@ where its latest checkpoint was taken and ends with the same numbers as a run th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import input_pipeline
@@ -103,7 +104,10 @@ def create_train_state(config: Config, *, steps_per_epoch: int) -> sc.TrainState
     metric of every step through ``optax.inject_hyperparams``)."""
     model = ResNet(num_classes=len(input_pipeline.CLASSES), dtype=jnp.float16 if config.half_precision else jnp.float32)
     shape = (1, input_pipeline.SIZE, input_pipeline.SIZE, 3)
-    variables = model.init(jax.random.key(config.seed), np.zeros(shape, np.float32), train=False)
+    # One compiled program, not one per initializer shape and layer operation (as the MNIST example says).
+    variables = jax.jit(functools.partial(model.init, train=False))(
+        jax.random.key(config.seed), np.zeros(shape, np.float32)
+    )
     total = config.epochs * steps_per_epoch
     warmup = max(min(int(config.warmup_epochs * steps_per_epoch), total - 1), 1)  # leaves the cosine a step or more
     schedule = optax.warmup_cosine_decay_schedule(

@@ -18,6 +18,7 @@ are written (``arrays``) or just before the final rename (``rename``), for the t
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import time
@@ -62,7 +63,10 @@ def dataset() -> dict[str, np.ndarray]:
 def fresh_state(mesh) -> sc.TrainState:
     """The initial state (the template a resumed run restores into)."""
     model = Net()
-    variables = model.init(jax.random.key(0), np.zeros((2, FEATURES), np.float32), train=False)
+    # jit: one compiled program in each process, instead of one per initializer shape and layer operation.
+    variables = jax.jit(functools.partial(model.init, train=False))(
+        jax.random.key(0), np.zeros((2, FEATURES), np.float32)
+    )
     variables = jax.tree.map(np.asarray, dict(variables))
     params = variables.pop("params")
     return sc.TrainState.create(

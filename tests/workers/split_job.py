@@ -25,6 +25,7 @@ T``; a stop prints ``STOPPED <mode> before step STEP`` (raise) or ``KILLING <mod
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -92,7 +93,8 @@ class StopAt:
 def train(mode: str, mesh, ckpt_dir: Path | None, stop_at: int | None, *, kill: bool):
     """``fit`` of a fresh state and loader (resumed from ``ckpt_dir``'s newest checkpoint, if any)."""
     model = DropMLP()
-    params = model.init(jax.random.key(0), np.zeros((2, job.FEATURES), np.float32), train=False)["params"]
+    init = jax.jit(functools.partial(model.init, train=False))  # one compiled program, not one per initializer
+    params = init(jax.random.key(0), np.zeros((2, job.FEATURES), np.float32))["params"]
     state = sc.TrainState.create(
         params=jax.tree.map(np.asarray, params), apply_fn=model.apply, tx=optax.adam(1e-2), mesh=mesh, rng=11
     )
