@@ -44,7 +44,7 @@ SMOKE = {
         "0.001",
     ],
     "prefetch": ["prefetch.py", "--reps", "1", "--steps", "3"],
-    "train_step": ["train_step.py", "--rounds", "1", "--steps", "2", "--skip-multiprocess"],
+    "train_step": ["train_step.py", "--rounds", "1", "--steps", "2", "--skip-multiprocess", "--models", "mlp"],
     "strategies": [
         "strategies.py",
         "--rounds",

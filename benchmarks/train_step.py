@@ -172,10 +172,10 @@ def _loop(step, params, opt_state, batch):
 # --- driver ---------------------------------------------------------------------------------------
 
 
-def in_process(rounds: int, steps: int) -> dict[str, float]:
+def in_process(rounds: int, steps: int, models: list[str]) -> dict[str, float]:
     mesh = sc.data_mesh(devices=jax.devices()[:2])
     variants = {}
-    for m in ("mlp", "cnn"):
+    for m in models:
         variants[f"{m}/single device"] = single_device(m)
         variants[f"{m}/hand-written shard_map"] = handwritten(m, mesh)
         variants[f"{m}/ours"] = ours(m, mesh)
@@ -194,13 +194,14 @@ def in_process(rounds: int, steps: int) -> dict[str, float]:
             times[name].append(BATCH * steps / run(steps))
     results = {k: float(np.median(v)) for k, v in times.items()}
     # The machine is noisy: the median over rounds of the ratio within a round is the fairer ratio.
-    for m in ("mlp", "cnn"):
+    for m in models:
         for base in ("hand-written shard_map", "single device"):
             for name in ("ours", "ours flat buffer"):
                 ratio = np.array(times[f"{m}/{name}"]) / np.array(times[f"{m}/{base}"])
                 results[f"{m}/ratio {name} / {base} (paired median)"] = float(np.median(ratio))
     for name in ("mlp/ours", "mlp/ours ZeRO-1"):
-        results[f"{name} optimizer-state bytes/device"] = sc.optimizer_state_bytes(variants[name].state["state"])
+        if name in variants:
+            results[f"{name} optimizer-state bytes/device"] = sc.optimizer_state_bytes(variants[name].state["state"])
     return results
 
 
@@ -402,6 +403,7 @@ def main() -> None:
     parser.add_argument("--skip-in-process", action="store_true")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--models", default="mlp,cnn", help="the in-process comparisons' models")
     parser.add_argument("--flat", action="store_true")
     parser.add_argument("--one-thread", action="store_true")
     parser.add_argument("--torch", action="store_true")
@@ -418,7 +420,7 @@ def main() -> None:
     if args.worker:
         worker(args.model, args.steps, args.rounds, args.flat)
         return
-    results = {} if args.skip_in_process else in_process(args.rounds, args.steps)
+    results = {} if args.skip_in_process else in_process(args.rounds, args.steps, args.models.split(","))
     if not args.skip_multiprocess:
         results.update(multi_process(args.steps, args.rounds, args.repeats))
         results.update(gloo_probe(args.steps, args.rounds))

@@ -317,7 +317,7 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
     assert {r["op"] for r in results["collectives"]["rows"]} == ops
     assert all(r["time_us"] > 0 for r in results["collectives"]["rows"])
     assert {"io", "cpu"} <= set(results["prefetch"]["loader_vs_step"]) and results["prefetch"]["hidden_transfer"]
-    assert results["train_step"]["mlp/ours"] > 0 and results["train_step"]["cnn/hand-written shard_map"] > 0
+    assert results["train_step"]["mlp/ours"] > 0 and results["train_step"]["mlp/hand-written shard_map"] > 0
     memory = results["strategies"]["memory"]
     assert [(r["strategy"], r["devices"]) for r in memory] == [("ddp", 2), ("fsdp", 2), ("jit+NamedSharding fsdp", 2)]
     assert memory[1]["goal_met"] and memory[1]["persistent_bytes vs ddp"] < 0.51

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "resnet"
+# Two stages (the second one strided, with a projection shortcut): every kind of block, and a third less to compile.
 SMALL = ["--train-size", "200", "--test-size", "90", "--batch-size", "32", "--epochs", "2", "--half-precision"]
+SMALL += ["--widths", "16,32"]
 
 
 def run(args: list[str], tmp_path: Path, *, name: str) -> dict:

@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-epochs", type=float)
     p.add_argument("--weight-decay", type=float, help="on convolution and dense kernels only")
     p.add_argument("--half-precision", action="store_true", help="compute in float16 with dynamic loss scaling")
+    p.add_argument("--widths", type=_widths, help="channels of each stage, comma-separated (default 16,32,64)")
     p.add_argument("--strategy", choices=["ddp", "zero1", "zero2", "fsdp"])
     p.add_argument("--train-size", type=int)
     p.add_argument("--test-size", type=int)
@@ -56,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="fake CPU devices per process (CPU only)")
     p.add_argument("--json", help="write the summary to this file")
     return p
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    return tuple(int(w) for w in text.split(","))
 
 
 if __name__ == "__main__":

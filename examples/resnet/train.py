@@ -36,6 +36,7 @@ class Config:
     momentum: float = 0.9
     weight_decay: float = 5e-4  # on kernels only (not on BatchNorm scales and biases)
     half_precision: bool = False  # float16 computation with dynamic loss scaling
+    widths: tuple[int, ...] = (16, 32, 64)  # channels of each stage (one residual block per stage)
     strategy: str = "ddp"  # one of spmdcomm.train.STRATEGIES
     train_size: int = 3000
     test_size: int = 600  # not a multiple of the batch: the last test batch is padded
@@ -102,7 +103,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
 def create_train_state(config: Config, *, steps_per_epoch: int) -> sc.TrainState:
     """The ResNet's variables, and SGD with a warm-up cosine schedule over every epoch (the learning rate is a
     metric of every step through ``optax.inject_hyperparams``)."""
-    model = ResNet(num_classes=len(input_pipeline.CLASSES), dtype=jnp.float16 if config.half_precision else jnp.float32)
+    dtype = jnp.float16 if config.half_precision else jnp.float32
+    model = ResNet(num_classes=len(input_pipeline.CLASSES), widths=config.widths, dtype=dtype)
     shape = (1, input_pipeline.SIZE, input_pipeline.SIZE, 3)
     # One compiled program, not one per initializer shape and layer operation (as the MNIST example says).
     variables = jax.jit(functools.partial(model.init, train=False))(
