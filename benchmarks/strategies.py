@@ -151,6 +151,8 @@ MODELS = {"mlp": MLP(), "cnn": mnist_cnn(), "transformer": TransformerLM()}
 LOSSES = {"mlp": loss_fn, "cnn": loss_fn, "transformer": lm_loss_fn}  # our steps' loss_fn
 PLAIN_LOSSES = {"mlp": plain_loss, "cnn": plain_loss, "transformer": lm_plain_loss}  # (apply_fn, params, batch)
 INPUT_KEY = {"mlp": "x", "cnn": "x", "transformer": "tokens"}  # what the model is applied to
+# Each model's init compiled once, as one program (as in train_step.py).
+INITS = {name: jax.jit(model.init) for name, model in MODELS.items()}
 
 
 def model_data(model_name: str) -> dict[str, np.ndarray]:
@@ -164,8 +166,7 @@ def global_batch(model_name: str) -> int:
 
 def init_params(model_name: str) -> dict:
     inputs = model_data(model_name)[INPUT_KEY[model_name]][:2]
-    params = jax.jit(MODELS[model_name].init)(jax.random.PRNGKey(0), inputs)["params"]  # one program to compile
-    return jax.tree.map(np.asarray, dict(params))
+    return jax.tree.map(np.asarray, dict(INITS[model_name](jax.random.PRNGKey(0), inputs)["params"]))
 
 
 def make_state(model_name: str, mesh, strategy) -> sc.TrainState:

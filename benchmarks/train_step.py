@@ -61,6 +61,9 @@ class CNN(nn.Module):
 
 
 MODELS = {"mlp": MLP(), "cnn": CNN()}
+# Each model's init compiled once, as one program: eagerly every initializer shape compiles its own, and a new
+# jax.jit wrapper per call would compile the whole program again each time.
+INITS = {name: jax.jit(model.init) for name, model in MODELS.items()}
 
 
 def data(seed: int = 0) -> dict[str, np.ndarray]:
@@ -82,7 +85,7 @@ def plain_loss(apply_fn, params, batch):
 
 
 def init_params(model_name: str) -> dict:
-    variables = jax.jit(MODELS[model_name].init)(jax.random.PRNGKey(0), data()["x"][:2])  # one program to compile
+    variables = INITS[model_name](jax.random.PRNGKey(0), data()["x"][:2])
     return jax.tree.map(np.asarray, dict(variables["params"]))
 
 

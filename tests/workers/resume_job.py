@@ -44,6 +44,11 @@ class Net(nn.Module):
         return nn.Dense(CLASSES)(x)
 
 
+# Net's init compiled once per process, as one program: eagerly every initializer shape compiles its own, and a new
+# jax.jit wrapper per fresh_state() call would compile it again.
+_init = jax.jit(functools.partial(Net().init, train=False))
+
+
 def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
     logits, new_state = apply_fn(
         {"params": params, **model_state}, batch["x"], mutable=["batch_stats"], rngs={"dropout": rng}
@@ -62,15 +67,10 @@ def dataset() -> dict[str, np.ndarray]:
 
 def fresh_state(mesh) -> sc.TrainState:
     """The initial state (the template a resumed run restores into)."""
-    model = Net()
-    # jit: one compiled program in each process, instead of one per initializer shape and layer operation.
-    variables = jax.jit(functools.partial(model.init, train=False))(
-        jax.random.key(0), np.zeros((2, FEATURES), np.float32)
-    )
-    variables = jax.tree.map(np.asarray, dict(variables))
+    variables = jax.tree.map(np.asarray, dict(_init(jax.random.key(0), np.zeros((2, FEATURES), np.float32))))
     params = variables.pop("params")
     return sc.TrainState.create(
-        params=params, model_state=variables, apply_fn=model.apply, tx=optax.adam(1e-2), mesh=mesh, rng=7
+        params=params, model_state=variables, apply_fn=Net().apply, tx=optax.adam(1e-2), mesh=mesh, rng=7
     )
 
 

@@ -55,6 +55,11 @@ class DropMLP(nn.Module):
         return nn.Dense(job.CLASSES)(x)
 
 
+# DropMLP's init compiled once per process (train() runs up to 4 times), as one program: eagerly every initializer
+# shape compiles its own, and a new jax.jit wrapper per call would compile it again.
+_init = jax.jit(functools.partial(DropMLP().init, train=False))
+
+
 def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
     logits = apply_fn({"params": params}, batch["x"], rngs={"dropout": rng})
     return sc.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), mask)
@@ -92,11 +97,9 @@ class StopAt:
 
 def train(mode: str, mesh, ckpt_dir: Path | None, stop_at: int | None, *, kill: bool):
     """``fit`` of a fresh state and loader (resumed from ``ckpt_dir``'s newest checkpoint, if any)."""
-    model = DropMLP()
-    init = jax.jit(functools.partial(model.init, train=False))  # one compiled program, not one per initializer
-    params = init(jax.random.key(0), np.zeros((2, job.FEATURES), np.float32))["params"]
+    params = _init(jax.random.key(0), np.zeros((2, job.FEATURES), np.float32))["params"]
     state = sc.TrainState.create(
-        params=jax.tree.map(np.asarray, params), apply_fn=model.apply, tx=optax.adam(1e-2), mesh=mesh, rng=11
+        params=jax.tree.map(np.asarray, params), apply_fn=DropMLP().apply, tx=optax.adam(1e-2), mesh=mesh, rng=11
     )
     step = sc.make_train_step(loss_fn, rng=mode)
     if stop_at is not None:
