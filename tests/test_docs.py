@@ -160,6 +160,13 @@ def test_readme_python_blocks_are_doctests():
         assert body.lstrip().startswith(">>>"), body[:80]
 
 
+def test_readme_stays_short():
+    # The README keeps the pitch, install, tests, the two quickstarts, the PyTorch table and links; the rest is in
+    # docs/. 10 KB is the bound the project set itself.
+    size = len((ROOT / "README.md").read_bytes())
+    assert size < 10 * 1024, f"README.md is {size} bytes: move detail to docs/ and link to it"
+
+
 def test_readme_install_and_test_commands_are_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for cmd in CI_COMMANDS:

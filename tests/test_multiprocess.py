@@ -134,6 +134,7 @@ def test_initialize_fails_cleanly_without_coordinator(tmp_path):
     port = free_port()
     code = f"""
 import socket, time
+import jax  # imported before the clock starts: the bound below is on the wait, not on importing JAX
 import spmdcomm as sc
 start = time.monotonic()
 try:
