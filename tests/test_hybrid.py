@@ -336,9 +336,9 @@ def test_fsdp_param_dtype_casts_leaves_split_only_over_model_axes():
 @pytest.mark.slow
 def test_two_processes_replicas_across_processes_shards_inside_equal_one_device(launch, tmp_path):
     out = launch("mp_hybrid.py", tmp_path, timeout=300)
-    assert out.stdout.count("HYBRID OK") == 4  # 2 strategies x 2 processes
+    assert out.stdout.count("HYBRID OK") == 2  # one per process
     ref_params, ref_losses = reference(30)
-    for strategy in ("zero2", "fsdp"):
+    for strategy in ("fsdp",):
         got = np.load(tmp_path / f"params_{strategy}.npz")
         for path, x in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
             name = jax.tree_util.keystr(path)

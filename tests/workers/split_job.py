@@ -97,7 +97,7 @@ class StopAt:
 
 def train(mode: str, mesh, ckpt_dir: Path | None, stop_at: int | None, *, kill: bool):
     """``fit`` of a fresh state and loader (resumed from ``ckpt_dir``'s newest checkpoint, if any)."""
-    params = _init(jax.random.key(0), np.zeros((2, job.FEATURES), np.float32))["params"]
+    params = _init(job.init_key(), np.zeros((2, job.FEATURES), np.float32))["params"]
     state = sc.TrainState.create(
         params=jax.tree.map(np.asarray, params), apply_fn=DropMLP().apply, tx=optax.adam(1e-2), mesh=mesh, rng=11
     )
