@@ -5,9 +5,9 @@ between layouts.
 
 Which cases run: every layout under FSDP, and each other strategy where it meets several data axes and a model axis
 (``LAYOUT_CASES``; ZeRO-2 on the two layouts that accumulate micro-batches: with ``accum_steps=1`` it compiles to
-ZeRO-1's program). The training runs, the two-process
-run and the checkpoint tour of four layouts are slow-tier tests; the fast tier (``-m "not slow"``) compiles FSDP's
-step on replica 2 x shard 4, reads which axis each collective crosses, and checks the layouts' state and errors.
+ZeRO-1's program). The training runs, the two-process run and the checkpoint tour of four layouts are slow-tier
+tests; the fast tier (``-m "not slow"``) compiles FSDP's step on replica 2 x shard 4, reads which axis each
+collective crosses, and checks the layouts' state and errors.
 """
 
 import functools
@@ -337,12 +337,11 @@ def test_two_processes_replicas_across_processes_shards_inside_equal_one_device(
     out = launch("mp_hybrid.py", tmp_path, timeout=300)
     assert out.stdout.count("HYBRID OK") == 2  # one per process
     ref_params, ref_losses = reference(30)
-    for strategy in ("fsdp",):
-        got = np.load(tmp_path / f"params_{strategy}.npz")
-        for path, x in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
-            name = jax.tree_util.keystr(path)
-            np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=f"{strategy} {name}")
-        np.testing.assert_allclose(np.load(tmp_path / f"losses_{strategy}.npy"), ref_losses, rtol=1e-5)
+    got = np.load(tmp_path / "params_fsdp.npz")
+    for path, x in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
+        name = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(np.load(tmp_path / "losses_fsdp.npy"), ref_losses, rtol=1e-5)
 
 
 @pytest.mark.slow

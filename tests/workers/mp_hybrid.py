@@ -23,7 +23,7 @@ from hybrid_models import Block, batches, loss_fn, plain_params  # noqa: E402
 from test_hybrid import make_tx  # noqa: E402
 
 AXES = ("replica", "shard")
-CASES = {"fsdp": 2}  # strategy: accum_steps
+ACCUM_STEPS = 2
 
 
 def local_rows(tree, mesh):
@@ -39,21 +39,18 @@ def main(out_dir: Path) -> None:
     mesh = sc.make_mesh({"replica": 2, "shard": 2})
     rows = [{d.process_index for d in row} for row in mesh.devices]
     assert rows == [{0}, {1}], rows  # replicas across processes, shards inside one
-    for strategy, accum in CASES.items():
-        state = sc.TrainState.create(
-            params=plain_params(), apply_fn=Block().apply, tx=make_tx(), mesh=mesh, axis=AXES, strategy=strategy
-        )
-        step = sc.make_train_step(loss_fn, accum_steps=accum)
-        padded = [sc.pad_batch(b, 4 * accum) for b in batches(4, rows=30)]
-        local = [sc.MaskedBatch(*local_rows((b.data, b.mask), mesh)) for b in padded]
-        if strategy == "fsdp":
-            # Gathers and reduce-scatters stay inside a process; only all-reduces cross the replica axis.
-            report = sc.explain(step, state, local[0])
-            assert {c.kind for c in report.collectives if "replica" in (c.axes or ())} == {"all-reduce"}, report
-        state, history = sc.fit(step, state, local)
-        full = state.full_params()
-        write_params(out_dir, strategy, full, history)
-        print("HYBRID OK", strategy, flush=True)
+    state = sc.TrainState.create(
+        params=plain_params(), apply_fn=Block().apply, tx=make_tx(), mesh=mesh, axis=AXES, strategy="fsdp"
+    )
+    step = sc.make_train_step(loss_fn, accum_steps=ACCUM_STEPS)
+    padded = [sc.pad_batch(b, 4 * ACCUM_STEPS) for b in batches(4, rows=30)]
+    local = [sc.MaskedBatch(*local_rows((b.data, b.mask), mesh)) for b in padded]
+    # Gathers and reduce-scatters stay inside a process; only all-reduces cross the replica axis.
+    report = sc.explain(step, state, local[0])
+    assert {c.kind for c in report.collectives if "replica" in (c.axes or ())} == {"all-reduce"}, report
+    state, history = sc.fit(step, state, local)
+    write_params(out_dir, "fsdp", state.full_params(), history)
+    print("HYBRID OK", flush=True)
 
 
 if __name__ == "__main__":
