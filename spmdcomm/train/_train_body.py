@@ -112,10 +112,13 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
         sharded array and XLA adds the reductions a global norm or a per-leaf statistic needs; inside pmap (DDP
         only) on the replicated tree."""
         denom = denominator(total, masked)
-        grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), reduced)
         if scaled:
-            # Unscaled in float32 at least (a float16 gradient divided by 65536 underflows), as Flax's DynamicScale.
-            grads = jax.tree.map(lambda g: g.astype(sum_dtype(g.dtype)) / state.loss_scale.scale, grads)
+            # Each device's loss was weighed by its share of the global batch before differentiating (see
+            # _loss_weight), so the reduced gradient is already the global mean's, times the scale: unscaled in
+            # float32 at least (a float16 gradient divided by 65536 underflows), as Flax's DynamicScale.
+            grads = jax.tree.map(lambda g: g.astype(sum_dtype(g.dtype)) / state.loss_scale.scale, reduced)
+        else:
+            grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), reduced)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = strategy.store_params(layout, state.mesh, optax.apply_updates(state.params, updates))
         # Keep the old state where nothing real was seen (all padding) or a gradient was not finite.
@@ -180,14 +183,22 @@ def _accumulate(
     # BatchNorm statistics: the transpose of their all-reduce), and split parameters (FSDP) come out summed over
     # the axis by the transpose of the gather; each of those terms must carry its own device's weight.
     params = _vary(state.params, axis, varying)
-    weigh_loss = masked
-    grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, weigh_loss, reserved), has_aux=True)
+    weight = _loss_weight(state, mask, masked, k, ctx.size)
+    grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, masked, reserved), has_aux=True)
     extra = {"step": state.step} if _takes_keyword(o.loss_fn, "step") else {}
 
     def one(model_state: Any, batch: Any, m: jax.Array, j: Any) -> tuple[Any, ...]:
         c = jnp.sum(m, dtype=jnp.float32)
         (_, (loss, aux)), grads = grad_fn(
-            params, batch, apply_fn=state.apply_fn, model_state=model_state, rng=micro_rng(j), mask=m, count=c, **extra
+            params,
+            batch,
+            apply_fn=state.apply_fn,
+            model_state=model_state,
+            rng=micro_rng(j),
+            mask=m,
+            count=c,
+            weight=weight(c),
+            **extra,
         )
         new_model_state = aux.pop("model_state", model_state)
         _check_same_tree(model_state, new_model_state)
@@ -231,15 +242,35 @@ def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], 
     return lambda j: jax.random.fold_in(device_rng, j)
 
 
+def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int, size: int) -> Callable[[jax.Array], Any]:
+    """``f(count) -> weight``: what a micro-batch's mean loss is multiplied by before differentiating, given its
+    real-example ``count`` (``mask`` is this device's block of the step's mask, ``k`` micro-batches of it, over
+    ``size`` devices).
+
+    Without loss scaling: the count when the batch is masked (the sum over devices is then divided by the total
+    count), else 1 (divided by the number of blocks). With loss scaling the weight is the micro-batch's share of the
+    global batch (count / global count, or 1 / blocks), so the backward pass runs on exactly the values a single
+    device's ``scale * global mean`` would give each example: float16 overflows, and so skipped steps and the
+    scale's history, are those of one device whatever the mask and the device count (weighing by the count
+    alone made the scaled values up to count times larger, and overflows came at smaller scales)."""
+    if state.loss_scale is None:
+        return (lambda c: c) if masked else (lambda c: 1.0)
+    if not masked:
+        return lambda c: 1.0 / (size * k)
+    total = jnp.maximum(lax.psum(jnp.sum(mask, dtype=jnp.float32), state.data_axes), 1.0)
+    return lambda c: c / total
+
+
 def _differentiable_loss(
-    o: StepOptions, ctx: ReduceContext, state: TrainState, weigh_loss: bool, reserved: set[str]
+    o: StepOptions, ctx: ReduceContext, state: TrainState, masked: bool, reserved: set[str]
 ) -> Callable[..., Any]:
-    """``f(params, batch, ..., count) -> (differentiated value, (loss, aux))`` for ``jax.value_and_grad``: the
-    loss, weighted by the block's real-example count where the strategy needs it, times the loss scale."""
+    """``f(params, batch, ..., count, weight) -> (differentiated value, (loss, aux))`` for ``jax.value_and_grad``:
+    the loss times ``weight`` (see :func:`_loss_weight`; zero for a masked block without real examples, whose mean
+    may be NaN), times the loss scale."""
     strategy, layout = state.strategy, state.layout
     policy = strategy.remat_policy
 
-    def wrapped(params: Any, batch: Any, *, count: jax.Array, **kwargs: Any) -> tuple[jax.Array, Any]:
+    def wrapped(params: Any, batch: Any, *, count: jax.Array, weight: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
         def forward(p: Any) -> Any:
             return call_model_fn(
                 "make_train_step", "loss_fn", state, o.loss_fn, strategy.compute_params(ctx, layout, p), batch, **kwargs
@@ -253,7 +284,9 @@ def _differentiable_loss(
         _check_aux_names(aux, reserved)
         scalars = {"loss": loss, **{k: v for k, v in aux.items() if k != "model_state"}}
         check_scalars("make_train_step", scalars, "loss_fn")
-        value = jnp.where(count > 0, count * loss, jnp.zeros_like(loss)) if weigh_loss else loss
+        # In the loss's dtype, as one device's ``scale * loss`` differentiates a float16 loss in float16.
+        value = (weight if state.loss_scale is None else jnp.asarray(weight, loss.dtype)) * loss
+        value = jnp.where(count > 0, value, jnp.zeros_like(loss)) if masked else value
         if state.loss_scale is not None:
             # Not cast to the loss's dtype: 65536 is Inf in float16. A float16 loss is promoted, as in Flax.
             value = value * state.loss_scale.scale

@@ -12,21 +12,37 @@ ported program keeps its configuration, and the rule is Flax's:
 * non-finite step: parameters, optimizer state and model state are kept, the scale is multiplied by
   ``backoff_factor`` (not below ``minimum_scale``) and ``fin_steps`` restarts at 0.
 
-Every replica decides on the reduced gradient, so every replica skips, grows and shrinks alike. torch's
-``GradScaler(init_scale=s, growth_factor=g, backoff_factor=b, growth_interval=n)`` grows after ``n`` finite steps,
-which is ``DynamicScale(scale=s, growth_factor=g, backoff_factor=b, growth_interval=n - 1)``.
+Every replica decides on the reduced gradient, so every replica skips, grows and shrinks alike. Each device's loss
+is weighed by its share of the global batch (its real-example count over the global count; 1 / blocks without a
+mask) before it is scaled and differentiated, so each example's backward values are those of one device running
+``scale * mean loss`` over the whole batch: the skipped steps, the scale after every step and the parameters (to
+float16 rounding) are that program's, masked or not, on any number of devices and under every strategy. One
+difference remains by construction: a weight gradient that one device sums over the whole batch in float16 can
+overflow where each device's partial sum does not (the partial sums are added in float32, or ``reduce_dtype``).
+
+``TrainState.create(loss_scale=...)`` takes:
+
+* ``"dynamic"``: Flax's defaults, ``DynamicScale()``: initial scale ``2**16`` = 65536, ``growth_factor=2.0``,
+  ``backoff_factor=0.5``, ``growth_interval=2000`` (Flax grows when ``fin_steps`` equals it, so after 2001 finite
+  steps, where torch's ``GradScaler`` default grows after 2000), ``minimum_scale`` the smallest normal float32;
+* a dict of ``DynamicScale`` fields to set, the others keeping those defaults:
+  ``{"scale": 2.0**12, "growth_interval": 1999, "growth_factor": 2.0, "backoff_factor": 0.5, "minimum_scale": 1.0}``;
+* a ``flax.training.dynamic_scale.DynamicScale``.
+
+torch's ``GradScaler(init_scale=s, growth_factor=g, backoff_factor=b, growth_interval=n)`` grows after ``n`` finite
+steps, which is ``{"scale": s, "growth_factor": g, "backoff_factor": b, "growth_interval": n - 1}``.
 
 >>> import optax
->>> from flax.training.dynamic_scale import DynamicScale
 >>> state = sc.TrainState.create(params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1),
-...                              loss_scale=DynamicScale(scale=1024.0))
->>> float(state.loss_scale.scale), int(state.loss_scale.fin_steps)
-(1024.0, 0)
+...                              loss_scale={"scale": 1024.0, "growth_interval": 99})
+>>> float(state.loss_scale.scale), int(state.loss_scale.fin_steps), state.loss_scale.growth_interval
+(1024.0, 0, 99)
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -35,14 +51,17 @@ import numpy as np
 
 from spmdcomm.errors import SpmdError, describe
 
-__all__ = ["resolve_loss_scale", "next_loss_scale"]
+__all__ = ["resolve_loss_scale", "next_loss_scale", "SETTINGS"]
+
+#: The settings a ``loss_scale`` dict may give: ``DynamicScale``'s fields but its step count.
+SETTINGS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "minimum_scale")
 
 
 def resolve_loss_scale(fn: str, loss_scale: Any) -> Any:
     """``loss_scale`` as a host ``DynamicScale`` (float32 ``scale``, int32 ``fin_steps``), or ``None``.
 
-    Accepts ``None`` (no scaling), ``"dynamic"`` (Flax's defaults: scale 65536, x2 after 2000 finite steps, x0.5
-    on a non-finite one) or a ``DynamicScale``.
+    Accepts ``None`` (no scaling), ``"dynamic"`` (Flax's defaults: scale 65536, x2 after 2001 finite steps, x0.5
+    on a non-finite one), a dict of ``DynamicScale`` fields (:data:`SETTINGS`) or a ``DynamicScale``.
     """
     from flax.training.dynamic_scale import DynamicScale
 
@@ -50,13 +69,24 @@ def resolve_loss_scale(fn: str, loss_scale: Any) -> Any:
         return None
     if isinstance(loss_scale, str) and loss_scale == "dynamic":
         loss_scale = DynamicScale()
+    if isinstance(loss_scale, Mapping):
+        unknown = sorted(str(k) for k in loss_scale if k not in SETTINGS)
+        if unknown:
+            raise SpmdError(
+                describe(
+                    fn,
+                    f"loss_scale={dict(loss_scale)!r} sets {unknown}, which are not loss-scale settings.",
+                    fix=f"set only {list(SETTINGS)} (e.g. {{'scale': 2.0**12, 'growth_interval': 1999}}).",
+                )
+            )
+        loss_scale = DynamicScale(**loss_scale)
     if not isinstance(loss_scale, DynamicScale):
         raise SpmdError(
             describe(
                 fn,
                 f"loss_scale={loss_scale!r} is not a loss scale.",
-                fix='pass loss_scale="dynamic", or flax.training.dynamic_scale.DynamicScale(scale=..., '
-                "growth_interval=...), or None (no scaling).",
+                fix='pass loss_scale="dynamic", a dict of settings such as {"scale": 2.0**12, "growth_interval": '
+                "1999}, a flax.training.dynamic_scale.DynamicScale, or None (no scaling).",
             )
         )
     scale = np.asarray(loss_scale.scale, np.float32)
