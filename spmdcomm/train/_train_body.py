@@ -110,8 +110,15 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """The optimizer step on the model's tree: in the global view (shard_map backend), where each leaf is a
         sharded array and XLA adds the reductions a global norm or a per-leaf statistic needs; inside pmap (DDP
-        only) on the replicated tree."""
+        only) on the replicated tree. The optimizer sees every leaf at its own shape: padded leaves are cut to it
+        before and padded again after (see spmdcomm.train._layout)."""
         denom = denominator(total, masked)
+        reduced = layout.unpadded(reduced, "grads", state.mesh)
+        stored_params, stored_opt_state = state.params, state.opt_state
+        state = state.replace(
+            params=layout.unpadded(state.params, "params", state.mesh),
+            opt_state=layout.unpadded(state.opt_state, "opt", state.mesh),
+        )
         if scaled:
             # Each device's loss was weighed by its share of the global batch before differentiating (see
             # _loss_weight), so the reduced gradient is already the global mean's, times the scale: unscaled in
@@ -121,6 +128,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
             grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), reduced)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = strategy.store_params(layout, state.mesh, optax.apply_updates(state.params, updates))
+        params = layout.stored(params, "params", state.mesh)
         # Keep the old state where nothing real was seen (all padding) or a gradient was not finite.
         apply = total > 0 if masked else None
         finite = all_finite(grads) if o.skip_nonfinite or scaled else None
@@ -133,8 +141,8 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
         )
         new_state = state.replace(
             step=state.step + 1,
-            params=keep(params, state.params),
-            opt_state=keep(opt_state, state.opt_state),
+            params=keep(params, stored_params),
+            opt_state=keep(layout.stored(opt_state, "opt", state.mesh), stored_opt_state),
             model_state=keep(new_model_state, state.model_state),
         )
         metrics = {k: v / denom for k, v in metric_sums.items()}

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.train._layout import TreeLayout, manual_spec, reshard
+from spmdcomm.train._layout import TreeLayout, manual_spec
 from spmdcomm.train._strategy import ReduceContext, Strategy, psum_whole
 
 __all__ = ["FSDP"]
@@ -77,7 +77,10 @@ class FSDP(Strategy):
     def full_params(self, layout: TreeLayout, mesh: Mesh, params: Any) -> Any:
         model_axes = tuple(a for a in mesh.axis_names if a not in layout.axes)
         whole = [NamedSharding(mesh, manual_spec(s, model_axes)) for s in layout.param_leaf_specs]
-        return reshard(params, jax.tree.unflatten(layout.treedef, whole))
+        cut = jax.jit(
+            lambda p: layout.unpadded(p, "params", mesh), out_shardings=jax.tree.unflatten(layout.treedef, whole)
+        )
+        return cut(params)
 
     def compute_params(self, ctx: ReduceContext, layout: TreeLayout, params: Any) -> Any:
         # Split leaves are gathered in the compute dtype; the backward pass reduce-scatters their gradient in the

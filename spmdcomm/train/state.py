@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 from spmdcomm.data import placement
 from spmdcomm.runtime.host_collectives import broadcast_tree
 from spmdcomm.runtime.mesh import default_mesh
-from spmdcomm.train._layout import reshard
 from spmdcomm.train._mesh_axes import check_data_axes, data_axes, model_partitioning
 from spmdcomm.train.loss_scale import resolve_loss_scale
 from spmdcomm.train.rng import data_to_keys, keys_to_data
@@ -156,8 +155,13 @@ class TrainState:
             placement.place("TrainState.create", host, NamedSharding(mesh, P()), host_input="global"), key_impls
         )
         layout = strategy.layout(params, tx, mesh, data_axes(axis), model_specs)
-        params = reshard(params, layout.shardings(mesh, "params"))
-        opt_state = jax.jit(tx.init, out_shardings=layout.shardings(mesh, "opt"))(params)
+        # The optimizer state is tx.init of the model's own tree; leaves that no dimension divides are stored padded.
+        opt_state = jax.jit(
+            lambda p: layout.stored(tx.init(p), "opt", mesh), out_shardings=layout.shardings(mesh, "opt")
+        )(params)
+        params = jax.jit(lambda p: layout.stored(p, "params", mesh), out_shardings=layout.shardings(mesh, "params"))(
+            params
+        )
         return cls(
             step=jax.device_put(np.zeros((), np.int32), NamedSharding(mesh, P())),
             params=params,

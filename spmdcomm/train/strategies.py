@@ -29,11 +29,14 @@ strategy                      gradients                              parameters 
 ============================  =====================================  ==============  ===============
 
 "Split per leaf" means each leaf is split over the data axis on its first dimension that the axis size divides
-(:func:`spmdcomm.train._layout.shard_spec`); a leaf no dimension of which divides stays replicated, so no leaf is ever
-padded or reshaped. The optimizer runs in the global view (``jax.jit`` over these sharded arrays): optax sees the
-model's tree with its true shapes, so masks and labels by path or shape, global-norm clipping, per-leaf trust
-ratios (LAMB, LARS) and factored statistics (Adafactor) are exactly those of one device, and XLA inserts the small
-reductions they need. ZeRO-1, ZeRO-2 and FSDP run on the ``shard_map`` backend only.
+(:func:`spmdcomm.train._layout.shard_spec`); a leaf that no dimension divides is stored padded with zeros on one
+dimension (as torch FSDP2 pads uneven shards), and only leaves of fewer elements than the axis has devices stay
+replicated. The optimizer runs in the global view (``jax.jit`` over these sharded arrays), on every leaf cut to its
+own shape: optax sees the model's tree with its true shapes, so masks and labels by path or shape, global-norm
+clipping, per-leaf trust ratios (LAMB, LARS) and factored statistics (Adafactor) are exactly those of one device,
+and XLA inserts the small reductions they need. A padded leaf of ``state.params`` or ``state.opt_state`` has its
+stored (padded) shape; :meth:`TrainState.full_params <spmdcomm.TrainState.full_params>` and checkpoints give the
+model's own shapes. ZeRO-1, ZeRO-2 and FSDP run on the ``shard_map`` backend only.
 
 >>> import optax
 >>> state = sc.TrainState.create(params={"w": np.zeros((8, 3), np.float32)}, tx=optax.adam(1e-3), strategy="zero1")
@@ -127,9 +130,10 @@ class ZeRO1(Strategy):
         return psum_whole(ctx, layout, layout.scatter_sum(grads, ctx.reduce_dtype), stats)
 
     def store_params(self, layout: TreeLayout, mesh: Mesh, params: Any) -> Any:
-        # The optimizer produced each leaf's blocks (its gradient's layout); one all-gather per dtype makes the
-        # parameters whole again (XLA alone would gather leaf by leaf, and XLA:CPU pays per buffer).
-        blocks = lax.with_sharding_constraint(params, layout.shardings(mesh, "grads"))
+        # The optimizer produced each leaf's blocks (its gradient's layout, padded leaves at their own shape); one
+        # all-gather per dtype makes the parameters whole again (XLA alone would gather leaf by leaf, and XLA:CPU
+        # pays per buffer).
+        blocks = lax.with_sharding_constraint(layout.stored(params, "grads", mesh), layout.shardings(mesh, "grads"))
         return jax.shard_map(
             layout.gather_blocks,
             mesh=mesh,
