@@ -165,3 +165,17 @@ def test_checkpoints_hold_unpadded_leaves_and_restore_onto_any_layout(tmp_path):
         assert_trees_close(jax.device_get(restored.full_params()), saved_params, 0, 0)
         resumed = jax.device_get(train(restored, data[2:]).full_params())
         assert_trees_close(resumed, straight, rtol=2e-5, atol=2e-6)
+
+
+def test_explain_and_the_state_report_the_padding():
+    state = sc.TrainState.create(params=odd_params(), tx=TXS["adam"], mesh=mesh_of(8), strategy="fsdp")
+    memory = state.memory()
+    assert memory.padding == state.layout.padding_bytes("params") + state.layout.padding_bytes("opt") > 0
+    assert memory.whole == 4  # the scalar temperature
+    assert memory.params == shard_bytes(state.params) and memory.opt_state == shard_bytes(state.opt_state)
+    report = sc.explain(sc.make_train_step(loss_fn), state, sc.pad_batch(batches(1)[0], 8))
+    assert report.state == memory
+    assert f"(of which padding {memory.padding} B;" in report.table()
+    # Gathered once per leaf in the forward pass and reduce-scattered in the backward pass: the padded leaves
+    # move as blocks like every other split leaf (no all-to-all or permute from the cut or the padding).
+    assert report.count("all-to-all") == 0 and report.count("collective-permute") == 0

@@ -32,6 +32,7 @@ from spmdcomm.errors import SpmdError, describe
 from spmdcomm.explain.hlo import COLLECTIVE_KINDS, Collective
 from spmdcomm.explain.hlo import inventory as _inventory
 from spmdcomm.explain.hlo import parse_module as _parse_module
+from spmdcomm.train.state import StateMemory, TrainState
 
 __all__ = ["explain", "Explanation", "Collective", "DeviceMemory", "COLLECTIVE_KINDS"]
 
@@ -103,6 +104,7 @@ def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> 
         collectives=tuple(_inventory(module, mesh)),
         memory=_memory(compiled),
         hlo=text,
+        state=args[0].memory() if args and isinstance(args[0], TrainState) else None,
     )
 
 
@@ -156,6 +158,8 @@ class Explanation:
       collectives: the collectives, in program order.
       memory: the per-device memory XLA reserved.
       hlo: the optimised HLO text the collectives were read from.
+      state: for a train or eval step, the bytes of its :class:`~spmdcomm.TrainState` per device, by part
+        (:meth:`TrainState.memory <spmdcomm.TrainState.memory>`: parameters, optimizer state, padding); else None.
     """
 
     name: str
@@ -164,6 +168,7 @@ class Explanation:
     collectives: tuple[Collective, ...]
     memory: DeviceMemory
     hlo: str = dataclasses.field(repr=False)
+    state: StateMemory | None = None
 
     def count(self, kind: str | None = None, *, over: str | None = None) -> int:
         """How many collectives of ``kind`` the program holds, per call.
@@ -248,6 +253,13 @@ class Explanation:
             ("total", m.total_bytes),
         ]
         lines.append("memory per device: " + ", ".join(f"{k} {_format_bytes(v)}" for k, v in parts))
+        if self.state is not None:
+            st = self.state
+            lines.append(
+                f"state per device: parameters {_format_bytes(st.params)}, optimizer state "
+                f"{_format_bytes(st.opt_state)}, model state {_format_bytes(st.model_state)} (of which padding "
+                f"{_format_bytes(st.padding)}; parameters whole on every device {_format_bytes(st.whole)})"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:

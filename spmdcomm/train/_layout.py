@@ -186,12 +186,13 @@ class TreeLayout:
         specs, treedef = self._specs(which)
         return jax.tree.unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
 
-    def replicated_bytes(self) -> int:
-        """Bytes of parameter leaves that the shard axis does not split (fewer elements than it has devices: kept
-        whole on every device of a shard group; model axes, if any, still split them)."""
+    def replicated_bytes(self, which: str = "grads") -> int:
+        """Bytes of parameter leaves that the shard axis does not split in the layout of ``"grads"`` (default:
+        leaves of fewer elements than it has devices) or ``"params"`` (also every parameter under DDP and ZeRO),
+        kept whole on every device of a shard group; model axes, if any, still split them."""
         return sum(
             math.prod(s) * jnp.dtype(d).itemsize
-            for s, d, split in zip(self.shapes, self.dtypes, self.is_split("grads"), strict=True)
+            for s, d, split in zip(self.shapes, self.dtypes, self.is_split(which), strict=True)
             if not split
         )
 
