@@ -1,13 +1,17 @@
 """Memory per device and samples/s of the data-parallel strategies: DDP, ZeRO-1, ZeRO-2 and FSDP, next to the
 plain ``jax.jit`` program a JAX user writes for FSDP.
 
-Run: ``python benchmarks/strategies.py [--rounds 11] [--steps 8] [--sizes 2,4,8] [--models mlp,cnn,transformer]
+Run: ``python benchmarks/strategies.py [--rounds 11] [--steps 8] [--sizes 2,4,8] [--models mlp,cnn,odd-mlp,transformer]
 [--json PATH]``.
 
 Strategies: DDP, ZeRO-1, ZeRO-2, FSDP, and FSDP with ``reshard_after_forward=False``. Models, with Adam:
 
 - ``mlp``: the MLP 784-512-512-10 of ``train_step.py``, cross-entropy, global batch 256;
 - ``cnn``: the MNIST example's CNN (``examples/mnist/models.py``), cross-entropy, global batch 256;
+- ``odd-mlp``: an MLP 300-1001-999-1003-10 (2.3 M parameters) whose layer widths no device count divides, global
+  batch 256: under ZeRO and FSDP its leaves are stored padded (``TrainState.memory().padding``), where the jit
+  program, whose ``NamedSharding`` s can only split evenly, keeps them replicated: its speed ratio is what padding
+  costs next to the replicated layout it replaces;
 - ``transformer``: a small causal language model (token embedding, vocabulary 256, width 128; 2 pre-LayerNorm
   blocks of 4-head causal self-attention and an MLP 128-512-128; final LayerNorm and a dense layer to the
   vocabulary; no position embedding: the causal mask orders the tokens) on random int32 sequences of 64 tokens,
@@ -19,9 +23,9 @@ Strategies: DDP, ZeRO-1, ZeRO-2, FSDP, and FSDP with ``reshard_after_forward=Fal
 The comparison column ``jit+NamedSharding fsdp`` is the program a JAX user writes instead of our FSDP: one
 ``jax.jit`` of ``jax.value_and_grad`` of the plain mean loss over the whole global batch, ``tx.update`` and
 ``optax.apply_updates``, with every parameter and optimizer-state leaf placed by its own ``NamedSharding`` under
-the same rule as ours (``spmdcomm.train._layout.shard_spec``: split on the first dimension the device count divides,
-else replicated), the batch split over the devices, the outputs placed as the inputs, parameters and optimizer
-state donated. XLA's SPMD partitioner inserts the collectives.
+the rule a ``NamedSharding`` can express (:func:`even_spec`: split on the first dimension the device count divides,
+else replicated; ours pads such leaves instead), the batch split over the devices, the outputs placed as the
+inputs, parameters and optimizer state donated. XLA's SPMD partitioner inserts the collectives.
 
 Memory, on N = 2, 4 and 8 fake CPU devices, per device (the largest one where devices differ): the bytes of the
 parameters and of the optimizer state, read from the placed arrays (``addressable_shards``); the gradient each
@@ -66,10 +70,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from train_step import BATCH, MLP, data, loss_fn, plain_loss  # noqa: E402
 
 import spmdcomm as sc  # noqa: E402
-from spmdcomm.train._layout import shard_spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = {
@@ -96,6 +100,28 @@ def mnist_cnn():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.CNN()
+
+
+class OddMLP(nn.Module):
+    """An MLP whose widths no device count divides: 300-1001-999-1003-10."""
+
+    @nn.compact
+    def __call__(self, x):
+        for width in (1001, 999, 1003):
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(10)(x)
+
+
+def odd_data(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((BATCH, 300)).astype(np.float32), "y": rng.integers(0, 10, BATCH).astype(np.int32)}
+
+
+def even_spec(shape: tuple[int, ...], n: int) -> P:
+    """The jit program's placement: split over ``"data"`` on the first dimension ``n`` divides, else replicated (a
+    ``NamedSharding`` must split evenly)."""
+    dim = next((d for d, size in enumerate(shape) if size >= n and size % n == 0), None)
+    return P() if dim is None else P(*([None] * dim), "data")
 
 
 class Block(nn.Module):
@@ -147,17 +173,18 @@ def lm_data(seed: int = 0) -> dict[str, np.ndarray]:
     return {"tokens": np.random.default_rng(seed).integers(0, LM_VOCAB, (LM_BATCH, LM_SEQ)).astype(np.int32)}
 
 
-MODELS = {"mlp": MLP(), "cnn": mnist_cnn(), "transformer": TransformerLM()}
-LOSSES = {"mlp": loss_fn, "cnn": loss_fn, "transformer": lm_loss_fn}  # our steps' loss_fn
-PLAIN_LOSSES = {"mlp": plain_loss, "cnn": plain_loss, "transformer": lm_plain_loss}  # (apply_fn, params, batch)
-INPUT_KEY = {"mlp": "x", "cnn": "x", "transformer": "tokens"}  # what the model is applied to
+MODELS = {"mlp": MLP(), "cnn": mnist_cnn(), "odd-mlp": OddMLP(), "transformer": TransformerLM()}
+LOSSES = {"mlp": loss_fn, "cnn": loss_fn, "odd-mlp": loss_fn, "transformer": lm_loss_fn}  # our steps' loss_fn
+# The jit program's loss: f(apply_fn, params, batch)
+PLAIN_LOSSES = {"mlp": plain_loss, "cnn": plain_loss, "odd-mlp": plain_loss, "transformer": lm_plain_loss}
+INPUT_KEY = {"mlp": "x", "cnn": "x", "odd-mlp": "x", "transformer": "tokens"}  # what the model is applied to
 # Each model's init compiled once, as one program (as in train_step.py).
 INITS = {name: jax.jit(model.init) for name, model in MODELS.items()}
 
 
 def model_data(model_name: str) -> dict[str, np.ndarray]:
     """The benchmark's global batch of ``model_name``: MNIST-shaped images and labels, or token sequences."""
-    return lm_data() if model_name == "transformer" else data()
+    return lm_data() if model_name == "transformer" else odd_data() if model_name == "odd-mlp" else data()
 
 
 def global_batch(model_name: str) -> int:
@@ -186,7 +213,7 @@ def jit_program(model_name: str, mesh):
     n = mesh.shape["data"]
 
     def placement(tree):
-        return jax.tree.map(lambda x: NamedSharding(mesh, shard_spec(np.shape(x), "data", n)), tree)
+        return jax.tree.map(lambda x: NamedSharding(mesh, even_spec(np.shape(x), n)), tree)
 
     params = init_params(model_name)
     p_sharding = placement(params)
@@ -320,13 +347,14 @@ def gradient_bytes(state: sc.TrainState) -> int:
 def replication_allowance(state: sc.TrainState) -> float:
     """What FSDP may hold beyond an exact 1/N of DDP's parameters and optimizer state, per device.
 
-    A split leaf's block is exactly 1/N of it (no padding: the split dimension is a multiple of N). A leaf that
-    stays whole (Adam's step count, a bias that no dimension of it divides) is held by every device: ``(N - 1)
-    / N`` of its bytes more than its 1/N share.
+    A split leaf's block is 1/N of it, padded where N divides none of its dimensions (``TrainState.memory().padding``
+    per device). A leaf that stays whole (Adam's step count, fewer elements than devices) is held by every device:
+    ``(N - 1) / N`` of its bytes more than its 1/N share.
     """
     n = state.mesh.shape[state.axis]
     leaves = jax.tree.leaves((state.params, state.opt_state))
-    return sum(leaf.nbytes * (n - 1) / n for leaf in leaves if leaf.sharding.is_fully_replicated)
+    whole = sum(leaf.nbytes * (n - 1) / n for leaf in leaves if leaf.sharding.is_fully_replicated)
+    return whole + state.memory().padding
 
 
 def layouts_memory(model_name: str) -> list[dict]:
@@ -544,7 +572,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--sizes", default="2,4,8", help="device counts of the memory table")
-    parser.add_argument("--models", default="mlp,cnn,transformer")
+    parser.add_argument("--models", default="mlp,cnn,odd-mlp,transformer")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="a subset; ddp, the baseline, always runs")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--json", type=Path)
