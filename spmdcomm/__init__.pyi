@@ -71,7 +71,7 @@ from spmdcomm.train.checkpoint import latest_checkpoint_step as latest_checkpoin
 from spmdcomm.train.checkpoint import checkpoint_extra as checkpoint_extra
 from spmdcomm.train.checkpoint import restore_checkpoint as restore_checkpoint
 from spmdcomm.train.checkpoint import save_checkpoint as save_checkpoint
-from spmdcomm.train.checkpoint import CheckpointDamagedWarning as CheckpointDamagedWarning
+from spmdcomm.errors import CheckpointDamagedWarning as CheckpointDamagedWarning
 
 # what a compiled step communicates and holds
 from spmdcomm.explain.report import explain as explain

@@ -4,6 +4,7 @@ once, in spmdcomm/__init__.pyi, which type checkers read and ``spmdcomm/__init__
 
 import ast
 import importlib
+import inspect
 import re
 import subprocess
 import sys
@@ -70,6 +71,20 @@ def test_the_stub_lists_each_name_once_as_an_explicit_reexport():
 def test_each_public_name_is_the_object_its_stub_line_imports():
     lines = {name: module for module, name, _ in _stub_imports()}
     assert [n for n in sc.__all__ if getattr(sc, n) is not getattr(importlib.import_module(lines[n]), n)] == []
+
+
+def test_every_public_function_and_class_is_defined_in_the_public_module_its_stub_line_names():
+    lines = {name: module for module, name, _ in _stub_imports()}
+    private = [(n, lines[n]) for n in sc.__all__ if any(part.startswith("_") for part in lines[n].split("."))]
+    assert private == []
+    defined = {n: getattr(sc, n) for n in sc.__all__ if inspect.isclass(getattr(sc, n)) or callable(getattr(sc, n))}
+    elsewhere = {
+        n: obj.__module__
+        for n, obj in defined.items()
+        if obj.__module__.startswith("spmdcomm") and obj.__module__ != lines[n]
+    }
+    assert elsewhere == {}
+    assert sc.CheckpointDamagedWarning.__module__ == "spmdcomm.errors"  # with the other warnings and errors
 
 
 def test_the_subpackages_are_attributes_and_the_stub_names_each_one():
