@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm._cache import Cache
+from spmdcomm._jax_compat import collective_axes_in_traceback
 from spmdcomm.collectives.spmd import SpmdFunction, check_backend
 from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, check_not_deleted, describe
@@ -205,7 +206,7 @@ def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., 
         return model_fn(*args, **kwargs)
     except (AssertionError, NameError) as e:
         bound = state.data_axes
-        asked = _collective_axes(e.__traceback__)
+        asked = collective_axes_in_traceback(e.__traceback__)
         missing = [a for a in asked if a not in bound]
         if not missing:
             raise
@@ -288,20 +289,6 @@ _MISPLACED_FIX = (
     "(TrainState.create(..., mesh=...)); to move a trained state, save a checkpoint and restore it into a "
     "state created on the new mesh."
 )
-
-
-def _collective_axes(tb: Any) -> list[str]:
-    """The axis names the collective calls (``lax.psum``, ``pmean`` ...) in a traceback asked for."""
-    names: list[str] = []
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_filename.endswith(("lax/parallel.py", "lax\\parallel.py")):
-            for value in (frame.f_locals.get("axis_name"), frame.f_locals.get("axes")):
-                for a in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(a, str) and a not in names:
-                        names.append(a)
-        tb = tb.tb_next
-    return names
 
 
 def _describe_mesh(mesh: Mesh) -> str:
