@@ -54,6 +54,13 @@ def test_the_count_at_the_top_is_the_number_of_names():
     assert re.search(r"gives \*\*(\d+) names\*\*", API.read_text()).group(1) == str(len(sc.__all__))
 
 
+def test_the_counts_per_group_are_the_sizes_of_the_groups():
+    sentence = re.search(r"The groups hold (.+?) names\.", API.read_text(), flags=re.S).group(1)
+    counts = [int(n) for n in re.findall(r"(\d+)\s+\(", sentence)]
+    assert counts == [len(names) for _, names in _documented_groups()]
+    assert sum(counts) == len(sc.__all__)
+
+
 def test_every_public_name_exists():
     assert [name for name in sc.__all__ if not hasattr(sc, name)] == []
 
