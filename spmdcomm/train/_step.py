@@ -21,6 +21,7 @@ from spmdcomm._jax_compat import collective_axes_in_traceback
 from spmdcomm.collectives.spmd import SpmdFunction, check_backend
 from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, check_not_deleted, describe
+from spmdcomm.train._mesh_axes import step_axis_rules
 from spmdcomm.train.state import TrainState
 
 #: How many calls back a train/eval step waits for before dispatching another. XLA:CPU allows about 32
@@ -201,9 +202,12 @@ def place_batch(
 def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``model_fn(*args, **kwargs)`` (the user's ``loss_fn`` or ``metric_fn``), with a collective over an axis the
     step does not run over (e.g. Flax ``BatchNorm(axis_name="batch")`` under a state on ``"data"``) reported as an
-    :class:`~spmdcomm.errors.AxisError` naming both, instead of JAX's bare error from inside the model."""
+    :class:`~spmdcomm.errors.AxisError` naming both, instead of JAX's bare error from inside the model. The
+    state's logical axis rules (or the active ``nn.logical_axis_rules`` context) are in force, without their data
+    axes, so that the model's ``nn.with_logical_constraint`` calls constrain only the model axes."""
     try:
-        return model_fn(*args, **kwargs)
+        with step_axis_rules(state.logical_axis_rules, state.data_axes):
+            return model_fn(*args, **kwargs)
     except (AssertionError, NameError) as e:
         bound = state.data_axes
         asked = collective_axes_in_traceback(e.__traceback__)
