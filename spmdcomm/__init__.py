@@ -6,255 +6,88 @@ for you and tables of its constants stay in their layer, for annotations and too
 ``spmdcomm.collectives.SpmdFunction``, ``spmdcomm.collectives.REDUCE_OPS``.
 """
 
-from typing import TYPE_CHECKING, Any
+# The public names are listed once, in __init__.pyi beside this file: one ``from MODULE import NAME as NAME`` line
+# each. Type checkers read that stub; this module reads it at import to build ``__all__``, ``__dir__`` and the lazy
+# ``__getattr__`` (PEP 562). The layers load on the first use of a public name, not at ``import spmdcomm``: the
+# launcher (``python -m spmdcomm.launch``, which imports this package first) then starts no JAX.
+
+import ast
+import importlib
+import sys
+import types
+from pathlib import Path
+from typing import Any
 
 from spmdcomm._version import __version__ as __version__  # written in _version.py only
 
-# The layers load on the first use of a public name (``__getattr__`` below), not at ``import spmdcomm``: the launcher
-# (``python -m spmdcomm.launch``, which imports this package first) then starts no JAX. For type checkers and
-# readers, the names and where they come from:
-if TYPE_CHECKING:
-    from jax.sharding import PartitionSpec as P
+_STUB = Path(__file__).with_name("__init__.pyi")
 
-    from spmdcomm.collectives import (
-        all_gather,
-        all_reduce,
-        all_to_all,
-        axis_index,
-        axis_size,
-        broadcast,
-        gather,
-        permute,
-        pmax,
-        pmean,
-        pmin,
-        psum,
-        reduce,
-        reduce_scatter,
-        scan,
-        scatter,
-        shift,
-        spmd,
-    )
-    from spmdcomm.data import (
-        Loader,
-        MaskedBatch,
-        ShardedSampler,
-        join_batches,
-        pad_batch,
-        prefetch_to_device,
-        shard_batch,
-        take_batches,
-        unpad,
-    )
-    from spmdcomm.errors import (
-        AxisError,
-        BackendError,
-        BarrierTimeoutError,
-        CoordinatorError,
-        DeletedArrayError,
-        DistributedError,
-        ProcessMismatchError,
-        RemoteProcessError,
-        ReplicaDivergenceError,
-        ReplicatedReductionWarning,
-        ShapeError,
-        SpmdError,
-        TracedCallError,
-    )
-    from spmdcomm.explain import explain
-    from spmdcomm.nnx import nnx_loss_fn, nnx_metric_fn
-    from spmdcomm.reliability import (
-        PREEMPTED_EXIT_CODE,
-        STUCK_EXIT_CODE,
-        MetricsWriter,
-        PhaseTimer,
-        Preemption,
-        StuckStepError,
-        Watchdog,
-    )
-    from spmdcomm.runtime import (
-        all_gather_object,
-        assert_replicated,
-        barrier,
-        broadcast_object,
-        check_replicas_in_sync,
-        data_mesh,
-        data_sharding,
-        default_mesh,
-        device_count,
-        host_all_gather,
-        host_all_reduce,
-        host_broadcast,
-        initialize,
-        is_initialized,
-        is_main_process,
-        local_device_count,
-        local_rank,
-        main_process_first,
-        make_mesh,
-        process_count,
-        process_devices,
-        process_index,
-        replicated_sharding,
-        restart_count,
-        set_debug,
-        sync_devices,
-    )
-    from spmdcomm.train import (
-        DDP,
-        FSDP,
-        CheckpointDamagedWarning,
-        Hook,
-        Preempted,
-        SyncBatchNorm,
-        TrainState,
-        ZeRO1,
-        ZeRO2,
-        checkpoint_extra,
-        evaluate,
-        fit,
-        latest_checkpoint_step,
-        make_eval_step,
-        make_train_step,
-        masked_mean,
-        optimizer_state_bytes,
-        restore_checkpoint,
-        save_checkpoint,
-    )
 
-__all__ = [
-    # the SPMD wrapper and partition specs
-    "spmd",
-    "P",
-    # device collectives, inside spmd or shard_map
-    "all_gather",
-    "all_reduce",
-    "all_to_all",
-    "axis_index",
-    "axis_size",
-    "broadcast",
-    "gather",
-    "permute",
-    "pmax",
-    "pmean",
-    "pmin",
-    "psum",
-    "reduce",
-    "reduce_scatter",
-    "scatter",
-    "shift",
-    "scan",
-    # batches and the input pipeline
-    "MaskedBatch",
-    "pad_batch",
-    "unpad",
-    "shard_batch",
-    "ShardedSampler",
-    "take_batches",
-    "join_batches",
-    "Loader",
-    "prefetch_to_device",
-    # data-parallel training
-    "DDP",
-    "ZeRO1",
-    "ZeRO2",
-    "FSDP",
-    "TrainState",
-    "fit",
-    "Hook",
-    "evaluate",
-    "make_eval_step",
-    "make_train_step",
-    "masked_mean",
-    "SyncBatchNorm",
-    "nnx_loss_fn",
-    "nnx_metric_fn",
-    "optimizer_state_bytes",
-    "assert_replicated",
-    "check_replicas_in_sync",
-    "latest_checkpoint_step",
-    "checkpoint_extra",
-    "restore_checkpoint",
-    "save_checkpoint",
-    "CheckpointDamagedWarning",
-    # what a compiled step communicates and holds
-    "explain",
-    # errors
-    "AxisError",
-    "BackendError",
-    "ReplicaDivergenceError",
-    "ReplicatedReductionWarning",
-    "ShapeError",
-    "SpmdError",
-    "TracedCallError",
-    "DeletedArrayError",
-    "DistributedError",
-    "CoordinatorError",
-    "BarrierTimeoutError",
-    "ProcessMismatchError",
-    "RemoteProcessError",
-    # meshes and topology
-    "data_mesh",
-    "data_sharding",
-    "default_mesh",
-    "device_count",
-    "local_device_count",
-    "make_mesh",
-    "process_count",
-    "process_index",
-    "replicated_sharding",
-    # multi-process runtime
-    "initialize",
-    "is_initialized",
-    "is_main_process",
-    "local_rank",
-    "process_devices",
-    "restart_count",
-    # barriers and host-level collectives across processes
-    "barrier",
-    "sync_devices",
-    "main_process_first",
-    "host_all_reduce",
-    "host_all_gather",
-    "host_broadcast",
-    "broadcast_object",
-    "all_gather_object",
-    # failure recovery: stuck steps, preemption, where the time goes
-    "Watchdog",
-    "StuckStepError",
-    "STUCK_EXIT_CODE",
-    "Preemption",
-    "PREEMPTED_EXIT_CODE",
-    "Preempted",
-    "PhaseTimer",
-    "MetricsWriter",
-    # debug mode
-    "set_debug",
-]
+def _read_stub(source: str) -> tuple[dict[str, tuple[str, str]], tuple[str, ...]]:
+    """``({public name: (module, attribute)}, subpackages)`` from the stub's ``from M import A as NAME`` lines.
 
-# The layers that hold the public names, loaded together on the first use of one.
-_LAYERS = ("errors", "collectives", "data", "explain", "nnx", "reliability", "runtime", "train")
-# Subpackages reachable as attributes before anything imported them (``sc.nnx.SyncBatchNorm``).
-_SUBPACKAGES = ("collectives", "data", "explain", "launch", "nnx", "reliability", "runtime", "train")
+    ``from spmdcomm import LAYER as LAYER`` names a subpackage; names starting with ``_`` are this module's own
+    (``__version__``). Anything else in the stub is refused, so that the type checker and ``__all__`` cannot
+    disagree about a name.
+    """
+    public: dict[str, tuple[str, str]] = {}
+    subpackages: list[str] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):  # the docstring
+            continue
+        if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and len(node.names) == 1):
+            raise ImportError(f"{_STUB.name}:{node.lineno}: expected one 'from MODULE import NAME as NAME' per line")
+        (alias,) = node.names
+        if alias.asname is None or alias.asname in public or alias.asname in subpackages:
+            problem = "has no 'as NAME' (a type checker would not export it)" if alias.asname is None else "repeats"
+            raise ImportError(f"{_STUB.name}:{node.lineno}: the import of {alias.name!r} {problem}")
+        if node.module == __name__:
+            subpackages.append(alias.asname)
+        elif not alias.asname.startswith("_"):
+            public[alias.asname] = (node.module, alias.name)
+    return public, tuple(subpackages)
 
-if not TYPE_CHECKING:  # hidden from type checkers, so that a misspelt ``sc.name`` stays an error there
 
-    def __getattr__(name: str) -> Any:
-        """Imports the layers on the first use of a public name (PEP 562), then answers as a plain attribute."""
-        import importlib
+_PUBLIC, _SUBPACKAGES = _read_stub(_STUB.read_text(encoding="utf-8"))
+__all__ = list(_PUBLIC)
 
-        if name in _SUBPACKAGES:
-            return importlib.import_module(f"spmdcomm.{name}")
-        if name not in __all__:
-            raise AttributeError(f"module 'spmdcomm' has no attribute {name!r}")
-        from jax.sharding import PartitionSpec
 
-        layers = [importlib.import_module(f"spmdcomm.{layer}") for layer in _LAYERS]
-        found = {"P": PartitionSpec}
-        found.update({n: getattr(layer, n) for layer in layers for n in getattr(layer, "__all__", ()) if n in __all__})
+def __getattr__(name: str) -> Any:
+    """Imports the modules of every public name on the first use of one (PEP 562); they are plain attributes then."""
+    if name in _PUBLIC:
+        found = {n: _load(module, attr) for n, (module, attr) in _PUBLIC.items()}
         globals().update(found)
         return found[name]
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    def __dir__() -> list[str]:
-        return sorted(set(globals()) | set(__all__) | set(_SUBPACKAGES))
+
+def _load(module: str, attr: str) -> Any:
+    """``module.attr``; an ImportError, not an AttributeError that ``hasattr`` would hide, when it is missing."""
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except AttributeError:
+        raise ImportError(f"{_STUB.name} names {module}.{attr}, which does not exist: fix the stub's line") from None
+
+
+def __dir__() -> list[str]:
+    """The public names, the subpackages and the module's dunder attributes (not the helpers of this file)."""
+    return sorted(set(__all__) | set(_SUBPACKAGES) | {n for n in globals() if n.startswith("__")})
+
+
+class _Package(types.ModuleType):
+    """This package's module type: a public name keeps its value when a subpackage of that name is imported.
+
+    Importing ``spmdcomm.explain`` binds the subpackage to the package's attribute ``explain``, which is the public
+    function ``sc.explain``; the binding is dropped here, so ``sc.explain`` stays the function whatever was imported
+    first (``from spmdcomm.explain import Explanation`` finds the subpackage in ``sys.modules``).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _PUBLIC and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

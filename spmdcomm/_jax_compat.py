@@ -2,10 +2,12 @@
 
 JAX has no public API for a few things spmdcomm needs: whether the current ``shard_map`` trace checks
 varying manual axes, the coordination-service client of a multi-process job, whether the backends have
-started, and cluster auto-detection. Those accesses live here and nowhere else in spmdcomm, so a JAX
-upgrade that moves one of them breaks exactly one function, which then raises a clear error naming the
-installed JAX version and the supported range instead of an ``AttributeError`` deep inside a trace.
-Where a public API exists it is used instead.
+started, cluster auto-detection, and which axis a collective asked for when JAX failed on an unbound one. Those
+accesses live here and nowhere else in spmdcomm (one exception, FSDP's ``jax.checkpoint`` policy naming
+primitives, is in docs/architecture.md; ``tests/test_architecture.py`` checks both), so a JAX upgrade that moves
+one of them breaks exactly one function, which then raises a clear error naming the installed JAX version and the
+supported range instead of an ``AttributeError`` deep inside a trace, or (for the axis, which only words an error)
+finds nothing. Where a public API exists it is used instead.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Any
 
 import jax
@@ -26,6 +29,7 @@ __all__ = [
     "auto_detect_cluster",
     "backends_initialized",
     "check_vma_enabled",
+    "collective_axes_in_traceback",
     "coordination_client",
     "jax_version",
     "jax_version_supported",
@@ -88,6 +92,26 @@ def varying_axes(x: Any) -> frozenset[str]:
             )
         )
     return frozenset()
+
+
+def collective_axes_in_traceback(tb: TracebackType | None) -> list[str]:
+    """The axis names that JAX's collectives (``lax.psum``, ``pmean``, ...) in traceback ``tb`` were called with.
+
+    JAX's error for a collective over an axis that is not bound (an ``AssertionError`` or ``NameError`` from inside
+    the trace) does not say which call asked for it; the frames of ``jax/_src/lax/parallel.py`` in its traceback
+    hold the axis in their ``axis_name`` or ``axes`` locals. In the order found, without repeats; empty where no
+    such frame is found (a JAX that moved the file or renamed them), and the caller then keeps JAX's own error.
+    """
+    names: list[str] = []
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.endswith(("lax/parallel.py", "lax\\parallel.py")):
+            for value in (frame.f_locals.get("axis_name"), frame.f_locals.get("axes")):
+                for a in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(a, str) and a not in names:
+                        names.append(a)
+        tb = tb.tb_next
+    return names
 
 
 def coordination_client() -> Any | None:

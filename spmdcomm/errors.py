@@ -1,4 +1,4 @@
-"""Error types raised by spmdcomm.
+"""Error and warning types of spmdcomm.
 
 Every error says which function and argument were wrong, which pytree leaf and mesh axis were involved, the
 sizes that did not fit, and how to fix it. All input errors derive from :class:`SpmdError`, itself a
@@ -21,6 +21,7 @@ __all__ = [
     "DeletedArrayError",
     "TracedCallError",
     "ReplicatedReductionWarning",
+    "CheckpointDamagedWarning",
     "ReplicaDivergenceError",
     "DistributedError",
     "CoordinatorError",
@@ -70,6 +71,17 @@ class ReplicatedReductionWarning(UserWarning):
     ``psum`` of such a value multiplies it by the axis size, and ``pmean`` is a no-op. Inside ``shard_map``
     with ``check_vma=True`` this is the classic gradient trap: ``jax.grad`` with respect to replicated
     parameters already returns the gradient summed over the axis.
+    """
+
+
+class CheckpointDamagedWarning(UserWarning):
+    """A checkpoint was skipped (or replaced) because a file that restoring it needs is missing or unreadable.
+
+    Emitted when :func:`~spmdcomm.train.checkpoint.latest_checkpoint_step`,
+    :func:`~spmdcomm.train.checkpoint.restore_checkpoint` or :func:`~spmdcomm.train.checkpoint.checkpoint_extra`
+    fall back to an older intact checkpoint, and when :func:`~spmdcomm.train.checkpoint.save_checkpoint` replaces a
+    damaged checkpoint of the step it saves (as :func:`spmdcomm.fit` does after resuming from an older one). The
+    message names each damaged step, the directory and what is damaged.
     """
 
 

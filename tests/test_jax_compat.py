@@ -114,6 +114,29 @@ def test_varying_axes_of_sharded_and_replicated_values():
     assert compat.varying_axes(1.0) == frozenset()
 
 
+def test_collective_axes_in_traceback_names_the_axes_a_lax_collective_asked_for():
+    # A raw lax.psum over an axis the shard_map does not bind fails inside JAX without naming the call's axes. Read
+    # inside the trace, as the step does: JAX drops its own frames from a traceback that leaves jax.jit.
+    seen = []
+
+    def body(x, y):
+        try:
+            lax.psum(y, ("i", "batch"))
+        except (AssertionError, NameError) as e:
+            seen.append(compat.collective_axes_in_traceback(e.__traceback__))
+        return x
+
+    _shard_map(body)
+    assert seen == [["i", "batch"]]
+
+
+def test_collective_axes_in_traceback_is_empty_without_jax_collective_frames():
+    with pytest.raises(NameError) as info:
+        raise NameError("unbound axis name: batch")
+    assert compat.collective_axes_in_traceback(info.value.__traceback__) == []
+    assert compat.collective_axes_in_traceback(None) == []
+
+
 def test_backends_initialized_after_devices():
     jax.devices()
     assert compat.backends_initialized() is True

@@ -109,7 +109,8 @@ def test_wheel_installs_imports_and_launches_outside_the_repo(tmp_path):
         metadata = zf.read(f"{info}/METADATA").decode()
         assert "spmdcomm-launch = spmdcomm.launch:main" in zf.read(f"{info}/entry_points.txt").decode()
     assert f"\nVersion: {version}\n" in metadata and "\nLicense-Expression: Apache-2.0\n" in metadata
-    assert {"spmdcomm/__init__.py", "spmdcomm/_version.py", "spmdcomm/py.typed"} <= names
+    # __init__.pyi: the list of public names, which the type checker and the lazy loader in __init__.py read
+    assert {"spmdcomm/__init__.py", "spmdcomm/__init__.pyi", "spmdcomm/_version.py", "spmdcomm/py.typed"} <= names
     assert not any(n.startswith(("tests/", "docs/", "examples/", "benchmarks/")) for n in names)
     (sdist,) = dist.glob("spmdcomm-*.tar.gz")
     with tarfile.open(sdist) as tf:

@@ -6,7 +6,9 @@ own rows). While the loader is effectively free (its ``next()`` returns at once)
 thread places each batch when asked, doing exactly what a synchronous ``jax.device_put`` does: thread
 hand-offs would cost more than they could hide. Once the loader is seen to take time, two background
 threads take over for good: one waits on the loader while the other places the previous batch, up to
-``size`` batches ahead of the loop. ``threads="always"`` or ``"never"`` fixes either way instead.
+``size`` batches ahead of the loop. On GPU and TPU they also take over once a batch of at least
+``THREAD_BYTES`` of host data has been placed: there the copy is real work, which the threads overlap with the
+step. ``threads="always"`` or ``"never"`` fixes either way instead.
 
 On CPU, ``jax.device_put`` of a 64-byte aligned, contiguous NumPy array does not copy: the device array
 aliases the host memory (measured with JAX 0.10: every shard's ``unsafe_buffer_pointer`` lies inside the
@@ -16,8 +18,9 @@ placing thread copies any other leaf into an aligned staging buffer of prefetch'
 then alias.
 
 Staged memory is reused only once nothing can read it (:mod:`spmdcomm.data.staging` has the rule). On GPU and
-TPU, the placing thread ``device_put`` s and waits for the copy, so the copy overlaps the previous step. The threads
-and the placing of one batch are in :mod:`spmdcomm.data.prefetch_threads`.
+TPU, the placing thread puts each host leaf into the devices' pinned host memory (``memory_kind="pinned_host"``,
+where the devices have it), moves it to device memory from there and waits for the copy, so the copy overlaps the
+previous step. The threads and the placing of one batch are in :mod:`spmdcomm.data.prefetch_threads`.
 
 >>> batches = ({"x": np.full((8, 2), float(i))} for i in range(3))
 >>> with sc.prefetch_to_device(batches) as it:
@@ -38,7 +41,14 @@ from jax.sharding import Mesh, Sharding
 
 from spmdcomm.data.batches import renamed_keyword
 from spmdcomm.data.placement import HostInput, check_host_input
-from spmdcomm.data.prefetch_threads import POLL_SECONDS, SharedState, place_fetched, start_threads, stop
+from spmdcomm.data.prefetch_threads import (
+    POLL_SECONDS,
+    SharedState,
+    host_bytes,
+    place_fetched,
+    start_threads,
+    stop,
+)
 from spmdcomm.data.stats import PrefetchStats
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.runtime.mesh import data_sharding, default_mesh
@@ -52,6 +62,10 @@ THREADS: tuple[str, ...] = ("auto", "always", "never")
 # itself until slow calls dominate (a decaying count of them passes SLOW_CALLS), then the threads start.
 INLINE_LOAD_SECONDS = 2e-4
 SLOW_CALLS = 1.5
+# Host bytes of one batch from which, on GPU and TPU, threads="auto" starts the threads whatever the loader's speed:
+# the copy to the devices then takes a large part of a step, and the threads overlap it with the step. (On CPU a
+# copy competes with the step for the same cores, and aligned batches are not copied at all.)
+THREAD_BYTES = 1 << 20
 # The clock of the wait statistics and of the slow-loader rule (a manual clock makes that rule testable).
 clock = time.perf_counter
 
@@ -96,8 +110,9 @@ def prefetch_to_device(
       host_input: ``"local"`` (default): each process's loader yields its own rows; ``"global"``: every
         process yields the whole batch.
       threads: who fetches and places: ``"auto"`` (default) the loop's thread while the loader is
-        effectively free, two background threads for good once its calls take time; ``"always"`` the threads
-        from the start; ``"never"`` the loop's thread, always.
+        effectively free, two background threads for good once its calls take time (on GPU and TPU, also once a
+        batch holds ``THREAD_BYTES`` of host data); ``"always"`` the threads from the start; ``"never"`` the loop's
+        thread, always.
       pad_to_multiple: the old spelling of ``multiple_of``, accepted with a ``DeprecationWarning`` until the
         next release.
 
@@ -223,7 +238,7 @@ class Prefetcher(Iterator[Any]):
             raise
         self.stats.record(clock() - start)
         self._slow_calls = 0.75 * self._slow_calls + (loaded - start > INLINE_LOAD_SECONDS)
-        if self._auto and self._slow_calls > SLOW_CALLS:
+        if self._auto and (self._slow_calls > SLOW_CALLS or (not state.cpu and host_bytes(batch) >= THREAD_BYTES)):
             start_threads(state)
         return placed
 

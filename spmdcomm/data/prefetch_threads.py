@@ -1,6 +1,6 @@
 """The work behind a :class:`~spmdcomm.data.Prefetcher`: the state it shares with its threads, the fetch and place
-threads, and the placing of one batch, staged into aligned memory on CPU (:mod:`spmdcomm.data.prefetch` has the
-consumer side and the rule for when the threads start).
+threads, and the placing of one batch, staged into aligned memory on CPU and into pinned host memory on GPU and TPU
+(:mod:`spmdcomm.data.prefetch` has the consumer side and the rule for when the threads start).
 """
 
 from __future__ import annotations
@@ -24,12 +24,28 @@ from spmdcomm.data.staging import ALIGNMENT, StagingPool, is_aligned
 from spmdcomm.runtime.mesh import platform
 from spmdcomm.runtime.transport import Channel
 
-__all__ = ["SharedState", "start_threads", "stop", "place_fetched", "POLL_SECONDS", "CLOSE_TIMEOUT"]
+__all__ = [
+    "SharedState",
+    "start_threads",
+    "stop",
+    "place_fetched",
+    "pinned_sharding",
+    "host_bytes",
+    "POLL_SECONDS",
+    "CLOSE_TIMEOUT",
+    "PINNED_HOST",
+]
 
 # Seconds between checks of the stop flag (and of the producer's health) while waiting.
 POLL_SECONDS = 0.05
 # Seconds close() waits for the producer thread to finish (it may be inside a slow next(iterable)).
 CLOSE_TIMEOUT = 10.0
+# Whether the placing thread stages host leaves through the devices' pinned host memory where they have one (GPU):
+# a copy out of pinned memory is a DMA that runs beside the step, while one out of pageable NumPy memory goes
+# through the driver's own bounce buffers and holds the thread that asked for it (on an H100 a prefetched 16 MiB
+# batch was not hidden at all). Read when a prefetcher is made; False places straight from the NumPy arrays
+# (benchmarks/prefetch.py measures both).
+PINNED_HOST = True
 
 
 class SharedState:
@@ -53,6 +69,7 @@ class SharedState:
         self.finished = False
         self.threads: tuple[threading.Thread, ...] = ()
         self.cpu = platform(sharding) == "cpu"
+        self.pinned = None if self.cpu else pinned_sharding(sharding)  # where host leaves are staged, if anywhere
         self.plans: dict[tuple[Any, ...], bool] = {}  # (shape, dtype) -> whether staging lets devices alias it
         self.pool = StagingPool(keep=size + 3)
 
@@ -86,7 +103,9 @@ def stop(state: SharedState) -> None:
 
 
 def place_fetched(state: SharedState, batch: Any, *, stage: bool) -> Any:
-    """The batch as global arrays; with ``stage``, unaligned CPU leaves are first copied into staging buffers.
+    """The batch as global arrays. With ``stage``, host leaves are first staged: on CPU, unaligned leaves are copied
+    into aligned staging buffers that the devices then alias; on GPU and TPU, every host leaf goes to pinned host
+    memory (``state.pinned``, where there is one) and from there to the devices.
 
     Without it, this is a plain ``device_put`` (JAX copies unaligned leaves on its own threads).
     """
@@ -102,18 +121,68 @@ def place_fetched(state: SharedState, batch: Any, *, stage: bool) -> Any:
             if stage and _stageable(state, leaf) and not is_aligned(leaf):
                 leaf = state.pool.copy(leaf)
         leaves.append(leaf)
+
+    def names() -> list[str]:  # only called for an error message
+        return [jax.tree_util.keystr(path) for path, _ in flat]
+
+    if stage and state.pinned is not None:
+        leaves = _to_pinned(state, leaves, names)
     placed = place_leaves(
         "prefetch_to_device",
         leaves,
         [state.sharding] * len(leaves),
-        names=lambda: [jax.tree_util.keystr(path) for path, _ in flat],
+        names=names,
         host_input=state.host_input,
         agreement=state.agreement,
     )
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 
+def pinned_sharding(sharding: Sharding) -> Sharding | None:
+    """``sharding`` in its devices' pinned host memory, or ``None`` where prefetch does not stage there.
+
+    ``None`` when :data:`PINNED_HOST` is False, on CPU (whose devices alias aligned host memory instead), when a
+    device has no ``pinned_host`` memory, when the sharding spans processes (each process puts only its rows, through
+    ``jax.make_array_from_process_local_data``), or when the sharding cannot name a memory kind.
+    """
+    if not PINNED_HOST or platform(sharding) == "cpu" or not sharding.is_fully_addressable:
+        return None
+    devices: list[Any] = list(sharding.device_set)  # jaxlib has no stubs: a Device's methods are unknown to mypy
+    try:
+        if not all(any(m.kind == "pinned_host" for m in d.addressable_memories()) for d in devices):
+            return None
+        return sharding.with_memory_kind("pinned_host")
+    except (AttributeError, NotImplementedError, ValueError):  # a Sharding class or device without memory kinds
+        return None
+
+
+def host_bytes(batch: Any) -> int:
+    """Bytes of ``batch``'s host leaves (everything but ``jax.Array`` s): what placing it copies to the devices."""
+    return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(batch) if not isinstance(x, jax.Array))
+
+
 # ---------------------------------------------------------------------------------------------------------
+
+
+def _to_pinned(state: SharedState, leaves: list[Any], names: Any) -> list[Any]:
+    """``leaves`` with every host leaf placed in pinned host memory (``state.pinned``), checked and split as
+    :func:`~spmdcomm.data.placement.place_leaves` does; ``jax.Array`` leaves are left as they are."""
+    host = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, jax.Array)]
+    target = state.pinned
+    if not host or target is None:
+        return leaves
+    pinned = place_leaves(
+        "prefetch_to_device",
+        [leaves[i] for i in host],
+        [target] * len(host),
+        names=lambda: [names()[i] for i in host],
+        host_input=state.host_input,
+        agreement=state.agreement,
+    )
+    out = list(leaves)
+    for i, leaf in zip(host, pinned, strict=True):
+        out[i] = leaf
+    return out
 
 
 # Numbers the prefetchers of this process; each one's channel has the same name on every process.

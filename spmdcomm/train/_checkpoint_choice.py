@@ -11,21 +11,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from spmdcomm.errors import SpmdError, describe
+from spmdcomm.errors import CheckpointDamagedWarning, SpmdError, describe
 from spmdcomm.runtime.process import process_count
 from spmdcomm.runtime.transport import exchange
 from spmdcomm.train._checkpoint_disk import damage
-
-
-class CheckpointDamagedWarning(UserWarning):
-    """A checkpoint was skipped (or replaced) because a file that restoring it needs is missing or unreadable.
-
-    Emitted when :func:`~spmdcomm.train.checkpoint.latest_checkpoint_step`,
-    :func:`~spmdcomm.train.checkpoint.restore_checkpoint` or :func:`~spmdcomm.train.checkpoint.checkpoint_extra`
-    fall back to an older intact checkpoint, and when :func:`~spmdcomm.train.checkpoint.save_checkpoint` replaces a
-    damaged checkpoint of the step it saves (as :func:`spmdcomm.fit` does after resuming from an older one). The
-    message names each damaged step, the directory and what is damaged.
-    """
 
 
 def chosen_step(

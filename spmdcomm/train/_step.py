@@ -17,9 +17,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm._cache import Cache
+from spmdcomm._jax_compat import collective_axes_in_traceback
 from spmdcomm.collectives.spmd import SpmdFunction, check_backend
 from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, check_not_deleted, describe
+from spmdcomm.train._mesh_axes import step_axis_rules
 from spmdcomm.train.state import TrainState
 
 #: How many calls back a train/eval step waits for before dispatching another. XLA:CPU allows about 32
@@ -200,12 +202,15 @@ def place_batch(
 def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``model_fn(*args, **kwargs)`` (the user's ``loss_fn`` or ``metric_fn``), with a collective over an axis the
     step does not run over (e.g. Flax ``BatchNorm(axis_name="batch")`` under a state on ``"data"``) reported as an
-    :class:`~spmdcomm.errors.AxisError` naming both, instead of JAX's bare error from inside the model."""
+    :class:`~spmdcomm.errors.AxisError` naming both, instead of JAX's bare error from inside the model. The
+    state's logical axis rules (or the active ``nn.logical_axis_rules`` context) are in force, without their data
+    axes, so that the model's ``nn.with_logical_constraint`` calls constrain only the model axes."""
     try:
-        return model_fn(*args, **kwargs)
+        with step_axis_rules(state.logical_axis_rules, state.data_axes):
+            return model_fn(*args, **kwargs)
     except (AssertionError, NameError) as e:
         bound = state.data_axes
-        asked = _collective_axes(e.__traceback__)
+        asked = collective_axes_in_traceback(e.__traceback__)
         missing = [a for a in asked if a not in bound]
         if not missing:
             raise
@@ -288,20 +293,6 @@ _MISPLACED_FIX = (
     "(TrainState.create(..., mesh=...)); to move a trained state, save a checkpoint and restore it into a "
     "state created on the new mesh."
 )
-
-
-def _collective_axes(tb: Any) -> list[str]:
-    """The axis names the collective calls (``lax.psum``, ``pmean`` ...) in a traceback asked for."""
-    names: list[str] = []
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_filename.endswith(("lax/parallel.py", "lax\\parallel.py")):
-            for value in (frame.f_locals.get("axis_name"), frame.f_locals.get("axes")):
-                for a in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(a, str) and a not in names:
-                        names.append(a)
-        tb = tb.tb_next
-    return names
 
 
 def _describe_mesh(mesh: Mesh) -> str:

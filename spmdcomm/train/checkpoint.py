@@ -49,8 +49,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmdcomm.errors import SpmdError, check_not_deleted, describe
-from spmdcomm.train._checkpoint_choice import CheckpointDamagedWarning, chosen_step, make_room
+from spmdcomm.errors import CheckpointDamagedWarning, SpmdError, check_not_deleted, describe
+from spmdcomm.train._checkpoint_choice import chosen_step, make_room
 from spmdcomm.train._checkpoint_disk import first_line
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.strategies import BY_NAME

@@ -23,7 +23,13 @@ from jax.sharding import PartitionSpec as P
 from spmdcomm.data import placement
 from spmdcomm.runtime.host_collectives import broadcast_tree
 from spmdcomm.runtime.mesh import default_mesh
-from spmdcomm.train._mesh_axes import check_data_axes, data_axes, model_partitioning
+from spmdcomm.train._mesh_axes import (
+    LogicalRules,
+    check_data_axes,
+    data_axes,
+    model_partitioning,
+    nnx_logical_specs,
+)
 from spmdcomm.train.loss_scale import resolve_loss_scale
 from spmdcomm.train.rng import data_to_keys, keys_to_data
 from spmdcomm.train.strategies import DDP, Strategy, resolve_strategy
@@ -55,6 +61,9 @@ class TrainState:
       strategy: the :class:`~spmdcomm.train.Strategy` that placed the state.
       layout: the strategy's layout: the ``PartitionSpec`` of every leaf, over the data axes and the model axes
         (the mesh's other axes).
+      logical_axis_rules: the Flax logical axis rules in force when the state was created (given to
+        :meth:`create` or from the active ``nn.logical_axis_rules`` context), as a tuple of pairs; ``None`` when
+        there were none. The steps trace the model under them, without their data axes.
     """
 
     step: jax.Array
@@ -69,6 +78,7 @@ class TrainState:
     axis: str | tuple[str, ...] = flax.struct.field(pytree_node=False, default="data")
     strategy: Strategy = flax.struct.field(pytree_node=False, default=None)
     layout: Any = flax.struct.field(pytree_node=False, default=None)
+    logical_axis_rules: Any = flax.struct.field(pytree_node=False, default=None)
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it when the class is built; declared for type checkers
 
@@ -88,6 +98,7 @@ class TrainState:
         strategy: Strategy | str = DDP.name,
         param_specs: Any = None,
         loss_scale: Any = None,
+        logical_axis_rules: Any = None,
     ) -> TrainState:
         """Builds the state and places it on ``mesh`` as ``strategy`` says (default: replicated, DDP).
 
@@ -103,7 +114,8 @@ class TrainState:
         typed keys; they travel as their key data.
 
         Args:
-          params: the model's parameter tree (Flax ``nn.with_partitioning`` boxes give each leaf's model spec).
+          params: the model's parameter tree (Flax ``nn.with_partitioning`` boxes give each leaf's model spec;
+            ``nn.with_logical_partitioning`` boxes give logical names, mapped by ``logical_axis_rules``).
           tx: the optax transformation; the optimizer state is ``tx.init(params)``.
           apply_fn: what ``loss_fn`` gets as ``apply_fn`` (a Flax ``Module.apply``, an NNX ``GraphDef``, any
             callable); ``None`` by default.
@@ -121,17 +133,25 @@ class TrainState:
           loss_scale: ``"dynamic"`` (or a Flax ``DynamicScale``) makes every train step scale the loss, unscale
             the reduced gradients, skip a non-finite step and adapt the scale (float16 training, torch's
             ``GradScaler``; see :mod:`spmdcomm.train.loss_scale`); ``None`` (default): no scaling.
+          logical_axis_rules: Flax's rules from logical axis names to mesh axes, e.g. ``[("batch", "data"),
+            ("embed", None), ("mlp", "model")]``: each pair a logical name and a mesh axis, a tuple of mesh axes
+            or ``None`` (not split). They map the names of ``nn.with_logical_partitioning`` boxes and of NNX
+            sharding metadata as Flax's ``nn.logical_to_mesh_axes`` does (in order; a rule whose mesh axes another
+            dimension already uses is passed over), except that a name with no rule raises; data axes in the
+            result are dropped, since the strategy splits parameters over those. ``None`` (default): the active
+            ``nn.logical_axis_rules`` context's rules. The state keeps them for the steps' tracing
+            (:attr:`logical_axis_rules`).
 
         Returns:
           The new :class:`TrainState` at step 0, every leaf placed as the strategy's layout says.
 
         Raises:
-          AxisError: when ``axis`` is not a mesh axis (or tuple of distinct ones), or a parameter spec names a
-            data axis or an axis the mesh lacks.
+          AxisError: when ``axis`` is not a mesh axis (or tuple of distinct ones), a parameter spec names a
+            data axis or an axis the mesh lacks, or a logical name has no rule or maps to an axis the mesh lacks.
           ShapeError: when a parameter spec has more entries than its leaf has dimensions, or splits a dimension
             its axes do not divide.
-          SpmdError: for an unknown ``strategy``, an unusable ``loss_scale``, or ``param_specs`` whose structure
-            is not ``params``'s (or that come with boxed ``params``).
+          SpmdError: for an unknown ``strategy``, an unusable ``loss_scale``, ``param_specs`` whose structure
+            is not ``params``'s (or that come with boxed ``params``), or rules that are not (name, axes) pairs.
           ProcessMismatchError: when a process passed another tree structure, shapes or dtypes (it is named).
           BarrierTimeoutError: when a process does not reach the check within the sync timeout (it is named).
 
@@ -140,11 +160,19 @@ class TrainState:
           >>> s = sc.TrainState.create(params={"w": np.ones(3, np.float32)}, tx=optax.adam(1e-3))
           >>> int(s.step), s.params["w"].sharding.is_fully_replicated, s.strategy
           (0, True, DDP(bucket_bytes=None))
+          >>> import flax.linen as nn
+          >>> boxed = {"w": nn.LogicallyPartitioned(np.ones((4, 8), np.float32), ("embed", "mlp"))}
+          >>> rules = [("embed", None), ("mlp", "model")]  # or the active nn.logical_axis_rules(rules) context
+          >>> mesh = sc.make_mesh({"data": 4, "model": 2})
+          >>> s = sc.TrainState.create(params=boxed, tx=optax.sgd(0.1), mesh=mesh, logical_axis_rules=rules)
+          >>> s.params["w"].sharding.spec
+          P(None, 'model')
         """
         mesh = default_mesh() if mesh is None else mesh
         axis = check_data_axes("TrainState.create", mesh, axis)
         strategy = resolve_strategy("TrainState.create", strategy)
-        params, model_specs = model_partitioning("TrainState.create", params, param_specs, mesh, data_axes(axis))
+        rules = LogicalRules("TrainState.create", logical_axis_rules)
+        params, model_specs = model_partitioning("TrainState.create", params, param_specs, mesh, data_axes(axis), rules)
         model_state = {} if model_state is None else model_state
         rng = _raw_key(rng)
         loss_scale = resolve_loss_scale("TrainState.create", loss_scale)
@@ -176,6 +204,7 @@ class TrainState:
             axis=axis,
             strategy=strategy,
             layout=layout,
+            logical_axis_rules=rules.rules or None,
         )
 
     @classmethod
@@ -191,8 +220,10 @@ class TrainState:
           model: the Flax NNX module.
           tx: the optax transformation, as in :meth:`create`.
           **kwargs: the other arguments of :meth:`create` (``rng``, ``mesh``, ``axis``, ``strategy``,
-            ``loss_scale`` ...). Without ``param_specs``, the model's sharding metadata gives them when any
-            parameter carries some.
+            ``loss_scale``, ``logical_axis_rules`` ...). Without ``param_specs``, the model's sharding metadata
+            (``out_sharding``) gives them when any parameter carries some: a name with a rule (in ``logical_axis_rules``
+            or the active context, after the variable's own ``sharding_rules``) is mapped by it, a name without
+            one must be a mesh axis.
 
         Returns:
           The new :class:`TrainState`, as :meth:`create` builds it.
@@ -215,9 +246,11 @@ class TrainState:
         graphdef, params, rest = cast(
             "tuple[nnx.GraphDef[Any], nnx.State, nnx.State]", nnx.split(model, nnx.Param, ...)
         )
-        specs = nnx.get_partition_spec(params)  # the model's sharding metadata
-        if "param_specs" not in kwargs and any(s != P() for s in jax.tree.leaves(specs, is_leaf=_is_spec)):
-            kwargs["param_specs"] = specs
+        if "param_specs" not in kwargs:
+            # The model's sharding metadata: mesh axes, or logical names that create maps by the rules.
+            specs = nnx_logical_specs(params)
+            if specs is not None:
+                kwargs["param_specs"] = specs
         return cls.create(params=params, tx=tx, apply_fn=graphdef, model_state=rest, **kwargs)
 
     @property
@@ -364,10 +397,6 @@ def _device_bytes(tree: Any) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-
-
-def _is_spec(x: Any) -> bool:
-    return x is None or isinstance(x, P)
 
 
 def _raw_key(rng: Any) -> np.ndarray:

@@ -1,0 +1,706 @@
+"""Everything a lent GPU is for, in one run of about 8 minutes: one JSON file with the device's name, and a plot.
+
+    python benchmarks/gpu.py --out benchmarks/results      # on the GPU: results/gpu.json and results/gpu.png
+    python benchmarks/gpu.py --tiny --out /tmp/gpu-tiny    # anywhere, CPU included: every section at a tiny size
+
+It installs nothing and needs nothing beyond JAX (the ``gpu`` extra's, or any CUDA build), flax, optax, numpy and
+pytest; matplotlib only for the plot (without it the JSON is still written). The checkout's ``spmdcomm`` is imported
+whether or not it is installed. Sections, each bounded in time (a share of ``--budget``; what a section leaves
+unused goes to the next ones), each recorded in the JSON with its status, seconds and result, or the error that
+stopped it, so that one failing section never costs the others:
+
+- ``prefetch``: the copy of a 16, 64 and 256 MiB batch hidden behind a step that takes 1.25 times that copy
+  (``prefetch.py``'s ``Bench.hidden_transfer``): ``sc.prefetch_to_device`` (staging through pinned host memory
+  where the device has it), the same without that staging ("ours pageable"), flax's ``prefetch_to_device``, a
+  plain ``device_put`` loop ("none") and the batch already on the device ("preplaced", a zero-cost loader).
+  hidden = (t_none - t_mode) / (t_none - t_preplaced); goal >= 0.9.
+- ``train_step``: samples/s of DDP, ZeRO-1 and FSDP (``sc.make_train_step``) next to the plain ``jax.jit`` step
+  on one device, MLP, CNN and the small transformer LM, interleaved (``strategies.py``'s ``speed``); goal: within
+  3% of the jit step (ratio >= 0.97).
+- ``memory``: ``sc.explain``'s memory figures (arguments + temporaries) next to what the device reports:
+  ``memory_stats()["peak_bytes_in_use"]`` after compiling and running the step, one fresh process per program so
+  that each peak is its own (``None`` where the device has no statistics, as on CPU).
+- ``mfu``: model FLOPs utilisation in bfloat16 of ``examples/lm`` once it exists (until then its entry says it
+  is not there), and of a stand-in: the benchmarks' transformer LM at a GPU size, our DDP step next to the plain
+  ``jax.jit`` step. Model FLOPs per step = 6 x (parameters that multiply activations) x tokens + 12 x layers x
+  sequence x width x tokens (attention); MFU = model FLOPs / step time / the GPU's bf16 dense peak (table
+  ``PEAK_BF16``, or ``--peak-tflops``). XLA's own count of the step's FLOPs is recorded next to it.
+- ``suite``: ``pytest`` on the tests that hold on one device of any kind (``SUITE``: the 1-device
+  parametrizations, ``-k 1dev``, and ``tests/test_prefetch_pinned.py``), with JAX on the default device.
+
+Collectives on several GPUs (NCCL between devices and processes) need a machine with several; with one device
+every collective is the identity, so nothing here measures them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:  # this checkout's spmdcomm, installed or not, before any installed copy
+    sys.path.insert(1, str(ROOT))
+
+from _common import set_cpu_devices, time_calls, write_json  # noqa: E402
+
+SECTIONS = ("prefetch", "train_step", "memory", "mfu", "suite")
+# Each section's share of the time left when it starts, relative to the sections after it.
+SHARES = {"prefetch": 0.24, "train_step": 0.18, "memory": 0.16, "mfu": 0.14, "suite": 0.28}
+STRATEGIES = ("ddp", "zero1", "fsdp")
+HIDDEN_GOAL, JIT_GOAL = 0.9, 0.97
+# The tests that hold on one device of any kind: the 1-device parametrizations (1dev in their ids) and the
+# pinned-staging tests, which take the accelerator's path on a GPU. This file's own test runs this script: left out.
+SUITE = ("tests", "-k", "(1dev or test_prefetch_pinned) and not test_gpu_script")
+# bf16 dense peak FLOP/s per GPU, from the vendors' datasheets (half the "with sparsity" figures); the first entry
+# whose text is in jax.devices()[0].device_kind wins, so the more specific names come first.
+PEAK_BF16 = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """How much each section does: the GPU run's sizes, or ``--tiny``'s."""
+
+    prefetch_mib: tuple[int, ...] = (16, 64, 256)
+    prefetch_steps: int = 20
+    prefetch_reps: int = 3
+    step_vs_copy: float = 1.25  # the synthetic step takes this many times the copy it should hide
+    models: tuple[str, ...] = ("mlp", "cnn", "transformer")
+    rounds: int = 11
+    steps: int = 20
+    lm: dict = dataclasses.field(
+        default_factory=lambda: {"vocab": 32768, "width": 1024, "layers": 8, "heads": 16, "seq": 1024, "batch": 16}
+    )
+    lm_rounds: int = 5
+    lm_steps: int = 10
+    suite: tuple[str, ...] = SUITE
+    budget_s: float = 480.0
+
+
+TINY = Size(
+    prefetch_mib=(1, 2),
+    prefetch_steps=4,
+    prefetch_reps=1,
+    models=("mlp",),
+    rounds=1,
+    steps=2,
+    lm={"vocab": 64, "width": 32, "layers": 1, "heads": 2, "seq": 16, "batch": 4},
+    lm_rounds=1,
+    lm_steps=2,
+    suite=("tests/test_prefetch_pinned.py", "-k", "only_off_cpu or this_platform"),
+    budget_s=150.0,
+)
+
+
+class SectionTimeout(Exception):
+    """Raised in the main thread when a section outlives its share of the budget."""
+
+
+# --- the run -------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    _prepare_environment()
+    if args.memory_worker:
+        print("MEMORY_ROWS " + json.dumps(memory_rows(json.loads(args.memory_worker))), flush=True)
+        return
+    size = TINY if args.tiny else Size()
+    out = Path(args.out or ("bench-results" if args.tiny else HERE / "results"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "gpu.json"
+    if not args.plot_only:
+        result = header(args, size, previous=path if args.only else None)
+        names = [n for n in SECTIONS if not args.only or n in args.only.split(",")]
+        run_sections(names, size, args, result, path)
+    plot(json.loads(path.read_text()), out / "gpu.png")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="folder for gpu.json and gpu.png (default benchmarks/results; --tiny: bench-results)")
+    p.add_argument("--tiny", action="store_true", help="every section at a tiny size: checks that all of it runs")
+    p.add_argument("--budget", type=float, help="seconds for all sections (default 480; --tiny: 150)")
+    p.add_argument("--only", help=f"comma-separated sections of {','.join(SECTIONS)}; the others keep their entries")
+    p.add_argument("--peak-tflops", type=float, help="the device's bf16 peak, for a device not in PEAK_BF16")
+    p.add_argument("--plot-only", action="store_true", help="redraw gpu.png from gpu.json")
+    p.add_argument("--memory-worker", help=argparse.SUPPRESS)  # JSON [[model, strategy], ...]: one fresh process
+    return p
+
+
+def _prepare_environment() -> None:
+    """Before JAX starts: the default device wherever the script runs (the benchmark modules it imports would
+    otherwise choose CPU), one CPU device on a machine without an accelerator (the GPU run has one), and memory
+    taken as needed rather than 75% of the GPU at start, so that the worker and test processes find room."""
+    os.environ.setdefault("JAX_PLATFORMS", "")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    set_cpu_devices(1)
+    path = os.environ.get("PYTHONPATH", "")
+    if str(ROOT) not in path.split(os.pathsep):  # for the worker and test processes
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), path]))
+
+
+def header(args: argparse.Namespace, size: Size, previous: Path | None) -> dict:
+    """What was measured on: the device's name and platform, the versions, the size and budget. With
+    ``previous`` (``--only``), that file's sections are kept where it was measured on the same device."""
+    import flax
+    import jax
+    import jaxlib
+    import numpy as np
+    import optax
+
+    device = jax.devices()[0]
+    result = {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "device_count": jax.device_count(),
+        "memory_kinds": sorted(m.kind for m in device.addressable_memories()),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+        "numpy": np.__version__,
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "tiny": args.tiny,
+        "budget_s": args.budget or size.budget_s,
+        "untested": "several GPUs: NCCL collectives between devices and processes, psum(algorithm='auto')'s switch "
+        "point and the rooted collectives' thresholds (CPU measurements; on one device a collective is the identity)",
+        "sections": {},
+    }
+    if previous is not None and previous.exists():
+        old = json.loads(previous.read_text())
+        if old.get("device") == result["device"]:
+            result["sections"] = old.get("sections", {})
+    print(f"{result['device']} ({result['platform']}), jax {result['jax']}, budget {result['budget_s']:.0f} s")
+    return result
+
+
+def run_sections(names: list[str], size: Size, args: argparse.Namespace, result: dict, path: Path) -> None:
+    """Runs each section within its share of what is left of the budget, recording it and rewriting ``path``
+    after each one. A section that fails or runs out of time keeps what it measured so far (its ``result``)."""
+    end = time.monotonic() + result["budget_s"]
+    for i, name in enumerate(names):
+        left = end - time.monotonic()
+        limit = left * SHARES[name] / sum(SHARES[n] for n in names[i:])
+        partial: dict = {}
+        entry: dict = {"limit_s": round(limit, 1)}
+        start = time.monotonic()
+        print(f"\n=== {name} (at most {limit:.0f} s) ===", flush=True)
+        try:
+            with _alarm(limit):
+                SECTION_FUNCTIONS[name](size, args, partial, start + limit)
+            entry["status"] = "ok"
+        except SectionTimeout:
+            entry.update(status="timed out", error=f"stopped after its {limit:.0f} s")
+        except Exception as e:  # noqa: BLE001 - recorded; the next sections still run
+            entry.update(status="failed", error=_clean(f"{type(e).__name__}: {e}"))
+            entry["traceback"] = _clean(traceback.format_exc()[-3000:])
+        entry.update(seconds=round(time.monotonic() - start, 1), result=partial)
+        print(f"=== {name}: {entry['status']} in {entry['seconds']} s ===", flush=True)
+        result["sections"][name] = entry
+        write_json(path, result)
+
+
+class _alarm:
+    """``with _alarm(seconds):`` raises :class:`SectionTimeout` in the main thread once ``seconds`` have passed."""
+
+    def __init__(self, seconds: float):
+        self.seconds = max(seconds, 0.01)
+
+    def __enter__(self) -> None:
+        def fire(signum, frame):
+            raise SectionTimeout
+
+        self.previous = signal.signal(signal.SIGALRM, fire)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+
+    def __exit__(self, *exc: object) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self.previous)
+
+
+# --- prefetch ------------------------------------------------------------------------------------------------
+
+
+def section_prefetch(size: Size, args: argparse.Namespace, out: dict, deadline: float) -> None:
+    """``out["batches"][mib]``: ``Bench.hidden_transfer`` of a ``mib`` MiB batch; ``out["summary"]``: per size the
+    fraction hidden and the fraction of the zero-cost speed of each mode, and whether ours met the goal."""
+    import prefetch
+
+    bench = prefetch.Bench(argparse.Namespace(steps=size.prefetch_steps, reps=size.prefetch_reps, step_ms=4.0))
+    out["goal"] = f"ours hides >= {HIDDEN_GOAL} of the copy at every size, with the step >= the copy"
+    out["batches"], out["summary"] = {}, {}
+    for mib in size.prefetch_mib:
+        r = bench.hidden_transfer(mib, step_vs_copy=size.step_vs_copy, aligned=False, pageable=True)
+        out["batches"][str(mib)] = r
+        out["summary"][str(mib)] = hidden_summary(r)
+
+
+def hidden_summary(r: dict) -> dict:
+    """From one ``hidden_transfer`` result: the hidden fractions, each mode's speed as a fraction of the zero-cost
+    loader's (t_preplaced / t_mode), whether the step took at least the copy, and whether ours met the goal."""
+    ms = r["ms_per_step"]
+    return {
+        "hidden": r["hidden"],
+        "vs_zero_cost": {m: ms["preplaced"] / t for m, t in ms.items() if m != "preplaced"},
+        "step_ge_copy": r["step_ms"] >= r["copy_ms"],
+        "pinned_host": r["pinned_host"],
+        "goal_met": r["hidden"].get("ours", float("nan")) >= HIDDEN_GOAL,
+    }
+
+
+# --- train step ----------------------------------------------------------------------------------------------
+
+
+def section_train_step(size: Size, args: argparse.Namespace, out: dict, deadline: float) -> None:
+    """``out[model]``: ``strategies.speed`` on one device (samples/s, ratios to DDP and to the jit step, GFLOP per
+    step) and ``out["goal"][model][strategy]``: whether the strategy is within 3% of the plain jit step."""
+    import jax
+    import strategies
+
+    import spmdcomm as sc
+
+    mesh = sc.data_mesh(devices=jax.devices()[:1])
+    out["goal"] = {}
+    for model in size.models:  # one model at a time: a timeout keeps the models already measured
+        speed = strategies.speed([model], list(STRATEGIES), size.rounds, size.steps, mesh=mesh)[model]
+        out[model] = speed
+        out["goal"][model] = {s: speed[s]["ratio_vs_jit"] >= JIT_GOAL for s in STRATEGIES}
+
+
+# --- memory --------------------------------------------------------------------------------------------------
+
+
+def section_memory(size: Size, args: argparse.Namespace, out: dict, deadline: float) -> None:
+    """``out["rows"]``: :func:`memory_rows` of every model x (our strategies, the jit step), each program in a fresh
+    process where the device keeps statistics (a peak is a process's highest so far), all in one process where it
+    keeps none."""
+    import jax
+
+    configs = [[m, s] for m in size.models for s in (*STRATEGIES, "jit")]
+    stats = jax.devices()[0].memory_stats() is not None
+    out["memory_stats"] = stats or f"None on {jax.devices()[0].platform}: no measured peak to compare"
+    out["rows"] = []
+    for group in [[c] for c in configs] if stats else [configs]:
+        lines = _run(
+            [sys.executable, str(Path(__file__).resolve()), "--memory-worker", json.dumps(group)],
+            deadline,
+        )
+        rows = [json.loads(ln.split(" ", 1)[1]) for ln in lines.splitlines() if ln.startswith("MEMORY_ROWS ")]
+        if not rows:
+            raise RuntimeError(f"the memory worker for {group} printed no rows:\n{lines[-3000:]}")
+        out["rows"].extend(rows[0])
+
+
+def memory_rows(configs: list[list[str]]) -> list[dict]:
+    """For each ``[model, strategy]`` (``strategy`` ``"jit"``: the plain jit step), in this process: ``explain``'s
+    per-device memory, the device's bytes in use with the state and batch placed, and its peak after compiling and
+    running the step twice; ``peak_vs_explained`` = that peak / (arguments + temporaries)."""
+    import jax
+    import strategies
+
+    import spmdcomm as sc
+
+    mesh = sc.data_mesh(devices=jax.devices()[:1])
+    device = jax.devices()[0]
+    rows = []
+    for model, strategy in configs:
+        batch = jax.device_put(strategies.model_data(model), sc.data_sharding(mesh=mesh))
+        if strategy == "jit":
+            step, params, opt_state = strategies.jit_program(model, mesh)
+            memory = sc.explain(step, params, opt_state, batch).memory
+            before = device.memory_stats()
+            for _ in range(2):
+                params, opt_state, loss = step(params, opt_state, batch)
+            jax.block_until_ready(loss)
+        else:
+            state = strategies.make_state(model, mesh, strategy)
+            step = sc.make_train_step(strategies.LOSSES[model])
+            memory = sc.explain(step, state, batch).memory
+            before = device.memory_stats()
+            for _ in range(2):
+                state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
+        after = device.memory_stats()
+        explained = (memory.argument_bytes or 0) + (memory.temp_bytes or 0)
+        peak = None if after is None else after.get("peak_bytes_in_use")
+        rows.append(
+            {
+                "model": model,
+                "strategy": strategy,
+                "explain": dataclasses.asdict(memory),
+                "explained_peak_bytes": explained,
+                "bytes_in_use_before_step": None if before is None else before.get("bytes_in_use"),
+                "peak_bytes_in_use": peak,
+                "peak_vs_explained": None if peak is None or not explained else peak / explained,
+            }
+        )
+        del batch, step
+    return rows
+
+
+# --- model FLOPs utilisation ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LMSpec:
+    """A language model for :func:`measure_mfu`: a Flax module applied to ``(sequences, tokens)`` int32 tokens,
+    its float32 parameters and one global batch (``{"tokens": ...}``), and the shape figures of the attention term
+    of its model FLOPs."""
+
+    name: str
+    module: Any
+    params: dict
+    batch: dict
+    layers: int
+    width: int
+
+
+def section_mfu(size: Size, args: argparse.Namespace, out: dict, deadline: float) -> None:
+    """``out["examples_lm"]``: examples/lm's MFU, or why there is none; ``out["stand_in"]``: the benchmarks'
+    transformer LM at this run's size; ``out["peak_flops"]``: the peak both are divided by, and where it came
+    from."""
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_bf16_flops(kind)
+    out["peak_flops"] = peak
+    out["peak_source"] = "--peak-tflops" if args.peak_tflops else ("PEAK_BF16" if peak else f"unknown for {kind!r}")
+    lm = ROOT / "examples" / "lm"
+    if not lm.exists():
+        out["examples_lm"] = "examples/lm not present"
+    else:
+        try:
+            out["examples_lm"] = measure_mfu(examples_lm_spec(lm), peak, size.lm_rounds, size.lm_steps)
+        except NotImplementedError as e:
+            out["examples_lm"] = str(e)
+    out["stand_in"] = measure_mfu(stand_in_spec(size.lm), peak, size.lm_rounds, size.lm_steps)
+
+
+def examples_lm_spec(path: Path) -> LMSpec:
+    """The :class:`LMSpec` of examples/lm's model. The example is not written yet, so nothing is wired in: once
+    it lands, build its module, parameters and batch here, as :func:`stand_in_spec` does."""
+    raise NotImplementedError(f"{path.name} is present but not wired into benchmarks/gpu.py (examples_lm_spec)")
+
+
+def stand_in_spec(cfg: dict) -> LMSpec:
+    """``strategies.TransformerLM`` with ``cfg``'s vocabulary, width, layers and heads, on random tokens of
+    ``cfg["batch"]`` sequences of ``cfg["seq"]``."""
+    import jax
+    import numpy as np
+    import strategies
+
+    module = strategies.TransformerLM(vocab=cfg["vocab"], width=cfg["width"], layers=cfg["layers"], heads=cfg["heads"])
+    tokens = np.random.default_rng(0).integers(0, cfg["vocab"], (cfg["batch"], cfg["seq"])).astype(np.int32)
+    params = jax.jit(module.init)(jax.random.PRNGKey(0), tokens[:1])["params"]
+    name = f"TransformerLM {cfg['layers']}x{cfg['width']}, vocab {cfg['vocab']}, {cfg['batch']}x{cfg['seq']} tokens"
+    return LMSpec(name, module, jax.tree.map(np.asarray, dict(params)), {"tokens": tokens}, cfg["layers"], cfg["width"])
+
+
+def peak_bf16_flops(device_kind: str) -> float | None:
+    """The bf16 dense peak FLOP/s of a GPU named ``device_kind`` (``PEAK_BF16``), or None for one not listed."""
+    return next((flops for name, flops in PEAK_BF16 if name in device_kind), None)
+
+
+def model_flops(params: dict, layers: int, width: int, sequences: int, positions: int) -> dict:
+    """Training FLOPs of one step of a decoder LM on ``sequences`` x ``positions`` tokens: ``6 x N x tokens``
+    for the ``N`` parameters that multiply activations (every ``kernel``: the embedding lookup multiplies
+    nothing), plus ``12 x layers x positions x width x tokens`` for the attention scores and their weighted sum
+    (forward 4 x positions x width per token and layer, backward twice that; causal masking still computes all)."""
+    import jax
+
+    kernels = sum(
+        int(x.size) for path, x in jax.tree_util.tree_flatten_with_path(params)[0] if path[-1].key == "kernel"
+    )
+    tokens = sequences * positions
+    dense = 6 * kernels * tokens
+    attention = 12 * layers * positions * width * tokens
+    return {"kernel_params": kernels, "tokens": tokens, "dense": dense, "attention": attention}
+
+
+def xla_flops(compiled) -> float | None:
+    """Floating-point operations of one call of a compiled program, by XLA's cost analysis (None if it has none)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost  # a list of one dict on older JAX
+    return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+def mfu(flops_per_step: float, step_seconds: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: ``flops_per_step / step_seconds / peak`` (None without a peak)."""
+    return None if not peak else flops_per_step / step_seconds / peak
+
+
+def measure_mfu(spec: LMSpec, peak: float | None, rounds: int, steps: int) -> dict:
+    """bfloat16 step time, model FLOPs and MFU of ``spec``'s model trained with Adam, for our DDP step on one
+    device and for the plain ``jax.jit`` step, interleaved over ``rounds`` (medians)."""
+
+    tokens = spec.batch["tokens"]
+    flops = model_flops(spec.params, spec.layers, spec.width, tokens.shape[0], tokens.shape[1] - 1)
+    runs = {"ours (ddp)": _ours_lm(spec), "jax.jit": _jit_lm(spec)}
+    for run in runs.values():
+        run(2)  # compile and warm up
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+            times[name].append(runs[name](steps) / steps)
+    per_step = flops["dense"] + flops["attention"]
+    out: dict = {"model": spec.name, "model_flops": flops, "model_flops_per_step": per_step}
+    out["xla_flops_per_step"] = xla_flops(runs["jax.jit"].compiled)
+    for name, ts in times.items():
+        step_s = statistics.median(ts)
+        out[name] = {
+            "step_ms": step_s * 1e3,
+            "model_tflops_per_s": per_step / step_s / 1e12,
+            "mfu": mfu(per_step, step_s, peak),
+            "xla_flops_utilisation": mfu(out["xla_flops_per_step"] or 0.0, step_s, peak),
+        }
+        print(
+            f"{spec.name}, {name}: {step_s * 1e3:.2f} ms/step, {per_step / step_s / 1e12:.3f} model TFLOP/s, "
+            f"MFU {out[name]['mfu'] if peak else 'n/a (no peak)'}",
+            flush=True,
+        )
+    out["ours_vs_jit_step_time"] = out["ours (ddp)"]["step_ms"] / out["jax.jit"]["step_ms"]
+    return out
+
+
+def _bf16(params):
+    """The floating-point leaves of ``params`` in bfloat16: the model computes in bf16 from float32 masters."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(lambda p: p.astype(jnp.bfloat16) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+
+
+def _lm_losses(spec: LMSpec, params, tokens):
+    """Next-token cross-entropy per sequence and position, the model in bf16, the losses in float32."""
+    import jax.numpy as jnp
+    import strategies
+
+    return strategies.lm_token_losses(spec.module.apply, _bf16(params), tokens).astype(jnp.float32)
+
+
+def _ours_lm(spec: LMSpec) -> Callable[[int], float]:
+    """``run(steps) -> seconds`` of our DDP step on one device, Adam, on one placed batch."""
+    import jax
+    import optax
+
+    import spmdcomm as sc
+
+    mesh = sc.data_mesh(devices=jax.devices()[:1])
+
+    def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
+        return sc.masked_mean(_lm_losses(spec, params, batch["tokens"]).mean(axis=1), mask)
+
+    holder = {"state": sc.TrainState.create(params=spec.params, tx=optax.adam(1e-4), mesh=mesh)}
+    step = sc.make_train_step(loss_fn)
+    batch = jax.device_put(spec.batch, sc.data_sharding(mesh=mesh))
+
+    def call():
+        holder["state"], metrics = step(holder["state"], batch)
+        return metrics
+
+    return lambda n: time_calls(call, n)
+
+
+def _jit_lm(spec: LMSpec) -> Callable[[int], float]:
+    """``run(steps) -> seconds`` of the plain ``jax.jit`` step a JAX user writes (value_and_grad, optax, donated
+    state) on one device; ``run.compiled`` is its compiled program (for XLA's FLOP count)."""
+    import jax
+    import optax
+
+    tx = optax.adam(1e-4)
+    device = jax.devices()[0]
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(lambda p: _lm_losses(spec, p, batch["tokens"]).mean())(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = jax.device_put(spec.params, device)
+    holder = {"p": params, "o": tx.init(params)}
+    batch = jax.device_put(spec.batch, device)
+    # Compiled once, ahead of time, for the FLOP count and the calls alike (a transformer compiles slowly).
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(holder["p"], holder["o"], batch).compile()
+
+    def call():
+        holder["p"], holder["o"], loss = compiled(holder["p"], holder["o"], batch)
+        return loss
+
+    def run(n: int) -> float:
+        return time_calls(call, n)
+
+    run.compiled = compiled  # type: ignore[attr-defined]
+    return run
+
+
+# --- suite ---------------------------------------------------------------------------------------------------
+
+
+def section_suite(size: Size, args: argparse.Namespace, out: dict, deadline: float) -> None:
+    """``out``: the pytest command, its exit status, the count of each outcome and the tests that failed, read
+    from pytest's verbose lines (so a run stopped at the deadline still counts what it finished)."""
+    import jax
+
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-v", "-o", "console_output_style=classic"]
+    cmd += ["--timeout", "120", *size.suite]
+    out["command"] = " ".join(["python", *cmd[1:]])
+    out["jax_platform"] = jax.devices()[0].platform
+    text, out["returncode"] = _run_status(cmd, deadline - 5, cwd=ROOT)
+    outcomes = re.findall(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text, re.M)
+    out["counts"] = {k: sum(1 for _, o in outcomes if o == k) for k in sorted({o for _, o in outcomes})}
+    out["failed"] = [t for t, o in outcomes if o in ("FAILED", "ERROR")][:40]
+    out["tail"] = _clean(text[text.find("collect") :][-1500:])  # without pytest's header of paths and plugins
+
+
+# --- subprocesses --------------------------------------------------------------------------------------------
+
+
+def _run(cmd: list[str], deadline: float) -> str:
+    """The output of ``cmd``; raises if it fails or is still running at ``deadline``."""
+    text, code = _run_status(cmd, deadline)
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd[:3])} ... exited with {code}:\n{text[-3000:]}")
+    return text
+
+
+def _run_status(cmd: list[str], deadline: float, cwd: Path | None = None) -> tuple[str, int | None]:
+    """``cmd``'s stdout and stderr together, and its exit status (None: stopped at ``deadline``). The process gets
+    a session of its own, so that stopping it stops everything it started, and nothing else."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        try:
+            code: int | None = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            if proc.poll() is None:  # out of time, or the section's own alarm
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.seek(0)
+        return log.read(), code
+
+
+def _clean(text: str) -> str:
+    """``text`` without this machine's paths (results are committed): the checkout becomes ``.``, Python's
+    installation ``<python>``, the home folder ``~``."""
+    for path, name in ((str(ROOT), "."), (sys.prefix, "<python>"), (sys.base_prefix, "<python>")):
+        text = text.replace(path, name)
+    return text.replace(str(Path.home()), "~")
+
+
+# --- plot ----------------------------------------------------------------------------------------------------
+
+
+def plot(result: dict, path: Path) -> None:
+    """gpu.png: hidden fraction per batch size, train-step ratio to the jit step, measured / explained peak, MFU.
+    Without matplotlib it says so and draws nothing (the JSON holds every number)."""
+    try:
+        from _common import _pyplot, _save
+
+        plt = _pyplot()
+    except ImportError as e:
+        print(f"no plot: matplotlib is not importable ({e}); the results are in the JSON", flush=True)
+        return
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4), layout="constrained")
+    sections = result.get("sections", {})
+    for ax, (name, draw) in zip(axes, PANELS.items(), strict=True):
+        entry = sections.get(name, {})
+        try:
+            draw(ax, entry.get("result") or {})
+        except (KeyError, TypeError, ValueError) as e:  # a section that failed early has too little to draw
+            ax.text(0.5, 0.5, f"{name}: {entry.get('status', 'not run')}\n{type(e).__name__}", ha="center")
+        ax.set_title(f"{ax.get_title() or name} [{entry.get('status', 'not run')}]", fontsize=9)
+    fig.suptitle(f"{result['device']} ({result['platform']}), jax {result['jax']}, {result['date']}")
+    print(f"plot: {_save(plt, fig, path)}", flush=True)
+
+
+def _bars(ax, groups: list[str], series: dict[str, list[float]], goal: float | None, ylabel: str) -> None:
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([j + i * width for j in range(len(groups))], values, width, label=label)
+    ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(groups))], groups, fontsize=8)
+    if goal is not None:
+        ax.axhline(goal, color="gray", ls="--", label=f"goal {goal}")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+
+
+def _panel_prefetch(ax, r: dict) -> None:
+    sizes = list(r["summary"])
+    modes = ("ours", "ours pageable", "flax")
+    series = {m: [r["summary"][s]["hidden"].get(m, float("nan")) for s in sizes] for m in modes}
+    _bars(ax, [f"{s} MiB" for s in sizes], series, HIDDEN_GOAL, "fraction of the copy hidden")
+    ax.set_title("prefetch: copy hidden behind the step")
+
+
+def _panel_train_step(ax, r: dict) -> None:
+    models = [m for m in r if m != "goal"]
+    series = {s: [r[m][s]["ratio_vs_jit"] for m in models] for s in STRATEGIES}
+    _bars(ax, models, series, JIT_GOAL, "samples/s / plain jax.jit step")
+    ax.set_title("train step, one device")
+
+
+def _panel_memory(ax, r: dict) -> None:
+    rows = r["rows"]
+    labels = [f"{row['model']}\n{row['strategy']}" for row in rows]
+    measured = [row["peak_vs_explained"] for row in rows]
+    if all(v is None for v in measured):
+        ax.bar(labels, [row["explained_peak_bytes"] / 2**20 for row in rows])
+        ax.set_ylabel("explain: arguments + temporaries, MiB")
+        ax.set_title("memory (no device statistics)")
+    else:
+        ax.bar(labels, [float("nan") if v is None else v for v in measured])
+        ax.axhline(1.0, color="gray", ls="--")
+        ax.set_ylabel("memory_stats peak / explain's")
+        ax.set_title("memory: measured peak vs explain")
+    ax.tick_params(axis="x", labelsize=6)
+
+
+def _panel_mfu(ax, r: dict) -> None:
+    run = r["stand_in"]
+    names = ("ours (ddp)", "jax.jit")
+    if r.get("peak_flops"):
+        ax.bar(names, [run[n]["mfu"] for n in names])
+        ax.set_ylabel("MFU, bf16")
+    else:
+        ax.bar(names, [run[n]["model_tflops_per_s"] for n in names])
+        ax.set_ylabel("model TFLOP/s (no peak known)")
+    ax.set_title("stand-in LM" + ("" if isinstance(r.get("examples_lm"), dict) else "; " + str(r.get("examples_lm"))))
+
+
+PANELS = {"prefetch": _panel_prefetch, "train_step": _panel_train_step, "memory": _panel_memory, "mfu": _panel_mfu}
+SECTION_FUNCTIONS = {
+    "prefetch": section_prefetch,
+    "train_step": section_train_step,
+    "memory": section_memory,
+    "mfu": section_mfu,
+    "suite": section_suite,
+}
+
+
+if __name__ == "__main__":
+    main()

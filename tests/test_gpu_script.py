@@ -1,0 +1,122 @@
+"""benchmarks/gpu.py, the GPU measurement in one script: its arithmetic, and a ``--tiny`` run on CPU whose JSON
+holds every section with results (the same code a GPU run takes, at a size that runs in seconds)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu.py"
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """benchmarks/gpu.py as a module (it imports its neighbours by plain name, as a script run from there)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu
+
+    return gpu
+
+
+def test_peak_table_names_the_specific_parts_first(gpu):
+    assert gpu.peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu.peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu.peak_bf16_flops("NVIDIA H200") == 989e12
+    assert gpu.peak_bf16_flops("NVIDIA L40S") == 362e12 and gpu.peak_bf16_flops("NVIDIA L4") == 121e12
+    assert gpu.peak_bf16_flops("cpu") is None
+
+
+def test_model_flops_count_kernels_and_attention(gpu):
+    import numpy as np
+
+    params = {  # a 1-layer LM's kernels of width 4 (2 heads of 2) and vocabulary 6; embedding and biases not counted
+        "Embed_0": {"embedding": np.zeros((6, 4))},
+        "Block_0": {
+            "attention": {k: {"kernel": np.zeros((4, 2, 2)), "bias": np.zeros((2, 2))} for k in ("query", "key")},
+            "Dense_0": {"kernel": np.zeros((4, 16)), "bias": np.zeros(16)},
+        },
+        "Dense_1": {"kernel": np.zeros((4, 6))},
+    }
+    flops = gpu.model_flops(params, layers=1, width=4, sequences=3, positions=5)
+    assert flops["kernel_params"] == 16 + 16 + 64 + 24
+    assert flops["tokens"] == 15
+    assert flops["dense"] == 6 * 120 * 15 and flops["attention"] == 12 * 1 * 5 * 4 * 15
+    assert gpu.mfu(2e12, 0.5, 8e12) == 0.5 and gpu.mfu(2e12, 0.5, None) is None
+
+
+def test_hidden_summary(gpu):
+    r = {
+        "ms_per_step": {"none": 10.0, "ours": 6.0, "flax": 9.0, "preplaced": 5.0},
+        "hidden": {"ours": 0.8, "flax": 0.2},
+        "step_ms": 5.0,
+        "copy_ms": 4.0,
+        "pinned_host": True,
+    }
+    s = gpu.hidden_summary(r)
+    assert s["vs_zero_cost"] == {"none": 0.5, "ours": 5 / 6, "flax": 5 / 9}
+    assert s["step_ge_copy"] and not s["goal_met"]
+
+
+def test_clean_removes_this_machines_paths(gpu):
+    text = f"File {ROOT}/benchmarks/gpu.py, {sys.prefix}/lib/site.py"
+    assert gpu._clean(text) == "File ./benchmarks/gpu.py, <python>/lib/site.py"
+
+
+@pytest.mark.slow
+def test_tiny_run_on_cpu_writes_every_section(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script takes one CPU device
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path), "--peak-tflops", "0.5"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "gpu.json").read_text())
+    assert (r["device"], r["platform"], r["device_count"], r["tiny"]) == ("cpu", "cpu", 1, True)
+    assert r["jax"] and "several GPUs" in r["untested"]
+    sections = r["sections"]
+    assert list(sections) == ["prefetch", "train_step", "memory", "mfu", "suite"]
+    for name, entry in sections.items():
+        assert entry["status"] == "ok", (name, entry.get("error"), entry.get("traceback"))
+        assert 0 < entry["seconds"] <= entry["limit_s"] + 5
+
+    prefetch = sections["prefetch"]["result"]
+    assert list(prefetch["summary"]) == ["1", "2"]
+    for summary in prefetch["summary"].values():
+        assert set(summary["hidden"]) == {"ours", "ours pageable", "flax"}
+        assert all(isinstance(v, float) and math.isfinite(v) for v in summary["hidden"].values())
+        assert set(summary["vs_zero_cost"]) == {"none", "ours", "ours pageable", "flax"}
+        assert summary["pinned_host"] is False  # CPU devices alias aligned memory instead
+
+    speed = sections["train_step"]["result"]["mlp"]
+    assert set(speed) == {"ddp", "zero1", "fsdp", "jit+NamedSharding fsdp"}
+    assert all(speed[s]["samples_per_s"] > 0 and speed[s]["ratio_vs_jit"] > 0 for s in ("ddp", "zero1", "fsdp"))
+    assert set(sections["train_step"]["result"]["goal"]["mlp"]) == {"ddp", "zero1", "fsdp"}
+
+    memory = sections["memory"]["result"]
+    assert memory["memory_stats"].startswith("None on cpu")
+    assert [(row["model"], row["strategy"]) for row in memory["rows"]] == [
+        ("mlp", s) for s in ("ddp", "zero1", "fsdp", "jit")
+    ]
+    assert all(row["explained_peak_bytes"] > 0 and row["peak_bytes_in_use"] is None for row in memory["rows"])
+
+    mfu = sections["mfu"]["result"]
+    assert mfu["examples_lm"] == "examples/lm not present" and mfu["peak_flops"] == 0.5e12
+    stand_in = mfu["stand_in"]
+    assert stand_in["model_flops_per_step"] == stand_in["model_flops"]["dense"] + stand_in["model_flops"]["attention"]
+    assert stand_in["model_flops"]["kernel_params"] == 14336  # 1 block of width 32, vocabulary 64: counted by hand
+    for name in ("ours (ddp)", "jax.jit"):
+        run = stand_in[name]
+        assert run["step_ms"] > 0
+        assert math.isclose(run["mfu"], stand_in["model_flops_per_step"] / (run["step_ms"] / 1e3) / 0.5e12)
+    assert stand_in["xla_flops_per_step"] > 0
+
+    suite = sections["suite"]["result"]
+    assert suite["returncode"] == 0 and suite["counts"] == {"PASSED": 2} and suite["failed"] == []
+    assert str(ROOT) not in json.dumps(r)  # committed results carry no machine's paths
+    assert (tmp_path / "gpu.png").read_bytes()[:4] == b"\x89PNG"
