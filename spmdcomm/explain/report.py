@@ -32,7 +32,8 @@ from spmdcomm.errors import SpmdError, describe
 from spmdcomm.explain.hlo import COLLECTIVE_KINDS, Collective
 from spmdcomm.explain.hlo import inventory as _inventory
 from spmdcomm.explain.hlo import parse_module as _parse_module
-from spmdcomm.train.state import StateMemory, TrainState
+from spmdcomm.train.memory import StateMemory
+from spmdcomm.train.state import TrainState
 
 __all__ = ["explain", "Explanation", "Collective", "DeviceMemory", "COLLECTIVE_KINDS"]
 

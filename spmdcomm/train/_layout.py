@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -37,6 +36,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm.train import _blocks
 from spmdcomm.train._flat import cast
 
 __all__ = ["TreeLayout", "shard_spec", "shard_dim"]
@@ -52,7 +52,7 @@ def shard_dim(shape: tuple[int, ...], n: int, taken: tuple[Any, ...] = ()) -> in
             return dim
     if not free or math.prod(shape) < n:
         return None
-    return min(free, key=lambda dim: math.prod(_padded(shape, dim, n)))
+    return min(free, key=lambda dim: math.prod(_blocks.padded(shape, dim, n)))
 
 
 def shard_spec(shape: tuple[int, ...], axis: str, n: int, model: P | None = None) -> P:
@@ -230,7 +230,7 @@ class TreeLayout:
         for x, spec, stored in zip(leaves, specs, self.stored_shapes(which), strict=True):
             if tuple(x.shape) != stored:
                 x = lax.with_sharding_constraint(
-                    _pad_to(x, _dim(spec, self.shard_axis), stored), NamedSharding(mesh, spec)
+                    _blocks.pad_to(x, _dim(spec, self.shard_axis), stored), NamedSharding(mesh, spec)
                 )
             out.append(x)
         return jax.tree.unflatten(treedef, out)
@@ -243,7 +243,9 @@ class TreeLayout:
         out = []
         for x, spec, shape in zip(leaves, specs, self.own_shapes(which), strict=True):
             if tuple(x.shape) != shape:
-                x = lax.with_sharding_constraint(_cut(x, _dim(spec, self.shard_axis), shape), NamedSharding(mesh, spec))
+                x = lax.with_sharding_constraint(
+                    _blocks.cut(x, _dim(spec, self.shard_axis), shape), NamedSharding(mesh, spec)
+                )
             out.append(x)
         return jax.tree.unflatten(treedef, out)
 
@@ -270,18 +272,18 @@ class TreeLayout:
         out = list(leaves)
         for idx in self._by_dtype(self.grad_leaf_specs).values():
             dims = [self._split_dim(self.grad_leaf_specs[i]) for i in idx]
-            padded = [self._stored(self.shapes[i], self.grad_leaf_specs[i]) for i in idx]
+            stored = [self._stored(self.shapes[i], self.grad_leaf_specs[i]) for i in idx]
             rows = [
-                _to_blocks(_pad_to(cast(leaves[i], reduce_dtype), d, p), d, self.size)
-                for i, d, p in zip(idx, dims, padded, strict=True)
+                _blocks.to_blocks(_blocks.pad_to(cast(leaves[i], reduce_dtype), d, p), d, self.size)
+                for i, d, p in zip(idx, dims, stored, strict=True)
             ]
             packed = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
             # Reduce-scattered inside the shard group, then the blocks summed across groups (hybrid sharding).
             summed = lax.psum_scatter(packed, self.shard_axis, scatter_dimension=0, tiled=False)
             if self.replica_axes and across_replicas:
                 summed = lax.psum(summed, self.replica_axes)
-            for i, d, p, part in zip(idx, dims, padded, _split(summed, [r.shape[1] for r in rows]), strict=True):
-                out[i] = part.reshape(_local_shape(p, d, self.size)).astype(leaves[i].dtype)
+            for i, d, p, part in zip(idx, dims, stored, _blocks.split(summed, [r.shape[1] for r in rows]), strict=True):
+                out[i] = part.reshape(_blocks.local_shape(p, d, self.size)).astype(leaves[i].dtype)
         return jax.tree.unflatten(self.treedef, out)
 
     def gather_params(self, params: Any, compute_dtype: Any = None, reduce_dtype: Any = None) -> Any:
@@ -303,7 +305,7 @@ class TreeLayout:
             is_float = jnp.issubdtype(leaves[i].dtype, jnp.floating)
             compute = jnp.dtype(compute_dtype if compute_dtype is not None and is_float else leaves[i].dtype)
             low = jnp.dtype(reduce_dtype) if reduce_dtype is not None and is_float else compute
-            out[i] = _gather_leaf(leaves[i], self.shard_axis, dim, compute, low, self.shapes[i][dim])
+            out[i] = _blocks.gather_leaf(leaves[i], self.shard_axis, dim, compute, low, self.shapes[i][dim])
         return jax.tree.unflatten(self.treedef, out)
 
     def gather_blocks(self, blocks: Any) -> Any:
@@ -316,10 +318,10 @@ class TreeLayout:
             flat = [jnp.ravel(leaves[i]) for i in idx]
             local = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
             rows = lax.all_gather(local, self.shard_axis, tiled=False, to="invarying")
-            for i, part in zip(idx, _split(rows, [x.shape[0] for x in flat]), strict=True):
+            for i, part in zip(idx, _blocks.split(rows, [x.shape[0] for x in flat]), strict=True):
                 dim = self._split_dim(self.grad_leaf_specs[i])
-                whole = _from_blocks(part, self._stored(self.shapes[i], self.grad_leaf_specs[i]), dim, self.size)
-                out[i] = _cut(whole, dim, self.shapes[i])
+                whole = _blocks.from_blocks(part, self._stored(self.shapes[i], self.grad_leaf_specs[i]), dim, self.size)
+                out[i] = _blocks.cut(whole, dim, self.shapes[i])
         return jax.tree.unflatten(self.treedef, out)
 
     def is_split(self, which: str) -> tuple[bool, ...]:
@@ -332,7 +334,7 @@ class TreeLayout:
 
     def _stored(self, shape: tuple[int, ...], spec: P) -> tuple[int, ...]:
         dim = self._dim(spec)
-        return shape if dim is None else _padded(shape, dim, self.size)
+        return shape if dim is None else _blocks.padded(shape, dim, self.size)
 
     def _dim(self, spec: P) -> int | None:
         return _dim(spec, self.shard_axis)
@@ -384,71 +386,3 @@ def _mirrored(
         if i is not None and shapes[i] == tuple(shape):
             return i
     return None
-
-
-def _padded(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
-    """``shape`` with dimension ``dim`` rounded up to a multiple of ``n``."""
-    return shape[:dim] + (-(-shape[dim] // n) * n,) + shape[dim + 1 :]
-
-
-def _pad_to(x: jax.Array, dim: int | None, shape: tuple[int, ...]) -> jax.Array:
-    """``x`` padded with zeros at the end of ``dim`` to ``shape``."""
-    if dim is None or x.shape[dim] == shape[dim]:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[dim] = (0, shape[dim] - x.shape[dim])
-    return jnp.pad(x, widths)
-
-
-def _cut(x: jax.Array, dim: int | None, shape: tuple[int, ...]) -> jax.Array:
-    """``x`` cut at the end of ``dim`` to ``shape``."""
-    if dim is None or x.shape[dim] == shape[dim]:
-        return x
-    return lax.slice_in_dim(x, 0, shape[dim], axis=dim)
-
-
-def _local_shape(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
-    return shape[:dim] + (shape[dim] // n,) + shape[dim + 1 :]
-
-
-def _to_blocks(x: jax.Array, dim: int, n: int) -> jax.Array:
-    """``(n, block size)``: row ``i`` is the ``i``-th block of ``x`` along ``dim``, flattened."""
-    s = x.shape
-    x = x.reshape(s[:dim] + (n, s[dim] // n) + s[dim + 1 :])
-    return jnp.moveaxis(x, dim, 0).reshape(n, -1)
-
-
-def _from_blocks(rows: jax.Array, shape: tuple[int, ...], dim: int, n: int) -> jax.Array:
-    """The inverse of :func:`_to_blocks`: the whole leaf of ``shape`` from its ``n`` flattened blocks."""
-    x = rows.reshape((n,) + _local_shape(shape, dim, n))
-    return jnp.moveaxis(x, 0, dim).reshape(shape)
-
-
-def _split(x: jax.Array, sizes: list[int]) -> list[jax.Array]:
-    """``x`` cut along its last dimension into pieces of ``sizes``."""
-    offsets = np.cumsum([0, *sizes])
-    return [x[..., int(a) : int(b)] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
-def _gather_leaf(block: jax.Array, axis: str, dim: int, compute: Any, reduce: Any, size: int) -> jax.Array:
-    """The whole leaf from every device's ``block`` along ``dim``, gathered in ``compute`` and cut to ``size``
-    along ``dim`` (a padded leaf); its derivative pads the cotangent back and reduce-scatters it in ``reduce``."""
-    whole = lax.all_gather(block.astype(compute), axis, axis=dim, tiled=True)
-    return lax.slice_in_dim(whole, 0, size, axis=dim) if whole.shape[dim] != size else whole
-
-
-def _gather_leaf_fwd(
-    block: jax.Array, axis: str, dim: int, compute: Any, reduce: Any, size: int
-) -> tuple[jax.Array, Any]:
-    return _gather_leaf(block, axis, dim, compute, reduce, size), jnp.zeros((), block.dtype)
-
-
-def _gather_leaf_bwd(
-    axis: str, dim: int, compute: Any, reduce: Any, size: int, like: jax.Array, ct: jax.Array
-) -> tuple[Any]:
-    ct = _pad_to(ct.astype(reduce), dim, _padded(ct.shape, dim, lax.axis_size(axis)))
-    return (lax.psum_scatter(ct, axis, scatter_dimension=dim, tiled=True).astype(like.dtype),)
-
-
-_gather_leaf.defvjp(_gather_leaf_fwd, _gather_leaf_bwd)

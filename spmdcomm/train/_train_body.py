@@ -257,10 +257,9 @@ def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int, size:
 
     Without loss scaling: the count when the batch is masked (the sum over devices is then divided by the total
     count), else 1 (divided by the number of blocks). With loss scaling the weight is the micro-batch's share of the
-    global batch (count / global count, or 1 / blocks), so the backward pass runs on exactly the values a single
-    device's ``scale * global mean`` would give each example: float16 overflows, and so skipped steps and the
-    scale's history, are those of one device whatever the mask and the device count (weighing by the count
-    alone made the scaled values up to count times larger, and overflows came at smaller scales)."""
+    global batch (count / global count, or 1 / blocks), so the backward pass runs on the values one device's
+    ``scale * global mean`` gives each example: float16 overflows, skipped steps and scales are one device's
+    whatever the mask and device count (weighing by the count alone overflowed up to count times sooner)."""
     if state.loss_scale is None:
         return (lambda c: c) if masked else (lambda c: 1.0)
     if not masked:

@@ -50,6 +50,7 @@ import jax
 import numpy as np
 
 from spmdcomm.errors import CheckpointDamagedWarning, SpmdError, check_not_deleted, describe
+from spmdcomm.train._checkpoint_arrays import arrays, stored, targets, unpadded, with_arrays
 from spmdcomm.train._checkpoint_choice import chosen_step, make_room
 from spmdcomm.train._checkpoint_disk import first_line
 from spmdcomm.train.state import TrainState
@@ -110,7 +111,7 @@ def save_checkpoint(
     extra = _json_dict("save_checkpoint", extra)
     with _manager("save_checkpoint", directory, writing=True, max_to_keep=max_to_keep) as mgr:
         make_room(directory, mgr, step)
-        args = ocp.args.StandardSave(_arrays(_unpadded(state)), custom_metadata=_layout_of(state))
+        args = ocp.args.StandardSave(arrays(unpadded(state)), custom_metadata=_layout_of(state))
         # Orbax's save first waits for its removal of unfinished saves, so no thread of it outlives this block.
         mgr.save(step, args=args, custom_metadata=extra, force=True)
         mgr.wait_until_finished()
@@ -165,9 +166,9 @@ def restore_checkpoint(
         _check_leaves(directory, step, saved, state)
         # Each leaf is read straight into the template's sharding: every process reads only its blocks, whatever
         # strategy or device count wrote them.
-        target = _targets(state)
+        target = targets(state)
         try:
-            arrays = mgr.restore(step, args=ocp.args.StandardRestore(target))
+            restored = mgr.restore(step, args=ocp.args.StandardRestore(target))
         except Exception as e:  # tensorstore's read and decoding errors come as ValueError or bare Exception
             raise SpmdError(
                 describe(
@@ -179,7 +180,7 @@ def restore_checkpoint(
                     f"or delete checkpoint {step} so that the newest intact one is used.",
                 )
             ) from e
-        return _stored(_with_arrays(state, arrays))
+        return stored(with_arrays(state, restored))
 
 
 def latest_checkpoint_step(directory: str | os.PathLike[str]) -> int | None:
@@ -219,71 +220,6 @@ def checkpoint_extra(directory: str | os.PathLike[str], *, step: int | None = No
     with _manager("checkpoint_extra", directory) as mgr:
         step = chosen_step("checkpoint_extra", directory, mgr, step, missing_ok=False)
         return dict(mgr.metadata(step).custom_metadata or {})
-
-
-def _arrays(state: TrainState) -> dict[str, Any]:
-    arrays = {
-        "step": state.step,
-        "params": state.params,
-        "opt_state": state.opt_state,
-        "model_state": state.model_state,
-        "rng": state.rng,
-    }
-    if state.loss_scale is not None:  # saved as a plain dict: its static growth settings are the template's
-        arrays["loss_scale"] = {"scale": state.loss_scale.scale, "fin_steps": state.loss_scale.fin_steps}
-    return arrays
-
-
-def _targets(state: TrainState) -> dict[str, Any]:
-    """What :func:`_arrays` of ``state``'s unpadded form holds, as ``jax.ShapeDtypeStruct`` s with shardings: the
-    leaves a checkpoint of this template must hold, and the shardings they are read into."""
-    targets = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _arrays(state))
-    layout, mesh = state.layout, state.mesh
-    for which, field in (("params", "params"), ("opt", "opt_state")):
-        structs = jax.tree.leaves(targets[field])
-        shardings = jax.tree.leaves(layout.unpadded_shardings(mesh, which))
-        shapes = layout.own_shapes(which)
-        leaves = [
-            jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
-            for x, shape, sharding in zip(structs, shapes, shardings, strict=True)
-        ]
-        targets[field] = jax.tree.unflatten(jax.tree.structure(targets[field]), leaves)
-    return targets
-
-
-def _unpadded(state: TrainState) -> TrainState:
-    """``state`` with its padded leaves (see spmdcomm.train._layout) at their own shapes, whole over the data axes:
-    what a checkpoint holds, so that it restores onto any device count."""
-    layout, mesh = state.layout, state.mesh
-    if not layout.pads:
-        return state
-    cut = jax.jit(
-        lambda p, o: (layout.unpadded(p, "params", mesh), layout.unpadded(o, "opt", mesh)),
-        out_shardings=(layout.unpadded_shardings(mesh, "params"), layout.unpadded_shardings(mesh, "opt")),
-    )
-    params, opt_state = cut(state.params, state.opt_state)
-    return state.replace(params=params, opt_state=opt_state)
-
-
-def _stored(state: TrainState) -> TrainState:
-    """The inverse of :func:`_unpadded`: ``state``'s leaves padded and placed as its layout stores them."""
-    layout, mesh = state.layout, state.mesh
-    if not layout.pads:
-        return state
-    pad = jax.jit(
-        lambda p, o: (layout.stored(p, "params", mesh), layout.stored(o, "opt", mesh)),
-        out_shardings=(layout.shardings(mesh, "params"), layout.shardings(mesh, "opt")),
-    )
-    params, opt_state = pad(state.params, state.opt_state)
-    return state.replace(params=params, opt_state=opt_state)
-
-
-def _with_arrays(state: TrainState, arrays: dict[str, Any]) -> TrainState:
-    """``state`` with the arrays :func:`_arrays` listed replaced by ``arrays``."""
-    arrays = dict(arrays)
-    if "loss_scale" in arrays:
-        arrays["loss_scale"] = state.loss_scale.replace(**arrays["loss_scale"])
-    return state.replace(**arrays)
 
 
 def _manager(
@@ -394,7 +330,7 @@ def _check_format(directory: str | os.PathLike[str], step: int, saved: dict[str,
 def _check_leaves(directory: str | os.PathLike[str], step: int, saved: Any, state: TrainState) -> None:
     """Raises unless the checkpoint holds exactly the template's leaves, with the same shapes and dtypes."""
     stored = {m.name: m for m in jax.tree.leaves(dict(saved)) if hasattr(m, "shape")}
-    wanted = {_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(_targets(state))[0]}
+    wanted = {_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(targets(state))[0]}
     problems = [f"{name}: missing from the checkpoint" for name in wanted if name not in stored]
     problems += [f"{name}: in the checkpoint, not in the template" for name in stored if name not in wanted]
     for name, leaf in wanted.items():

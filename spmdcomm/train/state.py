@@ -7,8 +7,6 @@ with :func:`~spmdcomm.make_train_step` / :func:`~spmdcomm.make_eval_step` reads 
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, cast
 
@@ -31,10 +29,11 @@ from spmdcomm.train._mesh_axes import (
     nnx_logical_specs,
 )
 from spmdcomm.train.loss_scale import resolve_loss_scale
+from spmdcomm.train.memory import StateMemory, device_bytes
 from spmdcomm.train.rng import data_to_keys, keys_to_data
 from spmdcomm.train.strategies import DDP, Strategy, resolve_strategy
 
-__all__ = ["TrainState", "StateMemory", "optimizer_state_bytes"]
+__all__ = ["TrainState", "optimizer_state_bytes"]
 
 
 @flax.struct.dataclass
@@ -338,33 +337,12 @@ class TrainState:
         """
         layout = self.layout
         return StateMemory(
-            params=_device_bytes(self.params),
-            opt_state=_device_bytes(self.opt_state),
-            model_state=_device_bytes(self.model_state),
+            params=device_bytes(self.params),
+            opt_state=device_bytes(self.opt_state),
+            model_state=device_bytes(self.model_state),
             padding=layout.padding_bytes("params") + layout.padding_bytes("opt"),
             whole=layout.replicated_bytes("params"),
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class StateMemory:
-    """Bytes of a :class:`TrainState` on one device (the one holding the most of each part).
-
-    Attributes:
-      params: the stored parameters' blocks.
-      opt_state: the optimizer state's blocks.
-      model_state: the model state (replicated).
-      padding: the bytes of ``params`` and ``opt_state`` that are padding: leaves that no dimension divides are
-        stored padded to a multiple of the shard axis size.
-      whole: parameter bytes the shard axis leaves whole on every device (leaves of fewer elements than it
-        has devices; every parameter under DDP and ZeRO).
-    """
-
-    params: int
-    opt_state: int
-    model_state: int
-    padding: int
-    whole: int
 
 
 def optimizer_state_bytes(state: TrainState) -> int:
@@ -384,16 +362,7 @@ def optimizer_state_bytes(state: TrainState) -> int:
       >>> sc.optimizer_state_bytes(s)  # two float32 moments of 1000 entries, and an int32 count
       8004
     """
-    return _device_bytes(state.opt_state)
-
-
-def _device_bytes(tree: Any) -> int:
-    """The bytes of ``tree``'s blocks on the addressable device that holds the most (0 for an empty tree)."""
-    per_device: dict[Any, int] = collections.defaultdict(int)
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            per_device[shard.device] += shard.data.nbytes
-    return max(per_device.values(), default=0)
+    return device_bytes(state.opt_state)
 
 
 # --------------------------------------------------------------------------------------------------

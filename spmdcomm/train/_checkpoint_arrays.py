@@ -1,0 +1,78 @@
+"""The arrays a checkpoint holds of a :class:`~spmdcomm.TrainState`: its step, parameters, optimizer state, model
+state, RNG and loss scale, every leaf at the model's own shape (padded leaves cut to it), so that a checkpoint
+restores onto any strategy and device count."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from spmdcomm.train.state import TrainState
+
+__all__ = ["arrays", "targets", "unpadded", "stored", "with_arrays"]
+
+
+def arrays(state: TrainState) -> dict[str, Any]:
+    arrays = {
+        "step": state.step,
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "model_state": state.model_state,
+        "rng": state.rng,
+    }
+    if state.loss_scale is not None:  # saved as a plain dict: its static growth settings are the template's
+        arrays["loss_scale"] = {"scale": state.loss_scale.scale, "fin_steps": state.loss_scale.fin_steps}
+    return arrays
+
+
+def targets(state: TrainState) -> dict[str, Any]:
+    """What :func:`arrays` of ``state``'s unpadded form holds, as ``jax.ShapeDtypeStruct`` s with shardings: the
+    leaves a checkpoint of this template must hold, and the shardings they are read into."""
+    targets = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), arrays(state))
+    layout, mesh = state.layout, state.mesh
+    for which, field in (("params", "params"), ("opt", "opt_state")):
+        structs = jax.tree.leaves(targets[field])
+        shardings = jax.tree.leaves(layout.unpadded_shardings(mesh, which))
+        shapes = layout.own_shapes(which)
+        leaves = [
+            jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+            for x, shape, sharding in zip(structs, shapes, shardings, strict=True)
+        ]
+        targets[field] = jax.tree.unflatten(jax.tree.structure(targets[field]), leaves)
+    return targets
+
+
+def unpadded(state: TrainState) -> TrainState:
+    """``state`` with its padded leaves (see spmdcomm.train._layout) at their own shapes, whole over the data axes:
+    what a checkpoint holds, so that it restores onto any device count."""
+    layout, mesh = state.layout, state.mesh
+    if not layout.pads:
+        return state
+    cut = jax.jit(
+        lambda p, o: (layout.unpadded(p, "params", mesh), layout.unpadded(o, "opt", mesh)),
+        out_shardings=(layout.unpadded_shardings(mesh, "params"), layout.unpadded_shardings(mesh, "opt")),
+    )
+    params, opt_state = cut(state.params, state.opt_state)
+    return state.replace(params=params, opt_state=opt_state)
+
+
+def stored(state: TrainState) -> TrainState:
+    """The inverse of :func:`unpadded`: ``state``'s leaves padded and placed as its layout stores them."""
+    layout, mesh = state.layout, state.mesh
+    if not layout.pads:
+        return state
+    pad = jax.jit(
+        lambda p, o: (layout.stored(p, "params", mesh), layout.stored(o, "opt", mesh)),
+        out_shardings=(layout.shardings(mesh, "params"), layout.shardings(mesh, "opt")),
+    )
+    params, opt_state = pad(state.params, state.opt_state)
+    return state.replace(params=params, opt_state=opt_state)
+
+
+def with_arrays(state: TrainState, arrays: dict[str, Any]) -> TrainState:
+    """``state`` with the arrays :func:`arrays` listed replaced by ``arrays``."""
+    arrays = dict(arrays)
+    if "loss_scale" in arrays:
+        arrays["loss_scale"] = state.loss_scale.replace(**arrays["loss_scale"])
+    return state.replace(**arrays)
