@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,47 @@ def test_hidden_summary(gpu):
 def test_clean_removes_this_machines_paths(gpu):
     text = f"File {ROOT}/benchmarks/gpu.py, {sys.prefix}/lib/site.py"
     assert gpu._clean(text) == "File ./benchmarks/gpu.py, <python>/lib/site.py"
+
+
+def test_a_failing_or_slow_section_is_recorded_and_the_others_run(gpu, monkeypatch, tmp_path):
+    def fails(size, args, out, deadline):
+        out["measured"] = 1
+        raise ValueError(f"broke in {ROOT}")
+
+    def hangs(size, args, out, deadline):
+        out["measured"] = 2
+        time.sleep(60)
+
+    def works(size, args, out, deadline):
+        out["measured"] = 3
+
+    for name, fn in (("prefetch", fails), ("train_step", hangs), ("memory", works), ("suite", works)):
+        monkeypatch.setitem(gpu.SECTION_FUNCTIONS, name, fn)
+    monkeypatch.setattr(gpu, "MIN_SECTION_S", 0.1)
+    result = {"budget_s": 3.0, "sections": {}}
+    start = time.monotonic()
+    gpu.run_sections(["prefetch", "train_step", "memory", "suite"], gpu.TINY, None, result, tmp_path / "gpu.json")
+    assert time.monotonic() - start < 10
+    sections = json.loads((tmp_path / "gpu.json").read_text())["sections"]
+    assert sections["prefetch"]["status"] == "failed" and sections["prefetch"]["result"] == {"measured": 1}
+    assert sections["prefetch"]["error"] == "ValueError: broke in ."  # no machine's paths in committed results
+    assert sections["train_step"]["status"] == "timed out" and sections["train_step"]["result"] == {"measured": 2}
+    assert sections["memory"]["status"] == "ok" and sections["memory"]["result"] == {"measured": 3}
+    assert sections["suite"]["status"] == "ok"
+    assert sum(s["seconds"] for s in sections.values()) <= 3.0 + 0.5  # each its share of what was left
+
+    result = {"budget_s": 0.01, "sections": {}}  # no time for any section: each says so, none runs
+    gpu.run_sections(["prefetch", "suite"], gpu.TINY, None, result, tmp_path / "gpu.json")
+    assert [s["status"] for s in result["sections"].values()] == ["skipped", "skipped"]
+
+
+def test_run_parallel_stops_what_outlives_the_deadline(gpu):
+    quick = [sys.executable, "-c", "print('done')"]
+    stuck = [sys.executable, "-c", "import time; time.sleep(60)"]
+    start = time.monotonic()
+    (out, code), (_, stuck_code) = gpu._run_parallel([quick, stuck], time.monotonic() + 2.0, parallel=2)
+    assert (out.strip(), code) == ("done", 0) and stuck_code == -9
+    assert time.monotonic() - start < 10
 
 
 @pytest.mark.slow
