@@ -39,6 +39,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -125,6 +126,8 @@ class SectionTimeout(Exception):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Runs the sections (or, with ``--memory-worker``, measures the programs it names and prints their rows), then
+    draws the plot from the JSON."""
     args = _parser().parse_args(argv)
     _prepare_environment()
     if args.memory_worker:
@@ -214,6 +217,7 @@ def run_sections(names: list[str], size: Size, args: argparse.Namespace, result:
         entry: dict = {"limit_s": round(limit, 1)}
         if limit < MIN_SECTION_S:
             result["sections"][name] = {**entry, "status": "skipped", "error": "no time left in --budget"}
+            write_json(path, result)
             continue
         start = time.monotonic()
         print(f"\n=== {name} (at most {limit:.0f} s) ===", flush=True)
@@ -315,7 +319,8 @@ def section_memory(size: Size, args: argparse.Namespace, out: dict, deadline: fl
     groups = [[c] for c in configs] if stats else [configs]
     script = str(Path(__file__).resolve())
     cmds = [[sys.executable, script, "--memory-worker", json.dumps(group)] for group in groups]
-    for group, (text, code) in zip(groups, _run_parallel(cmds, deadline, parallel=4), strict=True):
+    # Stopped 2 s before the section's alarm: the rows of the programs that finished are still read.
+    for group, (text, code) in zip(groups, _run_parallel(cmds, deadline - 2, parallel=4), strict=True):
         rows = [json.loads(ln.split(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("MEMORY_ROWS ")]
         if code != 0 or not rows:
             out["rows"].append({"configs": group, "error": _clean(f"exit status {code}: {text[-2000:]}")})
@@ -441,7 +446,9 @@ def model_flops(params: dict, layers: int, width: int, sequences: int, positions
     import jax
 
     kernels = sum(
-        int(x.size) for path, x in jax.tree_util.tree_flatten_with_path(params)[0] if path[-1].key == "kernel"
+        int(x.size)
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if getattr(path[-1], "key", None) == "kernel"
     )
     tokens = sequences * positions
     dense = 6 * kernels * tokens
@@ -464,7 +471,6 @@ def mfu(flops_per_step: float, step_seconds: float, peak: float | None) -> float
 def measure_mfu(spec: LMSpec, peak: float | None, rounds: int, steps: int) -> dict:
     """bfloat16 step time, model FLOPs and MFU of ``spec``'s model trained with Adam, for our DDP step on one
     device and for the plain ``jax.jit`` step, interleaved over ``rounds`` (medians)."""
-
     tokens = spec.batch["tokens"]
     flops = model_flops(spec.params, spec.layers, spec.width, tokens.shape[0], tokens.shape[1] - 1)
     runs = {"ours (ddp)": _ours_lm(spec), "jax.jit": _jit_lm(spec)}
@@ -476,18 +482,19 @@ def measure_mfu(spec: LMSpec, peak: float | None, rounds: int, steps: int) -> di
             times[name].append(runs[name](steps) / steps)
     per_step = flops["dense"] + flops["attention"]
     out: dict = {"model": spec.name, "model_flops": flops, "model_flops_per_step": per_step}
-    out["xla_flops_per_step"] = xla_flops(runs["jax.jit"].compiled)
+    out["xla_flops_per_step"] = xla = xla_flops(runs["jax.jit"].compiled)
     for name, ts in times.items():
         step_s = statistics.median(ts)
         out[name] = {
             "step_ms": step_s * 1e3,
             "model_tflops_per_s": per_step / step_s / 1e12,
             "mfu": mfu(per_step, step_s, peak),
-            "xla_flops_utilisation": mfu(out["xla_flops_per_step"] or 0.0, step_s, peak),
+            "xla_flops_utilisation": None if xla is None else mfu(xla, step_s, peak),
         }
+        shown = "n/a (no peak known)" if out[name]["mfu"] is None else f"{out[name]['mfu']:.3f}"
         print(
             f"{spec.name}, {name}: {step_s * 1e3:.2f} ms/step, {per_step / step_s / 1e12:.3f} model TFLOP/s, "
-            f"MFU {out[name]['mfu'] if peak else 'n/a (no peak)'}",
+            f"MFU {shown}",
             flush=True,
         )
     out["ours_vs_jit_step_time"] = out["ours (ddp)"]["step_ms"] / out["jax.jit"]["step_ms"]
@@ -574,7 +581,7 @@ def section_suite(size: Size, args: argparse.Namespace, out: dict, deadline: flo
 
     cmd = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-v", "-o", "console_output_style=classic"]
     cmd += ["--timeout", "120", *size.suite]
-    out["command"] = " ".join(["python", *cmd[1:]])
+    out["command"] = shlex.join(["python", *cmd[1:]])
     out["jax_platform"] = jax.devices()[0].platform
     text, out["returncode"] = _run_status(cmd, deadline - 5, cwd=ROOT)
     outcomes = re.findall(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text, re.M)

@@ -129,9 +129,11 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path):
 
     prefetch = sections["prefetch"]["result"]
     assert list(prefetch["summary"]) == ["1", "2"]
-    for summary in prefetch["summary"].values():
+    for mib, summary in prefetch["summary"].items():
         assert set(summary["hidden"]) == {"ours", "ours pageable", "flax"}
-        assert all(isinstance(v, float) and math.isfinite(v) for v in summary["hidden"].values())
+        ms = prefetch["batches"][mib]["ms_per_step"]
+        copy_cost = ms["none"] - ms["preplaced"]  # NaN hidden fractions only where the copy cost nothing to hide
+        assert all(isinstance(v, float) and (math.isfinite(v) or copy_cost <= 0) for v in summary["hidden"].values())
         assert set(summary["vs_zero_cost"]) == {"none", "ours", "ours pageable", "flax"}
         assert summary["pinned_host"] is False  # CPU devices alias aligned memory instead
 
@@ -148,7 +150,11 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path):
     assert all(row["explained_peak_bytes"] > 0 and row["peak_bytes_in_use"] is None for row in memory["rows"])
 
     mfu = sections["mfu"]["result"]
-    assert mfu["examples_lm"] == "examples/lm not present" and mfu["peak_flops"] == 0.5e12
+    if (ROOT / "examples" / "lm").exists():  # once it lands: measured, or why not
+        assert isinstance(mfu["examples_lm"], dict) or "not wired" in mfu["examples_lm"]
+    else:
+        assert mfu["examples_lm"] == "examples/lm not present"
+    assert mfu["peak_flops"] == 0.5e12 and mfu["peak_source"] == "--peak-tflops"
     stand_in = mfu["stand_in"]
     assert stand_in["model_flops_per_step"] == stand_in["model_flops"]["dense"] + stand_in["model_flops"]["attention"]
     assert stand_in["model_flops"]["kernel_params"] == 14336  # 1 block of width 32, vocabulary 64: counted by hand
