@@ -1,4 +1,4 @@
-"""Everything a lent GPU is for, in one run of about 8 minutes: one JSON file with the device's name, and a plot.
+"""Everything measured on one GPU, in one run of about 8 minutes: a JSON file with the device's name, and a plot.
 
     python benchmarks/gpu.py --out benchmarks/results      # on the GPU: results/gpu.json and results/gpu.png
     python benchmarks/gpu.py --tiny --out /tmp/gpu-tiny    # anywhere, CPU included: every section at a tiny size
@@ -39,6 +39,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -62,6 +63,7 @@ SECTIONS = ("prefetch", "train_step", "memory", "mfu", "suite")
 SHARES = {"prefetch": 0.24, "train_step": 0.18, "memory": 0.16, "mfu": 0.14, "suite": 0.28}
 STRATEGIES = ("ddp", "zero1", "fsdp")
 HIDDEN_GOAL, JIT_GOAL = 0.9, 0.97
+MIN_SECTION_S = 5.0  # a section given less is recorded as skipped
 # The tests that hold on one device of any kind: the 1-device parametrizations (1dev in their ids) and the
 # pinned-staging tests, which take the accelerator's path on a GPU. This file's own test runs this script: left out.
 SUITE = ("tests", "-k", "(1dev or test_prefetch_pinned) and not test_gpu_script")
@@ -96,7 +98,9 @@ class Size:
     lm_rounds: int = 5
     lm_steps: int = 10
     suite: tuple[str, ...] = SUITE
-    budget_s: float = 480.0
+    # Sections' time; the imports, JAX's start and the plot come on top, and a section's alarm waits for a compile
+    # that is under way: about 8 minutes in all.
+    budget_s: float = 450.0
 
 
 TINY = Size(
@@ -122,6 +126,8 @@ class SectionTimeout(Exception):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Runs the sections (or, with ``--memory-worker``, measures the programs it names and prints their rows), then
+    draws the plot from the JSON."""
     args = _parser().parse_args(argv)
     _prepare_environment()
     if args.memory_worker:
@@ -142,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="folder for gpu.json and gpu.png (default benchmarks/results; --tiny: bench-results)")
     p.add_argument("--tiny", action="store_true", help="every section at a tiny size: checks that all of it runs")
-    p.add_argument("--budget", type=float, help="seconds for all sections (default 480; --tiny: 150)")
+    p.add_argument("--budget", type=float, help="seconds for all sections (default 450; --tiny: 150)")
     p.add_argument("--only", help=f"comma-separated sections of {','.join(SECTIONS)}; the others keep their entries")
     p.add_argument("--peak-tflops", type=float, help="the device's bf16 peak, for a device not in PEAK_BF16")
     p.add_argument("--plot-only", action="store_true", help="redraw gpu.png from gpu.json")
@@ -187,8 +193,9 @@ def header(args: argparse.Namespace, size: Size, previous: Path | None) -> dict:
         "cpus": os.cpu_count(),
         "tiny": args.tiny,
         "budget_s": args.budget or size.budget_s,
-        "untested": "several GPUs: NCCL collectives between devices and processes, psum(algorithm='auto')'s switch "
-        "point and the rooted collectives' thresholds (CPU measurements; on one device a collective is the identity)",
+        "untested": "several GPUs: NCCL between devices and between processes, and the collectives' GPU thresholds "
+        "(psum(algorithm='auto') switches on CPU only; broadcast's BROADCAST_SPLIT_MIN_BYTES['gpu'] is an estimate); "
+        "on one device every collective is the identity",
         "sections": {},
     }
     if previous is not None and previous.exists():
@@ -208,6 +215,10 @@ def run_sections(names: list[str], size: Size, args: argparse.Namespace, result:
         limit = left * SHARES[name] / sum(SHARES[n] for n in names[i:])
         partial: dict = {}
         entry: dict = {"limit_s": round(limit, 1)}
+        if limit < MIN_SECTION_S:
+            result["sections"][name] = {**entry, "status": "skipped", "error": "no time left in --budget"}
+            write_json(path, result)
+            continue
         start = time.monotonic()
         print(f"\n=== {name} (at most {limit:.0f} s) ===", flush=True)
         try:
@@ -296,24 +307,25 @@ def section_train_step(size: Size, args: argparse.Namespace, out: dict, deadline
 
 
 def section_memory(size: Size, args: argparse.Namespace, out: dict, deadline: float) -> None:
-    """``out["rows"]``: :func:`memory_rows` of every model x (our strategies, the jit step), each program in a fresh
-    process where the device keeps statistics (a peak is a process's highest so far), all in one process where it
-    keeps none."""
+    """``out["rows"]``: :func:`memory_rows` of every model x (our strategies, the jit step). Where the device keeps
+    statistics, each program runs in a fresh process of its own (a peak is the highest of a process's life), a few
+    processes at a time (each process's statistics are its own); where it keeps none, all in one process."""
     import jax
 
     configs = [[m, s] for m in size.models for s in (*STRATEGIES, "jit")]
     stats = jax.devices()[0].memory_stats() is not None
     out["memory_stats"] = stats or f"None on {jax.devices()[0].platform}: no measured peak to compare"
     out["rows"] = []
-    for group in [[c] for c in configs] if stats else [configs]:
-        lines = _run(
-            [sys.executable, str(Path(__file__).resolve()), "--memory-worker", json.dumps(group)],
-            deadline,
-        )
-        rows = [json.loads(ln.split(" ", 1)[1]) for ln in lines.splitlines() if ln.startswith("MEMORY_ROWS ")]
-        if not rows:
-            raise RuntimeError(f"the memory worker for {group} printed no rows:\n{lines[-3000:]}")
-        out["rows"].extend(rows[0])
+    groups = [[c] for c in configs] if stats else [configs]
+    script = str(Path(__file__).resolve())
+    cmds = [[sys.executable, script, "--memory-worker", json.dumps(group)] for group in groups]
+    # Stopped 2 s before the section's alarm: the rows of the programs that finished are still read.
+    for group, (text, code) in zip(groups, _run_parallel(cmds, deadline - 2, parallel=4), strict=True):
+        rows = [json.loads(ln.split(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("MEMORY_ROWS ")]
+        if code != 0 or not rows:
+            out["rows"].append({"configs": group, "error": _clean(f"exit status {code}: {text[-2000:]}")})
+        else:
+            out["rows"].extend(rows[0])
 
 
 def memory_rows(configs: list[list[str]]) -> list[dict]:
@@ -434,7 +446,9 @@ def model_flops(params: dict, layers: int, width: int, sequences: int, positions
     import jax
 
     kernels = sum(
-        int(x.size) for path, x in jax.tree_util.tree_flatten_with_path(params)[0] if path[-1].key == "kernel"
+        int(x.size)
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if getattr(path[-1], "key", None) == "kernel"
     )
     tokens = sequences * positions
     dense = 6 * kernels * tokens
@@ -457,7 +471,6 @@ def mfu(flops_per_step: float, step_seconds: float, peak: float | None) -> float
 def measure_mfu(spec: LMSpec, peak: float | None, rounds: int, steps: int) -> dict:
     """bfloat16 step time, model FLOPs and MFU of ``spec``'s model trained with Adam, for our DDP step on one
     device and for the plain ``jax.jit`` step, interleaved over ``rounds`` (medians)."""
-
     tokens = spec.batch["tokens"]
     flops = model_flops(spec.params, spec.layers, spec.width, tokens.shape[0], tokens.shape[1] - 1)
     runs = {"ours (ddp)": _ours_lm(spec), "jax.jit": _jit_lm(spec)}
@@ -469,18 +482,19 @@ def measure_mfu(spec: LMSpec, peak: float | None, rounds: int, steps: int) -> di
             times[name].append(runs[name](steps) / steps)
     per_step = flops["dense"] + flops["attention"]
     out: dict = {"model": spec.name, "model_flops": flops, "model_flops_per_step": per_step}
-    out["xla_flops_per_step"] = xla_flops(runs["jax.jit"].compiled)
+    out["xla_flops_per_step"] = xla = xla_flops(runs["jax.jit"].compiled)
     for name, ts in times.items():
         step_s = statistics.median(ts)
         out[name] = {
             "step_ms": step_s * 1e3,
             "model_tflops_per_s": per_step / step_s / 1e12,
             "mfu": mfu(per_step, step_s, peak),
-            "xla_flops_utilisation": mfu(out["xla_flops_per_step"] or 0.0, step_s, peak),
+            "xla_flops_utilisation": None if xla is None else mfu(xla, step_s, peak),
         }
+        shown = "n/a (no peak known)" if out[name]["mfu"] is None else f"{out[name]['mfu']:.3f}"
         print(
             f"{spec.name}, {name}: {step_s * 1e3:.2f} ms/step, {per_step / step_s / 1e12:.3f} model TFLOP/s, "
-            f"MFU {out[name]['mfu'] if peak else 'n/a (no peak)'}",
+            f"MFU {shown}",
             flush=True,
         )
     out["ours_vs_jit_step_time"] = out["ours (ddp)"]["step_ms"] / out["jax.jit"]["step_ms"]
@@ -567,7 +581,7 @@ def section_suite(size: Size, args: argparse.Namespace, out: dict, deadline: flo
 
     cmd = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-v", "-o", "console_output_style=classic"]
     cmd += ["--timeout", "120", *size.suite]
-    out["command"] = " ".join(["python", *cmd[1:]])
+    out["command"] = shlex.join(["python", *cmd[1:]])
     out["jax_platform"] = jax.devices()[0].platform
     text, out["returncode"] = _run_status(cmd, deadline - 5, cwd=ROOT)
     outcomes = re.findall(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text, re.M)
@@ -579,12 +593,38 @@ def section_suite(size: Size, args: argparse.Namespace, out: dict, deadline: flo
 # --- subprocesses --------------------------------------------------------------------------------------------
 
 
-def _run(cmd: list[str], deadline: float) -> str:
-    """The output of ``cmd``; raises if it fails or is still running at ``deadline``."""
-    text, code = _run_status(cmd, deadline)
-    if code != 0:
-        raise RuntimeError(f"{' '.join(cmd[:3])} ... exited with {code}:\n{text[-3000:]}")
-    return text
+def _run_parallel(cmds: list[list[str]], deadline: float, parallel: int) -> list[tuple[str, int | None]]:
+    """Each command's output and exit status (-9: stopped at ``deadline``; None: not started by then), at most
+    ``parallel`` running at once, each in a session of its own, so that stopping one stops everything it started,
+    and nothing else."""
+    logs = [tempfile.TemporaryFile("w+") for _ in cmds]
+    procs: list[subprocess.Popen | None] = [None] * len(cmds)
+    try:
+        for i, cmd in enumerate(cmds):
+            while sum(p is not None and p.poll() is None for p in procs) >= parallel:
+                time.sleep(0.05)
+                if time.monotonic() > deadline:
+                    break
+            if time.monotonic() > deadline:
+                break
+            procs[i] = subprocess.Popen(cmd, stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True)
+        for proc in procs:
+            if proc is not None:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+    finally:
+        for proc in procs:
+            if proc is not None and proc.poll() is None:  # out of time, or the section's own alarm
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    out = []
+    for proc, log in zip(procs, logs, strict=True):
+        log.seek(0)
+        out.append((log.read(), None if proc is None else proc.returncode))
+        log.close()
+    return out
 
 
 def _run_status(cmd: list[str], deadline: float, cwd: Path | None = None) -> tuple[str, int | None]:
@@ -665,7 +705,7 @@ def _panel_train_step(ax, r: dict) -> None:
 
 
 def _panel_memory(ax, r: dict) -> None:
-    rows = r["rows"]
+    rows = [row for row in r["rows"] if "model" in row]  # not the programs whose process failed
     labels = [f"{row['model']}\n{row['strategy']}" for row in rows]
     measured = [row["peak_vs_explained"] for row in rows]
     if all(v is None for v in measured):

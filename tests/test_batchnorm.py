@@ -412,7 +412,14 @@ ERRORS = {
     "unbound_axis": (
         lambda: nnx_train(X, axis_name="data"),
         sc.AxisError,
-        ["spmdcomm.nnx.SyncBatchNorm", "unknown axis name 'data'", "not inside spmd"],
+        [
+            "spmdcomm.nnx.SyncBatchNorm",
+            "axis_name='data' is not a bound axis",
+            "not inside spmd",
+            "sc.make_train_step",
+            "state's data axis (state.axis",
+            "axis_name=None",
+        ],
     ),
     "axis_index_groups": (
         lambda: linen_train(X, axis_index_groups=[[0, 1], [2, 3]]),
@@ -448,5 +455,31 @@ def test_unknown_axis_in_a_tuple_inside_shard_map():
         in_specs=P("data"),
         out_specs=P("data"),
     )
-    with pytest.raises(sc.AxisError, match="unknown axis name 'model'"):
+    with pytest.raises(sc.AxisError) as info:
         f(np.ones((4, 3), np.float32))
+    message = str(info.value)
+    assert "spmdcomm.SyncBatchNorm: axis_name=('data', 'model') names axis 'model', which is not bound" in message
+    assert "the axes bound here are ('data',)" in message and "SyncBatchNorm(..., axis_name='data')" in message
+
+
+@pytest.mark.parametrize(
+    "api, mesh_axes, axis, axis_name, fix",
+    [
+        ("linen", {"data": 4}, "data", "batch", "SyncBatchNorm(..., axis_name='data')"),
+        ("nnx", {"data": 4}, "data", "batch", "nnx.SyncBatchNorm(..., axis_name='data')"),
+        # several data axes: the layer's axis_name is the state's tuple
+        ("linen", {"replica": 2, "shard": 2}, ("replica", "shard"), "data", "axis_name=('replica', 'shard')"),
+    ],
+)
+def test_an_axis_name_the_train_step_does_not_bind_names_the_state_data_axis(api, mesh_axes, axis, axis_name, fix):
+    # As the step reports Flax's BatchNorm over another axis: the layer's axis, the step's axes, and the fix.
+    _, (sync_apply, params, model_state) = models(api, axis_name)
+    mesh = sc.make_mesh(mesh_axes, devices=jax.devices()[:4])
+    state = sc.TrainState.create(params=params, model_state=model_state, tx=optax.sgd(0.1), mesh=mesh, axis=axis)
+    step = sc.make_train_step(step_loss(sync_apply, pass_mask=True))
+    with pytest.raises(sc.AxisError) as info:
+        step(state, real_batches(8)[0])
+    message = str(info.value)
+    bound = axis if isinstance(axis, tuple) else (axis,)
+    assert f"axis_name={axis_name!r} is not a bound axis: the axes bound here are {bound}" in message
+    assert "sc.make_train_step" in message and "the state's data axis (state.axis)" in message and fix in message

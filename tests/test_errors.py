@@ -35,8 +35,27 @@ def test_unknown_axis_lists_the_bound_axes(fn_name, fn):
 
 
 def test_unknown_axis_outside_any_mapped_context():
-    with pytest.raises(sc.AxisError, match="no axis is bound here"):
+    with pytest.raises(sc.AxisError, match="no axis is bound here") as info:
         sc.psum(np.ones(3), "data")
+    assert "Fix: call collectives only inside spmd, jax.shard_map or jax.pmap" in str(info.value)
+
+
+def test_unknown_axis_inside_a_mapped_function_names_the_bound_axes_as_the_fix():
+    with pytest.raises(sc.AxisError) as info:
+        call(lambda x: sc.psum(x, "batch"))
+    message = str(info.value)
+    assert "Fix: pass one of the bound axis names ('data',), or run over a mesh with axis 'batch'" in message
+    assert "only inside" not in message  # it already runs inside spmd
+
+
+def test_unknown_axis_under_partial_manual_shard_map_lists_the_manual_axes_only():
+    # The train step on a mesh with model axes is manual over its data axes only: "model" is not bound there.
+    mesh = sc.make_mesh({"data": 4, "model": 2})
+    f = jax.jit(
+        jax.shard_map(lambda x: sc.psum(x, "model"), mesh=mesh, in_specs=DATA, out_specs=DATA, axis_names={"data"})
+    )
+    with pytest.raises(sc.AxisError, match=r"unknown axis name 'model': the axes bound here are \('data',\)\."):
+        f(jax.device_put(np.zeros(8, np.float32), jax.sharding.NamedSharding(mesh, DATA)))
 
 
 @pytest.mark.parametrize(

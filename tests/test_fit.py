@@ -209,6 +209,16 @@ def test_fit_refuses_bad_loop_options(kwargs, error):
         sc.fit(sc.make_train_step(job.loss_fn), job.fresh_state(mesh()), job.loader(mesh()), **kwargs)
 
 
+def test_epochs_are_0_based_and_every_epochs_counts_from_the_first():
+    # As Hook's docstring and docs/ddp.md say: every_epochs=2 runs after the 0-based epochs 1, 3, ...
+    from spmdcomm.train.hooks import due_hooks
+
+    hook = sc.Hook(lambda state, **kw: None, every_epochs=2)
+    ran = [epoch for epoch in range(6) if due_hooks((hook,), 10 * epoch, epoch, ended_epoch=True)]
+    assert ran == [1, 3, 5]
+    assert due_hooks((hook,), 11, 1, ended_epoch=False) == []  # not before the epoch's last step
+
+
 def test_hooks_are_checked_when_built_and_epoch_hooks_need_epochs():
     with pytest.raises(sc.SpmdError, match=r"Hook: give exactly one of every_steps and every_epochs \(got neither\)"):
         sc.Hook(lambda state, **kw: None)

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,47 @@ def test_clean_removes_this_machines_paths(gpu):
     assert gpu._clean(text) == "File ./benchmarks/gpu.py, <python>/lib/site.py"
 
 
+def test_a_failing_or_slow_section_is_recorded_and_the_others_run(gpu, monkeypatch, tmp_path):
+    def fails(size, args, out, deadline):
+        out["measured"] = 1
+        raise ValueError(f"broke in {ROOT}")
+
+    def hangs(size, args, out, deadline):
+        out["measured"] = 2
+        time.sleep(60)
+
+    def works(size, args, out, deadline):
+        out["measured"] = 3
+
+    for name, fn in (("prefetch", fails), ("train_step", hangs), ("memory", works), ("suite", works)):
+        monkeypatch.setitem(gpu.SECTION_FUNCTIONS, name, fn)
+    monkeypatch.setattr(gpu, "MIN_SECTION_S", 0.1)
+    result = {"budget_s": 3.0, "sections": {}}
+    start = time.monotonic()
+    gpu.run_sections(["prefetch", "train_step", "memory", "suite"], gpu.TINY, None, result, tmp_path / "gpu.json")
+    assert time.monotonic() - start < 10
+    sections = json.loads((tmp_path / "gpu.json").read_text())["sections"]
+    assert sections["prefetch"]["status"] == "failed" and sections["prefetch"]["result"] == {"measured": 1}
+    assert sections["prefetch"]["error"] == "ValueError: broke in ."  # no machine's paths in committed results
+    assert sections["train_step"]["status"] == "timed out" and sections["train_step"]["result"] == {"measured": 2}
+    assert sections["memory"]["status"] == "ok" and sections["memory"]["result"] == {"measured": 3}
+    assert sections["suite"]["status"] == "ok"
+    assert sum(s["seconds"] for s in sections.values()) <= 3.0 + 0.5  # each its share of what was left
+
+    result = {"budget_s": 0.01, "sections": {}}  # no time for any section: each says so, none runs
+    gpu.run_sections(["prefetch", "suite"], gpu.TINY, None, result, tmp_path / "gpu.json")
+    assert [s["status"] for s in result["sections"].values()] == ["skipped", "skipped"]
+
+
+def test_run_parallel_stops_what_outlives_the_deadline(gpu):
+    quick = [sys.executable, "-c", "print('done')"]
+    stuck = [sys.executable, "-c", "import time; time.sleep(60)"]
+    start = time.monotonic()
+    (out, code), (_, stuck_code) = gpu._run_parallel([quick, stuck], time.monotonic() + 2.0, parallel=2)
+    assert (out.strip(), code) == ("done", 0) and stuck_code == -9
+    assert time.monotonic() - start < 10
+
+
 @pytest.mark.slow
 def test_tiny_run_on_cpu_writes_every_section(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script takes one CPU device
@@ -87,9 +129,11 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path):
 
     prefetch = sections["prefetch"]["result"]
     assert list(prefetch["summary"]) == ["1", "2"]
-    for summary in prefetch["summary"].values():
+    for mib, summary in prefetch["summary"].items():
         assert set(summary["hidden"]) == {"ours", "ours pageable", "flax"}
-        assert all(isinstance(v, float) and math.isfinite(v) for v in summary["hidden"].values())
+        ms = prefetch["batches"][mib]["ms_per_step"]
+        copy_cost = ms["none"] - ms["preplaced"]  # NaN hidden fractions only where the copy cost nothing to hide
+        assert all(isinstance(v, float) and (math.isfinite(v) or copy_cost <= 0) for v in summary["hidden"].values())
         assert set(summary["vs_zero_cost"]) == {"none", "ours", "ours pageable", "flax"}
         assert summary["pinned_host"] is False  # CPU devices alias aligned memory instead
 
@@ -106,7 +150,11 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path):
     assert all(row["explained_peak_bytes"] > 0 and row["peak_bytes_in_use"] is None for row in memory["rows"])
 
     mfu = sections["mfu"]["result"]
-    assert mfu["examples_lm"] == "examples/lm not present" and mfu["peak_flops"] == 0.5e12
+    if (ROOT / "examples" / "lm").exists():  # once it lands: measured, or why not
+        assert isinstance(mfu["examples_lm"], dict) or "not wired" in mfu["examples_lm"]
+    else:
+        assert mfu["examples_lm"] == "examples/lm not present"
+    assert mfu["peak_flops"] == 0.5e12 and mfu["peak_source"] == "--peak-tflops"
     stand_in = mfu["stand_in"]
     assert stand_in["model_flops_per_step"] == stand_in["model_flops"]["dense"] + stand_in["model_flops"]["attention"]
     assert stand_in["model_flops"]["kernel_params"] == 14336  # 1 block of width 32, vocabulary 64: counted by hand

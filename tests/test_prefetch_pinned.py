@@ -101,9 +101,10 @@ def test_large_batches_start_the_threads_at_once_off_cpu(as_gpu):
     assert len(as_gpu) == 5 and all(kinds == ["pinned_host", "pinned_host"] for kinds in as_gpu)
 
 
-def test_small_batches_stay_in_line_while_the_loader_is_free(as_gpu):
+def test_small_batches_stay_in_line_while_the_loader_is_free(as_gpu, monkeypatch):
+    monkeypatch.setattr(prefetch, "clock", lambda: 0.0)  # a loader that never looks slow, however busy the machine
     rows = jax.device_count()
-    with sc.prefetch_to_device(list(batches(20, rows))) as it:
+    with sc.prefetch_to_device(batches(20, rows)) as it:
         assert sum(1 for _ in it) == 20 and not it.threaded
     assert as_gpu == []
 
@@ -138,11 +139,11 @@ def test_device_leaves_are_not_staged(as_gpu):
     assert sorted(as_gpu[0]) == ["device", "pinned_host"]
 
 
-def test_on_this_platform_large_batches_keep_their_values():
+def test_on_this_platform_large_batches_keep_their_values(monkeypatch):
     """Whatever the platform: on CPU a free loader keeps the loop's thread placing, elsewhere the threads start."""
+    monkeypatch.setattr(prefetch, "clock", lambda: 0.0)  # a loader that never looks slow, however busy the machine
     rows = rows_per_batch(2 * prefetch.THREAD_BYTES)
-    ready = list(batches(4, rows))  # made beforehand: the loader is free, so on CPU it never looks slow
-    with sc.prefetch_to_device(ready) as it:
+    with sc.prefetch_to_device(batches(4, rows)) as it:
         for i, batch in enumerate(it):
             check(batch, i, rows)
         assert it.threaded == (platform(sc.data_sharding()) != "cpu")

@@ -21,8 +21,18 @@ from spmdcomm.errors import AxisError, ReplicatedReductionWarning, ShapeError, S
 AxisName = str | tuple[str, ...]
 
 
-def bound_size(fn: str, axis: AxisName) -> int:
-    """The number of devices along ``axis`` (product over a tuple); :class:`AxisError` if an axis is not bound."""
+def bound_size(
+    fn: str,
+    axis: AxisName,
+    *,
+    argument: str | None = None,
+    fix: Callable[[tuple[str, ...]], str] | None = None,
+) -> int:
+    """The number of devices along ``axis`` (product over a tuple); :class:`AxisError` if an axis is not bound.
+
+    The error names the unknown axis and the axes bound here; with ``argument`` (e.g. ``"axis_name"``) it names the
+    argument the axis came from, and ``fix(bound axes)`` words the fix instead of the collectives' one.
+    """
     names = axis if isinstance(axis, tuple) else (axis,)
     if not names:
         raise AxisError(describe(fn, "axis is an empty tuple.", fix="name at least one mesh axis."))
@@ -31,20 +41,37 @@ def bound_size(fn: str, axis: AxisName) -> int:
         try:
             size *= lax.axis_size(name)
         except NameError:
-            bound = _bound_axes()
+            bound = bound_axes()
             where = (
                 f"the axes bound here are {bound}"
                 if bound
                 else "no axis is bound here (not inside spmd, jax.shard_map or jax.pmap)"
             )
-            raise AxisError(
-                describe(
-                    fn,
-                    f"unknown axis name {name!r}: {where}.",
-                    fix="pass one of the bound axis names, and call collectives only inside spmd/shard_map/pmap.",
-                ),
-            ) from None
+            given = f"unknown axis name {name!r}"
+            if argument is not None:
+                given = f"{argument}={axis!r} " + (
+                    f"names axis {name!r}, which is not bound" if isinstance(axis, tuple) else "is not a bound axis"
+                )
+            if fix is not None:
+                wording = fix(bound)
+            elif bound:
+                wording = f"pass one of the bound axis names {bound}, or run over a mesh with axis {name!r}."
+            else:
+                wording = "call collectives only inside spmd, jax.shard_map or jax.pmap, over a mesh with that axis."
+            raise AxisError(describe(fn, f"{given}: {where}.", fix=wording)) from None
     return size
+
+
+def bound_axes() -> tuple[str, ...]:
+    """The mesh axes bound where this runs (the manual axes of ``spmd``, ``jax.shard_map`` or ``jax.pmap``); empty
+    outside them. Only for wording errors: an axis that ``jax.lax.axis_size`` accepts is bound."""
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+        # The manual axes, not every axis of the mesh: a partial-manual shard_map (the train step on a mesh with
+        # model axes) binds its data axes only.
+        return tuple(getattr(mesh, "manual_axes", mesh.axis_names))
+    except Exception:  # noqa: BLE001 - only used to word an error message
+        return ()
 
 
 def leaves(fn: str, tree: Any) -> tuple[list[tuple[str, Any]], Any]:
@@ -187,13 +214,6 @@ def hashable_specs(tree: Any) -> Hashable:
     """A spec tree as a hashable key (its structure and its specs)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_spec)
     return (treedef, tuple(leaves))
-
-
-def _bound_axes() -> tuple[str, ...]:
-    try:
-        return tuple(jax.sharding.get_abstract_mesh().axis_names)
-    except Exception:  # noqa: BLE001 - only used to word an error message
-        return ()
 
 
 def _is_array_like(leaf: Any) -> bool:

@@ -65,7 +65,8 @@ class SyncBatchNorm(nnx.BatchNorm):
             ``axis_index_groups`` is set.
           ShapeError: when ``x`` does not have ``num_features`` features on ``axis``, or ``mask``'s shape does not
             broadcast to it.
-          AxisError: in training mode, when ``axis_name`` is set but not bound where the layer runs.
+          AxisError: in training mode, when ``axis_name`` is set but not bound where the layer runs; the message
+            names the bound axes (in the train step, the state's data axis ``state.axis``).
         """
         use_running_average = self.use_running_average if use_running_average is None else use_running_average
         if use_running_average is None:

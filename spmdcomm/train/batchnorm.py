@@ -118,7 +118,7 @@ class SyncBatchNorm(nn.BatchNorm):
           SpmdError: when ``axis_index_groups`` is set.
           ShapeError: when ``mask``'s shape does not broadcast to ``x``'s.
           AxisError: in training mode (not while initialising), when ``axis_name`` is set but not bound where the
-            layer runs.
+            layer runs; the message names the bound axes (in the train step, the state's data axis ``state.axis``).
         """
         use_running_average = nn.merge_param("use_running_average", self.use_running_average, use_running_average)
         check_no_groups("SyncBatchNorm", self.axis_index_groups)
@@ -206,7 +206,7 @@ def batch_stats(
     dtype = jnp.result_type(x) if dtype is None else dtype
     dtype = jnp.promote_types(dtype, jnp.float32) if promote else dtype
     x = jnp.asarray(x, dtype)
-    size = 1 if axis_name is None else bound_size(fn, axis_name)
+    size = 1 if axis_name is None else bound_size(fn, axis_name, argument="axis_name", fix=_unbound_axis_fix(fn))
     m = None if mask is None else _broadcast_mask(fn, mask, x.shape)
     if m is not None:
         # Zeros, not x, where the mask is False: a NaN there must reach neither a sum nor its gradient.
@@ -263,6 +263,27 @@ def normalize(
 
 # --------------------------------------------------------------------------------------------------
 # Private helpers
+
+
+def _unbound_axis_fix(fn: str) -> Callable[[tuple[str, ...]], str]:
+    """The fix for a layer whose ``axis_name`` is not bound, given the axes that are (as Flax's ``BatchNorm`` error in
+    the train step names the state's data axis)."""
+
+    def fix(bound: tuple[str, ...]) -> str:
+        if bound:
+            suggested = bound[0] if len(bound) == 1 else bound
+            return (
+                "build the layer with axis_name set to the mesh axis the batch is split over: inside "
+                "sc.make_train_step or sc.make_eval_step, the state's data axis (state.axis), here "
+                f"{fn}(..., axis_name={suggested!r})."
+            )
+        return (
+            "run the layer in training mode where its axis is bound: inside sc.make_train_step or sc.make_eval_step "
+            "with axis_name set to the state's data axis (state.axis, e.g. axis_name='data'), or inside spmd or "
+            "jax.shard_map over that axis; or pass axis_name=None for statistics of each device's batch alone."
+        )
+
+    return fix
 
 
 def _psum(tree: Any, axis_name: AxisName | None) -> Any:

@@ -18,15 +18,17 @@ class Hook:
     """A function :func:`~spmdcomm.fit` calls between steps: ``fn(state, *, step, epoch) -> dict | None``.
 
     Give exactly one of ``every_steps`` and ``every_epochs``. ``fn``'s ``step`` is the global step count
-    (``state.step``, an int), ``epoch`` the epoch of that step's batch (for an epoch hook, the epoch that just
-    ended; ``None`` when the data counts no epochs). ``state`` is the state after the step: use it before returning
+    (``state.step``, an int), ``epoch`` the 0-based epoch of that step's batch, as the data counts it (0 in the first
+    epoch; for an epoch hook, the epoch that just ended; ``None`` when the data counts no epochs). ``state`` is the
+    state after the step: use it before returning
     (the next step consumes it). The returned dict of scalars (e.g. evaluation metrics from
     :func:`spmdcomm.evaluate`) joins that step's metrics in ``fit``'s history, log and callback.
 
     Args:
-      fn: the callable ``fn(state, *, step, epoch) -> dict | None``.
+      fn: the callable ``fn(state, *, step, epoch) -> dict | None``; ``epoch`` is 0-based.
       every_steps: run after every ``every_steps``-th global step (``state.step`` a multiple of it).
-      every_epochs: run after the last step of every ``every_epochs``-th epoch (the data must count epochs, as
+      every_epochs: run after the last step of every ``every_epochs``-th epoch, i.e. of the 0-based epochs
+        ``every_epochs - 1``, ``2 * every_epochs - 1``, ... (the data must count epochs, as
         :class:`spmdcomm.Loader` does).
 
     Raises:

@@ -70,7 +70,8 @@ def fit(
         even with batches left; the data's position then names the first batch not trained on. ``None``
         (default): run until ``data`` ends.
       hooks: :class:`Hook` s run on the host between steps: every ``n`` global steps or at the end of every ``n``
-        epochs (evaluation, logging, sample generation); what they return joins that step's metrics.
+        epochs (evaluation, logging, sample generation), as ``fn(state, *, step, epoch)`` with a 0-based
+        ``epoch``; what they return joins that step's metrics.
       callback: ``callback(i, metrics)`` sees each step's metrics in order (``i`` counts this call's steps from 0).
       checkpoint_dir: a directory every process can reach, to resume from and save to (see above); ``None``
         (default): no checkpoints.
