@@ -11,9 +11,12 @@ from spmdcomm.train.checkpoint import (
 )
 from spmdcomm.train.eval_step import EvalStep, evaluate, make_eval_step
 from spmdcomm.train.hooks import Hook
+from spmdcomm.train.layout import TreeLayout
 from spmdcomm.train.loop import Preempted, fit
+from spmdcomm.train.memory import StateMemory
 from spmdcomm.train.state import TrainState, optimizer_state_bytes
-from spmdcomm.train.strategies import DDP, FSDP, STRATEGIES, Strategy, ZeRO1, ZeRO2
+from spmdcomm.train.strategies import DDP, FSDP, STRATEGIES, ZeRO1, ZeRO2
+from spmdcomm.train.strategy import ReduceContext, Strategy
 from spmdcomm.train.train_step import TrainStep, make_train_step, masked_mean
 
 __all__ = [
@@ -21,6 +24,9 @@ __all__ = [
     "DDP",
     "STRATEGIES",
     "Strategy",
+    "ReduceContext",
+    "TreeLayout",
+    "StateMemory",
     "ZeRO1",
     "ZeRO2",
     "FSDP",

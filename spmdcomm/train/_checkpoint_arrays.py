@@ -44,7 +44,7 @@ def targets(state: TrainState) -> dict[str, Any]:
 
 
 def unpadded(state: TrainState) -> TrainState:
-    """``state`` with its padded leaves (see spmdcomm.train._layout) at their own shapes, whole over the data axes:
+    """``state`` with its padded leaves (see spmdcomm.train.layout) at their own shapes, whole over the data axes:
     what a checkpoint holds, so that it restores onto any device count."""
     layout, mesh = state.layout, state.mesh
     if not layout.pads:

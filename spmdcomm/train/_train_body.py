@@ -29,10 +29,10 @@ from spmdcomm.train._step import (
     sum_dtype,
     zero_masked_rows,
 )
-from spmdcomm.train._strategy import ReduceContext
 from spmdcomm.train.loss_scale import next_loss_scale
 from spmdcomm.train.rng import is_key_leaf, per_example_key
 from spmdcomm.train.state import TrainState
+from spmdcomm.train.strategy import ReduceContext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
         """The optimizer step on the model's tree: in the global view (shard_map backend), where each leaf is a
         sharded array and XLA adds the reductions a global norm or a per-leaf statistic needs; inside pmap (DDP
         only) on the replicated tree. The optimizer sees every leaf at its own shape: padded leaves are cut to it
-        before and padded again after (see spmdcomm.train._layout)."""
+        before and padded again after (see spmdcomm.train.layout)."""
         denom = denominator(total, masked)
         reduced = layout.unpadded(reduced, "grads", state.mesh)
         stored_params, stored_opt_state = state.params, state.opt_state

@@ -28,8 +28,8 @@ from spmdcomm.train._step import (
     sum_dtype,
     zero_masked_rows,
 )
-from spmdcomm.train._strategy import ReduceContext
 from spmdcomm.train.state import TrainState
+from spmdcomm.train.strategy import ReduceContext
 
 __all__ = ["EvalStep", "evaluate", "make_eval_step"]
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.train._layout import TreeLayout, manual_spec
-from spmdcomm.train._strategy import ReduceContext, Strategy, psum_whole
+from spmdcomm.train.layout import TreeLayout, manual_spec
+from spmdcomm.train.strategy import ReduceContext, Strategy, psum_whole
 
 __all__ = ["FSDP"]
 

@@ -29,7 +29,7 @@ strategy                      gradients                              parameters 
 ============================  =====================================  ==============  ===============
 
 "Split per leaf" means each leaf is split over the data axis on its first dimension that the axis size divides
-(:func:`spmdcomm.train._layout.shard_spec`); a leaf that no dimension divides is stored padded with zeros on one
+(:func:`spmdcomm.train.layout.shard_spec`); a leaf that no dimension divides is stored padded with zeros on one
 dimension (as torch FSDP2 pads uneven shards), and only leaves of fewer elements than the axis has devices stay
 replicated. The optimizer runs in the global view (``jax.jit`` over these sharded arrays), on every leaf cut to its
 own shape: optax sees the model's tree with its true shapes, so masks and labels by path or shape, global-norm
@@ -58,9 +58,9 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.train._flat import FlatLayout, cast
-from spmdcomm.train._layout import TreeLayout
-from spmdcomm.train._strategy import ReduceContext, Strategy, psum_whole
 from spmdcomm.train.fsdp import FSDP
+from spmdcomm.train.layout import TreeLayout
+from spmdcomm.train.strategy import ReduceContext, Strategy, psum_whole
 
 __all__ = ["Strategy", "DDP", "ZeRO1", "ZeRO2", "FSDP", "STRATEGIES"]
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm.errors import BackendError, describe
 from spmdcomm.train._flat import cast
-from spmdcomm.train._layout import TreeLayout
+from spmdcomm.train.layout import TreeLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Strategy:
             ``None`` when no leaf is split over a model axis.
 
         Returns:
-          The :class:`~spmdcomm.train._layout.TreeLayout` of parameters, gradients and optimizer state: hashable,
+          The :class:`~spmdcomm.train.layout.TreeLayout` of parameters, gradients and optimizer state: hashable,
           stored in the state.
         """
         return TreeLayout.build(
