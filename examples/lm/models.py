@@ -1,0 +1,200 @@
+"""The example's model and loss: a decoder-only byte-level transformer with its blocks stacked by ``stack``.
+
+``Transformer``: a byte embedding plus learned positions, ``layers`` pre-LayerNorm blocks (causal self-attention,
+MLP), a final LayerNorm and a head tied to the embedding. Only the blocks go through :func:`stack` (parameters
+stacked ``[layers, ...]``, one compiled block); the embedding, head and loss stay outside it.
+
+Every parameter names its dimensions logically (``nn.with_logical_partitioning``), and :func:`logical_axis_rules`
+maps the names to the mesh: Megatron-style tensor parallelism over a ``"model"`` axis splits attention by heads
+(query, key and value by their output columns, the output projection by its input rows) and the MLP by its hidden
+units (first kernel by columns, second by rows), so each block's forward pass needs one all-reduce over ``model``
+after attention and one after the MLP. Without a ``"model"`` axis nothing is split over the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from input_pipeline import VOCAB
+
+import spmdcomm as sc
+
+MODEL_AXIS = "model"  # the mesh axis of tensor parallelism
+
+
+def logical_axis_rules(mesh_axes: Sequence[str]) -> list[tuple[str, str | None]]:
+    """Flax's rules from the model's logical names to the mesh's axes: heads and MLP units over ``"model"`` when
+    the mesh has it; everything else (and the stacked ``layers`` dimension) whole. The data axes are the
+    strategy's, not the rules' (DDP replicates, FSDP splits each leaf on a dimension of its choosing)."""
+    model = MODEL_AXIS if MODEL_AXIS in mesh_axes else None
+    return [
+        ("layers", None),
+        ("vocab", None),
+        ("length", None),
+        ("embed", None),
+        ("heads", model),
+        ("kv", None),
+        ("mlp", model),
+    ]
+
+
+def _init(names: tuple[str | None, ...], base: Callable | None = None) -> Callable:
+    return nn.with_logical_partitioning(base or nn.initializers.lecun_normal(), names)
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``, causal.
+
+    ``x`` is ``[batch, length, width]``; the result has its shape (the contract of :func:`stack`).
+    """
+
+    width: int
+    heads: int
+    hidden: int  # the MLP's hidden units
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        head_dim = self.width // self.heads
+        heads = (self.heads, head_dim)
+        y = nn.LayerNorm(dtype=self.dtype, name="attention_norm")(x)
+        # [batch, length, heads, head_dim]; split by heads over the model axis (column-parallel).
+        q, k, v = (
+            Projection(heads, ("embed", "heads", "kv"), dtype=self.dtype, name=n)(y) for n in ("query", "key", "value")
+        )
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        # Row-parallel: each model device sums over its heads, one all-reduce of the partial sums.
+        x = x + Projection((self.width,), ("heads", "kv", "embed"), contract=2, dtype=self.dtype, name="out")(y)
+        y = nn.LayerNorm(dtype=self.dtype, name="mlp_norm")(x)
+        zeros = nn.initializers.zeros_init()
+        y = nn.Dense(
+            self.hidden, kernel_init=_init(("embed", "mlp")), bias_init=_init(("mlp",), zeros), dtype=self.dtype
+        )(y)
+        y = nn.Dense(
+            self.width, kernel_init=_init(("mlp", "embed")), bias_init=_init(("embed",), zeros), dtype=self.dtype
+        )(nn.gelu(y))
+        return x + y
+
+
+class Projection(nn.Module):
+    """``x``'s last ``contract`` dimensions times a kernel of shape ``x.shape[-contract:] + features`` (no bias),
+    whose dimensions have the logical ``names``. (Flax's ``DenseGeneral`` initialises through a flattened
+    kernel, which its parameter shape check runs again inside the step, where the rules constrain a
+    two-dimensional value by a three-dimensional spec.)"""
+
+    features: tuple[int, ...]
+    names: tuple[str, ...]
+    contract: int = 1
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        inputs = tuple(range(self.contract))
+        outputs = tuple(range(self.contract, self.contract + len(self.features)))
+        init = nn.initializers.lecun_normal(in_axis=inputs, out_axis=outputs)
+        kernel = self.param("kernel", _init(self.names, init), x.shape[-self.contract :] + self.features)
+        return jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.contract)
+
+
+class ScanStack(nn.Module):
+    """``layers`` copies of ``block`` applied in turn, ``x = block(x, *args)``, as one ``nn.scan``: the parameters
+    of the copies are stacked on a leading ``layers`` dimension (logical name ``"layers"``), under ``"layers"``."""
+
+    block: nn.Module
+    layers: int
+
+    @nn.compact
+    def __call__(self, x, *args):
+        scanned = nn.scan(
+            _Carry,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},  # each copy initialised on its own
+            in_axes=(nn.broadcast,) * len(args),  # every copy sees the same extra arguments
+            length=self.layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        # A copy of the template without a parent, so that the scan (not the module that built the template) owns
+        # its parameters.
+        x, _ = scanned(self.block.clone(), name="layers")(x, *args)
+        return x
+
+
+class _Carry(nn.Module):
+    """The scan's body: the block, with ``nn.scan``'s ``(carry, outputs)`` signature."""
+
+    block: nn.Module
+
+    @nn.compact
+    def __call__(self, x, *args):
+        return self.block(x, *args), None
+
+
+def stack(block: nn.Module, layers: int) -> nn.Module:
+    """``layers`` copies of ``block``: ``stack(block, layers)(x, *args)`` applies each as ``block(x, *args)`` (the
+    result shaped like ``x``), their parameters stacked ``[layers, ...]``. The one place the model's layers are
+    put together: ``sc.PipelineStack(block, layers)`` has the same contract and spreads them over pipeline stages.
+    """
+    return ScanStack(block, layers)
+
+
+class Transformer(nn.Module):
+    """A decoder-only byte-level language model: ``tokens`` ``int32[batch, length]`` (``length <= max_len``) to
+    next-byte logits ``float32[batch, length, 256]``. ``dtype`` is the computation's; parameters are float32."""
+
+    width: int = 128
+    layers: int = 4
+    heads: int = 4
+    mlp_ratio: int = 4
+    max_len: int = 128
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(
+            VOCAB, self.width, embedding_init=_init(("vocab", "embed"), nn.initializers.normal(0.02)), name="embed"
+        )
+        positions = self.param(
+            "positions", _init(("length", "embed"), nn.initializers.normal(0.02)), (self.max_len, self.width)
+        )
+        # Positions count from the first token of the sequence: every window is a sequence of its own.
+        x = embed(tokens).astype(self.dtype) + positions[: tokens.shape[1]].astype(self.dtype)
+        block = Block(self.width, self.heads, self.mlp_ratio * self.width, self.dtype, parent=None)
+        x = stack(block, self.layers)(x)
+        x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
+        return embed.attend(x).astype(jnp.float32)  # the head is the embedding, transposed
+
+
+def make_loss_fn() -> Callable:
+    """spmdcomm's loss_fn contract: the mean next-byte cross-entropy (nats) over this device's real windows, and
+    the next-byte accuracy. ``batch["tokens"]`` is ``uint8[windows, length + 1]``."""
+
+    def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
+        loss, accuracy = _per_window(apply_fn, params, batch["tokens"])
+        return sc.masked_mean(loss, mask), {"accuracy": sc.masked_mean(accuracy, mask)}
+
+    return loss_fn
+
+
+def make_metric_fn() -> Callable:
+    """Validation loss (nats per byte) and next-byte accuracy over this device's real windows."""
+
+    def metric_fn(params, batch, *, apply_fn, model_state, mask):
+        loss, accuracy = _per_window(apply_fn, params, batch["tokens"])
+        return {"loss": sc.masked_mean(loss, mask), "accuracy": sc.masked_mean(accuracy, mask)}
+
+    return metric_fn
+
+
+def _per_window(apply_fn, params, tokens) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Each window's mean loss and accuracy over its positions: every window predicts the same number of bytes,
+    so the mean over windows is the mean over bytes."""
+    tokens = tokens.astype(jnp.int32)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = apply_fn({"params": params}, inputs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(-1)
+    return loss, (jnp.argmax(logits, -1) == targets).astype(jnp.float32).mean(-1)

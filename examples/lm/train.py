@@ -1,0 +1,286 @@
+"""Training and evaluation of the byte-level language model example; ``main.py`` is its command line.
+
+``train_and_evaluate(Config(...))`` trains the transformer of ``models.py`` on the Python standard library's source
+(``input_pipeline.py``) on a mesh the config names (``"data=4,model=2"``: the batch split over ``data``, attention
+heads and MLP units over ``model``; ``"replica=2,shard=4"``: hybrid sharding), with the config's strategy, AdamW
+with a warm-up cosine schedule, and one ``sc.fit`` call over an ``sc.Loader``. An ``sc.Hook`` computes the
+validation loss every ``eval_every`` steps through ``sc.evaluate``; each evaluation prints validation bits per byte
+next to the unigram baseline's (the training bytes' frequencies). With a ``checkpoint_dir`` a stopped run started
+again resumes at the step of its latest checkpoint, with the data position, the schedule and the random state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import input_pipeline
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from input_pipeline import bits
+from jax.sharding import Mesh
+from models import MODEL_AXIS, Transformer, logical_axis_rules, make_loss_fn, make_metric_fn
+
+import spmdcomm as sc
+
+PIPELINE_AXIS = "stage"  # the mesh axis of pipeline stages
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class Config:
+    """What to train and how; ``main.py`` has one command-line option per field."""
+
+    mesh: str = "data=-1"  # mesh axes and sizes; -1 takes the devices the others leave
+    strategy: str = "ddp"  # one of spmdcomm.train.STRATEGIES, over the data axes
+    microbatches: int = 1  # each device's batch in this many micro-batches (gradient accumulation)
+    repeats: int = 1  # a pipeline's layer groups per stage (needs a "stage" axis)
+    width: int = 128
+    layers: int = 4
+    heads: int = 4
+    seq_len: int = 128  # bytes of context; each window holds seq_len + 1 bytes
+    batch_size: int = 32  # windows per step, global over every device and process
+    steps: int = 500  # the schedule's length; the run ends here unless max_steps stops it sooner
+    lr: float = 3e-3  # peak AdamW learning rate, after the warm-up; cosine decay to lr / 10 at `steps`
+    warmup_steps: int = 50
+    weight_decay: float = 0.1  # on kernels only
+    corpus_bytes: int = 8_000_000  # bytes of source read (train and validation together)
+    eval_windows: int = 256  # validation windows of seq_len + 1 bytes
+    eval_every: int = 100  # steps between validation losses
+    dtype: str = "float32"  # the computation's ("bfloat16" on accelerators); parameters stay float32
+    seed: int = 0
+    max_steps: int | None = None  # stop once state.step reaches this (saved with a checkpoint_dir)
+    checkpoint_dir: str | None = None  # save here every save_every steps and at the end; resume from here
+    save_every: int = 200
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,stage=2,model=2"`` as ``{"data": 2, "stage": 2, "model": 2}`` (in order; one size may be -1).
+
+    Raises:
+      ValueError: for an entry that is not ``name=size``, a repeated name, or a size that is not an int.
+    """
+    axes: dict[str, int] = {}
+    for entry in text.split(","):
+        name, sep, size = (part.strip() for part in entry.partition("="))
+        if not sep or not name.isidentifier() or name in axes:
+            raise ValueError(f"--mesh {text!r}: {entry!r} is not name=size with a new name (e.g. data=4,model=2)")
+        try:
+            axes[name] = int(size)
+        except ValueError:
+            raise ValueError(f"--mesh {text!r}: the size of {name!r} is {size!r}, not an int") from None
+    return axes
+
+
+def data_axes(axis_names: Sequence[str]) -> str | tuple[str, ...]:
+    """The mesh axes the batch is split over: every axis but the model's and the pipeline's, in mesh order
+    (several: hybrid sharding, ZeRO and FSDP splitting over the last one).
+
+    Raises:
+      ValueError: when no axis is left for the data.
+    """
+    axes = tuple(a for a in axis_names if a not in (MODEL_AXIS, PIPELINE_AXIS))
+    if not axes:
+        raise ValueError(f"the mesh {tuple(axis_names)} has no data axis: add one, e.g. data=-1")
+    return axes[0] if len(axes) == 1 else axes
+
+
+def make_model(config: Config) -> Transformer:
+    """The transformer ``config`` describes."""
+    return Transformer(
+        width=config.width, layers=config.layers, heads=config.heads, max_len=config.seq_len, dtype=DTYPES[config.dtype]
+    )
+
+
+def make_optimizer(config: Config) -> optax.GradientTransformation:
+    """AdamW (decay on kernels only) after clipping the global gradient norm to 1, with a linear warm-up to ``lr``
+    and a cosine decay to ``lr / 10`` at ``config.steps``; the learning rate is every step's metric."""
+    warmup = max(min(config.warmup_steps, config.steps - 1), 1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.lr, warmup_steps=warmup, decay_steps=max(config.steps, warmup + 1), end_value=config.lr / 10
+    )
+    kernels = lambda params: jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key == "kernel", params)
+    # optax.adamw's pieces: inject_hyperparams would call the mask as if it were a schedule.
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.scale_by_adam(b2=0.95),
+        optax.add_decayed_weights(config.weight_decay, mask=kernels),
+        optax.inject_hyperparams(optax.scale_by_learning_rate)(learning_rate=schedule),
+    )
+
+
+def build_state(config: Config, mesh: Mesh) -> tuple[sc.TrainState, sc.TrainStep]:
+    """The train state on ``mesh`` (the strategy over its data axes, the model's logical names mapped to its
+    model axis) and the train step (``config.microbatches`` micro-batches accumulated per step).
+
+    The one place that knows about pipeline stages: a mesh with a ``"stage"`` axis raises until pipeline
+    parallelism is available.
+
+    Raises:
+      NotImplementedError: for a mesh with a ``"stage"`` axis.
+      ValueError: for ``config.repeats`` other than 1 (a pipeline's setting).
+    """
+    if PIPELINE_AXIS in mesh.axis_names:
+        raise NotImplementedError(
+            f"pipeline parallelism: not available yet (the mesh {dict(mesh.shape)} has a {PIPELINE_AXIS!r} axis); "
+            "leave that axis out, e.g. --mesh data=4,model=2"
+        )
+    if config.repeats != 1:
+        raise ValueError(f"--repeats {config.repeats}: repeats are a pipeline's, and the mesh has no 'stage' axis")
+    model = make_model(config)
+    # One compiled program for the initialisation, as Flax's examples do (eagerly, each initializer compiles).
+    params = jax.jit(model.init)(jax.random.key(config.seed), np.zeros((1, config.seq_len), np.int32))["params"]
+    state = sc.TrainState.create(
+        params=params,
+        tx=make_optimizer(config),
+        apply_fn=model.apply,
+        rng=config.seed,
+        mesh=mesh,
+        axis=data_axes(mesh.axis_names),
+        strategy=config.strategy,
+        logical_axis_rules=logical_axis_rules(mesh.axis_names),
+    )
+    return state, sc.make_train_step(make_loss_fn(), accum_steps=config.microbatches)
+
+
+def train_and_evaluate(config: Config) -> dict[str, Any]:
+    """Trains and evaluates as ``config`` says; returns the summary: one row per validation loss computed by this
+    call, the final validation bits per byte and the unigram baseline's, steps and seconds."""
+    mesh = sc.make_mesh(parse_mesh(config.mesh))
+    _check_batch(config, mesh)
+    state, step = build_state(config, mesh)
+    eval_step = sc.make_eval_step(make_metric_fn())
+    corpus = input_pipeline.load_corpus(config.corpus_bytes)
+    windows = input_pipeline.train_windows(corpus.train, config.seq_len, seed=config.seed)
+    val = input_pipeline.eval_windows(corpus.val, config.seq_len, config.eval_windows)
+    unigram = input_pipeline.unigram_bits_per_byte(corpus.train, val[:, 1:])
+    n_proc = sc.process_count()
+    local_batch = config.batch_size // n_proc
+    sampler = sc.ShardedSampler(
+        len(windows), shard_index=sc.process_index(), num_shards=n_proc, seed=config.seed, drop_remainder=True
+    )
+    val_sampler = sc.ShardedSampler(len(val), shard_index=sc.process_index(), num_shards=n_proc, shuffle=False)
+    start = (sc.latest_checkpoint_step(config.checkpoint_dir) if config.checkpoint_dir else None) or 0
+    params = sum(x.size for x in jax.tree.leaves(state.params))
+    say(
+        f"corpus: {len(corpus.train_files)} files ({corpus.train.size / 1e6:.1f} MB) for training, "
+        f"{len(corpus.val_files)} ({corpus.val.size / 1e6:.1f} MB) for validation, {len(val)} validation windows; "
+        f"unigram baseline {unigram:.3f} bits/byte"
+    )
+    say(
+        f"model: {params / 1e6:.2f}M parameters, {config.layers} layers of width {config.width}; mesh "
+        f"{dict(mesh.shape)}, {state.strategy} over {state.axis}, global batch {config.batch_size} x "
+        f"{config.seq_len} bytes"
+    )
+    if start:
+        say(f"resuming from {config.checkpoint_dir} at step {start}, restart {sc.restart_count()}")
+
+    def validation(state: sc.TrainState) -> dict[str, float]:
+        metrics = sc.evaluate(eval_step, state, sc.take_batches({"tokens": val}, val_sampler.batches(local_batch)))
+        return {"val/loss": metrics["loss"], "val/accuracy": metrics["accuracy"]}
+
+    rows = EvalRows(unigram, start=start)
+    per_epoch = sampler.num_batches(local_batch)
+    epochs = math.ceil(config.steps / per_epoch)
+    loader = sc.Loader(
+        {"tokens": windows}, sampler, batch_size=local_batch, epochs=epochs, mesh=state.mesh, axis=state.axis
+    )
+    checkpoints = {}
+    if config.checkpoint_dir:
+        checkpoints = {"checkpoint_dir": config.checkpoint_dir, "save_every": config.save_every, "max_to_keep": 2}
+    last = config.steps if config.max_steps is None else min(config.steps, config.max_steps)
+    began = time.perf_counter()
+    state, _ = sc.fit(
+        step,
+        state,
+        loader,
+        max_steps=last,
+        hooks=[sc.Hook(lambda state, *, step, epoch: validation(state), every_steps=config.eval_every)],
+        callback=rows.add,
+        **checkpoints,
+    )
+    seconds = time.perf_counter() - began
+    final_step = int(jax.device_get(state.step))
+    if not rows.rows or rows.rows[-1]["step"] != final_step:  # the last step was not an evaluation's
+        rows.add_evaluation(final_step, validation(state))
+    final = rows.rows[-1]
+    say(
+        f"step {final_step}: validation {final['val_bits_per_byte']:.3f} bits/byte against the unigram baseline's "
+        f"{unigram:.3f}, {seconds:.0f} s for {final_step - start} steps"
+    )
+    return {
+        "mesh": dict(mesh.shape),
+        "strategy": config.strategy,
+        "processes": n_proc,
+        "devices": sc.device_count(),
+        "platform": jax.devices()[0].platform,
+        "parameters": params,
+        "global_batch": config.batch_size,
+        "seq_len": config.seq_len,
+        "restarts": sc.restart_count(),
+        "resumed_from": start,
+        "step": final_step,
+        "seconds": seconds,
+        "train_seconds": rows.train_seconds,
+        "evaluations": rows.rows,
+        "val_bits_per_byte": final["val_bits_per_byte"],
+        "unigram_bits_per_byte": unigram,
+    }
+
+
+class EvalRows:
+    """``fit``'s callback: one row per validation loss (the hook's metrics arrive with their step's), holding the
+    mean training loss of the steps since the previous one; printed on the main process."""
+
+    def __init__(self, unigram: float, *, start: int):
+        self.unigram = unigram
+        self.start = start  # the global step this call of fit starts from
+        self.rows: list[dict[str, Any]] = []
+        self.train_seconds = 0.0  # the steps' wall time, evaluations left out
+        self._losses: list[float] = []
+
+    def add(self, i: int, metrics: dict[str, float]) -> None:
+        self._losses.append(metrics["loss"])
+        self.train_seconds += sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/hooks")
+        if "val/loss" in metrics:
+            self.add_evaluation(self.start + i + 1, metrics)
+
+    def add_evaluation(self, step: int, metrics: dict[str, float]) -> None:
+        losses, self._losses = self._losses, []
+        row = {
+            "step": step,
+            "train_bits_per_byte": bits(float(np.mean(losses))) if losses else None,
+            "val_bits_per_byte": bits(metrics["val/loss"]),
+            "val_accuracy": metrics["val/accuracy"],
+            "unigram_bits_per_byte": self.unigram,
+            "train_seconds": self.train_seconds,
+        }
+        self.rows.append(row)
+        train = "" if row["train_bits_per_byte"] is None else f"train {row['train_bits_per_byte']:.3f}, "
+        say(
+            f"step {step}: {train}validation {row['val_bits_per_byte']:.3f} bits/byte (unigram "
+            f"{self.unigram:.3f}), next-byte accuracy {100 * row['val_accuracy']:.1f}%, {self.train_seconds:.0f} s"
+        )
+
+
+def say(line: str) -> None:
+    """Prints on the main process."""
+    if sc.is_main_process():
+        print(line, flush=True)
+
+
+def _check_batch(config: Config, mesh: Mesh) -> None:
+    """The global batch must split over the processes and the data axes, and each device's block into the
+    micro-batches."""
+    names = data_axes(mesh.axis_names)
+    data = math.prod(mesh.shape[a] for a in (names if isinstance(names, tuple) else (names,)))
+    if config.batch_size % (data * config.microbatches) or config.batch_size % sc.process_count():
+        raise SystemExit(
+            f"--batch-size {config.batch_size} must be a multiple of the {data} data devices x "
+            f"{config.microbatches} micro-batches (and of the {sc.process_count()} processes)"
+        )
