@@ -47,6 +47,12 @@ def _init(names: tuple[str | None, ...], base: Callable | None = None) -> Callab
     return nn.with_logical_partitioning(base or nn.initializers.lecun_normal(), names)
 
 
+def _norm(dtype: Any, name: str) -> nn.LayerNorm:
+    """A LayerNorm whose parameters are named too, so that every stacked parameter has ``"layers"`` first."""
+    ones, zeros = nn.initializers.ones_init(), nn.initializers.zeros_init()
+    return nn.LayerNorm(dtype=dtype, scale_init=_init(("embed",), ones), bias_init=_init(("embed",), zeros), name=name)
+
+
 class Block(nn.Module):
     """A pre-LayerNorm transformer block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``, causal.
 
@@ -62,7 +68,7 @@ class Block(nn.Module):
     def __call__(self, x):
         head_dim = self.width // self.heads
         heads = (self.heads, head_dim)
-        y = nn.LayerNorm(dtype=self.dtype, name="attention_norm")(x)
+        y = _norm(self.dtype, "attention_norm")(x)
         # [batch, length, heads, head_dim]; split by heads over the model axis (column-parallel).
         q, k, v = (
             Projection(heads, ("embed", "heads", "kv"), dtype=self.dtype, name=n)(y) for n in ("query", "key", "value")
@@ -70,7 +76,7 @@ class Block(nn.Module):
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         # Row-parallel: each model device sums over its heads, one all-reduce of the partial sums.
         x = x + Projection((self.width,), ("heads", "kv", "embed"), contract=2, dtype=self.dtype, name="out")(y)
-        y = nn.LayerNorm(dtype=self.dtype, name="mlp_norm")(x)
+        y = _norm(self.dtype, "mlp_norm")(x)
         zeros = nn.initializers.zeros_init()
         y = nn.Dense(
             self.hidden, kernel_init=_init(("embed", "mlp")), bias_init=_init(("mlp",), zeros), dtype=self.dtype
@@ -134,12 +140,12 @@ class _Carry(nn.Module):
         return self.block(x, *args), None
 
 
-def stack(block: nn.Module, layers: int) -> nn.Module:
+def stack(block: nn.Module, layers: int, *, name: str | None = None) -> nn.Module:
     """``layers`` copies of ``block``: ``stack(block, layers)(x, *args)`` applies each as ``block(x, *args)`` (the
     result shaped like ``x``), their parameters stacked ``[layers, ...]``. The one place the model's layers are
     put together: ``sc.PipelineStack(block, layers)`` has the same contract and spreads them over pipeline stages.
     """
-    return ScanStack(block, layers)
+    return ScanStack(block, layers, name=name)
 
 
 class Transformer(nn.Module):
@@ -164,8 +170,8 @@ class Transformer(nn.Module):
         # Positions count from the first token of the sequence: every window is a sequence of its own.
         x = embed(tokens).astype(self.dtype) + positions[: tokens.shape[1]].astype(self.dtype)
         block = Block(self.width, self.heads, self.mlp_ratio * self.width, self.dtype, parent=None)
-        x = stack(block, self.layers)(x)
-        x = nn.LayerNorm(dtype=self.dtype, name="final_norm")(x)
+        x = stack(block, self.layers, name="blocks")(x)
+        x = _norm(self.dtype, "final_norm")(x)
         return embed.attend(x).astype(jnp.float32)  # the head is the embedding, transposed
 
 

@@ -97,6 +97,13 @@ def make_model(config: Config) -> Transformer:
     )
 
 
+def count_parameters(config: Config) -> int:
+    """The model's parameters, counted from their shapes (nothing is initialised or gathered)."""
+    tokens = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
+    shapes = jax.eval_shape(make_model(config).init, jax.random.key(0), tokens)["params"]
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
 def make_optimizer(config: Config) -> optax.GradientTransformation:
     """AdamW (decay on kernels only) after clipping the global gradient norm to 1, with a linear warm-up to ``lr``
     and a cosine decay to ``lr / 10`` at ``config.steps``; the learning rate is every step's metric."""
@@ -166,7 +173,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     )
     val_sampler = sc.ShardedSampler(len(val), shard_index=sc.process_index(), num_shards=n_proc, shuffle=False)
     start = (sc.latest_checkpoint_step(config.checkpoint_dir) if config.checkpoint_dir else None) or 0
-    params = sum(x.size for x in jax.tree.leaves(state.params))
+    params = count_parameters(config)
     say(
         f"corpus: {len(corpus.train_files)} files ({corpus.train.size / 1e6:.1f} MB) for training, "
         f"{len(corpus.val_files)} ({corpus.val.size / 1e6:.1f} MB) for validation, {len(val)} validation windows; "
