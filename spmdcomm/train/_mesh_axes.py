@@ -89,7 +89,14 @@ def nnx_logical_specs(params: Any) -> Any:
 
 
 def model_partitioning(
-    fn: str, params: Any, param_specs: Any, mesh: Mesh, axes: tuple[str, ...], rules: LogicalRules
+    fn: str,
+    params: Any,
+    param_specs: Any,
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    rules: LogicalRules,
+    *,
+    stage: str | None = None,
 ) -> tuple[Any, tuple[P, ...] | None]:
     """``(params, model specs)``: Flax ``nn.Partitioned`` boxes in ``params`` unboxed into their specs, or
     ``param_specs`` (a tree like ``params``) flattened; logical names (``nn.LogicallyPartitioned`` boxes,
@@ -107,7 +114,7 @@ def model_partitioning(
                     fix="give one: drop param_specs, or pass nn.unbox(params).",
                 )
             )
-        param_specs = jax.tree.map(_box_spec, params, is_leaf=_is_box)
+        param_specs = jax.tree.map(lambda x: _box_spec(x, stage), params, is_leaf=_is_box)
         params = meta.unbox(params)
     if param_specs is None:
         return params, None
@@ -297,12 +304,16 @@ def _axes_of(entry: Any) -> tuple[str, ...]:
     return ()
 
 
-def _box_spec(x: Any) -> Any:
-    """A Flax box's spec entry: ``LogicalNames`` for ``nn.LogicallyPartitioned``, the spec of an ``nn.Partitioned``,
-    ``P()`` for an array."""
+def _box_spec(x: Any, stage: str | None) -> Any:
+    """A Flax box's spec entry: ``LogicalNames`` for ``nn.LogicallyPartitioned``, the spec of an ``nn.Partitioned``
+    (a ``PipelineStack``'s layer dimension: the ``stage`` axis, or whole without one), ``P()`` for an array."""
     import flax.linen as nn
     from flax.core import meta
 
+    from spmdcomm.train.stack import StageStacked
+
+    if isinstance(x, StageStacked):
+        return P(stage, *x.names[1:])
     if isinstance(x, nn.LogicallyPartitioned):
         return LogicalNames(x.names, x.rules, strict=True, source="nn.with_logical_partitioning")
     if isinstance(x, meta.Partitioned):

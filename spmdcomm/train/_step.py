@@ -22,6 +22,7 @@ from spmdcomm.collectives.spmd import SpmdFunction, check_backend
 from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, check_not_deleted, describe
 from spmdcomm.train._mesh_axes import step_axis_rules
+from spmdcomm.train.pipeline import pipeline_context
 from spmdcomm.train.state import TrainState
 
 #: How many calls back a train/eval step waits for before dispatching another. XLA:CPU allows about 32
@@ -177,9 +178,9 @@ def _local(body: Callable[..., Any], state: TrainState, out_specs: Any) -> Calla
     return jax.shard_map(
         body,
         mesh=state.mesh,
-        in_specs=(state.manual_specs(), P(state.axis), P(state.axis)),
+        in_specs=(state.manual_specs(), P(state.roles.batch), P(state.roles.batch)),
         out_specs=out_specs,
-        axis_names=set(state.data_axes),
+        axis_names=set(state.roles.manual),
         check_vma=True,
     )
 
@@ -192,7 +193,7 @@ def place_batch(
         fn,
         batch,
         mesh=state.mesh,
-        axis=state.axis,
+        axis=state.roles.batch if state.pipeline else state.axis,
         multiple_of=multiple_of,
         multiple_name="accum_steps",
         host_input=host_input,
@@ -206,7 +207,7 @@ def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., 
     state's logical axis rules (or the active ``nn.logical_axis_rules`` context) are in force, without their data
     axes, so that the model's ``nn.with_logical_constraint`` calls constrain only the model axes."""
     try:
-        with step_axis_rules(state.logical_axis_rules, state.data_axes):
+        with step_axis_rules(state.logical_axis_rules, state.data_axes), pipeline_context(state.pipeline):
             return model_fn(*args, **kwargs)
     except (AssertionError, NameError) as e:
         bound = state.data_axes

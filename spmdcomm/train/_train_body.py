@@ -72,6 +72,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
     strategy, layout, axis = state.strategy, state.layout, state.data_axes
     scaled = state.loss_scale is not None
     ctx = ReduceContext(axis, state.data_size, o.reduce_dtype, o.skip_nonfinite or scaled)
+    blocks = state.roles.size(state.roles.batch)  # the batch's blocks: one per device of the data and stage axes
     varying = o.backend == "shard_map"
     # What the step itself reports: aux metrics of these names would silently replace them.
     hyperparams = _hyperparams(state.opt_state)
@@ -83,7 +84,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
     def denominator(total: jax.Array, masked: bool) -> jax.Array | float:
         # Masked: sums of count-weighted means over the real-example count. Unmasked: sums of means
         # over the number of (equal) blocks, which needs no per-gradient multiplication.
-        return jnp.maximum(total, 1.0) if masked else float(ctx.size * o.accum_steps)
+        return jnp.maximum(total, 1.0) if masked else float(blocks * o.accum_steps)
 
     def reduce(state: TrainState, data: Any, mask: Any) -> tuple[Any, ...]:
         """Per device (manual over the axis): the gradient summed over the axis, each leaf whole or as this
@@ -97,11 +98,13 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
         if masked:
             weighted_state = jax.tree.map(lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)), weighted_state)
         vec, unravel = ravel_pytree((count, metric_sums, weighted_state))
+        if state.pipeline is not None:  # the stage axis splits the batch too: its devices saw other rows
+            vec = lax.psum(vec, state.pipeline.axis)
         vec, reduced = strategy.reduce(ctx, layout, grad_sum, vec)
         total, metric_sums, stats = unravel(vec)
         denom = denominator(total, masked)
         new_model_state = _merge_model_state(
-            model_state, jax.tree.map(lambda v: v / denom, stats), axis, state.model_state
+            model_state, jax.tree.map(lambda v: v / denom, stats), state.roles.batch, state.model_state
         )
         return reduced, total, metric_sums, new_model_state
 
@@ -191,7 +194,7 @@ def _accumulate(
     # BatchNorm statistics: the transpose of their all-reduce), and split parameters (FSDP) come out summed over
     # the axis by the transpose of the gather; each of those terms must carry its own device's weight.
     params = _vary(state.params, axis, varying)
-    weight = _loss_weight(state, mask, masked, k, ctx.size)
+    weight = _loss_weight(state, mask, masked, k)
     grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, masked, reserved), has_aux=True)
     extra = {"step": state.step} if _takes_keyword(o.loss_fn, "step") else {}
 
@@ -216,12 +219,18 @@ def _accumulate(
         weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v)
         metrics = jax.tree.map(lambda v: weigh(v.astype(sum_dtype(v.dtype))), {"loss": loss, **aux})
         if masked and strategy.local_grads:
-            # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN.
-            grads = jax.tree.map(lambda g: jnp.where(c > 0, g, jnp.zeros_like(g)), grads)
+            # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN. A
+            # gradient that autodiff already summed over the stage axis (the layers outside a pipeline's stack)
+            # holds every stage device's rows: it is kept when any of them is real.
+            stage = state.pipeline.axis if state.pipeline is not None else None
+            seen = c if stage is None else lax.psum(c, stage)
+            grads = jax.tree.map(
+                lambda g: jnp.where((c if stage in varying_axes(g) else seen) > 0, g, jnp.zeros_like(g)), grads
+            )
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 
     batch0, mask0 = jax.tree.map(lambda x: x[0], micro)
-    first = one(_vary(state.model_state, axis, varying), batch0, mask0, 0)
+    first = one(_vary(state.model_state, state.roles.batch, varying), batch0, mask0, 0)
     if k == 1:
         return first
 
@@ -240,7 +249,7 @@ def _accumulate(
 def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], jax.Array]:
     """The ``rng`` of micro-batch ``j`` (``rows`` examples) on this device."""
     step_rng = jax.random.fold_in(state.rng, state.step)
-    device = lax.axis_index(state.data_axes)  # row-major over the data axes, as the batch is split
+    device = lax.axis_index(state.roles.batch)  # row-major over the batch axes, as the batch is split
     if o.rng == "per_example":
         # Device d's block holds global rows [d * k * rows, (d + 1) * k * rows); micro-batch j of it
         # starts j * rows further. Every device shares step_rng: only the row offset differs.
@@ -250,10 +259,10 @@ def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], 
     return lambda j: jax.random.fold_in(device_rng, j)
 
 
-def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int, size: int) -> Callable[[jax.Array], Any]:
+def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int) -> Callable[[jax.Array], Any]:
     """``f(count) -> weight``: what a micro-batch's mean loss is multiplied by before differentiating, given its
-    real-example ``count`` (``mask`` is this device's block of the step's mask, ``k`` micro-batches of it, over
-    ``size`` devices).
+    real-example ``count`` (``mask`` is this device's block of the step's mask, ``k`` micro-batches of it, one block
+    per device of the batch axes).
 
     Without loss scaling: the count when the batch is masked (the sum over devices is then divided by the total
     count), else 1 (divided by the number of blocks). With loss scaling the weight is the micro-batch's share of the
@@ -263,8 +272,8 @@ def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int, size:
     if state.loss_scale is None:
         return (lambda c: c) if masked else (lambda c: 1.0)
     if not masked:
-        return lambda c: 1.0 / (size * k)
-    total = jnp.maximum(lax.psum(jnp.sum(mask, dtype=jnp.float32), state.data_axes), 1.0)
+        return lambda c: 1.0 / (state.roles.size(state.roles.batch) * k)
+    total = jnp.maximum(lax.psum(jnp.sum(mask, dtype=jnp.float32), state.roles.batch), 1.0)
     return lambda c: c / total
 
 

@@ -220,7 +220,7 @@ class EvalStep:
             check_scalars("make_eval_step", metrics, "metric_fn")
             count = jnp.sum(mask, dtype=jnp.float32)
             sums = {k: jnp.where(count > 0, count * v.astype(sum_dtype(v.dtype)), 0.0) for k, v in metrics.items()}
-            total, sums = lax.psum((count, sums), axis)
+            total, sums = lax.psum((count, sums), state.roles.batch)
             return {**{k: v / jnp.maximum(total, 1.0) for k, v in sums.items()}, "examples": total}
 
         return compile_step("make_eval_step", body, state, P(), backend=self.backend, donate=False)

@@ -30,7 +30,9 @@ from spmdcomm.train._mesh_axes import (
 )
 from spmdcomm.train.loss_scale import resolve_loss_scale
 from spmdcomm.train.memory import StateMemory, device_bytes
+from spmdcomm.train.pipeline import Pipeline, stack_in_stage_order
 from spmdcomm.train.rng import data_to_keys, keys_to_data
+from spmdcomm.train.roles import MeshRoles, mesh_roles
 from spmdcomm.train.strategies import DDP, Strategy, resolve_strategy
 
 __all__ = ["TrainState", "optimizer_state_bytes"]
@@ -77,6 +79,7 @@ class TrainState:
     axis: str | tuple[str, ...] = flax.struct.field(pytree_node=False, default="data")
     strategy: Strategy = flax.struct.field(pytree_node=False, default=None)
     layout: Any = flax.struct.field(pytree_node=False, default=None)
+    pipeline: Pipeline | None = flax.struct.field(pytree_node=False, default=None)
     logical_axis_rules: Any = flax.struct.field(pytree_node=False, default=None)
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it when the class is built; declared for type checkers
@@ -98,6 +101,7 @@ class TrainState:
         param_specs: Any = None,
         loss_scale: Any = None,
         logical_axis_rules: Any = None,
+        pipeline: Pipeline | None = None,
     ) -> TrainState:
         """Builds the state and places it on ``mesh`` as ``strategy`` says (default: replicated, DDP).
 
@@ -169,9 +173,12 @@ class TrainState:
         """
         mesh = default_mesh() if mesh is None else mesh
         axis = check_data_axes("TrainState.create", mesh, axis)
+        roles = mesh_roles("TrainState.create", mesh, axis, pipeline)
         strategy = resolve_strategy("TrainState.create", strategy)
         rules = LogicalRules("TrainState.create", logical_axis_rules)
-        params, model_specs = model_partitioning("TrainState.create", params, param_specs, mesh, data_axes(axis), rules)
+        params, model_specs = model_partitioning(
+            "TrainState.create", params, param_specs, mesh, roles.data, rules, stage=roles.stage
+        )
         model_state = {} if model_state is None else model_state
         rng = _raw_key(rng)
         loss_scale = resolve_loss_scale("TrainState.create", loss_scale)
@@ -182,7 +189,9 @@ class TrainState:
         params, model_state, rng, loss_scale = data_to_keys(
             placement.place("TrainState.create", host, NamedSharding(mesh, P()), host_input="global"), key_impls
         )
-        layout = strategy.layout(params, tx, mesh, data_axes(axis), model_specs)
+        layout = strategy.layout(params, tx, mesh, roles.data, model_specs, stage=roles.stage)
+        if pipeline is not None:
+            params = stack_in_stage_order("TrainState.create", params, layout, pipeline)
         # The optimizer state is tx.init of the model's own tree; leaves that no dimension divides are stored padded.
         opt_state = jax.jit(
             lambda p: layout.stored(tx.init(p), "opt", mesh), out_shardings=layout.shardings(mesh, "opt")
@@ -204,6 +213,7 @@ class TrainState:
             strategy=strategy,
             layout=layout,
             logical_axis_rules=rules.rules or None,
+            pipeline=pipeline,
         )
 
     @classmethod
@@ -253,13 +263,18 @@ class TrainState:
         return cls.create(params=params, tx=tx, apply_fn=graphdef, model_state=rest, **kwargs)
 
     @property
+    def roles(self) -> MeshRoles:
+        """What each mesh axis does: data axes (replicate, shard), the pipeline's stage axis, model axes."""
+        return mesh_roles("TrainState", self.mesh, self.axis, self.pipeline)
+
+    @property
     def data_axes(self) -> tuple[str, ...]:
-        """The mesh axes the batch is split over, as a tuple (``("data",)``)."""
+        """The data axes, as a tuple (``("data",)``); with a pipeline the batch is split over the stage axis too."""
         return data_axes(self.axis)
 
     @property
     def data_size(self) -> int:
-        """How many devices the batch is split over: the product of the data axes' sizes."""
+        """How many devices the data axes span: the product of their sizes."""
         return math.prod(int(self.mesh.shape[a]) for a in self.data_axes)
 
     def specs(self) -> TrainState:
@@ -318,8 +333,8 @@ class TrainState:
 
     @property
     def model_axes(self) -> tuple[str, ...]:
-        """The mesh axes that are not data axes (the model's own)."""
-        return tuple(a for a in self.mesh.axis_names if a not in self.data_axes)
+        """The mesh axes that are neither data axes nor the stage axis (the model's own)."""
+        return self.roles.model
 
     def memory(self) -> StateMemory:
         """The bytes of the state one device holds, by part (``sc.explain`` of a step shows them too).

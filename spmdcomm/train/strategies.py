@@ -54,10 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.train._flat import FlatLayout, cast
+from spmdcomm.train._flat import FlatLayout, cast, flat_key
 from spmdcomm.train.fsdp import FSDP
 from spmdcomm.train.layout import TreeLayout
 from spmdcomm.train.strategy import ReduceContext, Strategy, psum_whole
@@ -138,8 +137,8 @@ class ZeRO1(Strategy):
             layout.gather_blocks,
             mesh=mesh,
             in_specs=(layout.manual_specs("grads"),),
-            out_specs=P(),
-            axis_names=set(layout.axes),
+            out_specs=layout.manual_specs("params"),
+            axis_names=set(layout.manual_axes),
             check_vma=True,
         )(blocks)
 
@@ -204,10 +203,10 @@ def _bucketed_psum(
     Without ``reduce_dtype`` the f32 ``stats`` vector leads the float32 buffer, so a model whose gradients
     fit one bucket needs ONE all-reduce buffer per step (each costs a round trip on gloo).
     """
-    flat = FlatLayout.build(grads)
+    flat = FlatLayout.build(grads, exclude=axis)
     vectors = flat.flatten(grads)
     fused = reduce_dtype is None
-    stats_key = jnp.dtype(stats.dtype).name  # float64 under x64 when model state or metrics are float64
+    stats_key = flat_key(stats, exclude=axis)  # float64 under x64 when model state or metrics are float64
     if fused:
         vectors[stats_key] = jnp.concatenate([stats, vectors.get(stats_key, stats[:0])])
     else:
