@@ -14,6 +14,9 @@ from spmdcomm.train.hooks import Hook
 from spmdcomm.train.layout import TreeLayout
 from spmdcomm.train.loop import Preempted, fit
 from spmdcomm.train.memory import StateMemory
+from spmdcomm.train.pipeline import Pipeline
+from spmdcomm.train.roles import MeshRoles
+from spmdcomm.train.stack import PipelineStack
 from spmdcomm.train.state import TrainState, optimizer_state_bytes
 from spmdcomm.train.strategies import DDP, FSDP, STRATEGIES, ZeRO1, ZeRO2
 from spmdcomm.train.strategy import ReduceContext, Strategy
@@ -27,6 +30,9 @@ __all__ = [
     "ReduceContext",
     "TreeLayout",
     "StateMemory",
+    "MeshRoles",
+    "Pipeline",
+    "PipelineStack",
     "ZeRO1",
     "ZeRO2",
     "FSDP",

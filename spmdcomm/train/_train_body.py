@@ -10,7 +10,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.flatten_util import ravel_pytree
@@ -20,6 +19,7 @@ from spmdcomm._jax_compat import varying_axes
 from spmdcomm.data.placement import HostInput
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.train._flat import all_finite
+from spmdcomm.train._hyperparams import injected_hyperparams
 from spmdcomm.train._step import (
     call_model_fn,
     check_scalars,
@@ -75,7 +75,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
     blocks = state.roles.size(state.roles.batch)  # the batch's blocks: one per device of the data and stage axes
     varying = o.backend == "shard_map"
     # What the step itself reports: aux metrics of these names would silently replace them.
-    hyperparams = _hyperparams(state.opt_state)
+    hyperparams = injected_hyperparams(state.opt_state)
     reserved = {"loss", "examples", "model_state", *jax.eval_shape(hyperparams, state.opt_state)}
     reserved |= {"skipped"} if o.skip_nonfinite or scaled else set()
     reserved |= {"loss_scale"} if scaled else set()
@@ -309,29 +309,6 @@ def _differentiable_loss(
         return value, (loss, dict(aux))
 
     return wrapped
-
-
-def _hyperparams(opt_state: Any) -> Callable[[Any], dict[str, jax.Array]]:
-    """``f(opt_state) -> {name: value}``: the scalar hyperparameters of the ``optax.inject_hyperparams`` states in
-    ``opt_state`` (as the update just used them), named as given to ``inject_hyperparams``, prefixed with the state's
-    path when several states hold the same name."""
-
-    def is_injected(x: Any) -> bool:
-        return isinstance(x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState))
-
-    def found(tree: Any) -> list[tuple[str, str, Any]]:
-        injected = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_injected)[0]
-        return [
-            (jax.tree_util.keystr(path), name, value)
-            for path, node in injected
-            if is_injected(node)
-            for name, value in sorted(node.hyperparams.items())
-            if np.ndim(value) == 0
-        ]
-
-    names = [name for _, name, _ in found(opt_state)]
-    label = lambda path, name: f"{path}/{name}" if names.count(name) > 1 else name
-    return lambda tree: {label(p, n): jnp.asarray(v, jnp.float32) for p, n, v in found(tree)}
 
 
 def _check_aux_names(aux: dict[str, Any], reserved: set[str]) -> None:

@@ -88,11 +88,25 @@ class Pipeline:
             raise SpmdError(describe("Pipeline", f"axis={self.axis!r} is not a mesh axis name.", fix='axis="stage"'))
 
     def ticks(self, stages: int) -> int:
-        """The loop's length on ``stages`` stages: ``v m + p - 1``."""
+        """The length of the schedule's loop.
+
+        Args:
+          stages: ``p``, the size of the stage axis.
+
+        Returns:
+          ``v m + p - 1`` ticks.
+        """
         return self.repeats * self.microbatches + stages - 1
 
     def bubble(self, stages: int) -> float:
-        """The idle fraction of the loop on ``stages`` stages: ``(p - 1) / (v m + p - 1)``."""
+        """The idle fraction of the schedule's loop (the bubble).
+
+        Args:
+          stages: ``p``, the size of the stage axis.
+
+        Returns:
+          ``(p - 1) / (v m + p - 1)``.
+        """
         return (stages - 1) / self.ticks(stages)
 
 

@@ -22,20 +22,23 @@ class StageStacked(meta.Partitioned):
 
 
 class PipelineStack(nn.Module):
-    """``layers`` copies of ``block`` applied in turn: ``h = block_l(h, *args)``, parameters stacked ``[layers, ...]``
-    under ``"layers"`` (the shape ``nn.scan`` gives), each layer initialised from its own key.
+    """``layers`` copies of ``block`` applied in turn, their parameters stacked ``[layers, ...]``.
 
-    Outside a train or eval step, and in the steps of a state without a pipeline, the stack is a ``lax.scan`` over
-    the layers. In the steps of a state created with ``pipeline=sc.Pipeline(...)`` on a mesh with the stage axis,
-    each stage holds its share of the layers and the batch flows through the stages in micro-batches
-    (:mod:`spmdcomm.train.pipeline`); the result is the scan's. ``block`` must map an array to one of its shape,
-    one example per row of dimension 0 (no statistics across examples: mutable collections such as BatchNorm's
-    are refused), and may use the ``"dropout"`` RNG stream.
+    ``h = block_l(h, *args)`` for ``l = 0 .. layers - 1``; the parameters live under ``"layers"`` in the shape
+    ``nn.scan`` gives, each layer initialised from its own key. Outside a train or eval step, and in the steps of a
+    state without a pipeline, the stack is a ``lax.scan`` over the layers. In the steps of a state created with
+    ``pipeline=sc.Pipeline(...)`` on a mesh with the stage axis, each stage holds its share of the layers and the
+    batch flows through the stages in micro-batches (:mod:`spmdcomm.train.pipeline`); the result is the scan's.
+    ``block`` must map an array to one of its shape, one example per row of dimension 0 (no statistics across
+    examples: mutable collections such as BatchNorm's are refused), and may use the ``"dropout"`` RNG stream, keyed
+    by layer and example (with ``rng="per_example"`` the masks are one device's, whatever the stages).
 
     Attributes:
       block: the layer, an unbound Flax module (e.g. ``Block(width=256)``), called as ``block(h, *args)``.
       layers: how many layers, ``L``.
       remat: rematerialise each layer in the backward pass of the plain scan (the pipeline has its own setting).
+      parent: Flax's module parent.
+      name: Flax's module name (unnamed, it is auto-named ``PipelineStack_0``, ...).
 
     Examples:
       >>> stack = sc.PipelineStack(nn.Dense(4), layers=3)

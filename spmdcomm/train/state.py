@@ -65,6 +65,8 @@ class TrainState:
       logical_axis_rules: the Flax logical axis rules in force when the state was created (given to
         :meth:`create` or from the active ``nn.logical_axis_rules`` context), as a tuple of pairs; ``None`` when
         there were none. The steps trace the model under them, without their data axes.
+      pipeline: the :class:`~spmdcomm.Pipeline` that splits the model's stacked layers over the stage axis
+        (``None``: no pipeline); see :mod:`spmdcomm.train.pipeline`.
     """
 
     step: jax.Array
@@ -79,8 +81,8 @@ class TrainState:
     axis: str | tuple[str, ...] = flax.struct.field(pytree_node=False, default="data")
     strategy: Strategy = flax.struct.field(pytree_node=False, default=None)
     layout: Any = flax.struct.field(pytree_node=False, default=None)
-    pipeline: Pipeline | None = flax.struct.field(pytree_node=False, default=None)
     logical_axis_rules: Any = flax.struct.field(pytree_node=False, default=None)
+    pipeline: Pipeline | None = flax.struct.field(pytree_node=False, default=None)
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it when the class is built; declared for type checkers
 
@@ -144,6 +146,9 @@ class TrainState:
             result are dropped, since the strategy splits parameters over those. ``None`` (default): the active
             ``nn.logical_axis_rules`` context's rules. The state keeps them for the steps' tracing
             (:attr:`logical_axis_rules`).
+          pipeline: ``sc.Pipeline(microbatches=m, axis="stage", repeats=v)`` splits the leaves stacked by
+            ``sc.PipelineStack`` (or given the spec ``P("stage", ...)``) over the stage axis, and the steps run them
+            as a pipeline; the batch is split over the data axes and the stage axis. ``None`` (default): none.
 
         Returns:
           The new :class:`TrainState` at step 0, every leaf placed as the strategy's layout says.
