@@ -18,9 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm._cache import Cache
 from spmdcomm._jax_compat import collective_axes_in_traceback
-from spmdcomm.collectives.spmd import SpmdFunction, check_backend
 from spmdcomm.data import placement
-from spmdcomm.errors import AxisError, ShapeError, SpmdError, check_not_deleted, describe
+from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError, check_not_deleted, describe
 from spmdcomm.train._mesh_axes import step_axis_rules
 from spmdcomm.train.pipeline import pipeline_context
 from spmdcomm.train.state import TrainState
@@ -125,26 +124,30 @@ def raise_if_misplaced(fn: str, state: TrainState, *, cause: Exception | None = 
             ) from cause
 
 
-def compile_step(
-    fn: str, body: Callable[..., Any], state: TrainState, out_specs: Any, *, backend: str, donate: bool
-) -> jax.stages.Wrapped:
-    """The compiled ``body(state, data, mask)`` on the state's mesh, the batch split over its data axes; on the
-    ``shard_map`` backend manual over the data axes only (model axes are XLA's)."""
-    check_backend(fn, backend)
+def check_step_backend(fn: str, backend: str) -> None:
+    """Raises :class:`BackendError` (naming ``fn``) unless ``backend`` is ``"shard_map"``, the steps' one backend."""
     if backend == "shard_map":
-        # The state is already placed (by TrainState.create and the previous step), the batch by place_batch.
-        return jax.jit(_local(body, state, out_specs), donate_argnums=(0,) if donate else ())
-    sf = SpmdFunction(
-        body,
-        in_specs=(state.specs(), P(state.axis), P(state.axis)),
-        out_specs=out_specs,
-        mesh=state.mesh,
-        backend=backend,
-        check_vma=True,
-        donate_argnums=(0,) if donate else (),
+        return
+    if backend == "pmap":
+        raise BackendError(
+            describe(
+                fn,
+                "backend='pmap': the pmap step backend was retired. Since JAX 0.10 jax.pmap is "
+                "jax.jit(jax.shard_map(...)), and the shard_map step computes the same step (spmdcomm's "
+                "collectives still run inside your own jax.pmap and sc.spmd(..., backend='pmap')).",
+                fix=_BACKEND_FIX,
+            )
+        )
+    raise BackendError(
+        describe(fn, f"unknown backend {backend!r}; the steps run on 'shard_map' only.", fix=_BACKEND_FIX)
     )
-    sf.__name__ = fn  # its errors (a mesh pmap cannot express) name the public function, not the step's body
-    return sf.program()
+
+
+def compile_local_step(body: Callable[..., Any], state: TrainState, out_specs: Any) -> jax.stages.Wrapped:
+    """The compiled ``body(state, data, mask)`` per device (manual over the data axes only, model axes left to XLA),
+    the batch split over the data axes and the outputs laid out as ``out_specs``."""
+    # The state is already placed (by TrainState.create and the previous step), the batch by place_batch.
+    return jax.jit(_local(body, state, out_specs))
 
 
 def compile_global_step(
@@ -288,6 +291,8 @@ _CONSUMED_STATE_FIX = (
     "returned. To keep the old state usable, build the step with make_train_step(..., donate=False), "
     "or copy the state first: jax.tree.map(jnp.copy, state)."
 )
+
+_BACKEND_FIX = "drop backend=..., or pass backend='shard_map'."
 
 _MISPLACED_FIX = (
     "keep the state where TrainState.create placed it, or create it on the mesh you want "

@@ -24,7 +24,6 @@ from spmdcomm.train._step import (
     call_model_fn,
     check_scalars,
     compile_global_step,
-    compile_step,
     full_mask,
     sum_dtype,
     zero_masked_rows,
@@ -40,7 +39,6 @@ class StepOptions:
     """The options of :func:`make_train_step`, validated."""
 
     loss_fn: Callable[..., Any]
-    backend: str
     accum_steps: int
     reduce_dtype: Any
     skip_nonfinite: bool
@@ -73,13 +71,11 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
     scaled = state.loss_scale is not None
     ctx = ReduceContext(axis, state.data_size, o.reduce_dtype, o.skip_nonfinite or scaled)
     blocks = state.roles.size(state.roles.batch)  # the batch's blocks: one per device of the data and stage axes
-    varying = o.backend == "shard_map"
     # What the step itself reports: aux metrics of these names would silently replace them.
     hyperparams = injected_hyperparams(state.opt_state)
     reserved = {"loss", "examples", "model_state", *jax.eval_shape(hyperparams, state.opt_state)}
     reserved |= {"skipped"} if o.skip_nonfinite or scaled else set()
     reserved |= {"loss_scale"} if scaled else set()
-    strategy.check_backend("make_train_step", o.backend)
 
     def denominator(total: jax.Array, masked: bool) -> jax.Array | float:
         # Masked: sums of count-weighted means over the real-example count. Unmasked: sums of means
@@ -90,7 +86,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
         """Per device (manual over the axis): the gradient summed over the axis, each leaf whole or as this
         device's block (``layout.grad_specs``), the real-example total, the metric sums and the new model state."""
         data = data if mask is None else zero_masked_rows(data, mask)
-        grad_sum, metric_sums, model_state, count = _accumulate(o, ctx, state, data, mask, varying, reserved)
+        grad_sum, metric_sums, model_state, count = _accumulate(o, ctx, state, data, mask, reserved)
         # The example count, the metrics and the model state travel in one f32 vector (XLA:CPU pays
         # per buffer); XLA fuses its all-reduce with the gradients' into one collective.
         masked = mask is not None
@@ -111,10 +107,9 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
     def update(
         state: TrainState, masked: bool, reduced: Any, total: jax.Array, metric_sums: Any, new_model_state: Any
     ) -> tuple[TrainState, dict[str, jax.Array]]:
-        """The optimizer step on the model's tree: in the global view (shard_map backend), where each leaf is a
-        sharded array and XLA adds the reductions a global norm or a per-leaf statistic needs; inside pmap (DDP
-        only) on the replicated tree. The optimizer sees every leaf at its own shape: padded leaves are cut to it
-        before and padded again after (see spmdcomm.train.layout)."""
+        """The optimizer step on the model's tree, in the global view: each leaf is a sharded array and XLA adds the
+        reductions a global norm or a per-leaf statistic needs. The optimizer sees every leaf at its own shape:
+        padded leaves are cut to it before and padded again after (see spmdcomm.train.layout)."""
         denom = denominator(total, masked)
         reduced = layout.unpadded(reduced, "grads", state.mesh)
         stored_params, stored_opt_state = state.params, state.opt_state
@@ -159,10 +154,6 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
         metrics.update(hyperparams(opt_state))
         return new_state, metrics
 
-    specs = state.specs()
-    if o.backend == "pmap":
-        body = lambda state, data, mask: update(state, mask is not None, *reduce(state, data, mask))
-        return compile_step("make_train_step", body, state, (specs, P()), backend=o.backend, donate=o.donate)
     reduced_specs = (layout.manual_specs("grads"), P(), P(), P())
     return compile_global_step(
         "make_train_step",
@@ -175,7 +166,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
 
 
 def _accumulate(
-    o: StepOptions, ctx: ReduceContext, state: TrainState, data: Any, mask: Any, varying: bool, reserved: set[str]
+    o: StepOptions, ctx: ReduceContext, state: TrainState, data: Any, mask: Any, reserved: set[str]
 ) -> tuple[Any, ...]:
     """Runs loss_fn over the micro-batches.
 
@@ -193,7 +184,7 @@ def _accumulate(
     # a device's gradient also holds the other devices' losses wherever the model couples them (synchronised
     # BatchNorm statistics: the transpose of their all-reduce), and split parameters (FSDP) come out summed over
     # the axis by the transpose of the gather; each of those terms must carry its own device's weight.
-    params = _vary(state.params, axis, varying)
+    params = _vary(state.params, axis)
     weight = _loss_weight(state, mask, masked, k)
     grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, masked, reserved), has_aux=True)
     extra = {"step": state.step} if _takes_keyword(o.loss_fn, "step") else {}
@@ -230,7 +221,7 @@ def _accumulate(
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 
     batch0, mask0 = jax.tree.map(lambda x: x[0], micro)
-    first = one(_vary(state.model_state, state.roles.batch, varying), batch0, mask0, 0)
+    first = one(_vary(state.model_state, state.roles.batch), batch0, mask0, 0)
     if k == 1:
         return first
 
@@ -242,7 +233,7 @@ def _accumulate(
         return (add(grad_sum, grads), add(metric_sums, metrics), model_state, count + c), None
 
     rest = jax.tree.map(lambda x: x[1:], micro)
-    carry, _ = lax.scan(body, _vary(first, axis, varying), (rest, jnp.arange(1, k)))
+    carry, _ = lax.scan(body, _vary(first, axis), (rest, jnp.arange(1, k)))
     return carry
 
 
@@ -351,11 +342,9 @@ def _check_same_tree(old: Any, new: Any) -> None:
         )
 
 
-def _vary(tree: Any, axes: tuple[str, ...], varying: bool) -> Any:
+def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
     # Marks values as varying over every data axis so that jax.grad returns the per-device gradient instead
-    # of one already summed over the axes (shard_map with check_vma=True). pmap has no such typing.
-    if not varying:
-        return tree
+    # of one already summed over the axes (shard_map with check_vma=True).
 
     def one(x: jax.Array) -> jax.Array:
         missing = tuple(a for a in axes if a not in varying_axes(x))

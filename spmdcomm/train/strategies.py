@@ -36,7 +36,7 @@ own shape: optax sees the model's tree with its true shapes, so masks and labels
 clipping, per-leaf trust ratios (LAMB, LARS) and factored statistics (Adafactor) are exactly those of one device,
 and XLA inserts the small reductions they need. A padded leaf of ``state.params`` or ``state.opt_state`` has its
 stored (padded) shape; :meth:`TrainState.full_params <spmdcomm.TrainState.full_params>` and checkpoints give the
-model's own shapes. ZeRO-1, ZeRO-2 and FSDP run on the ``shard_map`` backend only.
+model's own shapes.
 
 >>> import optax
 >>> state = sc.TrainState.create(params={"w": np.zeros((8, 3), np.float32)}, tx=optax.adam(1e-3), strategy="zero1")
@@ -123,7 +123,6 @@ class ZeRO1(Strategy):
 
     name: ClassVar[str] = "zero1"
     shards_optimizer: ClassVar[bool] = True
-    backends: ClassVar[tuple[str, ...]] = ("shard_map",)
 
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
         return psum_whole(ctx, layout, layout.scatter_sum(grads, ctx.reduce_dtype), stats)
