@@ -210,14 +210,11 @@ def _accumulate(
         weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v)
         metrics = jax.tree.map(lambda v: weigh(v.astype(sum_dtype(v.dtype))), {"loss": loss, **aux})
         if masked and strategy.local_grads:
-            # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN. A
-            # gradient that autodiff already summed over the stage axis (the layers outside a pipeline's stack)
-            # holds every stage device's rows: it is kept when any of them is real.
-            stage = state.pipeline.axis if state.pipeline is not None else None
-            seen = c if stage is None else lax.psum(c, stage)
-            grads = jax.tree.map(
-                lambda g: jnp.where((c if stage in varying_axes(g) else seen) > 0, g, jnp.zeros_like(g)), grads
-            )
+            # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN. In a
+            # pipeline every gradient holds the rows of the whole stage group (the stack's through the schedule,
+            # the other layers' summed over the stage axis by autodiff): it is kept when any of them is real.
+            seen = c if state.pipeline is None else lax.psum(c, state.pipeline.axis)
+            grads = jax.tree.map(lambda g: jnp.where(seen > 0, g, jnp.zeros_like(g)), grads)
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 
     batch0, mask0 = jax.tree.map(lambda x: x[0], micro)

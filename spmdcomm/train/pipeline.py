@@ -46,6 +46,7 @@ __all__ = [
     "run_stack",
     "stage_order",
     "stack_in_stage_order",
+    "reorder_layers",
     "active_pipeline",
     "pipeline_context",
     "check_schedule",
@@ -173,16 +174,30 @@ def stack_in_stage_order(fn: str, params: Any, layout: Any, pipeline: Pipeline) 
                 f"leaves the spec P({pipeline.axis!r}, ...) (param_specs= or nn.with_partitioning).",
             )
         )
-    leaves, treedef = jax.tree.flatten(params)
-    out = []
-    for x, is_stacked in zip(leaves, stacked, strict=True):
+    for x, is_stacked in zip(jax.tree.leaves(params), stacked, strict=True):
         if is_stacked:
             check_schedule(fn, pipeline, p, int(x.shape[0]), None)
-            if pipeline.repeats > 1:
-                x = jnp.take(x, jnp.asarray(stage_order(int(x.shape[0]), p, pipeline.repeats)), axis=0)
+    return reorder_layers(params, stacked, p, pipeline.repeats, to_stage=True)
+
+
+def reorder_layers(tree: Any, stacked: tuple[bool, ...], stages: int, repeats: int, *, to_stage: bool) -> Any:
+    """``tree`` with the leaves flagged in ``stacked`` reordered along dimension 0: from the canonical layer order to
+    :func:`stage_order` (``to_stage``), or back. Any other leaf, and every leaf for ``repeats=1``, is unchanged."""
+    if repeats == 1:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for x, flag in zip(leaves, stacked, strict=True):
+        if flag:
+            order = stage_order(int(x.shape[0]), stages, repeats)
+            x = jnp.take(x, jnp.asarray(order if to_stage else np.argsort(order)), axis=0)
         out.append(x)
     return jax.tree.unflatten(treedef, out)
 
+
+#: What the loop's buffers hold before anything is written to them. Bubble ticks read such slots; they compute on
+#: zeros instead and their results are never written, so NaN here must change nothing (tests/test_pipeline.py).
+_FILL = 0.0
 
 _ACTIVE: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar("spmdcomm_pipeline", default=None)
 
@@ -252,7 +267,7 @@ def _pipelined(layer_fn: Callable[..., jax.Array], params: Any, x: jax.Array, pi
     chunks = jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), params)
     # Every buffer the loop carries varies over the same manual axes as the activations (shard_map's typing).
     axes = tuple(sorted(set(varying_axes(x)) | {axis}))
-    zeros = lambda shape: _vary(jnp.zeros(shape, x.dtype), axes)
+    zeros = lambda shape: _vary(jnp.full(shape, _FILL, x.dtype), axes)
     io_in = x.reshape((q, mb) + x.shape[1:])
     io_out = zeros(io_in.shape)
     loop = zeros((m, mb) + x.shape[1:]) if v > 1 else None

@@ -37,7 +37,7 @@ from jax.extend import random as jex_random
 
 from spmdcomm.errors import ShapeError, SpmdError, describe
 
-__all__ = ["per_example_key", "sub_block_key", "is_per_example_key", "stream_key_for_call", "RNG_MODES"]
+__all__ = ["per_example_key", "sub_block_key", "raw_key", "is_per_example_key", "stream_key_for_call", "RNG_MODES"]
 
 RNG_MODES = ("per_device", "per_example")
 
@@ -72,6 +72,17 @@ def sub_block_key(key: Any, *, shift: Any, rows: int) -> Any:
     return per_example_key(
         data[..., :2], offset=data[..., 2] + jnp.asarray(shift, jnp.int32).astype(jnp.uint32), rows=rows
     )
+
+
+def raw_key(rng: Any) -> np.ndarray:
+    """``rng`` (an int seed, a raw or typed key, or None for seed 0) as a host ``uint32[2]`` raw key."""
+    if rng is None:
+        rng = 0
+    if isinstance(rng, (int, np.integer)):
+        rng = jax.random.PRNGKey(int(rng))
+    if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    return np.asarray(rng, dtype=np.uint32)
 
 
 def is_per_example_key(key: Any) -> bool:

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
@@ -30,8 +29,8 @@ from spmdcomm.train._mesh_axes import (
 )
 from spmdcomm.train.loss_scale import resolve_loss_scale
 from spmdcomm.train.memory import StateMemory, device_bytes
-from spmdcomm.train.pipeline import Pipeline, stack_in_stage_order
-from spmdcomm.train.rng import data_to_keys, keys_to_data
+from spmdcomm.train.pipeline import Pipeline, reorder_layers, stack_in_stage_order
+from spmdcomm.train.rng import data_to_keys, keys_to_data, raw_key
 from spmdcomm.train.roles import MeshRoles, mesh_roles
 from spmdcomm.train.strategies import DDP, Strategy, resolve_strategy
 
@@ -185,7 +184,7 @@ class TrainState:
             "TrainState.create", params, param_specs, mesh, roles.data, rules, stage=roles.stage
         )
         model_state = {} if model_state is None else model_state
-        rng = _raw_key(rng)
+        rng = raw_key(rng)
         loss_scale = resolve_loss_scale("TrainState.create", loss_scale)
         # Typed key leaves (Flax NNX RngKey) cross the host as their uint32 key data: NumPy and the
         # multi-process broadcast only move plain arrays.
@@ -326,7 +325,8 @@ class TrainState:
 
         Returns:
           ``params`` itself, or, under a strategy that splits the parameters (:class:`~spmdcomm.FSDP`), ``params``
-          gathered (still split over the model axes, if any).
+          gathered (still split over the model axes and a pipeline's stage axis, if any), padded leaves at their
+          own shapes and stacked layers in canonical order.
 
         Examples:
           >>> import optax
@@ -334,7 +334,13 @@ class TrainState:
           >>> s.params["w"].shape, s.params["w"].sharding.spec, s.full_params()["w"].sharding.spec
           ((8, 3), P('data',), P())
         """
-        return self.strategy.full_params(self.layout, self.mesh, self.params)
+        full = self.strategy.full_params(self.layout, self.mesh, self.params)
+        if self.pipeline is None or self.pipeline.repeats == 1:
+            return full
+        # Stored in the circular schedule's stage order: back to the canonical layer order.
+        stages, stacked = int(self.mesh.shape[self.pipeline.axis]), self.layout.stage_stacked("params")
+        reorder = lambda p: reorder_layers(p, stacked, stages, self.pipeline.repeats, to_stage=False)
+        return jax.jit(reorder, out_shardings=jax.tree.map(lambda x: x.sharding, full))(full)
 
     @property
     def model_axes(self) -> tuple[str, ...]:
@@ -383,16 +389,3 @@ def optimizer_state_bytes(state: TrainState) -> int:
       8004
     """
     return device_bytes(state.opt_state)
-
-
-# --------------------------------------------------------------------------------------------------
-
-
-def _raw_key(rng: Any) -> np.ndarray:
-    if rng is None:
-        rng = 0
-    if isinstance(rng, (int, np.integer)):
-        rng = jax.random.PRNGKey(int(rng))
-    if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
-        rng = jax.random.key_data(rng)
-    return np.asarray(rng, dtype=np.uint32)
