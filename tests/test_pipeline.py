@@ -144,7 +144,8 @@ def train(state, data, *, rng="per_device", accum=1, pad_to=None):
 
 
 def init(model):
-    return jax.jit(model.init)(jax.random.key(0), np.zeros((2, 5), np.float32))["params"]
+    keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    return jax.jit(model.init)(keys, np.zeros((2, 5), np.float32))["params"]
 
 
 @functools.cache
@@ -186,3 +187,105 @@ def test_train_step_with_a_stage_axis_equals_one_device(layout, axis, strategy, 
     state, losses = train(state, data, accum=accum, pad_to=pad_to)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
+
+
+# --- what a user can get wrong -------------------------------------------------------------------------------
+
+
+def error_of(layout, *, m=2, v=1, axis="data", params=None, stage_axis="stage"):
+    params = init(Net()) if params is None else params
+    with pytest.raises((sc.SpmdError, sc.AxisError, sc.ShapeError)) as e:
+        sc.TrainState.create(
+            params=params,
+            tx=optax.sgd(0.1),
+            mesh=sc.make_mesh(layout),
+            axis=axis,
+            pipeline=sc.Pipeline(microbatches=m, repeats=v, axis=stage_axis),
+        )
+    return e
+
+
+@pytest.mark.parametrize(
+    "layout, kwargs, kind, facts",
+    [
+        ({"data": 2, "stage": 4}, {"m": 2}, sc.SpmdError, ["microbatches=2 on 4 stages", "microbatches=4"]),
+        ({"data": 2, "stage": 4}, {"m": 6}, sc.SpmdError, ["microbatches=6 on 4 stages", "multiple of 4"]),
+        ({"data": 2, "stage": 4}, {"m": 4, "v": 4}, sc.SpmdError, ["8 layers", "v * p = 16", "repeats=4"]),
+        ({"data": 8}, {}, sc.AxisError, ["stage axis 'stage'", "{'data': 8}", "sc.Pipeline(axis=...)"]),
+        ({"data": 2, "stage": 4}, {"axis": ("data", "stage")}, sc.AxisError, ["'stage'", "not a data axis"]),
+    ],
+)
+def test_schedules_that_cannot_run_are_refused_before_compiling(layout, kwargs, kind, facts):
+    e = error_of(layout, **kwargs)
+    assert isinstance(e.value, kind), e.value
+    for fact in facts:
+        assert fact in str(e.value), (fact, str(e.value))
+
+
+def test_a_pipeline_needs_stacked_layers():
+    with pytest.raises(sc.SpmdError, match=r"no parameter is split over the stage axis 'stage'.*PipelineStack"):
+        sc.TrainState.create(
+            params={"w": np.zeros((4, 4), np.float32)},
+            tx=optax.sgd(0.1),
+            mesh=sc.make_mesh({"data": 4, "stage": 2}),
+            pipeline=sc.Pipeline(microbatches=2),
+        )
+
+
+def test_a_batch_that_does_not_split_into_microbatches_is_refused():
+    state = sc.TrainState.create(
+        params=init(Net()),
+        apply_fn=Net().apply,
+        tx=optax.sgd(0.1),
+        mesh=sc.make_mesh({"data": 2, "stage": 4}),
+        pipeline=sc.Pipeline(microbatches=8),
+    )
+    rows = {k: np.concatenate([v, v[:8]]) for k, v in batches()[0].items()}  # 40 rows: 20 per data replica
+    with pytest.raises(sc.ShapeError, match=r"a data replica's 20 rows do not split into microbatches=8"):
+        sc.make_train_step(loss_fn)(state, rows)
+
+
+@pytest.mark.slow
+def test_per_example_dropout_draws_one_devices_masks():
+    """Dropout keyed by example and layer (rng="per_example"): the same masks as one device, whatever the stages,
+    micro-batches and chunks."""
+    expected, expected_losses = one_device(32, dropout=0.2, rng="per_example")
+    net = Net(dropout=0.2)
+    state = sc.TrainState.create(
+        params=init(net),
+        apply_fn=net.apply,
+        tx=TX,
+        mesh=sc.make_mesh({"data": 2, "stage": 2, "other": 2}),
+        axis=("data", "other"),
+        pipeline=sc.Pipeline(microbatches=4, repeats=2),
+    )
+    state, losses = train(state, batches(), rng="per_example")
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_checkpoints_keep_the_canonical_layer_order_and_restore_onto_any_layout(tmp_path):
+    """Saved at p = 4, v = 1; restored at p = 2, v = 2 (stage order differs), without a stage axis and under other
+    strategies: the same model, and one more step gives the uninterrupted run's parameters."""
+    data = batches(steps=3)
+    net = Net()
+
+    def create(layout, strategy, pipeline):
+        return sc.TrainState.create(
+            params=init(net), apply_fn=net.apply, tx=TX, mesh=sc.make_mesh(layout), strategy=strategy, pipeline=pipeline
+        )
+
+    state, _ = train(create({"data": 2, "stage": 4}, "ddp", sc.Pipeline(microbatches=4)), data[:2])
+    sc.save_checkpoint(tmp_path, state)
+    saved = jax.device_get(state.full_params())
+    straight, _ = train(state, data[2:])
+    straight = jax.device_get(straight.full_params())
+    for layout, strategy, pipeline in [
+        ({"data": 4, "stage": 2}, "fsdp", sc.Pipeline(microbatches=2, repeats=2)),
+        ({"data": 8}, "zero1", None),
+    ]:
+        restored = sc.restore_checkpoint(tmp_path, create(layout, strategy, pipeline))
+        assert_trees_close(jax.device_get(restored.full_params()), saved, rtol=0, atol=0)
+        resumed, _ = train(restored, data[2:])
+        assert_trees_close(jax.device_get(resumed.full_params()), straight, rtol=1e-5, atol=1e-5)

@@ -92,7 +92,9 @@ def _stacked_init(block: nn.Module, layers: int) -> Any:
     boxed as :class:`StageStacked` (dimension 0 the layers, then the block's own partitioning names)."""
 
     def init(rng: jax.Array, x: jax.Array, *args: Any) -> Any:
-        params = jax.vmap(lambda key: block.init(key, x, *args)["params"])(jax.random.split(rng, layers))
+        # A block with dropout draws while it initialises too: it gets a stream of its own.
+        init_one = lambda key: block.init({"params": key, "dropout": jax.random.fold_in(key, 1)}, x, *args)["params"]
+        params = jax.vmap(init_one)(jax.random.split(rng, layers))
 
         def box(leaf: Any) -> Any:
             if isinstance(leaf, meta.Partitioned):
