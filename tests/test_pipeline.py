@@ -289,3 +289,27 @@ def test_checkpoints_keep_the_canonical_layer_order_and_restore_onto_any_layout(
         assert_trees_close(jax.device_get(restored.full_params()), saved, rtol=0, atol=0)
         resumed, _ = train(restored, data[2:])
         assert_trees_close(jax.device_get(resumed.full_params()), straight, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_explain_shows_the_schedule_and_that_stages_keep_their_layers(strategy):
+    state = sc.TrainState.create(
+        params=init(Net()),
+        apply_fn=Net().apply,
+        tx=TX,
+        mesh=sc.make_mesh({"data": 2, "stage": 4}),
+        strategy=strategy,
+        pipeline=sc.Pipeline(microbatches=4),
+    )
+    report = sc.explain(sc.make_train_step(loss_fn), state, batches()[0])
+    pipeline = report.pipeline
+    assert (pipeline.stages, pipeline.repeats, pipeline.microbatches, pipeline.ticks) == (4, 1, 4, 7)
+    assert pipeline.bubble == pytest.approx(3 / 7)
+    # 1/p of the stack per device, and 1/(p N) under FSDP (N = 2 data devices).
+    assert pipeline.stacked_bytes * 4 * (2 if strategy == "fsdp" else 1) == pipeline.stack_bytes
+    assert pipeline.stage_gathers == 0 and report.count("all-gather", over="stage") == 0
+    permutes = [c for c in report.collectives if c.kind == "collective-permute"]
+    assert permutes and all(c.axes == ("stage",) and c.where == "while" for c in permutes)
+    assert pipeline.permutes == sum(c.count for c in permutes) and "pipeline over 'stage': p=4" in report.table()
+    if strategy == "fsdp":  # the stage's layers are gathered once per step, outside the schedule's loop
+        assert all(c.where == "entry" for c in report.collectives if c.kind == "all-gather")
