@@ -313,3 +313,55 @@ def test_explain_shows_the_schedule_and_that_stages_keep_their_layers(strategy):
     assert pipeline.permutes == sum(c.count for c in permutes) and "pipeline over 'stage': p=4" in report.table()
     if strategy == "fsdp":  # the stage's layers are gathered once per step, outside the schedule's loop
         assert all(c.where == "entry" for c in report.collectives if c.kind == "all-gather")
+
+
+# --- Flax NNX --------------------------------------------------------------------------------------------------
+
+
+def nnx_net():
+    from flax import nnx
+
+    class NnxBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+            self.up = nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs)
+            self.down = nnx.Linear(2 * WIDTH, WIDTH, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+    class NnxNet(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Linear(5, WIDTH, rngs=rngs)
+            self.stack = sc.nnx.PipelineStack(NnxBlock, layers=LAYERS, rngs=rngs)
+            self.head = nnx.Linear(WIDTH, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.stack(self.embed(x)))
+
+    return NnxNet(nnx.Rngs(0))
+
+
+def nnx_loss(model, batch, *, rng, mask):
+    return sc.masked_mean(jnp.sum((model(batch["x"]) - batch["y"]) ** 2, -1), mask)
+
+
+@pytest.mark.parametrize(
+    "layout, strategy, m, v", [({"data": 4, "stage": 2}, "fsdp", 2, 2), ({"data": 8}, "ddp", 1, 1)]
+)
+def test_nnx_stack_trains_as_one_device(layout, strategy, m, v):
+    def run(mesh, **kwargs):
+        state = sc.TrainState.create_nnx(nnx_net(), tx=TX, mesh=mesh, strategy=strategy, **kwargs)
+        step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss)), []
+        for batch in batches():
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return state, losses
+
+    reference, expected = run(mesh_of(1))
+    pipeline = sc.Pipeline(microbatches=m, repeats=v) if "stage" in layout else None
+    state, losses = run(sc.make_mesh(layout), pipeline=pipeline)
+    kernel = state.params["stack"]["layers"]["up"]["kernel"]
+    assert kernel.sharding.spec[0] == ("stage" if pipeline else None)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), jax.device_get(reference.params), rtol=1e-5, atol=1e-5)

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
 from spmdcomm.runtime.mesh import check_mesh_axes
+from spmdcomm.train.stack import Stacked, StageStacked, StageStackedLogical
 
 __all__ = [
     "data_axes",
@@ -78,11 +79,11 @@ def nnx_logical_specs(params: Any) -> Any:
         names = meta.get("out_sharding")
         names = getattr(names, "sharding", names)  # a jax Format: its sharding
         names = getattr(names, "spec", names)  # a NamedSharding: its spec
-        if not names:
-            return v.replace(P())
-        found = True
+        stacked = bool(meta.get("pipeline_stacked"))  # sc.nnx.PipelineStack's layers: dimension 0 is theirs
+        found = found or bool(names) or stacked
         rules = meta.get("sharding_rules")
-        return v.replace(LogicalNames(names, rules or None, strict=False, source="NNX sharding metadata"))
+        spec = LogicalNames(names, rules or None, strict=False, source="NNX sharding metadata") if names else P()
+        return v.replace(Stacked(spec) if stacked else spec)
 
     specs = jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return specs if found else None
@@ -114,7 +115,7 @@ def model_partitioning(
                     fix="give one: drop param_specs, or pass nn.unbox(params).",
                 )
             )
-        param_specs = jax.tree.map(lambda x: _box_spec(x, stage), params, is_leaf=_is_box)
+        param_specs = jax.tree.map(_box_spec, params, is_leaf=_is_box)
         params = meta.unbox(params)
     if param_specs is None:
         return params, None
@@ -135,8 +136,12 @@ def model_partitioning(
     out = []
     for (path, leaf), spec in zip(flat, specs, strict=True):
         name, origin = jax.tree_util.keystr(path), ""
+        stacked = isinstance(spec, Stacked)
+        spec = spec.rest if stacked else spec
         if isinstance(spec, LogicalNames):
             spec, origin = rules.map(name, spec, mesh, axes)
+        if stacked:
+            spec = P(stage, *(P() if spec is None else spec))
         out.append(_check_model_spec(fn, name, np.shape(leaf), spec, mesh, axes, model_axes, origin))
     return params, tuple(out) if any(s != P() for s in out) else None
 
@@ -304,16 +309,16 @@ def _axes_of(entry: Any) -> tuple[str, ...]:
     return ()
 
 
-def _box_spec(x: Any, stage: str | None) -> Any:
+def _box_spec(x: Any) -> Any:
     """A Flax box's spec entry: ``LogicalNames`` for ``nn.LogicallyPartitioned``, the spec of an ``nn.Partitioned``
-    (a ``PipelineStack``'s layer dimension: the ``stage`` axis, or whole without one), ``P()`` for an array."""
+    (:class:`Stacked` for a ``PipelineStack``'s layers), ``P()`` for an array."""
     import flax.linen as nn
     from flax.core import meta
 
-    from spmdcomm.train.stack import StageStacked
-
+    if isinstance(x, StageStackedLogical):
+        return Stacked(LogicalNames(x.names[1:], x.rules, strict=True, source="nn.with_logical_partitioning"))
     if isinstance(x, StageStacked):
-        return P(stage, *x.names[1:])
+        return Stacked(P(*x.names[1:]))
     if isinstance(x, nn.LogicallyPartitioned):
         return LogicalNames(x.names, x.rules, strict=True, source="nn.with_logical_partitioning")
     if isinstance(x, meta.Partitioned):

@@ -12,13 +12,27 @@ from flax.core import meta
 from spmdcomm.train.pipeline import run_stack
 from spmdcomm.train.rng import sub_block_key
 
-__all__ = ["PipelineStack", "StageStacked"]
+__all__ = ["PipelineStack", "StageStacked", "StageStackedLogical", "Stacked"]
 
 
 class StageStacked(meta.Partitioned):
     """The partitioning box of a stacked layer parameter: dimension 0 holds the layers, split over the state's
     stage axis when it has a :class:`~spmdcomm.Pipeline` and whole otherwise; the other names are the block's own
     (model axes)."""
+
+
+class StageStackedLogical(nn.LogicallyPartitioned):
+    """As :class:`StageStacked`, for a block whose parameters have logical names (``nn.with_logical_partitioning``):
+    the other names are mapped by the rules."""
+
+
+class Stacked:
+    """A parameter spec entry for a pipeline's stacked layers (``TrainState.create`` reads it from the boxes above
+    and from NNX ``pipeline_stacked`` metadata): dimension 0 on the state's stage axis (whole without a pipeline),
+    the other dimensions as ``rest`` says (a ``PartitionSpec``, or logical names to map by the rules)."""
+
+    def __init__(self, rest: Any) -> None:
+        self.rest = rest
 
 
 class PipelineStack(nn.Module):
@@ -97,6 +111,8 @@ def _stacked_init(block: nn.Module, layers: int) -> Any:
         params = jax.vmap(init_one)(jax.random.split(rng, layers))
 
         def box(leaf: Any) -> Any:
+            if isinstance(leaf, nn.LogicallyPartitioned):
+                return StageStackedLogical(leaf.value, names=("stage", *leaf.names), rules=leaf.rules)
             if isinstance(leaf, meta.Partitioned):
                 return StageStacked(leaf.value, names=("stage", *leaf.names))
             return StageStacked(leaf, names=("stage",) + (None,) * (leaf.ndim - 1))
