@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,12 @@ class PipelineStack(nnx.Module):
             return nnx.merge(graphdef, layer_params)(h, *args)
 
         return run_stack(layer, params, x, remat=False)
+
+
+# nnx.Module's metaclass hides __init__'s signature from inspect and help() (they see (*args, **kwargs)).
+PipelineStack.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    list(inspect.signature(PipelineStack.__init__).parameters.values())[1:]
+)
 
 
 def _is_variable(x: Any) -> bool:
