@@ -365,3 +365,16 @@ def test_nnx_stack_trains_as_one_device(layout, strategy, m, v):
     assert kernel.sharding.spec[0] == ("stage" if pipeline else None)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), jax.device_get(reference.params), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_with_the_stage_axis_across_them_equal_one_device(launch, tmp_path):
+    out = launch("mp_pipeline.py", tmp_path, timeout=300)
+    assert out.stdout.count("PIPELINE OK") == 2  # one per process
+    expected, expected_losses = one_device(32)
+    got = np.load(tmp_path / "params_pipeline.npz")
+    for path, x in jax.tree_util.tree_flatten_with_path(expected)[0]:
+        name = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(np.load(tmp_path / "losses_pipeline.npy"), expected_losses, rtol=1e-5)
