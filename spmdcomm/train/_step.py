@@ -21,6 +21,7 @@ from spmdcomm._jax_compat import collective_axes_in_traceback
 from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError, check_not_deleted, describe
 from spmdcomm.train._mesh_axes import step_axis_rules
+from spmdcomm.train.context import context_split
 from spmdcomm.train.pipeline import pipeline_context
 from spmdcomm.train.state import TrainState
 
@@ -176,16 +177,37 @@ def compile_global_step(
 
 
 def _local(body: Callable[..., Any], state: TrainState, out_specs: Any) -> Callable[..., Any]:
-    """``body(state, data, mask)`` per device: ``shard_map`` manual over the data axes (partial-manual when the
-    mesh has model axes)."""
-    return jax.shard_map(
-        body,
-        mesh=state.mesh,
-        in_specs=(state.manual_specs(), P(state.roles.batch), P(state.roles.batch)),
-        out_specs=out_specs,
-        axis_names=set(state.roles.manual),
-        check_vma=True,
-    )
+    """``body(state, data, mask)`` per device: ``shard_map`` manual over the data axes, the stage axis and the
+    context axis (partial-manual when the mesh has model axes). With a context axis, dimension 1 (the tokens) of
+    every data leaf of two or more dimensions is put in the context layout's order and split over that axis (the
+    rows arrive split over the batch axes and whole over the context axis, so each device keeps its own tokens)."""
+    rows = P(state.roles.batch)
+    context = state.context
+    if context is None:
+        return jax.shard_map(
+            body,
+            mesh=state.mesh,
+            in_specs=(state.manual_specs(), rows, rows),
+            out_specs=out_specs,
+            axis_names=set(state.roles.manual),
+            check_vma=True,
+        )
+    size = int(state.mesh.shape[context.axis])
+
+    def split(state: TrainState, data: Any, mask: Any) -> Any:
+        tokens = lambda x: np.ndim(x) >= 2
+        data = jax.tree.map(lambda x: jnp.take(x, context.order(x.shape[1], size), axis=1) if tokens(x) else x, data)
+        specs = jax.tree.map(lambda x: P(state.roles.batch, context.axis) if tokens(x) else rows, data)
+        return jax.shard_map(
+            body,
+            mesh=state.mesh,
+            in_specs=(state.manual_specs(), specs, rows),
+            out_specs=out_specs,
+            axis_names=set(state.roles.manual),
+            check_vma=True,
+        )(state, data, mask)
+
+    return split
 
 
 def place_batch(
@@ -210,7 +232,11 @@ def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., 
     state's logical axis rules (or the active ``nn.logical_axis_rules`` context) are in force, without their data
     axes, so that the model's ``nn.with_logical_constraint`` calls constrain only the model axes."""
     try:
-        with step_axis_rules(state.logical_axis_rules, state.data_axes), pipeline_context(state.pipeline):
+        with (
+            step_axis_rules(state.logical_axis_rules, state.data_axes),
+            pipeline_context(state.pipeline),
+            context_split(state.context),
+        ):
             return model_fn(*args, **kwargs)
     except (AssertionError, NameError) as e:
         bound = state.data_axes

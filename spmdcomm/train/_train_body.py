@@ -70,7 +70,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
     strategy, layout, axis = state.strategy, state.layout, state.data_axes
     scaled = state.loss_scale is not None
     ctx = ReduceContext(axis, state.data_size, o.reduce_dtype, o.skip_nonfinite or scaled)
-    blocks = state.roles.size(state.roles.batch)  # the batch's blocks: one per device of the data and stage axes
+    blocks = state.roles.blocks  # one per device of the data, stage and context axes
     # What the step itself reports: aux metrics of these names would silently replace them.
     hyperparams = injected_hyperparams(state.opt_state)
     reserved = {"loss", "examples", "model_state", *jax.eval_shape(hyperparams, state.opt_state)}
@@ -94,13 +94,15 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
         if masked:
             weighted_state = jax.tree.map(lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)), weighted_state)
         vec, unravel = ravel_pytree((count, metric_sums, weighted_state))
-        if state.pipeline is not None:  # the stage axis splits the batch too: its devices saw other rows
-            vec = lax.psum(vec, state.pipeline.axis)
+        # The stage and context axes split the batch too: their devices saw other rows, or other tokens of them.
+        others = state.roles.manual[len(state.data_axes) :]
+        if others:
+            vec = lax.psum(vec, others)
         vec, reduced = strategy.reduce(ctx, layout, grad_sum, vec)
         total, metric_sums, stats = unravel(vec)
         denom = denominator(total, masked)
         new_model_state = _merge_model_state(
-            model_state, jax.tree.map(lambda v: v / denom, stats), state.roles.batch, state.model_state
+            model_state, jax.tree.map(lambda v: v / denom, stats), state.roles.manual, state.model_state
         )
         return reduced, total, metric_sums, new_model_state
 
@@ -144,7 +146,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
             model_state=keep(new_model_state, state.model_state),
         )
         metrics = {k: v / denom for k, v in metric_sums.items()}
-        metrics["examples"] = total
+        metrics["examples"] = total / _context_size(state)  # every context device counted its rows
         if finite is not None:
             metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         if scaled:
@@ -218,7 +220,7 @@ def _accumulate(
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 
     batch0, mask0 = jax.tree.map(lambda x: x[0], micro)
-    first = one(_vary(state.model_state, state.roles.batch), batch0, mask0, 0)
+    first = one(_vary(state.model_state, state.roles.manual), batch0, mask0, 0)
     if k == 1:
         return first
 
@@ -260,8 +262,8 @@ def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int) -> Ca
     if state.loss_scale is None:
         return (lambda c: c) if masked else (lambda c: 1.0)
     if not masked:
-        return lambda c: 1.0 / (state.roles.size(state.roles.batch) * k)
-    total = jnp.maximum(lax.psum(jnp.sum(mask, dtype=jnp.float32), state.roles.batch), 1.0)
+        return lambda c: 1.0 / (state.roles.blocks * k)
+    total = jnp.maximum(lax.psum(jnp.sum(mask, dtype=jnp.float32), state.roles.manual), 1.0)
     return lambda c: c / total
 
 
@@ -337,6 +339,10 @@ def _check_same_tree(old: Any, new: Any) -> None:
                 fix="return the updated model state with the same structure (or leave 'model_state' out of aux).",
             )
         )
+
+
+def _context_size(state: TrainState) -> int:
+    return int(state.mesh.shape[state.context.axis]) if state.context is not None else 1
 
 
 def _vary(tree: Any, axes: tuple[str, ...]) -> Any:

@@ -215,7 +215,9 @@ class EvalStep:
             check_scalars("make_eval_step", metrics, "metric_fn")
             count = jnp.sum(mask, dtype=jnp.float32)
             sums = {k: jnp.where(count > 0, count * v.astype(sum_dtype(v.dtype)), 0.0) for k, v in metrics.items()}
-            total, sums = lax.psum((count, sums), state.roles.batch)
-            return {**{k: v / jnp.maximum(total, 1.0) for k, v in sums.items()}, "examples": total}
+            total, sums = lax.psum((count, sums), state.roles.manual)
+            # Every device of the context axis counted its rows (holding other tokens of them).
+            examples = total / state.roles.size((state.context.axis,)) if state.context is not None else total
+            return {**{k: v / jnp.maximum(total, 1.0) for k, v in sums.items()}, "examples": examples}
 
         return compile_local_step(body, state, P())

@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 
 from spmdcomm.errors import AxisError, SpmdError, describe
 from spmdcomm.train._mesh_axes import check_data_axes, data_axes
+from spmdcomm.train.context import ContextParallel
 from spmdcomm.train.pipeline import Pipeline, check_schedule
 
 __all__ = ["MeshRoles", "mesh_roles"]
@@ -27,12 +28,14 @@ class MeshRoles:
         batch too, as over one more data axis, outside the stack.
       model: every other axis: the model's own (tensor parallelism), left to XLA inside the steps.
       sizes: each axis's size.
+      context: the context axis (None without one): every sequence of the batch (dimension 1) is split over it.
     """
 
     data: tuple[str, ...]
     stage: str | None
     model: tuple[str, ...]
     sizes: tuple[tuple[str, int], ...]
+    context: str | None = None
 
     @property
     def shard(self) -> str:
@@ -51,8 +54,14 @@ class MeshRoles:
 
     @property
     def manual(self) -> tuple[str, ...]:
-        """The axes the steps map by hand (``shard_map``): the batch axes; the model axes are XLA's."""
-        return self.batch
+        """The axes the steps map by hand (``shard_map``): the batch axes and the context axis; the model axes are
+        XLA's."""
+        return self.batch + ((self.context,) if self.context else ())
+
+    @property
+    def blocks(self) -> int:
+        """How many blocks the batch is cut into: one per device of the batch axes and the context axis."""
+        return self.size(self.manual)
 
     def size(self, axes: tuple[str, ...]) -> int:
         """The number of devices ``axes`` span together."""
@@ -63,14 +72,17 @@ class MeshRoles:
         table = dict(self.sizes)
         parts = [f"replicate {a}={table[a]}" for a in self.replicate] + [f"shard {self.shard}={table[self.shard]}"]
         parts += [f"stage {self.stage}={table[self.stage]}"] if self.stage else []
+        parts += [f"context {self.context}={table[self.context]}"] if self.context else []
         parts += [f"model {a}={table[a]}" for a in self.model]
         return ", ".join(parts)
 
 
-def mesh_roles(fn: str, mesh: Mesh, axis: object, pipeline: Pipeline | None) -> MeshRoles:
-    """The roles of ``mesh``'s axes for data axis (or axes) ``axis`` and ``pipeline``, checked: raises
-    :class:`~spmdcomm.errors.AxisError` for a data or stage axis the mesh lacks or a stage axis that is also a data
-    axis, and :class:`~spmdcomm.errors.SpmdError` for a schedule the stage count cannot run."""
+def mesh_roles(
+    fn: str, mesh: Mesh, axis: object, pipeline: Pipeline | None, context: ContextParallel | None = None
+) -> MeshRoles:
+    """The roles of ``mesh``'s axes for data axis (or axes) ``axis``, ``pipeline`` and ``context``, checked: raises
+    :class:`~spmdcomm.errors.AxisError` for a data, stage or context axis the mesh lacks or an axis given two roles,
+    and :class:`~spmdcomm.errors.SpmdError` for a schedule the stage count cannot run."""
     data = data_axes(check_data_axes(fn, mesh, axis))
     stage = None
     if pipeline is not None:
@@ -90,5 +102,22 @@ def mesh_roles(fn: str, mesh: Mesh, axis: object, pipeline: Pipeline | None) -> 
                 )
             )
         check_schedule(fn, pipeline, int(mesh.shape[stage]), None, None)
-    model = tuple(a for a in mesh.axis_names if a not in data and a != stage)
-    return MeshRoles(data, stage, model, tuple((a, int(n)) for a, n in mesh.shape.items()))
+    seq = None
+    if context is not None:
+        if not isinstance(context, ContextParallel):
+            raise SpmdError(
+                describe(fn, f"context={context!r} is not a ContextParallel.", fix="pass sc.ContextParallel().")
+            )
+        seq = context.axis
+        if seq not in mesh.axis_names or seq in data or seq == stage:
+            raise AxisError(
+                describe(
+                    fn,
+                    f"the context axis {seq!r} must be a mesh axis that is neither a data axis nor the stage axis; "
+                    f"the mesh has {dict(mesh.shape)}, the data axes are {data} and the stage axis {stage!r}.",
+                    fix=f"add a {seq!r} axis to the mesh, e.g. sc.make_mesh({{'data': 2, {seq!r}: 4}}), or name "
+                    "yours with sc.ContextParallel(axis=...).",
+                )
+            )
+    model = tuple(a for a in mesh.axis_names if a not in data and a not in (stage, seq))
+    return MeshRoles(data, stage, model, tuple((a, int(n)) for a, n in mesh.shape.items()), seq)

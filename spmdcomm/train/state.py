@@ -27,6 +27,7 @@ from spmdcomm.train._mesh_axes import (
     model_partitioning,
     nnx_logical_specs,
 )
+from spmdcomm.train.context import ContextParallel
 from spmdcomm.train.loss_scale import resolve_loss_scale
 from spmdcomm.train.memory import StateMemory, device_bytes
 from spmdcomm.train.pipeline import Pipeline, reorder_layers, stack_in_stage_order
@@ -66,6 +67,8 @@ class TrainState:
         there were none. The steps trace the model under them, without their data axes.
       pipeline: the :class:`~spmdcomm.Pipeline` that splits the model's stacked layers over the stage axis
         (``None``: no pipeline); see :mod:`spmdcomm.train.pipeline`.
+      context: the :class:`~spmdcomm.ContextParallel` that splits every sequence of the batch over the context axis
+        (``None``: none); see :mod:`spmdcomm.train.context`.
     """
 
     step: jax.Array
@@ -82,6 +85,7 @@ class TrainState:
     layout: Any = flax.struct.field(pytree_node=False, default=None)
     logical_axis_rules: Any = flax.struct.field(pytree_node=False, default=None)
     pipeline: Pipeline | None = flax.struct.field(pytree_node=False, default=None)
+    context: ContextParallel | None = flax.struct.field(pytree_node=False, default=None)
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it when the class is built; declared for type checkers
 
@@ -103,6 +107,7 @@ class TrainState:
         loss_scale: Any = None,
         logical_axis_rules: Any = None,
         pipeline: Pipeline | None = None,
+        context: ContextParallel | None = None,
     ) -> TrainState:
         """Builds the state and places it on ``mesh`` as ``strategy`` says (default: replicated, DDP).
 
@@ -148,6 +153,9 @@ class TrainState:
           pipeline: ``sc.Pipeline(microbatches=m, axis="stage", repeats=v)`` splits the leaves stacked by
             ``sc.PipelineStack`` (or given the spec ``P("stage", ...)``) over the stage axis, and the steps run them
             as a pipeline; the batch is split over the data axes and the stage axis. ``None`` (default): none.
+          context: ``sc.ContextParallel(axis="context")`` splits dimension 1 (the tokens) of every batch leaf of two
+            or more dimensions over the context axis inside the steps; the model's attention goes through
+            ``sc.context_attention``. ``None`` (default): none.
 
         Returns:
           The new :class:`TrainState` at step 0, every leaf placed as the strategy's layout says.
@@ -177,7 +185,7 @@ class TrainState:
         """
         mesh = default_mesh() if mesh is None else mesh
         axis = check_data_axes("TrainState.create", mesh, axis)
-        roles = mesh_roles("TrainState.create", mesh, axis, pipeline)
+        roles = mesh_roles("TrainState.create", mesh, axis, pipeline, context)
         strategy = resolve_strategy("TrainState.create", strategy)
         rules = LogicalRules("TrainState.create", logical_axis_rules)
         params, model_specs = model_partitioning(
@@ -218,6 +226,7 @@ class TrainState:
             layout=layout,
             logical_axis_rules=rules.rules or None,
             pipeline=pipeline,
+            context=context,
         )
 
     @classmethod
@@ -269,7 +278,7 @@ class TrainState:
     @property
     def roles(self) -> MeshRoles:
         """What each mesh axis does: data axes (replicate, shard), the pipeline's stage axis, model axes."""
-        return mesh_roles("TrainState", self.mesh, self.axis, self.pipeline)
+        return mesh_roles("TrainState", self.mesh, self.axis, self.pipeline, self.context)
 
     @property
     def data_axes(self) -> tuple[str, ...]:
