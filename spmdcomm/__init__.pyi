@@ -77,6 +77,11 @@ from spmdcomm.errors import CheckpointDamagedWarning as CheckpointDamagedWarning
 from spmdcomm.train.pipeline import Pipeline as Pipeline
 from spmdcomm.train.stack import PipelineStack as PipelineStack
 
+# context parallelism
+from spmdcomm.train.context import ContextParallel as ContextParallel
+from spmdcomm.train.context import context_attention as context_attention
+from spmdcomm.train.context import context_positions as context_positions
+
 # what a compiled step communicates and holds
 from spmdcomm.explain.report import explain as explain
 

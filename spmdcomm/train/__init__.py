@@ -9,6 +9,7 @@ from spmdcomm.train.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
+from spmdcomm.train.context import ContextParallel, context_attention, context_positions
 from spmdcomm.train.eval_step import EvalStep, evaluate, make_eval_step
 from spmdcomm.train.hooks import Hook
 from spmdcomm.train.layout import TreeLayout
@@ -33,6 +34,9 @@ __all__ = [
     "MeshRoles",
     "Pipeline",
     "PipelineStack",
+    "ContextParallel",
+    "context_attention",
+    "context_positions",
     "ZeRO1",
     "ZeRO2",
     "FSDP",
