@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from spmdcomm.errors import ShapeError, SpmdError, describe
+from spmdcomm.train.attention import attention_reference, ring_attention, ulysses_attention
 
 __all__ = ["ContextParallel", "context_attention", "context_positions", "active_context", "context_split"]
 
@@ -183,8 +184,6 @@ def context_attention(
       ShapeError: when heads or KV heads do not divide the context size (``"all_to_all"``).
       SpmdError: for an unknown ``algorithm``.
     """
-    from spmdcomm.train import attention
-
     context = active_context()
     tokens = q.shape[1]
     positions = context_positions(tokens)
@@ -197,11 +196,11 @@ def context_attention(
         "k_valid": kv_mask,
     }
     if context is None:
-        return attention.attention_reference(q, k, v, **masks)
+        return attention_reference(q, k, v, **masks)
     if algorithm == "ring":
-        return attention.ring_attention(q, k, v, axis=context.axis, **masks)
+        return ring_attention(q, k, v, axis=context.axis, **masks)
     if algorithm == "all_to_all":
-        return attention.ulysses_attention(q, k, v, axis=context.axis, **masks)
+        return ulysses_attention(q, k, v, axis=context.axis, **masks)
     raise SpmdError(
         describe("context_attention", f"algorithm={algorithm!r} is not an algorithm.", fix='"ring" or "all_to_all".')
     )
