@@ -28,12 +28,8 @@ Side = tuple[jax.Array, jax.Array | None, jax.Array | None]
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def ring(axis: str, causal: bool, q: jax.Array, k: jax.Array, v: jax.Array, qside: Side, kside: Side) -> jax.Array:
+    """Ring attention's output (:func:`ring_forward`); its VJP (:func:`_ring_bwd`) runs the ring again."""
     return ring_forward(axis, causal, q, k, v, qside, kside)[0]
-
-
-def _ring_fwd(axis: str, causal: bool, q: Any, k: Any, v: Any, qside: Side, kside: Side) -> tuple[Any, Any]:
-    out, lse = ring_forward(axis, causal, q, k, v, qside, kside)
-    return out, (q, k, v, qside, kside, out, lse)
 
 
 def ring_forward(
@@ -73,40 +69,6 @@ def ring_forward(
     return out.astype(q.dtype), lse
 
 
-def _ring_bwd(axis: str, causal: bool, res: Any, dout: jax.Array) -> tuple[Any, ...]:
-    q, k, v, qside, kside, out, lse = res
-    qg = _grouped(q, k.shape[2]).astype(jnp.float32)
-    do = _grouped(dout, k.shape[2]).astype(jnp.float32)
-    vary = functools.partial(_vary, axes=_axes(axis, q, k, v, qside, kside, dout))
-    # delta_q = sum_s p_qs dp_qs = dO_q . O_q: the softmax's Jacobian term, one number per query and head.
-    delta = jnp.einsum("bqkgd,bqkgd->bkgq", do, _grouped(out, k.shape[2]).astype(jnp.float32))
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]  # rows with no visible key: every p below is 0
-    scale = 1.0 / np.sqrt(q.shape[-1])
-
-    def step(dq: jax.Array, block: Any) -> Any:
-        kb, vb, ks, dk, dv = block
-        p = jnp.exp(_scores(qg, kb, mask(qside, ks, causal)) - lse)
-        dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p, do)
-        dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vb.astype(jnp.float32))
-        ds = p * (dp - delta[..., None]) * scale
-        dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb.astype(jnp.float32))
-        return dq, (kb, vb, ks, dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qg), dv)
-
-    def hop(carry: Any, _: Any) -> Any:
-        dq, block = carry
-        return step(dq, _shift(block, axis)), None
-
-    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-    dq, block = step(vary(zeros(qg)), vary((k, v, kside, zeros(k), zeros(v))))
-    (dq, block), _ = lax.scan(hop, (dq, block), length=lax.axis_size(axis) - 1)
-    dk, dv = _shift(block[3:], axis)  # block j's gradients are on device j - 1: one hop home
-    grads = (dq.reshape(q.shape), dk, dv)
-    return tuple(_cotangent(g, x) for g, x in zip(grads, (q, k, v))) + (None, None)
-
-
-ring.defvjp(_ring_fwd, _ring_bwd)
-
-
 def sides(fn: str, q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, q_seg: Any, k_seg: Any, valid: Any) -> Any:
     """The query and key sides' positions, segments and validity, each ``[1 or b, t]``, after checking shapes."""
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[::3] != k.shape[::3] or q.shape[2] % k.shape[2]:
@@ -142,14 +104,69 @@ def sides(fn: str, q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, q_seg: Any, k
 def mask(qside: Side, kside: Side, causal: bool) -> jax.Array:
     """``[1 or b, t_q, t_k]``, True where the key is visible to the query."""
     (qp, qs, _), (kp, ks, valid) = qside, kside
-    mask = jnp.ones((1, qp.shape[1], kp.shape[1]), bool)
+    visible = jnp.ones((1, qp.shape[1], kp.shape[1]), bool)
     if causal:
-        mask = mask & (kp[:, None, :] <= qp[:, :, None])
+        visible = visible & (kp[:, None, :] <= qp[:, :, None])
     if qs is not None and ks is not None:
-        mask = mask & (ks[:, None, :] == qs[:, :, None])
+        visible = visible & (ks[:, None, :] == qs[:, :, None])
     if valid is not None:
-        mask = mask & valid.astype(bool)[:, None, :]
-    return mask
+        visible = visible & valid.astype(bool)[:, None, :]
+    return visible
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """Softmax attention of whole sequences in float32; zeros for a query that sees no key."""
+    s = _scores(_grouped(q, k.shape[2]), k, visible)
+    top = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    p = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(total > 0, total, 1.0)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _ring_fwd(axis: str, causal: bool, q: Any, k: Any, v: Any, qside: Side, kside: Side) -> tuple[Any, Any]:
+    out, lse = ring_forward(axis, causal, q, k, v, qside, kside)
+    return out, (q, k, v, qside, kside, out, lse)
+
+
+def _ring_bwd(axis: str, causal: bool, res: Any, dout: jax.Array) -> tuple[Any, ...]:
+    """``(dq, dk, dv, None, None)``: the ring once more, each block's probabilities recomputed from the saved
+    log-sum-exp, ``dk``/``dv`` travelling with their blocks (one block in memory at a time)."""
+    q, k, v, qside, kside, out, lse = res
+    qg = _grouped(q, k.shape[2]).astype(jnp.float32)
+    do = _grouped(dout, k.shape[2]).astype(jnp.float32)
+    vary = functools.partial(_vary, axes=_axes(axis, q, k, v, qside, kside, dout))
+    # delta_q = sum_s p_qs dp_qs = dO_q . O_q: the softmax's Jacobian term, one number per query and head.
+    delta = jnp.einsum("bqkgd,bqkgd->bkgq", do, _grouped(out, k.shape[2]).astype(jnp.float32))
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]  # rows with no visible key: every p below is 0
+    scale = 1.0 / np.sqrt(q.shape[-1])
+
+    def step(dq: jax.Array, block: Any) -> Any:
+        kb, vb, ks, dk, dv = block
+        p = jnp.exp(_scores(qg, kb, mask(qside, ks, causal)) - lse)
+        dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p, do)
+        dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vb.astype(jnp.float32))
+        ds = p * (dp - delta[..., None]) * scale
+        dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb.astype(jnp.float32))
+        return dq, (kb, vb, ks, dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qg), dv)
+
+    def hop(carry: Any, _: Any) -> Any:
+        dq, block = carry
+        return step(dq, _shift(block, axis)), None
+
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+    dq, block = step(vary(zeros(qg)), vary((k, v, kside, zeros(k), zeros(v))))
+    (dq, block), _ = lax.scan(hop, (dq, block), length=lax.axis_size(axis) - 1)
+    dk, dv = _shift(block[3:], axis)  # block j's gradients are on device j - 1: one hop home
+    grads = (dq.reshape(q.shape), dk, dv)
+    return tuple(_cotangent(g, x) for g, x in zip(grads, (q, k, v))) + (None, None)
+
+
+ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:
@@ -158,21 +175,10 @@ def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:
     return x.reshape(b, t, kv_heads, h // kv_heads, d)
 
 
-def _scores(qg: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
-    """Float32 scores ``[b, h_kv, g, t_q, t_k]``, -inf where ``mask`` hides the key."""
+def _scores(qg: jax.Array, k: jax.Array, visible: jax.Array) -> jax.Array:
+    """Float32 scores ``[b, h_kv, g, t_q, t_k]``, -inf where ``visible`` (``[1 or b, t_q, t_k]``) is False."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) / np.sqrt(qg.shape[-1])
-    return jnp.where(mask[:, None, None], s, -jnp.inf)
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax attention of whole sequences in float32; zeros for a query that sees no key."""
-    s = _scores(_grouped(q, k.shape[2]), k, mask)
-    top = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    p = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
-    total = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(total > 0, total, 1.0)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
-    return out.reshape(q.shape).astype(q.dtype)
+    return jnp.where(visible[:, None, None], s, -jnp.inf)
 
 
 def _shift(tree: Any, axis: str) -> Any:

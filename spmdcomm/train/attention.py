@@ -63,8 +63,9 @@ def ulysses_attention(
     Inside a ``shard_map`` manual over ``axis`` (size ``c``). Each device sends ``c - 1`` of its ``c`` head groups
     away and receives the other blocks of its own group: ``[b, T, h / c, d]``, the blocks in device order. Positions,
     segments and validity are all-gathered the same way, so the mask is that of the whole sequence whatever the
-    split. After the kernel a second all-to-all brings every token's output back to its device. Traffic per device:
-    about ``2 (c - 1) / c`` of its ``q``, ``k``, ``v`` and output blocks, independent of the ring's ``c - 1`` hops.
+    split. After the kernel a second all-to-all brings every token's output back to its device. Each device sends
+    ``(c - 1) / c`` of each of its ``q``, ``k``, ``v`` and output blocks, where the ring sends ``c - 1`` whole key/value
+    blocks.
 
     Args:
       q: ``[b, t_local, h, d]``, this device's queries.
