@@ -401,7 +401,7 @@ def layouts_memory(model_name: str) -> list[dict]:
         rows.append(row)
         if name == "fsdp hybrid replica=2 x shard=4":
             n = 4
-            extra = sum(
+            extra = state.memory().padding + sum(
                 x.nbytes * (n - 1) / n
                 for x in jax.tree.leaves((state.params, state.opt_state))
                 if x.sharding.is_fully_replicated

@@ -3,16 +3,18 @@
 Run: ``python benchmarks/train_step.py [--rounds 21] [--steps 12] [--repeats 3] [--skip-multiprocess]``.
 
 One process with 2 fake CPU devices runs, interleaved round by round (medians reported): our step
-(shard_map and pmap backends, accumulation, bf16 reduction, flat buffer, buckets, ZeRO-1), a
-hand-written shard_map + pmean + optax step on the same model, and the same model on a single device
-with the whole batch. Models: MLP 784-512-512-10 and a small CNN on MNIST-shaped data, global batch
-256, Adam. Then 2 processes x 1 device through the launcher (gloo), with the default leaf-by-leaf
-reduction and with one flat buffer, and, where torch is importable, torch DDP with the same 2 workers
-(gloo on loopback, CPU, same models, same global batch, Adam with the same hyper-parameters; one
-intra-op thread per worker, and torch's default thread count). The multi-process settings run
-``--repeats`` times in alternating order; samples/s are medians over the repeats of each run's
-median over rounds. Every JAX loop keeps at most 8 steps in flight (``_common.time_calls``; our steps
-also bound themselves); torch runs each step synchronously.
+(accumulation, bf16 reduction, flat buffer, buckets, ZeRO-1), a hand-written shard_map + pmean + optax
+step on the same model, and the same model on a single device with the whole batch. There is no pmap
+variant: the step's pmap backend was retired, and a hand-written ``jax.pmap`` step would time the
+hand-written shard_map one again (since JAX 0.10 ``jax.pmap`` is ``jax.jit(jax.shard_map(...))``).
+Models: MLP 784-512-512-10 and a small CNN on MNIST-shaped data, global batch 256, Adam. Then 2
+processes x 1 device through the launcher (gloo), with the default leaf-by-leaf reduction and with one
+flat buffer, and, where torch is importable, torch DDP with the same 2 workers (gloo on loopback, CPU,
+same models, same global batch, Adam with the same hyper-parameters; one intra-op thread per worker, and
+torch's default thread count). The multi-process settings run ``--repeats`` times in alternating order;
+samples/s are medians over the repeats of each run's median over rounds. Every JAX loop keeps at most 8
+steps in flight (``_common.time_calls``; our steps also bound themselves); torch runs each step
+synchronously.
 """
 
 from __future__ import annotations
@@ -184,7 +186,6 @@ def in_process(rounds: int, steps: int, models: list[str]) -> dict[str, float]:
         variants[f"{m}/ours"] = ours(m, mesh)
         variants[f"{m}/ours flat buffer"] = ours(m, mesh, FLAT)
     m = "mlp"
-    variants[f"{m}/ours pmap"] = ours(m, mesh, backend="pmap")
     variants[f"{m}/ours accum_steps=4"] = ours(m, mesh, accum_steps=4)
     variants[f"{m}/ours bf16 reduce"] = ours(m, mesh, reduce_dtype=jnp.bfloat16)
     variants[f"{m}/ours buckets 256 KiB"] = ours(m, mesh, sc.DDP(bucket_bytes=256 * 1024))

@@ -73,6 +73,15 @@ from spmdcomm.train.checkpoint import restore_checkpoint as restore_checkpoint
 from spmdcomm.train.checkpoint import save_checkpoint as save_checkpoint
 from spmdcomm.errors import CheckpointDamagedWarning as CheckpointDamagedWarning
 
+# pipeline parallelism
+from spmdcomm.train.pipeline import Pipeline as Pipeline
+from spmdcomm.train.stack import PipelineStack as PipelineStack
+
+# context parallelism
+from spmdcomm.train.context import ContextParallel as ContextParallel
+from spmdcomm.train.context import context_attention as context_attention
+from spmdcomm.train.context import context_positions as context_positions
+
 # what a compiled step communicates and holds
 from spmdcomm.explain.report import explain as explain
 

@@ -121,7 +121,7 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
         )
 
 
-def run_ddp(kind, n, opt, *, backend="shard_map", batches, strategy="ddp", **step_kwargs):
+def run_ddp(kind, n, opt, *, batches, strategy="ddp", **step_kwargs):
     apply_fn, params, model_state = init(kind, axis_name="data")
     state = sc.TrainState.create(
         params=params,
@@ -131,7 +131,7 @@ def run_ddp(kind, n, opt, *, backend="shard_map", batches, strategy="ddp", **ste
         mesh=mesh_of(n),
         strategy=strategy,
     )
-    step = sc.make_train_step(loss_fn, backend=backend, **step_kwargs)
+    step = sc.make_train_step(loss_fn, **step_kwargs)
     return sc.fit(step, state, batches)
 
 

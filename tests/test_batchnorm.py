@@ -122,7 +122,7 @@ def real_batches(real: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     ]
 
 
-def train_both(api, real, opt, *, mesh, axis="data", strategy="ddp", backend="shard_map"):
+def train_both(api, real, opt, *, mesh, axis="data", strategy="ddp"):
     """Trains the reference (one device, Flax's BatchNorm, the real rows only) and the synchronised model through
     make_train_step on the padded batches; returns both results."""
     (ref_apply, params, model_state), (sync_apply, sync_params, sync_state) = models(api, axis)
@@ -141,7 +141,7 @@ def train_both(api, real, opt, *, mesh, axis="data", strategy="ddp", backend="sh
         strategy=strategy,
     )
     fed = data if real == ROWS else [sc.pad_batch(b, ROWS) for b in data]
-    step = sc.make_train_step(step_loss(sync_apply, pass_mask=True), backend=backend)
+    step = sc.make_train_step(step_loss(sync_apply, pass_mask=True))
     state, history = sc.fit(step, state, fed)
     return state, history, expected
 
@@ -218,11 +218,6 @@ def test_nnx_adapters_and_create_nnx():
     evaluated = sc.make_eval_step(sc.nnx_metric_fn(metrics))(state, sc.pad_batch(data[0], ROWS))
     want, _ = ref_apply(ref_params, ref_model_state, data[0]["x"], None, train=False)
     np.testing.assert_allclose(evaluated["loss"], cross_entropy(want, data[0]), rtol=1e-5)
-
-
-def test_pmap_backend():
-    state, history, expected = train_both("linen", 40, "adam", mesh=mesh_of(8), backend="pmap")
-    assert_equal_to_reference(state, history, expected)
 
 
 # --------------------------------------------------------------------------------------------------

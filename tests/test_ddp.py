@@ -344,6 +344,19 @@ def test_bad_step_options(kwargs, match):
         sc.make_train_step(loss_fn, **kwargs)
 
 
+@pytest.mark.parametrize("make", [sc.make_train_step, sc.make_eval_step], ids=["train", "eval"])
+def test_the_pmap_step_backend_is_retired(make):
+    with pytest.raises(sc.BackendError) as err:
+        make(loss_fn, backend="pmap")
+    message = str(err.value)
+    assert message.startswith(f"spmdcomm.{make.__name__}: backend='pmap': the pmap step backend was retired.")
+    assert "Since JAX 0.10 jax.pmap is jax.jit(jax.shard_map(...))" in message
+    assert message.endswith("Fix: drop backend=..., or pass backend='shard_map'.")
+    with pytest.raises(sc.BackendError, match=r"unknown backend 'xmap'; the steps run on 'shard_map' only\. Fix: drop"):
+        make(loss_fn, backend="xmap")
+    make(loss_fn, backend="shard_map")  # the one backend, accepted
+
+
 @pytest.mark.parametrize(
     "make,match",
     [

@@ -1,9 +1,7 @@
 """DDP equivalence: N devices must train exactly what one device trains on the global batch.
 
-Which cases run: each model and optimizer on the shard_map backend over every device count, and on the pmap
-backend over 4 devices (since JAX 0.10 jax.pmap is jit(shard_map): the same step program, so one device count
-checks the pmap backend's own placement). The fast tier (``-m "not slow"``) keeps the MLP with Adam on 8 devices
-on shard_map and on pmap, the gradient trap and devices without real examples; the rest is slow.
+Which cases run: each model and optimizer over every device count. The fast tier (``-m "not slow"``) keeps the
+MLP with Adam on 8 devices, the gradient trap and devices without real examples; the rest is slow.
 """
 
 import re
@@ -30,15 +28,15 @@ from ddp_models import (
 import spmdcomm as sc
 
 
-def run(n: int, backend: str = "shard_map", *, fast: bool = False) -> object:
-    """One ``(n, backend)`` parameter, marked slow (left out of the fast tier) unless ``fast``."""
-    return pytest.param(n, backend, marks=() if fast else pytest.mark.slow, id=f"{n}-{backend}")
+def run(n: int, *, fast: bool = False) -> object:
+    """One device-count parameter, marked slow (left out of the fast tier) unless ``fast``."""
+    return pytest.param(n, marks=() if fast else pytest.mark.slow, id=f"{n}dev")
 
 
 @pytest.mark.parametrize("opt", [pytest.param("sgd_momentum", marks=pytest.mark.slow), "adam"])
-@pytest.mark.parametrize("n, backend", [run(1), run(2), run(4), run(8, fast=True), run(4, "pmap", fast=True)])
-def test_mlp_n_devices_equal_one_device_on_global_batch(n, backend, opt, reference_run):
-    state, history = run_ddp("mlp", n, opt, backend=backend, batches=BATCHES["mlp"])
+@pytest.mark.parametrize("n", [run(1), run(2), run(4), run(8, fast=True)])
+def test_mlp_n_devices_equal_one_device_on_global_batch(n, opt, reference_run):
+    state, history = run_ddp("mlp", n, opt, batches=BATCHES["mlp"])
     ref_params, _, ref_losses = reference_run("mlp", opt)
     assert_trees_close(state.params, ref_params)
     np.testing.assert_allclose([h["loss"] for h in history], ref_losses, rtol=1e-5)
@@ -47,9 +45,9 @@ def test_mlp_n_devices_equal_one_device_on_global_batch(n, backend, opt, referen
 
 
 @pytest.mark.parametrize("opt", [pytest.param("sgd_momentum", marks=pytest.mark.slow), "adam"])
-@pytest.mark.parametrize("n, backend", [run(2), run(4), run(8), run(4, "pmap")])
-def test_cnn_with_cross_replica_batchnorm_equals_one_device(n, backend, opt, reference_run):
-    state, _ = run_ddp("cnn", n, opt, backend=backend, batches=BATCHES["cnn"])
+@pytest.mark.parametrize("n", [run(2), run(4), run(8)])
+def test_cnn_with_cross_replica_batchnorm_equals_one_device(n, opt, reference_run):
+    state, _ = run_ddp("cnn", n, opt, batches=BATCHES["cnn"])
     ref_params, ref_model_state, _ = reference_run("cnn", opt)
     assert_trees_close(state.params, ref_params)
     assert_trees_close(state.model_state, ref_model_state)

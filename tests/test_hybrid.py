@@ -300,14 +300,6 @@ def test_bad_data_axes_raise(axis):
         )
 
 
-def test_pmap_backend_refuses_several_data_axes():
-    state = sc.TrainState.create(
-        params=plain_params(), tx=make_tx(), mesh=sc.make_mesh({"replica": 2, "shard": 4}), axis=("replica", "shard")
-    )
-    with pytest.raises(sc.BackendError, match=r"spmdcomm\.make_train_step: backend='pmap' needs a 1-D mesh"):
-        sc.make_train_step(loss_fn, backend="pmap")(state, batches(1)[0])
-
-
 def test_fsdp_param_dtype_casts_leaves_split_only_over_model_axes():
     # The q bias is split over "model" only (its one dimension is the model spec's): it must reach the model in
     # param_dtype like every leaf the data axis splits.

@@ -233,18 +233,6 @@ def test_gathers_and_reductions_run_in_the_chosen_dtypes(strategy, reduce_dtype,
         assert_trees_close(trained.full_params(), exact.full_params(), rtol=2e-2, atol=2e-3)
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
-def test_pmap_backend_is_refused(strategy):
-    apply_fn, params, _ = init("mlp")
-    state = sc.TrainState.create(
-        params=params, apply_fn=apply_fn, tx=optax.sgd(0.1), mesh=mesh_of(2), strategy=strategy
-    )
-    with pytest.raises(sc.BackendError, match=r"runs on the shard_map backend, not 'pmap'.*Fix: build the step"):
-        sc.make_train_step(loss_fn, backend="pmap")(state, BATCHES["mlp"][0])
-    with pytest.raises(sc.BackendError, match="not 'pmap'"):
-        sc.make_eval_step(lambda p, b, **kw: jnp.mean(b["x"]), backend="pmap")(state, BATCHES["mlp"][0])
-
-
 def test_fsdp_eval_step_and_checkpoint_resume_are_exact(tmp_path):
     apply_fn, params, model_state = init("cnn", axis_name="data")
     batches = [example_batch("cnn", 8, seed=s) for s in range(6)]

@@ -73,7 +73,6 @@ TXS = {
     [
         (1, "ddp", "sgd", "whole", 1),
         (2, "zero1", "adam", "padded", 1),
-        (2, "ddp/pmap", "adam", "whole", 1),
         (4, "ddp", "adam", "all real", 1),  # sc.pad_batch of rows that are all real: masked, nothing padded
         (4, "zero2", "clip", "whole", 2),
         (4, "fsdp", "sgd", "padded", 2),
@@ -94,9 +93,8 @@ def test_dynamic_loss_scale_equals_one_device(n, strategy, tx, batch, accum):
     assert any(skip for _, skip in expected_trace) and not all(skip for _, skip in expected_trace)
     assert any(b > a for (a, _), (b, _) in zip(expected_trace, expected_trace[1:]))
 
-    strategy, _, backend = strategy.partition("/")
     state = sc.TrainState.create(params=init_params(), tx=tx, mesh=mesh_of(n), strategy=strategy, loss_scale=scale)
-    step, trace = sc.make_train_step(half_loss, backend=backend or "shard_map", accum_steps=accum), []
+    step, trace = sc.make_train_step(half_loss, accum_steps=accum), []
     for b in data:
         state, metrics = step(state, b if batch == "whole" else sc.pad_batch(b, 16))
         trace.append((float(metrics["loss_scale"]), bool(metrics["skipped"])))
@@ -194,8 +192,7 @@ def test_hyperparameters_of_several_injected_states_are_named_by_path():
     assert all("inner_states" in k for k in rates), rates
 
 
-@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
-def test_loss_fn_that_takes_step_gets_the_step_count(backend):
+def test_loss_fn_that_takes_step_gets_the_step_count():
     def loss_fn(params, batch, *, apply_fn, model_state, rng, mask, step):
         # The loss is scaled by the step count: the gradient tells which step the function saw.
         return linear_loss(params, batch, apply_fn=apply_fn, model_state=model_state, rng=rng, mask=mask), {
@@ -203,7 +200,7 @@ def test_loss_fn_that_takes_step_gets_the_step_count(backend):
         }
 
     state = sc.TrainState.create(params={"w": np.zeros(3, np.float32)}, tx=optax.sgd(0.1), mesh=mesh_of(2))
-    step = sc.make_train_step(loss_fn, backend=backend, accum_steps=2)
+    step = sc.make_train_step(loss_fn, accum_steps=2)
     seen = []
     for _ in range(3):
         state, metrics = step(state, linear_data())
@@ -211,9 +208,8 @@ def test_loss_fn_that_takes_step_gets_the_step_count(backend):
     assert seen == [0.0, 1.0, 2.0]
 
 
-@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
 @pytest.mark.parametrize("which", ["train", "eval"])
-def test_model_collective_over_another_axis_names_both_axes(backend, which):
+def test_model_collective_over_another_axis_names_both_axes(which):
     """Flax's BatchNorm(axis_name="batch") under a state on "data" fails inside JAX with a bare AssertionError."""
     import flax.linen as nn
 
@@ -241,11 +237,7 @@ def test_model_collective_over_another_axis_names_both_axes(backend, which):
         out, _ = apply_fn({"params": params, **model_state}, batch["x"], mutable=["batch_stats"])
         return sc.masked_mean((out - batch["y"]) ** 2, mask)
 
-    run = (
-        sc.make_train_step(loss_fn, backend=backend)
-        if which == "train"
-        else sc.make_eval_step(metric_fn, backend=backend)
-    )
+    run = sc.make_train_step(loss_fn) if which == "train" else sc.make_eval_step(metric_fn)
     fn = "make_train_step" if which == "train" else "make_eval_step"
     with pytest.raises(sc.AxisError, match=rf"{fn}: .*collective over axis 'batch'.*data axes \('data',\)") as e:
         run(state, linear_data())

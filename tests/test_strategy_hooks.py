@@ -1,5 +1,5 @@
 """The strategy hooks: the one registry of strategy names, and each question the state, the steps and the checkpoints
-ask a strategy (its backends, whether its gradients are local, its whole parameters, the 0.2 checkpoint layouts)."""
+ask a strategy (whether its gradients are local, its whole parameters, the 0.2 checkpoint layouts)."""
 
 from __future__ import annotations
 
@@ -27,30 +27,10 @@ def test_an_unknown_name_lists_every_registered_one():
 
 
 @pytest.mark.parametrize(
-    ("strategy", "pmap_ok", "local_grads"),
-    [(sc.DDP(), True, True), (sc.ZeRO1(), False, True), (sc.ZeRO2(), False, True), (sc.FSDP(), False, False)],
+    ("strategy", "local_grads"), [(sc.DDP(), True), (sc.ZeRO1(), True), (sc.ZeRO2(), True), (sc.FSDP(), False)]
 )
-def test_backend_and_local_gradient_hooks(strategy, pmap_ok, local_grads):
-    strategy.check_backend("make_eval_step", "shard_map")
+def test_local_gradient_hook(strategy, local_grads):
     assert strategy.local_grads is local_grads
-    if pmap_ok:
-        strategy.check_backend("make_eval_step", "pmap")
-        return
-    with pytest.raises(sc.BackendError) as err:
-        strategy.check_backend("make_eval_step", "pmap")
-    assert str(err.value).startswith(f"spmdcomm.make_eval_step: strategy {strategy!r} runs on the shard_map backend")
-    assert "not 'pmap'" in str(err.value) and 'backend="shard_map"' in str(err.value)
-
-
-def test_a_new_strategy_is_asked_not_named():
-    # A DDP variant that refuses pmap: the steps ask its hook, so they refuse it too, naming it.
-    class ShardMapOnlyDDP(sc.DDP):
-        backends = ("shard_map",)
-
-    state = sc.TrainState.create(params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1), strategy=ShardMapOnlyDDP())
-    evaluate = sc.make_eval_step(lambda p, b, *, apply_fn, model_state, mask: sc.masked_mean(b, mask), backend="pmap")
-    with pytest.raises(sc.BackendError, match=r"make_eval_step: strategy \S*ShardMapOnlyDDP\(bucket_bytes=None\) runs"):
-        evaluate(state, np.ones(8, np.float32))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -52,7 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="global batch over all devices")
     p.add_argument("--lr", type=float, help="peak Adam learning rate, cosine decay to 0")
     p.add_argument("--devices", type=int, help="fake CPU devices per process (CPU only)")
-    p.add_argument("--backend", choices=["shard_map", "pmap"])
     p.add_argument("--accum-steps", type=int, help="micro-batches per step")
     p.add_argument(
         "--strategy",

@@ -51,7 +51,6 @@ class Config:
     epochs: int = 3
     batch_size: int | None = None  # global, all devices; default 128 for MNIST, 32 for the small digits set
     lr: float = 2e-3  # peak Adam learning rate, cosine decay to 0 by the last step of the last epoch
-    backend: str = "shard_map"  # or "pmap"
     accum_steps: int = 1
     strategy: str = "ddp"  # "ddp" (replicated), "zero1"/"zero2" (Adam state split), "fsdp"
     seed: int = 0
@@ -80,8 +79,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     total = config.epochs * per_epoch
     # The schedule spans every epoch whatever max_steps says, so a stopped run continues the same schedule.
     state = create_train_state(config, total_steps=total)
-    step = sc.make_train_step(make_loss_fn(), backend=config.backend, accum_steps=config.accum_steps)
-    eval_step = sc.make_eval_step(make_metric_fn(), backend=config.backend)
+    step = sc.make_train_step(make_loss_fn(), accum_steps=config.accum_steps)
+    eval_step = sc.make_eval_step(make_metric_fn())
     # A checkpoint's number is the steps its state has trained; sc.fit restores it and the data position.
     start = (sc.latest_checkpoint_step(config.checkpoint_dir) if config.checkpoint_dir else None) or 0
     if main_proc:
@@ -153,7 +152,6 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         "processes": n_proc,
         "devices": n_dev,
         "platform": jax.devices()[0].platform,
-        "backend": config.backend,
         "global_batch": step_batch,
         "accum_steps": config.accum_steps,
         "strategy": config.strategy,

@@ -21,7 +21,6 @@ all-to-all, 1 for permute).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,13 +28,15 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from spmdcomm.errors import SpmdError, describe
+from spmdcomm.explain.format import format_bytes as _format_bytes
 from spmdcomm.explain.hlo import COLLECTIVE_KINDS, Collective
 from spmdcomm.explain.hlo import inventory as _inventory
 from spmdcomm.explain.hlo import parse_module as _parse_module
+from spmdcomm.explain.pipeline import PipelineReport, pipeline_report
 from spmdcomm.train.memory import StateMemory
 from spmdcomm.train.state import TrainState
 
-__all__ = ["explain", "Explanation", "Collective", "DeviceMemory", "COLLECTIVE_KINDS"]
+__all__ = ["explain", "Explanation", "Collective", "DeviceMemory", "PipelineReport", "COLLECTIVE_KINDS"]
 
 
 def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> Explanation:
@@ -98,14 +99,16 @@ def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> 
         )
     if mesh is None:
         mesh = _mesh_of(fn, compiled, devices)
+    collectives = tuple(_inventory(module, mesh))
     return Explanation(
         name=_name_of(fn, module.name),
         devices=devices,
         mesh=mesh,
-        collectives=tuple(_inventory(module, mesh)),
+        collectives=collectives,
         memory=_memory(compiled),
         hlo=text,
         state=args[0].memory() if args and isinstance(args[0], TrainState) else None,
+        pipeline=pipeline_report(args[0], collectives) if args and isinstance(args[0], TrainState) else None,
     )
 
 
@@ -161,6 +164,8 @@ class Explanation:
       hlo: the optimised HLO text the collectives were read from.
       state: for a train or eval step, the bytes of its :class:`~spmdcomm.TrainState` per device, by part
         (:meth:`TrainState.memory <spmdcomm.TrainState.memory>`: parameters, optimizer state, padding); else None.
+      pipeline: for a step of a state with a :class:`~spmdcomm.Pipeline`, its schedule and what moves over the
+        stage axis (:class:`PipelineReport`); else None.
     """
 
     name: str
@@ -170,6 +175,7 @@ class Explanation:
     memory: DeviceMemory
     hlo: str = dataclasses.field(repr=False)
     state: StateMemory | None = None
+    pipeline: PipelineReport | None = None
 
     def count(self, kind: str | None = None, *, over: str | None = None) -> int:
         """How many collectives of ``kind`` the program holds, per call.
@@ -254,6 +260,8 @@ class Explanation:
             ("total", m.total_bytes),
         ]
         lines.append("memory per device: " + ", ".join(f"{k} {_format_bytes(v)}" for k, v in parts))
+        if self.pipeline is not None:
+            lines.append(str(self.pipeline))
         if self.state is not None:
             st = self.state
             lines.append(
@@ -368,15 +376,6 @@ def _memory(compiled: jax.stages.Compiled) -> DeviceMemory:
 
 # ------------------------------------------------------------------------------------------------
 # Formatting
-
-
-def _format_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    if n < 1024:
-        return f"{n} B"
-    power = min(int(math.log(n, 1024)), 4)
-    return f"{n / 1024**power:.1f} {('KiB', 'MiB', 'GiB', 'TiB')[power - 1]}"
 
 
 def _format_groups(c: Collective) -> str:

@@ -1,4 +1,5 @@
-"""Layer 7, Flax NNX: ``nnx_loss_fn``/``nnx_metric_fn`` adapters and ``SyncBatchNorm``; loads ``flax.nnx`` on use."""
+"""Layer 7, Flax NNX: ``nnx_loss_fn``/``nnx_metric_fn`` adapters, ``SyncBatchNorm`` and ``PipelineStack``; loads
+``flax.nnx`` on use."""
 
 from __future__ import annotations
 
@@ -8,15 +9,22 @@ from spmdcomm.nnx.adapters import nnx_loss_fn, nnx_metric_fn
 
 if TYPE_CHECKING:
     from spmdcomm.nnx.batchnorm import SyncBatchNorm
+    from spmdcomm.nnx.stack import PipelineStack
 
-__all__ = ["SyncBatchNorm", "nnx_loss_fn", "nnx_metric_fn"]
+__all__ = ["SyncBatchNorm", "PipelineStack", "nnx_loss_fn", "nnx_metric_fn"]
 
 
 def __getattr__(name: str) -> Any:
-    # SyncBatchNorm subclasses flax.nnx.BatchNorm: defining it imports flax.nnx, so it is loaded on first access.
+    # SyncBatchNorm and PipelineStack subclass flax.nnx classes: defining them imports flax.nnx, so they are loaded
+    # on first access.
     if name == "SyncBatchNorm":
         from spmdcomm.nnx.batchnorm import SyncBatchNorm
 
         globals()[name] = SyncBatchNorm
         return SyncBatchNorm
+    if name == "PipelineStack":
+        from spmdcomm.nnx.stack import PipelineStack
+
+        globals()[name] = PipelineStack
+        return PipelineStack
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

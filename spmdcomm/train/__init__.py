@@ -9,11 +9,15 @@ from spmdcomm.train.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
+from spmdcomm.train.context import ContextParallel, context_attention, context_positions
 from spmdcomm.train.eval_step import EvalStep, evaluate, make_eval_step
 from spmdcomm.train.hooks import Hook
 from spmdcomm.train.layout import TreeLayout
 from spmdcomm.train.loop import Preempted, fit
 from spmdcomm.train.memory import StateMemory
+from spmdcomm.train.pipeline import Pipeline
+from spmdcomm.train.roles import MeshRoles
+from spmdcomm.train.stack import PipelineStack
 from spmdcomm.train.state import TrainState, optimizer_state_bytes
 from spmdcomm.train.strategies import DDP, FSDP, STRATEGIES, ZeRO1, ZeRO2
 from spmdcomm.train.strategy import ReduceContext, Strategy
@@ -27,6 +31,12 @@ __all__ = [
     "ReduceContext",
     "TreeLayout",
     "StateMemory",
+    "MeshRoles",
+    "Pipeline",
+    "PipelineStack",
+    "ContextParallel",
+    "context_attention",
+    "context_positions",
     "ZeRO1",
     "ZeRO2",
     "FSDP",

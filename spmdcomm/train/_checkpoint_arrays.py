@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from spmdcomm.train.pipeline import reorder_layers
 from spmdcomm.train.state import TrainState
 
 __all__ = ["arrays", "targets", "unpadded", "stored", "with_arrays"]
@@ -44,30 +45,47 @@ def targets(state: TrainState) -> dict[str, Any]:
 
 
 def unpadded(state: TrainState) -> TrainState:
-    """``state`` with its padded leaves (see spmdcomm.train.layout) at their own shapes, whole over the data axes:
-    what a checkpoint holds, so that it restores onto any device count."""
+    """``state`` with its padded leaves (see spmdcomm.train.layout) at their own shapes, whole over the data axes,
+    and a pipeline's stacked layers in canonical order: what a checkpoint holds, so that it restores onto any device
+    count, strategy and pipeline layout."""
     layout, mesh = state.layout, state.mesh
-    if not layout.pads:
+    if not layout.pads and not _reordered(state):
         return state
-    cut = jax.jit(
-        lambda p, o: (layout.unpadded(p, "params", mesh), layout.unpadded(o, "opt", mesh)),
-        out_shardings=(layout.unpadded_shardings(mesh, "params"), layout.unpadded_shardings(mesh, "opt")),
-    )
-    params, opt_state = cut(state.params, state.opt_state)
+
+    def cut(p: Any, o: Any) -> tuple[Any, Any]:
+        p, o = layout.unpadded(p, "params", mesh), layout.unpadded(o, "opt", mesh)
+        return _layers(state, p, "params", to_stage=False), _layers(state, o, "opt", to_stage=False)
+
+    shardings = (layout.unpadded_shardings(mesh, "params"), layout.unpadded_shardings(mesh, "opt"))
+    params, opt_state = jax.jit(cut, out_shardings=shardings)(state.params, state.opt_state)
     return state.replace(params=params, opt_state=opt_state)
 
 
 def stored(state: TrainState) -> TrainState:
-    """The inverse of :func:`unpadded`: ``state``'s leaves padded and placed as its layout stores them."""
+    """The inverse of :func:`unpadded`: ``state``'s leaves padded, ordered and placed as its layout stores them."""
     layout, mesh = state.layout, state.mesh
-    if not layout.pads:
+    if not layout.pads and not _reordered(state):
         return state
-    pad = jax.jit(
-        lambda p, o: (layout.stored(p, "params", mesh), layout.stored(o, "opt", mesh)),
-        out_shardings=(layout.shardings(mesh, "params"), layout.shardings(mesh, "opt")),
-    )
-    params, opt_state = pad(state.params, state.opt_state)
+
+    def pad(p: Any, o: Any) -> tuple[Any, Any]:
+        p, o = _layers(state, p, "params", to_stage=True), _layers(state, o, "opt", to_stage=True)
+        return layout.stored(p, "params", mesh), layout.stored(o, "opt", mesh)
+
+    shardings = (layout.shardings(mesh, "params"), layout.shardings(mesh, "opt"))
+    params, opt_state = jax.jit(pad, out_shardings=shardings)(state.params, state.opt_state)
     return state.replace(params=params, opt_state=opt_state)
+
+
+def _reordered(state: TrainState) -> bool:
+    return state.pipeline is not None and state.pipeline.repeats > 1
+
+
+def _layers(state: TrainState, tree: Any, which: str, *, to_stage: bool) -> Any:
+    if not _reordered(state):
+        return tree
+    assert state.pipeline is not None  # _reordered
+    stages = int(state.mesh.shape[state.pipeline.axis])
+    return reorder_layers(tree, state.layout.stage_stacked(which), stages, state.pipeline.repeats, to_stage=to_stage)
 
 
 def with_arrays(state: TrainState, arrays: dict[str, Any]) -> TrainState:

@@ -10,21 +10,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from spmdcomm._jax_compat import varying_axes
+
 
 @dataclasses.dataclass(frozen=True)
 class FlatLayout:
-    """How a pytree maps to flat vectors, one per dtype, keyed by the dtype name (``"float32"``); leaves keep
-    tree order inside a vector."""
+    """How a pytree maps to flat vectors, one per dtype and set of varying manual axes, keyed by :func:`flat_key`
+    (``"float32"``, ``"float32@stage"``); leaves keep tree order inside a vector."""
 
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
 
     @classmethod
-    def build(cls, tree: Any) -> FlatLayout:
+    def build(cls, tree: Any, exclude: tuple[str, ...] = ()) -> FlatLayout:
+        """The layout of ``tree``'s leaves, grouped by :func:`flat_key` (ignoring the axes in ``exclude``)."""
         leaves, treedef = jax.tree.flatten(tree)
-        dtypes = tuple(jnp.dtype(x.dtype).name for x in leaves)
-        return cls(treedef, tuple(tuple(x.shape) for x in leaves), dtypes)
+        return cls(treedef, tuple(tuple(x.shape) for x in leaves), tuple(flat_key(x, exclude) for x in leaves))
 
     def sizes(self, pad_to: int = 1) -> dict[str, int]:
         """Entries per vector, rounded up to a multiple of ``pad_to``."""
@@ -53,6 +55,15 @@ class FlatLayout:
             leaves.append(vectors[key][offsets[key] : offsets[key] + size].reshape(shape))
             offsets[key] += size
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+def flat_key(x: Any, exclude: tuple[str, ...] = ()) -> str:
+    """The vector ``x`` is packed into: its dtype's name, and the manual axes it varies over but those in
+    ``exclude`` (inside a ``shard_map``, values that vary over different axes cannot share a buffer: a pipeline's
+    stacked layers differ per stage, the other parameters' gradients do not)."""
+    name = jnp.dtype(x.dtype).name
+    over = sorted(set(varying_axes(x)) - set(exclude))
+    return f"{name}@{','.join(over)}" if over else name
 
 
 def cast(tree: Any, dtype: Any) -> Any:

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
 from spmdcomm.runtime.mesh import check_mesh_axes
+from spmdcomm.train.stack import Stacked, StageStacked, StageStackedLogical
 
 __all__ = [
     "data_axes",
@@ -78,18 +79,25 @@ def nnx_logical_specs(params: Any) -> Any:
         names = meta.get("out_sharding")
         names = getattr(names, "sharding", names)  # a jax Format: its sharding
         names = getattr(names, "spec", names)  # a NamedSharding: its spec
-        if not names:
-            return v.replace(P())
-        found = True
+        stacked = bool(meta.get("pipeline_stacked"))  # sc.nnx.PipelineStack's layers: dimension 0 is theirs
+        found = found or bool(names) or stacked
         rules = meta.get("sharding_rules")
-        return v.replace(LogicalNames(names, rules or None, strict=False, source="NNX sharding metadata"))
+        spec = LogicalNames(names, rules or None, strict=False, source="NNX sharding metadata") if names else P()
+        return v.replace(Stacked(spec) if stacked else spec)
 
     specs = jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return specs if found else None
 
 
 def model_partitioning(
-    fn: str, params: Any, param_specs: Any, mesh: Mesh, axes: tuple[str, ...], rules: LogicalRules
+    fn: str,
+    params: Any,
+    param_specs: Any,
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    rules: LogicalRules,
+    *,
+    stage: str | None = None,
 ) -> tuple[Any, tuple[P, ...] | None]:
     """``(params, model specs)``: Flax ``nn.Partitioned`` boxes in ``params`` unboxed into their specs, or
     ``param_specs`` (a tree like ``params``) flattened; logical names (``nn.LogicallyPartitioned`` boxes,
@@ -128,8 +136,12 @@ def model_partitioning(
     out = []
     for (path, leaf), spec in zip(flat, specs, strict=True):
         name, origin = jax.tree_util.keystr(path), ""
+        stacked = isinstance(spec, Stacked)
+        spec = spec.rest if stacked else spec
         if isinstance(spec, LogicalNames):
             spec, origin = rules.map(name, spec, mesh, axes)
+        if stacked:
+            spec = P(stage, *(P() if spec is None else spec))
         out.append(_check_model_spec(fn, name, np.shape(leaf), spec, mesh, axes, model_axes, origin))
     return params, tuple(out) if any(s != P() for s in out) else None
 
@@ -298,11 +310,15 @@ def _axes_of(entry: Any) -> tuple[str, ...]:
 
 
 def _box_spec(x: Any) -> Any:
-    """A Flax box's spec entry: ``LogicalNames`` for ``nn.LogicallyPartitioned``, the spec of an ``nn.Partitioned``,
-    ``P()`` for an array."""
+    """A Flax box's spec entry: ``LogicalNames`` for ``nn.LogicallyPartitioned``, the spec of an ``nn.Partitioned``
+    (:class:`Stacked` for a ``PipelineStack``'s layers), ``P()`` for an array."""
     import flax.linen as nn
     from flax.core import meta
 
+    if isinstance(x, StageStackedLogical):
+        return Stacked(LogicalNames(x.names[1:], x.rules, strict=True, source="nn.with_logical_partitioning"))
+    if isinstance(x, StageStacked):
+        return Stacked(P(*x.names[1:]))
     if isinstance(x, nn.LogicallyPartitioned):
         return LogicalNames(x.names, x.rules, strict=True, source="nn.with_logical_partitioning")
     if isinstance(x, meta.Partitioned):

@@ -18,10 +18,11 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm._cache import Cache
 from spmdcomm._jax_compat import collective_axes_in_traceback
-from spmdcomm.collectives.spmd import SpmdFunction, check_backend
 from spmdcomm.data import placement
-from spmdcomm.errors import AxisError, ShapeError, SpmdError, check_not_deleted, describe
+from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError, check_not_deleted, describe
 from spmdcomm.train._mesh_axes import step_axis_rules
+from spmdcomm.train.context import context_split
+from spmdcomm.train.pipeline import pipeline_context
 from spmdcomm.train.state import TrainState
 
 #: How many calls back a train/eval step waits for before dispatching another. XLA:CPU allows about 32
@@ -124,26 +125,30 @@ def raise_if_misplaced(fn: str, state: TrainState, *, cause: Exception | None = 
             ) from cause
 
 
-def compile_step(
-    fn: str, body: Callable[..., Any], state: TrainState, out_specs: Any, *, backend: str, donate: bool
-) -> jax.stages.Wrapped:
-    """The compiled ``body(state, data, mask)`` on the state's mesh, the batch split over its data axes; on the
-    ``shard_map`` backend manual over the data axes only (model axes are XLA's)."""
-    check_backend(fn, backend)
+def check_step_backend(fn: str, backend: str) -> None:
+    """Raises :class:`BackendError` (naming ``fn``) unless ``backend`` is ``"shard_map"``, the steps' one backend."""
     if backend == "shard_map":
-        # The state is already placed (by TrainState.create and the previous step), the batch by place_batch.
-        return jax.jit(_local(body, state, out_specs), donate_argnums=(0,) if donate else ())
-    sf = SpmdFunction(
-        body,
-        in_specs=(state.specs(), P(state.axis), P(state.axis)),
-        out_specs=out_specs,
-        mesh=state.mesh,
-        backend=backend,
-        check_vma=True,
-        donate_argnums=(0,) if donate else (),
+        return
+    if backend == "pmap":
+        raise BackendError(
+            describe(
+                fn,
+                "backend='pmap': the pmap step backend was retired. Since JAX 0.10 jax.pmap is "
+                "jax.jit(jax.shard_map(...)), and the shard_map step computes the same step (spmdcomm's "
+                "collectives still run inside your own jax.pmap and sc.spmd(..., backend='pmap')).",
+                fix=_BACKEND_FIX,
+            )
+        )
+    raise BackendError(
+        describe(fn, f"unknown backend {backend!r}; the steps run on 'shard_map' only.", fix=_BACKEND_FIX)
     )
-    sf.__name__ = fn  # its errors (a mesh pmap cannot express) name the public function, not the step's body
-    return sf.program()
+
+
+def compile_local_step(body: Callable[..., Any], state: TrainState, out_specs: Any) -> jax.stages.Wrapped:
+    """The compiled ``body(state, data, mask)`` per device (manual over the data axes only, model axes left to XLA),
+    the batch split over the data axes and the outputs laid out as ``out_specs``."""
+    # The state is already placed (by TrainState.create and the previous step), the batch by place_batch.
+    return jax.jit(_local(body, state, out_specs))
 
 
 def compile_global_step(
@@ -172,16 +177,37 @@ def compile_global_step(
 
 
 def _local(body: Callable[..., Any], state: TrainState, out_specs: Any) -> Callable[..., Any]:
-    """``body(state, data, mask)`` per device: ``shard_map`` manual over the data axes (partial-manual when the
-    mesh has model axes)."""
-    return jax.shard_map(
-        body,
-        mesh=state.mesh,
-        in_specs=(state.manual_specs(), P(state.axis), P(state.axis)),
-        out_specs=out_specs,
-        axis_names=set(state.data_axes),
-        check_vma=True,
-    )
+    """``body(state, data, mask)`` per device: ``shard_map`` manual over the data axes, the stage axis and the
+    context axis (partial-manual when the mesh has model axes). With a context axis, dimension 1 (the tokens) of
+    every data leaf of two or more dimensions is put in the context layout's order and split over that axis (the
+    rows arrive split over the batch axes and whole over the context axis, so each device keeps its own tokens)."""
+    rows = P(state.roles.batch)
+    context = state.context
+    if context is None:
+        return jax.shard_map(
+            body,
+            mesh=state.mesh,
+            in_specs=(state.manual_specs(), rows, rows),
+            out_specs=out_specs,
+            axis_names=set(state.roles.manual),
+            check_vma=True,
+        )
+    size = int(state.mesh.shape[context.axis])
+
+    def split(state: TrainState, data: Any, mask: Any) -> Any:
+        tokens = lambda x: np.ndim(x) >= 2
+        data = jax.tree.map(lambda x: jnp.take(x, context.order(x.shape[1], size), axis=1) if tokens(x) else x, data)
+        specs = jax.tree.map(lambda x: P(state.roles.batch, context.axis) if tokens(x) else rows, data)
+        return jax.shard_map(
+            body,
+            mesh=state.mesh,
+            in_specs=(state.manual_specs(), specs, rows),
+            out_specs=out_specs,
+            axis_names=set(state.roles.manual),
+            check_vma=True,
+        )(state, data, mask)
+
+    return split
 
 
 def place_batch(
@@ -192,7 +218,7 @@ def place_batch(
         fn,
         batch,
         mesh=state.mesh,
-        axis=state.axis,
+        axis=state.roles.batch if state.pipeline else state.axis,
         multiple_of=multiple_of,
         multiple_name="accum_steps",
         host_input=host_input,
@@ -206,7 +232,11 @@ def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., 
     state's logical axis rules (or the active ``nn.logical_axis_rules`` context) are in force, without their data
     axes, so that the model's ``nn.with_logical_constraint`` calls constrain only the model axes."""
     try:
-        with step_axis_rules(state.logical_axis_rules, state.data_axes):
+        with (
+            step_axis_rules(state.logical_axis_rules, state.data_axes),
+            pipeline_context(state.pipeline),
+            context_split(state.context),
+        ):
             return model_fn(*args, **kwargs)
     except (AssertionError, NameError) as e:
         bound = state.data_axes
@@ -287,6 +317,8 @@ _CONSUMED_STATE_FIX = (
     "returned. To keep the old state usable, build the step with make_train_step(..., donate=False), "
     "or copy the state first: jax.tree.map(jnp.copy, state)."
 )
+
+_BACKEND_FIX = "drop backend=..., or pass backend='shard_map'."
 
 _MISPLACED_FIX = (
     "keep the state where TrainState.create placed it, or create it on the mesh you want "

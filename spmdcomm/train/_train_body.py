@@ -10,7 +10,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.flatten_util import ravel_pytree
@@ -20,11 +19,11 @@ from spmdcomm._jax_compat import varying_axes
 from spmdcomm.data.placement import HostInput
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.train._flat import all_finite
+from spmdcomm.train._hyperparams import injected_hyperparams
 from spmdcomm.train._step import (
     call_model_fn,
     check_scalars,
     compile_global_step,
-    compile_step,
     full_mask,
     sum_dtype,
     zero_masked_rows,
@@ -40,7 +39,6 @@ class StepOptions:
     """The options of :func:`make_train_step`, validated."""
 
     loss_fn: Callable[..., Any]
-    backend: str
     accum_steps: int
     reduce_dtype: Any
     skip_nonfinite: bool
@@ -72,24 +70,23 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
     strategy, layout, axis = state.strategy, state.layout, state.data_axes
     scaled = state.loss_scale is not None
     ctx = ReduceContext(axis, state.data_size, o.reduce_dtype, o.skip_nonfinite or scaled)
-    varying = o.backend == "shard_map"
+    blocks = state.roles.blocks  # one per device of the data, stage and context axes
     # What the step itself reports: aux metrics of these names would silently replace them.
-    hyperparams = _hyperparams(state.opt_state)
+    hyperparams = injected_hyperparams(state.opt_state)
     reserved = {"loss", "examples", "model_state", *jax.eval_shape(hyperparams, state.opt_state)}
     reserved |= {"skipped"} if o.skip_nonfinite or scaled else set()
     reserved |= {"loss_scale"} if scaled else set()
-    strategy.check_backend("make_train_step", o.backend)
 
     def denominator(total: jax.Array, masked: bool) -> jax.Array | float:
         # Masked: sums of count-weighted means over the real-example count. Unmasked: sums of means
         # over the number of (equal) blocks, which needs no per-gradient multiplication.
-        return jnp.maximum(total, 1.0) if masked else float(ctx.size * o.accum_steps)
+        return jnp.maximum(total, 1.0) if masked else float(blocks * o.accum_steps)
 
     def reduce(state: TrainState, data: Any, mask: Any) -> tuple[Any, ...]:
         """Per device (manual over the axis): the gradient summed over the axis, each leaf whole or as this
         device's block (``layout.grad_specs``), the real-example total, the metric sums and the new model state."""
         data = data if mask is None else zero_masked_rows(data, mask)
-        grad_sum, metric_sums, model_state, count = _accumulate(o, ctx, state, data, mask, varying, reserved)
+        grad_sum, metric_sums, model_state, count = _accumulate(o, ctx, state, data, mask, reserved)
         # The example count, the metrics and the model state travel in one f32 vector (XLA:CPU pays
         # per buffer); XLA fuses its all-reduce with the gradients' into one collective.
         masked = mask is not None
@@ -97,21 +94,24 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
         if masked:
             weighted_state = jax.tree.map(lambda v: jnp.where(count > 0, count * v, jnp.zeros_like(v)), weighted_state)
         vec, unravel = ravel_pytree((count, metric_sums, weighted_state))
+        # The stage and context axes split the batch too: their devices saw other rows, or other tokens of them.
+        others = state.roles.manual[len(state.data_axes) :]
+        if others:
+            vec = lax.psum(vec, others)
         vec, reduced = strategy.reduce(ctx, layout, grad_sum, vec)
         total, metric_sums, stats = unravel(vec)
         denom = denominator(total, masked)
         new_model_state = _merge_model_state(
-            model_state, jax.tree.map(lambda v: v / denom, stats), axis, state.model_state
+            model_state, jax.tree.map(lambda v: v / denom, stats), state.roles.manual, state.model_state
         )
         return reduced, total, metric_sums, new_model_state
 
     def update(
         state: TrainState, masked: bool, reduced: Any, total: jax.Array, metric_sums: Any, new_model_state: Any
     ) -> tuple[TrainState, dict[str, jax.Array]]:
-        """The optimizer step on the model's tree: in the global view (shard_map backend), where each leaf is a
-        sharded array and XLA adds the reductions a global norm or a per-leaf statistic needs; inside pmap (DDP
-        only) on the replicated tree. The optimizer sees every leaf at its own shape: padded leaves are cut to it
-        before and padded again after (see spmdcomm.train.layout)."""
+        """The optimizer step on the model's tree, in the global view: each leaf is a sharded array and XLA adds the
+        reductions a global norm or a per-leaf statistic needs. The optimizer sees every leaf at its own shape:
+        padded leaves are cut to it before and padded again after (see spmdcomm.train.layout)."""
         denom = denominator(total, masked)
         reduced = layout.unpadded(reduced, "grads", state.mesh)
         stored_params, stored_opt_state = state.params, state.opt_state
@@ -146,7 +146,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
             model_state=keep(new_model_state, state.model_state),
         )
         metrics = {k: v / denom for k, v in metric_sums.items()}
-        metrics["examples"] = total
+        metrics["examples"] = total / _context_size(state)  # every context device counted its rows
         if finite is not None:
             metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         if scaled:
@@ -156,10 +156,6 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
         metrics.update(hyperparams(opt_state))
         return new_state, metrics
 
-    specs = state.specs()
-    if o.backend == "pmap":
-        body = lambda state, data, mask: update(state, mask is not None, *reduce(state, data, mask))
-        return compile_step("make_train_step", body, state, (specs, P()), backend=o.backend, donate=o.donate)
     reduced_specs = (layout.manual_specs("grads"), P(), P(), P())
     return compile_global_step(
         "make_train_step",
@@ -172,7 +168,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
 
 
 def _accumulate(
-    o: StepOptions, ctx: ReduceContext, state: TrainState, data: Any, mask: Any, varying: bool, reserved: set[str]
+    o: StepOptions, ctx: ReduceContext, state: TrainState, data: Any, mask: Any, reserved: set[str]
 ) -> tuple[Any, ...]:
     """Runs loss_fn over the micro-batches.
 
@@ -190,8 +186,8 @@ def _accumulate(
     # a device's gradient also holds the other devices' losses wherever the model couples them (synchronised
     # BatchNorm statistics: the transpose of their all-reduce), and split parameters (FSDP) come out summed over
     # the axis by the transpose of the gather; each of those terms must carry its own device's weight.
-    params = _vary(state.params, axis, varying)
-    weight = _loss_weight(state, mask, masked, k, ctx.size)
+    params = _vary(state.params, axis)
+    weight = _loss_weight(state, mask, masked, k)
     grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, masked, reserved), has_aux=True)
     extra = {"step": state.step} if _takes_keyword(o.loss_fn, "step") else {}
 
@@ -216,12 +212,15 @@ def _accumulate(
         weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v)
         metrics = jax.tree.map(lambda v: weigh(v.astype(sum_dtype(v.dtype))), {"loss": loss, **aux})
         if masked and strategy.local_grads:
-            # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN.
-            grads = jax.tree.map(lambda g: jnp.where(c > 0, g, jnp.zeros_like(g)), grads)
+            # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN. In a
+            # pipeline every gradient holds the rows of the whole stage group (the stack's through the schedule,
+            # the other layers' summed over the stage axis by autodiff): it is kept when any of them is real.
+            seen = c if state.pipeline is None else lax.psum(c, state.pipeline.axis)
+            grads = jax.tree.map(lambda g: jnp.where(seen > 0, g, jnp.zeros_like(g)), grads)
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 
     batch0, mask0 = jax.tree.map(lambda x: x[0], micro)
-    first = one(_vary(state.model_state, axis, varying), batch0, mask0, 0)
+    first = one(_vary(state.model_state, state.roles.manual), batch0, mask0, 0)
     if k == 1:
         return first
 
@@ -233,14 +232,14 @@ def _accumulate(
         return (add(grad_sum, grads), add(metric_sums, metrics), model_state, count + c), None
 
     rest = jax.tree.map(lambda x: x[1:], micro)
-    carry, _ = lax.scan(body, _vary(first, axis, varying), (rest, jnp.arange(1, k)))
+    carry, _ = lax.scan(body, _vary(first, axis), (rest, jnp.arange(1, k)))
     return carry
 
 
 def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], jax.Array]:
     """The ``rng`` of micro-batch ``j`` (``rows`` examples) on this device."""
     step_rng = jax.random.fold_in(state.rng, state.step)
-    device = lax.axis_index(state.data_axes)  # row-major over the data axes, as the batch is split
+    device = lax.axis_index(state.roles.batch)  # row-major over the batch axes, as the batch is split
     if o.rng == "per_example":
         # Device d's block holds global rows [d * k * rows, (d + 1) * k * rows); micro-batch j of it
         # starts j * rows further. Every device shares step_rng: only the row offset differs.
@@ -250,10 +249,10 @@ def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], 
     return lambda j: jax.random.fold_in(device_rng, j)
 
 
-def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int, size: int) -> Callable[[jax.Array], Any]:
+def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int) -> Callable[[jax.Array], Any]:
     """``f(count) -> weight``: what a micro-batch's mean loss is multiplied by before differentiating, given its
-    real-example ``count`` (``mask`` is this device's block of the step's mask, ``k`` micro-batches of it, over
-    ``size`` devices).
+    real-example ``count`` (``mask`` is this device's block of the step's mask, ``k`` micro-batches of it, one block
+    per device of the batch axes).
 
     Without loss scaling: the count when the batch is masked (the sum over devices is then divided by the total
     count), else 1 (divided by the number of blocks). With loss scaling the weight is the micro-batch's share of the
@@ -263,8 +262,8 @@ def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int, size:
     if state.loss_scale is None:
         return (lambda c: c) if masked else (lambda c: 1.0)
     if not masked:
-        return lambda c: 1.0 / (size * k)
-    total = jnp.maximum(lax.psum(jnp.sum(mask, dtype=jnp.float32), state.data_axes), 1.0)
+        return lambda c: 1.0 / (state.roles.blocks * k)
+    total = jnp.maximum(lax.psum(jnp.sum(mask, dtype=jnp.float32), state.roles.manual), 1.0)
     return lambda c: c / total
 
 
@@ -300,29 +299,6 @@ def _differentiable_loss(
         return value, (loss, dict(aux))
 
     return wrapped
-
-
-def _hyperparams(opt_state: Any) -> Callable[[Any], dict[str, jax.Array]]:
-    """``f(opt_state) -> {name: value}``: the scalar hyperparameters of the ``optax.inject_hyperparams`` states in
-    ``opt_state`` (as the update just used them), named as given to ``inject_hyperparams``, prefixed with the state's
-    path when several states hold the same name."""
-
-    def is_injected(x: Any) -> bool:
-        return isinstance(x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState))
-
-    def found(tree: Any) -> list[tuple[str, str, Any]]:
-        injected = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_injected)[0]
-        return [
-            (jax.tree_util.keystr(path), name, value)
-            for path, node in injected
-            if is_injected(node)
-            for name, value in sorted(node.hyperparams.items())
-            if np.ndim(value) == 0
-        ]
-
-    names = [name for _, name, _ in found(opt_state)]
-    label = lambda path, name: f"{path}/{name}" if names.count(name) > 1 else name
-    return lambda tree: {label(p, n): jnp.asarray(v, jnp.float32) for p, n, v in found(tree)}
 
 
 def _check_aux_names(aux: dict[str, Any], reserved: set[str]) -> None:
@@ -365,11 +341,13 @@ def _check_same_tree(old: Any, new: Any) -> None:
         )
 
 
-def _vary(tree: Any, axes: tuple[str, ...], varying: bool) -> Any:
+def _context_size(state: TrainState) -> int:
+    return int(state.mesh.shape[state.context.axis]) if state.context is not None else 1
+
+
+def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
     # Marks values as varying over every data axis so that jax.grad returns the per-device gradient instead
-    # of one already summed over the axes (shard_map with check_vma=True). pmap has no such typing.
-    if not varying:
-        return tree
+    # of one already summed over the axes (shard_map with check_vma=True).
 
     def one(x: jax.Array) -> jax.Array:
         missing = tuple(a for a in axes if a not in varying_axes(x))

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm.collectives.spmd import check_backend
 from spmdcomm.data.placement import HostInput, check_host_input
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.train._step import (
@@ -21,7 +20,8 @@ from spmdcomm.train._step import (
     call_model_fn,
     check_in_flight,
     check_scalars,
-    compile_step,
+    check_step_backend,
+    compile_local_step,
     dispatch,
     full_mask,
     place_batch,
@@ -37,7 +37,7 @@ __all__ = ["EvalStep", "evaluate", "make_eval_step"]
 def make_eval_step(
     metric_fn: Callable[..., Any],
     *,
-    backend: Literal["shard_map", "pmap"] = "shard_map",
+    backend: Literal["shard_map"] = "shard_map",
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     host_input: HostInput = "local",
 ) -> EvalStep:
@@ -49,7 +49,7 @@ def make_eval_step(
     Args:
       metric_fn: ``metric_fn(params, batch, *, apply_fn, model_state, mask)`` returns a dict of scalar means over
         the real examples of this device's block (or a scalar, reported as ``"loss"``).
-      backend: as in :func:`~spmdcomm.make_train_step`.
+      backend: ``"shard_map"``, the one backend, as in :func:`~spmdcomm.make_train_step`.
       max_in_flight: as in :func:`~spmdcomm.make_train_step`.
       host_input: as in :func:`~spmdcomm.make_train_step`.
 
@@ -59,7 +59,7 @@ def make_eval_step(
       real examples.
 
     Raises:
-      BackendError: when ``backend`` is not ``"shard_map"`` or ``"pmap"``.
+      BackendError: when ``backend`` is not ``"shard_map"`` (``"pmap"`` names its retirement).
       SpmdError: when ``max_in_flight`` is not an int in 1..16 or ``host_input`` not one of its values.
 
     Examples:
@@ -71,10 +71,9 @@ def make_eval_step(
       >>> float(evaluate(state, sc.pad_batch(np.arange(5.0, dtype=np.float32), 8))["mean_pred"])
       4.0
     """
-    check_backend("make_eval_step", backend)
+    check_step_backend("make_eval_step", backend)
     return EvalStep(
         metric_fn,
-        backend=backend,
         max_in_flight=check_in_flight("make_eval_step", max_in_flight),
         host_input=check_host_input("make_eval_step", host_input),
     )
@@ -145,14 +144,12 @@ class EvalStep:
 
     Args:
       metric_fn: the user's metric function, as :func:`make_eval_step` describes it.
-      backend: ``"shard_map"`` or ``"pmap"`` (checked by :func:`make_eval_step`).
       max_in_flight: how many calls back a call waits for before dispatching (checked, 1..16).
       host_input: what a host (NumPy) batch means with several processes, ``"local"`` or ``"global"``.
     """
 
-    def __init__(self, metric_fn: Callable[..., Any], *, backend: str, max_in_flight: int, host_input: HostInput):
+    def __init__(self, metric_fn: Callable[..., Any], *, max_in_flight: int, host_input: HostInput):
         self.metric_fn = metric_fn
-        self.backend = backend
         self.host_input = host_input
         self.max_in_flight = max_in_flight
         self._window = Window(max_in_flight)
@@ -174,7 +171,6 @@ class EvalStep:
           ShapeError: when the batch's rows do not split evenly over the data devices, or ``metric_fn`` returns a
             non-scalar metric.
           AxisError: when ``metric_fn`` runs a collective over an axis the step does not run over.
-          BackendError: when the state's strategy does not run on the step's backend.
         """
         program = self._cache.program(state)
         self._window.wait_for_room()
@@ -198,7 +194,6 @@ class EvalStep:
 
     def _compile(self, state: TrainState) -> jax.stages.Wrapped:
         axis, strategy = state.data_axes, state.strategy
-        strategy.check_backend("make_eval_step", self.backend)
         ctx = ReduceContext(axis, state.data_size, None, False)
 
         def body(state: TrainState, data: Any, mask: Any) -> dict[str, jax.Array]:
@@ -220,7 +215,9 @@ class EvalStep:
             check_scalars("make_eval_step", metrics, "metric_fn")
             count = jnp.sum(mask, dtype=jnp.float32)
             sums = {k: jnp.where(count > 0, count * v.astype(sum_dtype(v.dtype)), 0.0) for k, v in metrics.items()}
-            total, sums = lax.psum((count, sums), axis)
-            return {**{k: v / jnp.maximum(total, 1.0) for k, v in sums.items()}, "examples": total}
+            total, sums = lax.psum((count, sums), state.roles.manual)
+            # Every device of the context axis counted its rows (holding other tokens of them).
+            examples = total / state.roles.size((state.context.axis,)) if state.context is not None else total
+            return {**{k: v / jnp.maximum(total, 1.0) for k, v in sums.items()}, "examples": examples}
 
-        return compile_step("make_eval_step", body, state, P(), backend=self.backend, donate=False)
+        return compile_local_step(body, state, P())

@@ -55,7 +55,6 @@ class FSDP(Strategy):
     name: ClassVar[str] = "fsdp"
     shards_params: ClassVar[bool] = True
     shards_optimizer: ClassVar[bool] = True
-    backends: ClassVar[tuple[str, ...]] = ("shard_map",)
     reshard_after_forward: bool = True
     param_dtype: Any = None
 

@@ -38,51 +38,10 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm.train import _blocks
 from spmdcomm.train._flat import cast
+from spmdcomm.train._specs import dim as _dim
+from spmdcomm.train._specs import manual_spec, mirrored, names, path_key, shard_dim, shard_spec
 
 __all__ = ["TreeLayout", "shard_spec", "shard_dim"]
-
-
-def shard_dim(shape: tuple[int, ...], n: int, taken: tuple[Any, ...] = ()) -> int | None:
-    """The dimension of ``shape`` split ``n`` ways among those whose entry in ``taken`` (a model spec) is None: the
-    first whose size is a positive multiple of ``n``; else, for a leaf of at least ``n`` elements, the one that
-    padding to a multiple of ``n`` grows least (the first of equals); else None (the leaf stays whole)."""
-    free = [dim for dim in range(len(shape)) if dim >= len(taken) or taken[dim] is None]
-    for dim in free:
-        if shape[dim] >= n and shape[dim] % n == 0:
-            return dim
-    if not free or math.prod(shape) < n:
-        return None
-    return min(free, key=lambda dim: math.prod(_blocks.padded(shape, dim, n)))
-
-
-def shard_spec(shape: tuple[int, ...], axis: str, n: int, model: P | None = None) -> P:
-    """The ``PartitionSpec`` that splits a leaf of ``shape`` over ``axis`` (``n`` devices) on a dimension that
-    its ``model`` spec leaves free, keeping the model spec's entries; ``model`` itself when none divides.
-
-    >>> shard_spec((3, 3, 16, 32), "data", 8), shard_spec((10,), "data", 8), shard_spec((5,), "data", 8)
-    (P(None, None, 'data'), P('data',), P())
-    >>> shard_spec((16, 32), "data", 8, model=P("model"))
-    P('model', 'data')
-    """
-    model = P() if model is None else model
-    dim = shard_dim(tuple(shape), n, tuple(model)) if n > 1 else None
-    if dim is None:
-        return model
-    entries = list(model) + [None] * (dim + 1 - len(model))
-    entries[dim] = axis
-    return P(*entries)
-
-
-def manual_spec(spec: P, axes: tuple[str, ...]) -> P:
-    """``spec`` with only the entries over ``axes`` (the manual axes of a partial-manual ``shard_map``).
-
-    >>> manual_spec(P("model", "data"), ("data",))
-    P(None, 'data')
-    """
-    entries = [_keep(e, axes) for e in spec]
-    while entries and entries[-1] is None:
-        entries.pop()
-    return P(*entries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +63,9 @@ class TreeLayout:
     opt_shapes: tuple[tuple[int, ...], ...] = ()
     opt_dtypes: tuple[str, ...] = ()
     bucket_bytes: int | None = None
+    stage: str | None = None
+    mesh_axes: tuple[str, ...] = ()
+    mesh_sizes: tuple[int, ...] = ()
 
     @classmethod
     def build(
@@ -114,11 +76,13 @@ class TreeLayout:
         axes: tuple[str, ...],
         *,
         model_specs: tuple[P, ...] | None = None,
+        stage: str | None = None,
         shard_params: bool,
         shard_grads: bool,
         bucket_bytes: int | None = None,
     ) -> TreeLayout:
-        """``model_specs``: each parameter leaf's spec over the model axes (None: none), checked already."""
+        """``model_specs``: each parameter leaf's spec over the model axes and the ``stage`` axis (None: none),
+        checked already."""
         n = int(mesh.shape[axes[-1]])
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         shapes = tuple(tuple(np.shape(x)) for _, x in flat)
@@ -130,14 +94,21 @@ class TreeLayout:
         # An optimizer leaf that mirrors a parameter (a moment, a trace: the parameter's path ends its path, with
         # the parameter's shape) is laid out as that parameter's gradient; any other leaf (factored statistics,
         # counts, hyperparameters) is split by its own shape over the shard axis, and replicated over model axes.
-        by_path = {_path_key(path): i for i, (path, _) in enumerate(flat)}
+        # A leaf of a stacked parameter's statistics (Adafactor's factored moments of [L, a, b]: [L, a]) keeps the
+        # layers on dimension 0, split over the stage axis as the parameter's.
+        by_path = {path_key(path): i for i, (path, _) in enumerate(flat)}
         opt_specs = []
         for path, leaf in opt_flat:
-            i = _mirrored(by_path, path, np.shape(leaf), shapes)
+            i = mirrored(by_path, path, np.shape(leaf), shapes)
             if i is not None:
                 opt_specs.append(grads[i])
-            else:
-                opt_specs.append(shard_spec(np.shape(leaf), axes[-1], n) if shard_grads else P())
+                continue
+            owner = mirrored(by_path, path, None, shapes)
+            stacked = P()
+            if stage and owner is not None and names(model[owner], 0) == stage:
+                if np.ndim(leaf) and np.shape(leaf)[0] == shapes[owner][0]:
+                    stacked = P(stage)
+            opt_specs.append(shard_spec(np.shape(leaf), axes[-1], n, stacked) if shard_grads else stacked)
         return cls(
             axes=tuple(axes),
             size=n,
@@ -151,6 +122,9 @@ class TreeLayout:
             opt_shapes=tuple(tuple(np.shape(x)) for _, x in opt_flat),
             opt_dtypes=tuple(jnp.dtype(x.dtype).name for _, x in opt_flat),
             bucket_bytes=bucket_bytes,
+            stage=stage,
+            mesh_axes=tuple(mesh.axis_names),
+            mesh_sizes=tuple(int(mesh.shape[a]) for a in mesh.axis_names),
         )
 
     @property
@@ -164,10 +138,21 @@ class TreeLayout:
         return self.axes[:-1]
 
     def manual_specs(self, which: str) -> Any:
-        """The specs of ``"params"``, ``"grads"`` or ``"opt"`` over the data axes only: a ``shard_map`` that is
-        manual over the data axes and leaves the model axes to XLA takes these (a tree)."""
+        """The specs of ``"params"``, ``"grads"`` or ``"opt"`` over the manual axes only (the data axes and the
+        stage axis): a ``shard_map`` that is manual over them and leaves the model axes to XLA takes these (a
+        tree)."""
         specs, treedef = self._specs(which)
-        return jax.tree.unflatten(treedef, [manual_spec(s, self.axes) for s in specs])
+        return jax.tree.unflatten(treedef, [manual_spec(s, self.manual_axes) for s in specs])
+
+    @property
+    def manual_axes(self) -> tuple[str, ...]:
+        """The axes the steps map by hand: the data axes, then the stage axis (if any)."""
+        return self.axes + ((self.stage,) if self.stage else ())
+
+    def stage_stacked(self, which: str) -> tuple[bool, ...]:
+        """For each leaf of ``"params"``, ``"grads"`` or ``"opt"``: whether it holds stacked layers split over the
+        stage axis (dimension 0)."""
+        return tuple(bool(self.stage) and names(s, 0) == self.stage for s in self._specs(which)[0])
 
     @property
     def param_specs(self) -> Any:
@@ -272,7 +257,7 @@ class TreeLayout:
         out = list(leaves)
         for idx in self._by_dtype(self.grad_leaf_specs).values():
             dims = [self._split_dim(self.grad_leaf_specs[i]) for i in idx]
-            stored = [self._stored(self.shapes[i], self.grad_leaf_specs[i]) for i in idx]
+            stored = [self._stored(self._local(i), self.grad_leaf_specs[i]) for i in idx]
             rows = [
                 _blocks.to_blocks(_blocks.pad_to(cast(leaves[i], reduce_dtype), d, p), d, self.size)
                 for i, d, p in zip(idx, dims, stored, strict=True)
@@ -305,7 +290,7 @@ class TreeLayout:
             is_float = jnp.issubdtype(leaves[i].dtype, jnp.floating)
             compute = jnp.dtype(compute_dtype if compute_dtype is not None and is_float else leaves[i].dtype)
             low = jnp.dtype(reduce_dtype) if reduce_dtype is not None and is_float else compute
-            out[i] = _blocks.gather_leaf(leaves[i], self.shard_axis, dim, compute, low, self.shapes[i][dim])
+            out[i] = _blocks.gather_leaf(leaves[i], self.shard_axis, dim, compute, low, self._local(i)[dim])
         return jax.tree.unflatten(self.treedef, out)
 
     def gather_blocks(self, blocks: Any) -> Any:
@@ -320,8 +305,8 @@ class TreeLayout:
             rows = lax.all_gather(local, self.shard_axis, tiled=False, to="invarying")
             for i, part in zip(idx, _blocks.split(rows, [x.shape[0] for x in flat]), strict=True):
                 dim = self._split_dim(self.grad_leaf_specs[i])
-                whole = _blocks.from_blocks(part, self._stored(self.shapes[i], self.grad_leaf_specs[i]), dim, self.size)
-                out[i] = _blocks.cut(whole, dim, self.shapes[i])
+                whole = _blocks.from_blocks(part, self._stored(self._local(i), self.grad_leaf_specs[i]), dim, self.size)
+                out[i] = _blocks.cut(whole, dim, self._local(i))
         return jax.tree.unflatten(self.treedef, out)
 
     def is_split(self, which: str) -> tuple[bool, ...]:
@@ -331,6 +316,14 @@ class TreeLayout:
     def _specs(self, which: str) -> tuple[tuple[P, ...], Any]:
         specs = {"params": self.param_leaf_specs, "grads": self.grad_leaf_specs, "opt": self.opt_leaf_specs}[which]
         return specs, self.opt_treedef if which == "opt" else self.treedef
+
+    def _local(self, i: int) -> tuple[int, ...]:
+        """Parameter leaf ``i``'s shape inside the steps' ``shard_map``: a stacked leaf holds this stage's layers."""
+        shape = self.shapes[i]
+        if not self.stage or names(self.param_leaf_specs[i], 0) != self.stage:
+            return shape
+        stages = dict(zip(self.mesh_axes, self.mesh_sizes, strict=True))[self.stage]
+        return (shape[0] // stages,) + shape[1:]
 
     def _stored(self, shape: tuple[int, ...], spec: P) -> tuple[int, ...]:
         dim = self._dim(spec)
@@ -345,44 +338,14 @@ class TreeLayout:
         assert dim is not None  # _by_dtype picks only the leaves the shard axis splits
         return dim
 
-    def _by_dtype(self, specs: tuple[P, ...]) -> dict[str, list[int]]:
-        """The indices of the leaves of ``specs`` that the shard axis splits, by dtype."""
-        buckets: dict[str, list[int]] = collections.defaultdict(list)
+    def _by_dtype(self, specs: tuple[P, ...]) -> dict[tuple[str, bool], list[int]]:
+        """The indices of the leaves of ``specs`` that the shard axis splits, by dtype and by whether they hold a
+        pipeline's stacked layers (which differ per stage: one buffer cannot hold both kinds)."""
+        buckets: dict[tuple[str, bool], list[int]] = collections.defaultdict(list)
         for i, spec in enumerate(specs):
             if self._dim(spec) is not None:
-                buckets[self.dtypes[i]].append(i)
+                buckets[self.dtypes[i], bool(self.stage) and names(spec, 0) == self.stage].append(i)
         return buckets
 
 
 # --------------------------------------------------------------------------------------------------
-
-
-def _dim(spec: P, axis: str) -> int | None:
-    """The dimension ``spec`` splits over ``axis`` alone (None: none)."""
-    return next((d for d, entry in enumerate(spec) if entry == axis), None)
-
-
-def _keep(entry: Any, axes: tuple[str, ...]) -> Any:
-    """A spec entry with only the names in ``axes`` (None when none is left)."""
-    names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n in axes)
-    return None if not names else names[0] if len(names) == 1 else names
-
-
-def _path_key(path: tuple[Any, ...]) -> tuple[str, ...]:
-    return tuple(str(k) for k in path)
-
-
-def _mirrored(
-    by_path: dict[tuple[str, ...], int],
-    path: tuple[Any, ...],
-    shape: tuple[int, ...],
-    shapes: tuple[tuple[int, ...], ...],
-) -> int | None:
-    """The parameter leaf an optimizer leaf at ``path`` mirrors: the one whose path ends ``path`` (longest
-    first) with the same shape; None when there is none."""
-    key = _path_key(path)
-    for start in range(len(key)):
-        i = by_path.get(key[start:])
-        if i is not None and shapes[i] == tuple(shape):
-            return i
-    return None

@@ -37,7 +37,7 @@ from jax.extend import random as jex_random
 
 from spmdcomm.errors import ShapeError, SpmdError, describe
 
-__all__ = ["per_example_key", "is_per_example_key", "stream_key_for_call", "RNG_MODES"]
+__all__ = ["per_example_key", "sub_block_key", "raw_key", "is_per_example_key", "stream_key_for_call", "RNG_MODES"]
 
 RNG_MODES = ("per_device", "per_example")
 
@@ -59,6 +59,30 @@ def per_example_key(key: Any, *, offset: Any, rows: int) -> jax.Array:
     offset = jnp.asarray(offset, jnp.uint32)
     words = jnp.concatenate([data, jnp.broadcast_to(offset, data.shape[:-1] + (1,))], axis=-1)
     return jax.random.wrap_key_data(words, impl=_per_example_impl(int(rows)))
+
+
+def sub_block_key(key: Any, *, shift: Any, rows: int) -> Any:
+    """The key of ``rows`` rows starting ``shift`` rows after the first row of ``key``'s block (``shift`` may be
+    traced and negative: rows another device started with). A per-example key keeps its threefry part and moves its
+    global offset, so a sub-block draws exactly the bits of those examples; any other key is folded with ``shift``
+    (its draws depend on the split, as per-device keys do)."""
+    if _rows_of(key) is None:
+        return jax.random.fold_in(key, jnp.asarray(shift, jnp.int32).astype(jnp.uint32))
+    data = jax.random.key_data(key)
+    return per_example_key(
+        data[..., :2], offset=data[..., 2] + jnp.asarray(shift, jnp.int32).astype(jnp.uint32), rows=rows
+    )
+
+
+def raw_key(rng: Any) -> np.ndarray:
+    """``rng`` (an int seed, a raw or typed key, or None for seed 0) as a host ``uint32[2]`` raw key."""
+    if rng is None:
+        rng = 0
+    if isinstance(rng, (int, np.integer)):
+        rng = jax.random.PRNGKey(int(rng))
+    if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    return np.asarray(rng, dtype=np.uint32)
 
 
 def is_per_example_key(key: Any) -> bool:

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
@@ -28,9 +27,12 @@ from spmdcomm.train._mesh_axes import (
     model_partitioning,
     nnx_logical_specs,
 )
+from spmdcomm.train.context import ContextParallel
 from spmdcomm.train.loss_scale import resolve_loss_scale
 from spmdcomm.train.memory import StateMemory, device_bytes
-from spmdcomm.train.rng import data_to_keys, keys_to_data
+from spmdcomm.train.pipeline import Pipeline, reorder_layers, stack_in_stage_order
+from spmdcomm.train.rng import data_to_keys, keys_to_data, raw_key
+from spmdcomm.train.roles import MeshRoles, mesh_roles
 from spmdcomm.train.strategies import DDP, Strategy, resolve_strategy
 
 __all__ = ["TrainState", "optimizer_state_bytes"]
@@ -63,6 +65,10 @@ class TrainState:
       logical_axis_rules: the Flax logical axis rules in force when the state was created (given to
         :meth:`create` or from the active ``nn.logical_axis_rules`` context), as a tuple of pairs; ``None`` when
         there were none. The steps trace the model under them, without their data axes.
+      pipeline: the :class:`~spmdcomm.Pipeline` that splits the model's stacked layers over the stage axis
+        (``None``: no pipeline); see :mod:`spmdcomm.train.pipeline`.
+      context: the :class:`~spmdcomm.ContextParallel` that splits every sequence of the batch over the context axis
+        (``None``: none); see :mod:`spmdcomm.train.context`.
     """
 
     step: jax.Array
@@ -78,6 +84,8 @@ class TrainState:
     strategy: Strategy = flax.struct.field(pytree_node=False, default=None)
     layout: Any = flax.struct.field(pytree_node=False, default=None)
     logical_axis_rules: Any = flax.struct.field(pytree_node=False, default=None)
+    pipeline: Pipeline | None = flax.struct.field(pytree_node=False, default=None)
+    context: ContextParallel | None = flax.struct.field(pytree_node=False, default=None)
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it when the class is built; declared for type checkers
 
@@ -98,6 +106,8 @@ class TrainState:
         param_specs: Any = None,
         loss_scale: Any = None,
         logical_axis_rules: Any = None,
+        pipeline: Pipeline | None = None,
+        context: ContextParallel | None = None,
     ) -> TrainState:
         """Builds the state and places it on ``mesh`` as ``strategy`` says (default: replicated, DDP).
 
@@ -140,6 +150,12 @@ class TrainState:
             result are dropped, since the strategy splits parameters over those. ``None`` (default): the active
             ``nn.logical_axis_rules`` context's rules. The state keeps them for the steps' tracing
             (:attr:`logical_axis_rules`).
+          pipeline: ``sc.Pipeline(microbatches=m, axis="stage", repeats=v)`` splits the leaves stacked by
+            ``sc.PipelineStack`` (or given the spec ``P("stage", ...)``) over the stage axis, and the steps run them
+            as a pipeline; the batch is split over the data axes and the stage axis. ``None`` (default): none.
+          context: ``sc.ContextParallel(axis="context")`` splits dimension 1 (the tokens) of every batch leaf of two
+            or more dimensions over the context axis inside the steps; the model's attention goes through
+            ``sc.context_attention``. ``None`` (default): none.
 
         Returns:
           The new :class:`TrainState` at step 0, every leaf placed as the strategy's layout says.
@@ -169,11 +185,14 @@ class TrainState:
         """
         mesh = default_mesh() if mesh is None else mesh
         axis = check_data_axes("TrainState.create", mesh, axis)
+        roles = mesh_roles("TrainState.create", mesh, axis, pipeline, context)
         strategy = resolve_strategy("TrainState.create", strategy)
         rules = LogicalRules("TrainState.create", logical_axis_rules)
-        params, model_specs = model_partitioning("TrainState.create", params, param_specs, mesh, data_axes(axis), rules)
+        params, model_specs = model_partitioning(
+            "TrainState.create", params, param_specs, mesh, roles.data, rules, stage=roles.stage
+        )
         model_state = {} if model_state is None else model_state
-        rng = _raw_key(rng)
+        rng = raw_key(rng)
         loss_scale = resolve_loss_scale("TrainState.create", loss_scale)
         # Typed key leaves (Flax NNX RngKey) cross the host as their uint32 key data: NumPy and the
         # multi-process broadcast only move plain arrays.
@@ -182,7 +201,9 @@ class TrainState:
         params, model_state, rng, loss_scale = data_to_keys(
             placement.place("TrainState.create", host, NamedSharding(mesh, P()), host_input="global"), key_impls
         )
-        layout = strategy.layout(params, tx, mesh, data_axes(axis), model_specs)
+        layout = strategy.layout(params, tx, mesh, roles.data, model_specs, stage=roles.stage)
+        if pipeline is not None:
+            params = stack_in_stage_order("TrainState.create", params, layout, pipeline)
         # The optimizer state is tx.init of the model's own tree; leaves that no dimension divides are stored padded.
         opt_state = jax.jit(
             lambda p: layout.stored(tx.init(p), "opt", mesh), out_shardings=layout.shardings(mesh, "opt")
@@ -204,6 +225,8 @@ class TrainState:
             strategy=strategy,
             layout=layout,
             logical_axis_rules=rules.rules or None,
+            pipeline=pipeline,
+            context=context,
         )
 
     @classmethod
@@ -253,13 +276,18 @@ class TrainState:
         return cls.create(params=params, tx=tx, apply_fn=graphdef, model_state=rest, **kwargs)
 
     @property
+    def roles(self) -> MeshRoles:
+        """What each mesh axis does: data axes (replicate, shard), the pipeline's stage axis, model axes."""
+        return mesh_roles("TrainState", self.mesh, self.axis, self.pipeline, self.context)
+
+    @property
     def data_axes(self) -> tuple[str, ...]:
-        """The mesh axes the batch is split over, as a tuple (``("data",)``)."""
+        """The data axes, as a tuple (``("data",)``); with a pipeline the batch is split over the stage axis too."""
         return data_axes(self.axis)
 
     @property
     def data_size(self) -> int:
-        """How many devices the batch is split over: the product of the data axes' sizes."""
+        """How many devices the data axes span: the product of their sizes."""
         return math.prod(int(self.mesh.shape[a]) for a in self.data_axes)
 
     def specs(self) -> TrainState:
@@ -306,7 +334,8 @@ class TrainState:
 
         Returns:
           ``params`` itself, or, under a strategy that splits the parameters (:class:`~spmdcomm.FSDP`), ``params``
-          gathered (still split over the model axes, if any).
+          gathered (still split over the model axes and a pipeline's stage axis, if any), padded leaves at their
+          own shapes and stacked layers in canonical order.
 
         Examples:
           >>> import optax
@@ -314,12 +343,18 @@ class TrainState:
           >>> s.params["w"].shape, s.params["w"].sharding.spec, s.full_params()["w"].sharding.spec
           ((8, 3), P('data',), P())
         """
-        return self.strategy.full_params(self.layout, self.mesh, self.params)
+        full = self.strategy.full_params(self.layout, self.mesh, self.params)
+        if self.pipeline is None or self.pipeline.repeats == 1:
+            return full
+        # Stored in the circular schedule's stage order: back to the canonical layer order.
+        stages, stacked = int(self.mesh.shape[self.pipeline.axis]), self.layout.stage_stacked("params")
+        reorder = lambda p: reorder_layers(p, stacked, stages, self.pipeline.repeats, to_stage=False)
+        return jax.jit(reorder, out_shardings=jax.tree.map(lambda x: x.sharding, full))(full)
 
     @property
     def model_axes(self) -> tuple[str, ...]:
-        """The mesh axes that are not data axes (the model's own)."""
-        return tuple(a for a in self.mesh.axis_names if a not in self.data_axes)
+        """The mesh axes that are neither data axes nor the stage axis (the model's own)."""
+        return self.roles.model
 
     def memory(self) -> StateMemory:
         """The bytes of the state one device holds, by part (``sc.explain`` of a step shows them too).
@@ -363,16 +398,3 @@ def optimizer_state_bytes(state: TrainState) -> int:
       8004
     """
     return device_bytes(state.opt_state)
-
-
-# --------------------------------------------------------------------------------------------------
-
-
-def _raw_key(rng: Any) -> np.ndarray:
-    if rng is None:
-        rng = 0
-    if isinstance(rng, (int, np.integer)):
-        rng = jax.random.PRNGKey(int(rng))
-    if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
-        rng = jax.random.key_data(rng)
-    return np.asarray(rng, dtype=np.uint32)

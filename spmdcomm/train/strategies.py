@@ -36,7 +36,7 @@ own shape: optax sees the model's tree with its true shapes, so masks and labels
 clipping, per-leaf trust ratios (LAMB, LARS) and factored statistics (Adafactor) are exactly those of one device,
 and XLA inserts the small reductions they need. A padded leaf of ``state.params`` or ``state.opt_state`` has its
 stored (padded) shape; :meth:`TrainState.full_params <spmdcomm.TrainState.full_params>` and checkpoints give the
-model's own shapes. ZeRO-1, ZeRO-2 and FSDP run on the ``shard_map`` backend only.
+model's own shapes.
 
 >>> import optax
 >>> state = sc.TrainState.create(params={"w": np.zeros((8, 3), np.float32)}, tx=optax.adam(1e-3), strategy="zero1")
@@ -54,10 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.train._flat import FlatLayout, cast
+from spmdcomm.train._flat import FlatLayout, cast, flat_key
 from spmdcomm.train.fsdp import FSDP
 from spmdcomm.train.layout import TreeLayout
 from spmdcomm.train.strategy import ReduceContext, Strategy, psum_whole
@@ -124,7 +123,6 @@ class ZeRO1(Strategy):
 
     name: ClassVar[str] = "zero1"
     shards_optimizer: ClassVar[bool] = True
-    backends: ClassVar[tuple[str, ...]] = ("shard_map",)
 
     def reduce(self, ctx: ReduceContext, layout: TreeLayout, grads: Any, stats: jax.Array) -> tuple[jax.Array, Any]:
         return psum_whole(ctx, layout, layout.scatter_sum(grads, ctx.reduce_dtype), stats)
@@ -138,8 +136,8 @@ class ZeRO1(Strategy):
             layout.gather_blocks,
             mesh=mesh,
             in_specs=(layout.manual_specs("grads"),),
-            out_specs=P(),
-            axis_names=set(layout.axes),
+            out_specs=layout.manual_specs("params"),
+            axis_names=set(layout.manual_axes),
             check_vma=True,
         )(blocks)
 
@@ -204,10 +202,10 @@ def _bucketed_psum(
     Without ``reduce_dtype`` the f32 ``stats`` vector leads the float32 buffer, so a model whose gradients
     fit one bucket needs ONE all-reduce buffer per step (each costs a round trip on gloo).
     """
-    flat = FlatLayout.build(grads)
+    flat = FlatLayout.build(grads, exclude=axis)
     vectors = flat.flatten(grads)
     fused = reduce_dtype is None
-    stats_key = jnp.dtype(stats.dtype).name  # float64 under x64 when model state or metrics are float64
+    stats_key = flat_key(stats, exclude=axis)  # float64 under x64 when model state or metrics are float64
     if fused:
         vectors[stats_key] = jnp.concatenate([stats, vectors.get(stats_key, stats[:0])])
     else:

@@ -12,7 +12,6 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm.errors import BackendError, describe
 from spmdcomm.train._flat import cast
 from spmdcomm.train.layout import TreeLayout
 
@@ -36,8 +35,6 @@ class Strategy:
     shards_params: ClassVar[bool] = False
     #: True when reduced gradients and the optimizer state are split per leaf.
     shards_optimizer: ClassVar[bool] = False
-    #: The ``make_train_step``/``make_eval_step`` backends the strategy runs on.
-    backends: ClassVar[tuple[str, ...]] = ("shard_map", "pmap")
 
     def layout(
         self,
@@ -46,6 +43,8 @@ class Strategy:
         mesh: Mesh,
         axes: tuple[str, ...],
         model_specs: tuple[P, ...] | None = None,
+        *,
+        stage: str | None = None,
     ) -> TreeLayout:
         """The per-leaf specs for ``params`` on ``mesh`` over the data ``axes`` (and each leaf's model spec).
 
@@ -56,6 +55,7 @@ class Strategy:
           axes: the data axes (a tuple of mesh axis names) the batch is split over.
           model_specs: each parameter leaf's ``PartitionSpec`` over the model axes, in the tree's leaf order;
             ``None`` when no leaf is split over a model axis.
+          stage: the pipeline's stage axis (None: none); leaves whose model spec names it hold stacked layers.
 
         Returns:
           The :class:`~spmdcomm.train.layout.TreeLayout` of parameters, gradients and optimizer state: hashable,
@@ -67,31 +67,11 @@ class Strategy:
             mesh,
             axes,
             model_specs=model_specs,
+            stage=stage,
             shard_params=self.shards_params,
             shard_grads=self.shards_optimizer,
             bucket_bytes=self.flat_bucket_bytes(mesh),
         )
-
-    def check_backend(self, fn: str, backend: str) -> None:
-        """Raises :class:`~spmdcomm.errors.BackendError` (naming ``fn``) unless the strategy runs on ``backend``.
-
-        Args:
-          fn: the public function to name in the error (e.g. ``"make_train_step"``).
-          backend: the step's backend, ``"shard_map"`` or ``"pmap"``.
-
-        Raises:
-          BackendError: when ``backend`` is not in the strategy's ``backends``.
-        """
-        if backend not in self.backends:
-            raise BackendError(
-                describe(
-                    fn,
-                    f"strategy {self!r} runs on the {' or '.join(self.backends)} backend, not {backend!r} (its "
-                    "optimizer runs in the global view over per-leaf sharded arrays, which pmap cannot express).",
-                    fix='build the step with backend="shard_map" (the default), or create the state with a strategy '
-                    f"whose backends include {backend!r} (spmdcomm.DDP, which replicates the state).",
-                )
-            )
 
     def flat_bucket_bytes(self, mesh: Mesh) -> int | None:
         """The size of the flat buffers the gradients are all-reduced in on ``mesh``.

@@ -60,7 +60,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmdcomm.collectives.spmd import check_backend
 from spmdcomm.data.placement import HostInput, check_host_input
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.train._step import (
@@ -68,6 +67,7 @@ from spmdcomm.train._step import (
     StepCache,
     Window,
     check_in_flight,
+    check_step_backend,
     dispatch,
     place_batch,
 )
@@ -81,7 +81,7 @@ __all__ = ["TrainStep", "make_train_step", "masked_mean"]
 def make_train_step(
     loss_fn: Callable[..., Any],
     *,
-    backend: Literal["shard_map", "pmap"] = "shard_map",
+    backend: Literal["shard_map"] = "shard_map",
     accum_steps: int = 1,
     reduce_dtype: Any = None,
     skip_nonfinite: bool = False,
@@ -103,7 +103,9 @@ def make_train_step(
 
     Args:
       loss_fn: see the module docstring for the contract.
-      backend: ``"shard_map"`` or ``"pmap"``; both compute the same step.
+      backend: ``"shard_map"``, the one backend (the step is ``jax.jit`` over ``jax.shard_map``); kept so that
+        code passing it runs. The pmap step backend was retired: since JAX 0.10 ``jax.pmap`` is
+        ``jax.jit(jax.shard_map(...))``, and the collectives still run inside a ``jax.pmap`` of your own.
       accum_steps: split each device's block into this many micro-batches, run them in a
         ``lax.scan`` and reduce the summed gradient ONCE at the end (torch ``no_sync``); one
         optimizer step per call.
@@ -138,11 +140,11 @@ def make_train_step(
       ``"learning_rate"``).
 
     Raises:
-      BackendError: when ``backend`` is not ``"shard_map"`` or ``"pmap"``.
+      BackendError: when ``backend`` is not ``"shard_map"`` (``"pmap"`` names its retirement).
       SpmdError: when ``accum_steps`` is not a positive int, ``max_in_flight`` not an int in 1..16, or ``rng``
         or ``host_input`` not one of their values.
     """
-    check_backend("make_train_step", backend)
+    check_step_backend("make_train_step", backend)
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, (int, np.integer)) or accum_steps < 1:
         raise SpmdError(
             describe(
@@ -161,7 +163,6 @@ def make_train_step(
         )
     options = StepOptions(
         loss_fn=loss_fn,
-        backend=backend,
         accum_steps=int(accum_steps),
         reduce_dtype=None if reduce_dtype is None else jnp.dtype(reduce_dtype),
         skip_nonfinite=skip_nonfinite,
@@ -206,7 +207,6 @@ class TrainStep:
           ShapeError: when the batch's rows do not split evenly over the data devices (times ``accum_steps``), or
             ``loss_fn`` returns a non-scalar loss or metric.
           AxisError: when ``loss_fn`` runs a collective over an axis the step does not run over.
-          BackendError: when the state's strategy does not run on the step's backend.
         """
         program = self._cache.program(state)
         self._window.wait_for_room()

@@ -1,0 +1,82 @@
+"""What :func:`~spmdcomm.explain` adds for a pipelined step: the schedule, and what crosses the stage axis."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from spmdcomm.explain.format import format_bytes as _format_bytes
+from spmdcomm.explain.hlo import Collective
+from spmdcomm.train.state import TrainState
+
+__all__ = ["PipelineReport", "pipeline_report"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineReport:
+    """A pipelined step's schedule and what crosses its stage axis (``Explanation.pipeline``).
+
+    Attributes:
+      axis: the stage axis.
+      stages: ``p``.
+      repeats: ``v``, layer chunks per stage.
+      microbatches: ``m``.
+      ticks: the schedule's loop length, ``v m + p - 1``.
+      bubble: its idle fraction, ``(p - 1) / (v m + p - 1)``.
+      stacked_bytes: the bytes of the stacked layers' parameters on one device.
+      stack_bytes: the bytes of the whole stack (every layer).
+      permutes: collective-permutes over the stage axis per step (each counted once, as in the table).
+      permute_bytes: their message bytes per device.
+      stage_gathers: all-gathers over the stage axis: 0 in a pipeline whose stages keep their own layers (a
+        partial-manual ``shard_map`` has been seen to lower a ``ppermute`` as an all-gather and a permute).
+    """
+
+    axis: str
+    stages: int
+    repeats: int
+    microbatches: int
+    ticks: int
+    bubble: float
+    stacked_bytes: int
+    stack_bytes: int
+    permutes: int
+    permute_bytes: int
+    stage_gathers: int
+
+    def __str__(self) -> str:
+        line = (
+            f"pipeline over {self.axis!r}: p={self.stages}, v={self.repeats}, m={self.microbatches}: {self.ticks} "
+            f"ticks, bubble {self.bubble:.3f}; stacked parameters per device {_format_bytes(self.stacked_bytes)} of "
+            f"{_format_bytes(self.stack_bytes)}; collective-permutes over {self.axis!r}: {self.permutes} "
+            f"({_format_bytes(self.permute_bytes)})"
+        )
+        if self.stage_gathers:
+            line += f"; WARNING: {self.stage_gathers} all-gather(s) over {self.axis!r} (stage layers gathered?)"
+        return line
+
+
+def pipeline_report(state: TrainState, collectives: tuple[Collective, ...]) -> PipelineReport | None:
+    """The :class:`PipelineReport` of a step of ``state`` whose compiled program holds ``collectives`` (None
+    without a pipeline)."""
+    pipeline = state.pipeline
+    if pipeline is None:
+        return None
+    stages = int(state.mesh.shape[pipeline.axis])
+    leaves = jax.tree.leaves(state.params)
+    stacked = [x for x, flag in zip(leaves, state.layout.stage_stacked("params"), strict=True) if flag]
+    over = [c for c in collectives if c.axes is not None and pipeline.axis in c.axes]
+    permutes = [c for c in over if c.kind == "collective-permute"]
+    return PipelineReport(
+        axis=pipeline.axis,
+        stages=stages,
+        repeats=pipeline.repeats,
+        microbatches=pipeline.microbatches,
+        ticks=pipeline.ticks(stages),
+        bubble=pipeline.bubble(stages),
+        stacked_bytes=sum(x.addressable_shards[0].data.nbytes for x in stacked),
+        stack_bytes=sum(x.nbytes for x in stacked),
+        permutes=sum(c.count for c in permutes),
+        permute_bytes=sum(c.total_bytes for c in permutes),
+        stage_gathers=sum(c.count for c in over if c.kind == "all-gather"),
+    )

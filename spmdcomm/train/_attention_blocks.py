@@ -1,0 +1,209 @@
+"""The blockwise math of the context-parallel attention kernels (:mod:`spmdcomm.train.attention`): the mask of a
+pair of blocks, float32 softmax attention of whole sequences, and the ring's custom VJP.
+
+Shapes: ``q`` ``[b, t, h, d]``, ``k`` and ``v`` ``[b, s, h_kv, d]``; inside, queries are grouped ``[b, t, h_kv, g,
+d]`` (``g = h / h_kv``) and scores are ``[b, h_kv, g, t, s]`` in float32, -inf where the mask hides a key, so that
+``exp`` gives exactly 0 there and a row that sees no key sums to 0 (its output is then 0, never NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from spmdcomm._jax_compat import varying_axes
+from spmdcomm.errors import ShapeError, SpmdError, describe
+
+__all__ = ["Side", "attend", "mask", "ring", "ring_forward", "sides"]
+
+#: Per-token side information of one side of the attention: positions ``[B, t]`` (``B`` 1 or the batch), segment ids
+#: ``[B, t]`` or None, and (keys only) validity ``[B, t]`` or None.
+Side = tuple[jax.Array, jax.Array | None, jax.Array | None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def ring(axis: str, causal: bool, q: jax.Array, k: jax.Array, v: jax.Array, qside: Side, kside: Side) -> jax.Array:
+    """Ring attention's output (:func:`ring_forward`); its VJP (:func:`_ring_bwd`) runs the ring again."""
+    return ring_forward(axis, causal, q, k, v, qside, kside)[0]
+
+
+def ring_forward(
+    axis: str, causal: bool, q: jax.Array, k: jax.Array, v: jax.Array, qside: Side, kside: Side
+) -> tuple[jax.Array, jax.Array]:
+    """The output ``[b, t, h, d]`` and the log-sum-exp ``[b, h_kv, g, t]`` (-inf where no key is visible)."""
+    b, t, h, d = q.shape
+    qg = _grouped(q, k.shape[2])
+    vary = functools.partial(_vary, axes=_axes(axis, q, k, v, qside, kside))
+    shape = qg.shape[:1] + qg.shape[2:4] + (t,)  # [b, h_kv, g, t]
+
+    def step(state: Any, block: Any) -> Any:
+        top, total, acc = state
+        kb, vb, ks = block
+        s = _scores(qg, kb, mask(qside, ks, causal))
+        # The running maximum only keeps exp() in range; the result does not depend on it (no gradient).
+        new = lax.stop_gradient(jnp.maximum(top, jnp.max(s, axis=-1)))
+        safe = jnp.where(jnp.isfinite(new), new, 0.0)  # a row that has seen no key yet: all its terms are 0
+        p = jnp.exp(s - safe[..., None])
+        fade = jnp.exp(top - safe)
+        acc = acc * fade[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", p, vb.astype(jnp.float32))
+        return new, total * fade + jnp.sum(p, axis=-1), acc
+
+    def hop(carry: Any, _: Any) -> Any:
+        state, block = carry
+        block = _shift(block, axis)
+        return (step(state, block), block), None
+
+    block = vary((k, v, kside))
+    state = step(vary((jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (d,)))), block)
+    (state, _), _ = lax.scan(hop, (state, block), length=lax.axis_size(axis) - 1)
+    top, total, acc = state
+    seen = total > 0
+    total = jnp.where(seen, total, 1.0)
+    lse = jnp.where(seen, top + jnp.log(total), -jnp.inf)
+    out = (acc / total[..., None]).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    return out.astype(q.dtype), lse
+
+
+def sides(fn: str, q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, q_seg: Any, k_seg: Any, valid: Any) -> Any:
+    """The query and key sides' positions, segments and validity, each ``[1 or b, t]``, after checking shapes."""
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[::3] != k.shape[::3] or q.shape[2] % k.shape[2]:
+        raise ShapeError(
+            describe(
+                fn,
+                f"q {q.shape}, k {k.shape}, v {v.shape} do not fit: q is [batch, tokens, heads, head_dim], k and v "
+                "[batch, tokens, kv_heads, head_dim] with the same shape, the batch and head_dim of q, and kv_heads "
+                "dividing heads.",
+                fix="reshape the projections to [batch, tokens, heads, head_dim].",
+            )
+        )
+    if (q_seg is None) != (k_seg is None):
+        raise SpmdError(describe(fn, "q_segments and k_segments go together.", fix="pass both or neither."))
+
+    def rows(name: str, x: Any, ref: Any) -> Any:
+        if x is None:
+            return None
+        x = jnp.asarray(x)
+        if not (x.ndim == 1 or (x.ndim == 2 and x.shape[0] == ref.shape[0])) or x.shape[-1] != ref.shape[1]:
+            raise ShapeError(
+                describe(fn, f"{name} has shape {x.shape}; it must be [{ref.shape[1]}] or {list(ref.shape[:2])}.")
+            )
+        return x[None] if x.ndim == 1 else x
+
+    return (rows("q_pos", q_pos, q), rows("q_segments", q_seg, q), None), (
+        rows("k_pos", k_pos, k),
+        rows("k_segments", k_seg, k),
+        rows("k_valid", valid, k),
+    )
+
+
+def mask(qside: Side, kside: Side, causal: bool) -> jax.Array:
+    """``[1 or b, t_q, t_k]``, True where the key is visible to the query."""
+    (qp, qs, _), (kp, ks, valid) = qside, kside
+    visible = jnp.ones((1, qp.shape[1], kp.shape[1]), bool)
+    if causal:
+        visible = visible & (kp[:, None, :] <= qp[:, :, None])
+    if qs is not None and ks is not None:
+        visible = visible & (ks[:, None, :] == qs[:, :, None])
+    if valid is not None:
+        visible = visible & valid.astype(bool)[:, None, :]
+    return visible
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """Softmax attention of whole sequences in float32; zeros for a query that sees no key."""
+    s = _scores(_grouped(q, k.shape[2]), k, visible)
+    top = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    p = jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(total > 0, total, 1.0)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _ring_fwd(axis: str, causal: bool, q: Any, k: Any, v: Any, qside: Side, kside: Side) -> tuple[Any, Any]:
+    out, lse = ring_forward(axis, causal, q, k, v, qside, kside)
+    return out, (q, k, v, qside, kside, out, lse)
+
+
+def _ring_bwd(axis: str, causal: bool, res: Any, dout: jax.Array) -> tuple[Any, ...]:
+    """``(dq, dk, dv, None, None)``: the ring once more, each block's probabilities recomputed from the saved
+    log-sum-exp, ``dk``/``dv`` travelling with their blocks (one block in memory at a time)."""
+    q, k, v, qside, kside, out, lse = res
+    qg = _grouped(q, k.shape[2]).astype(jnp.float32)
+    do = _grouped(dout, k.shape[2]).astype(jnp.float32)
+    vary = functools.partial(_vary, axes=_axes(axis, q, k, v, qside, kside, dout))
+    # delta_q = sum_s p_qs dp_qs = dO_q . O_q: the softmax's Jacobian term, one number per query and head.
+    delta = jnp.einsum("bqkgd,bqkgd->bkgq", do, _grouped(out, k.shape[2]).astype(jnp.float32))
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]  # rows with no visible key: every p below is 0
+    scale = 1.0 / np.sqrt(q.shape[-1])
+
+    def step(dq: jax.Array, block: Any) -> Any:
+        kb, vb, ks, dk, dv = block
+        p = jnp.exp(_scores(qg, kb, mask(qside, ks, causal)) - lse)
+        dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p, do)
+        dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vb.astype(jnp.float32))
+        ds = p * (dp - delta[..., None]) * scale
+        dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb.astype(jnp.float32))
+        return dq, (kb, vb, ks, dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qg), dv)
+
+    def hop(carry: Any, _: Any) -> Any:
+        dq, block = carry
+        return step(dq, _shift(block, axis)), None
+
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+    dq, block = step(vary(zeros(qg)), vary((k, v, kside, zeros(k), zeros(v))))
+    (dq, block), _ = lax.scan(hop, (dq, block), length=lax.axis_size(axis) - 1)
+    dk, dv = _shift(block[3:], axis)  # block j's gradients are on device j - 1: one hop home
+    grads = (dq.reshape(q.shape), dk, dv)
+    return tuple(_cotangent(g, x) for g, x in zip(grads, (q, k, v))) + (None, None)
+
+
+ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:
+    """``[b, t, h, d]`` as ``[b, t, h_kv, g, d]``: query head ``j`` is group member ``j % g`` of KV head ``j // g``."""
+    b, t, h, d = x.shape
+    return x.reshape(b, t, kv_heads, h // kv_heads, d)
+
+
+def _scores(qg: jax.Array, k: jax.Array, visible: jax.Array) -> jax.Array:
+    """Float32 scores ``[b, h_kv, g, t_q, t_k]``, -inf where ``visible`` (``[1 or b, t_q, t_k]``) is False."""
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) / np.sqrt(qg.shape[-1])
+    return jnp.where(visible[:, None, None], s, -jnp.inf)
+
+
+def _shift(tree: Any, axis: str) -> Any:
+    """Every array of ``tree`` moved one device on along ``axis`` (device ``i`` to ``i + 1``, the last to 0)."""
+    c = lax.axis_size(axis)
+    return jax.tree.map(lambda x: lax.ppermute(x, axis, [(i, (i + 1) % c) for i in range(c)]), tree)
+
+
+def _axes(axis: str, *trees: Any) -> tuple[str, ...]:
+    """The manual axes any array of ``trees`` varies over, and ``axis``: what every carry of a ring loop varies over
+    (scan carries must keep their type, and the blocks vary over ``axis`` once they move)."""
+    found = {axis}.union(*(varying_axes(x) for x in jax.tree.leaves(trees)))
+    return tuple(sorted(found))
+
+
+def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
+    def cast(x: jax.Array) -> jax.Array:
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _cotangent(grad: jax.Array, x: jax.Array) -> jax.Array:
+    """``grad`` in ``x``'s dtype, summed over the axes it varies over and ``x`` does not (the transpose of the cast
+    that made ``x`` varying there), as a custom VJP must return it."""
+    extra = tuple(sorted(varying_axes(grad) - varying_axes(x)))
+    return (lax.psum(grad, extra) if extra else grad).astype(x.dtype)

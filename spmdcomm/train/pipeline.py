@@ -1,0 +1,319 @@
+"""Pipeline parallelism: a stack of ``L`` layers split over a ``stage`` mesh axis, ``L / p`` layers per stage, with
+micro-batches flowing through the stages so that every stage works at once.
+
+:class:`Pipeline` is the policy, given once to ``TrainState.create(..., pipeline=...)``: the stage axis, the number
+of micro-batches ``m`` and of layer chunks per stage ``v`` (the circular / interleaved schedule; ``v = 1`` is GPipe).
+The layer stack (:class:`~spmdcomm.PipelineStack`, or :func:`run_stack` from your own module) runs as a plain scan
+outside a step, and as a pipeline inside the train and eval steps of a state with a pipeline.
+
+The schedule. The batch is split over the data axes and the stage axis, as over one more data axis: the
+embedding, head and loss outside the stack see this device's rows. The stack treats the rows of one data replica
+(its ``p`` stage devices' rows) as ``m`` micro-batches; stage ``s`` starts with micro-batches ``[s m/p, (s+1) m/p)``.
+One loop of ``v m + p - 1`` ticks: at tick ``t`` stage ``s`` applies its layers of chunk ``(t - s) // m`` to
+micro-batch ``(t - s) mod m`` (when ``0 <= t - s < v m``), then the activations move one stage on (one
+``ppermute``). Inputs stream in at stage 0 and outputs stream out of the last stage through buffers that stay split
+over the stage axis (one micro-batch slot moves one stage per tick), so no device ever holds the replica's batch
+and the outputs end where the inputs began. The backward pass is autodiff (the transpose of a ``ppermute`` is the
+inverse ``ppermute``). Bubble ticks compute on zeros and are never written anywhere: a NaN in a bubble's input cannot
+reach the loss or the gradients. With ``remat`` (default) each tick's chunk is rematerialised: the backward pass
+keeps only each tick's stage input (``v m + p - 1`` micro-batch activations per device) and recomputes the layers.
+
+Layer order. The stacked parameters ``[L, ...]`` keep the canonical layer order in checkpoints and
+``full_params()``. With ``v = 1`` stage ``s`` holds layers ``[s L/p, (s+1) L/p)``, which is the canonical order split
+over the stage axis. With ``v > 1`` stage ``s`` holds chunks ``s, s + p, ...`` (``k = L / (v p)`` layers each): the
+state stores the stack in that stage order (:func:`stage_order`) and the optimizer, which acts on each layer alike,
+runs on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from spmdcomm._jax_compat import varying_axes
+from spmdcomm.errors import ShapeError, SpmdError, describe
+
+__all__ = [
+    "Pipeline",
+    "run_stack",
+    "stage_order",
+    "stack_in_stage_order",
+    "reorder_layers",
+    "active_pipeline",
+    "pipeline_context",
+    "check_schedule",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """How a layer stack is split over the stage axis and scheduled (``TrainState.create(..., pipeline=...)``).
+
+    Args:
+      microbatches: ``m``, the micro-batches each data replica's rows are cut into; a multiple of the stage count
+        ``p`` (and at least ``p``). The bubble is ``(p - 1) / (v m + p - 1)`` of the step.
+      axis: the mesh axis the layers are split over (``"stage"``).
+      repeats: ``v``, layer chunks per stage (the circular / interleaved schedule: ``v`` times the point-to-point
+        traffic for a ``v`` times smaller bubble); ``1`` is GPipe. ``L`` must be a multiple of ``v p``.
+      remat: rematerialise each tick's layers in the backward pass, keeping only the stage input of each tick.
+
+    Raises:
+      SpmdError: for a non-positive ``microbatches`` or ``repeats``, or an ``axis`` that is not a string.
+
+    Examples:
+      >>> sc.Pipeline(microbatches=8, repeats=2)
+      Pipeline(microbatches=8, axis='stage', repeats=2, remat=True)
+    """
+
+    microbatches: int
+    axis: str = "stage"
+    repeats: int = 1
+    remat: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("microbatches", "repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise SpmdError(
+                    describe("Pipeline", f"{name}={value!r} must be a positive int.", fix=f"pass e.g. {name}=4.")
+                )
+        if not isinstance(self.axis, str):
+            raise SpmdError(describe("Pipeline", f"axis={self.axis!r} is not a mesh axis name.", fix='axis="stage"'))
+
+    def ticks(self, stages: int) -> int:
+        """The length of the schedule's loop.
+
+        Args:
+          stages: ``p``, the size of the stage axis.
+
+        Returns:
+          ``v m + p - 1`` ticks.
+        """
+        return self.repeats * self.microbatches + stages - 1
+
+    def bubble(self, stages: int) -> float:
+        """The idle fraction of the schedule's loop (the bubble).
+
+        Args:
+          stages: ``p``, the size of the stage axis.
+
+        Returns:
+          ``(p - 1) / (v m + p - 1)``.
+        """
+        return (stages - 1) / self.ticks(stages)
+
+
+def check_schedule(fn: str, pipeline: Pipeline, stages: int, layers: int | None, rows: int | None) -> None:
+    """Raises :class:`SpmdError` (:class:`ShapeError` for the batch) naming the numbers, before anything compiles,
+    unless ``pipeline`` can run ``layers`` layers (None: not known yet) on ``stages`` stages over ``rows`` rows per
+    data replica (None: not known yet)."""
+    m, v, p = pipeline.microbatches, pipeline.repeats, stages
+    if m < p or m % p:
+        raise SpmdError(
+            describe(
+                fn,
+                f"microbatches={m} on {p} stages (mesh axis {pipeline.axis!r}): every stage starts with m / p of "
+                "the micro-batches, so m must be a multiple of p and at least p (with fewer, stages would wait for "
+                "micro-batches that never come).",
+                fix=f"pass sc.Pipeline(microbatches={max(p, -(-m // p) * p)}, ...) or a multiple of {p}.",
+            )
+        )
+    if layers is not None and layers % (v * p):
+        raise SpmdError(
+            describe(
+                fn,
+                f"{layers} layers do not split into {v} chunk(s) per stage on {p} stages (repeats={v}): L must be a "
+                f"multiple of v * p = {v * p}.",
+                fix=f"use a multiple of {v * p} layers, or repeats= a divisor of {layers // p if layers >= p else 1}.",
+            )
+        )
+    if rows is not None and rows % m:
+        raise ShapeError(
+            describe(
+                fn,
+                f"a data replica's {rows} rows do not split into microbatches={m} equal micro-batches.",
+                fix=f"make the batch per data replica a multiple of {m} (sc.pad_batch pads with masked rows).",
+            )
+        )
+
+
+def stage_order(layers: int, stages: int, repeats: int) -> np.ndarray:
+    """``order[g]``: the canonical layer stored at row ``g`` of a stack split over ``stages`` with ``repeats`` chunks
+    per stage (stage ``s`` holds chunks ``s, s + p, ...`` in its contiguous block). The identity for ``repeats=1``.
+
+    >>> stage_order(8, 2, 2).tolist()   # stage 0: chunks 0 and 2; stage 1: chunks 1 and 3
+    [0, 1, 4, 5, 2, 3, 6, 7]
+    """
+    k = layers // (stages * repeats)
+    g = np.arange(layers)
+    s, rest = g // (repeats * k), g % (repeats * k)
+    r, j = rest // k, rest % k
+    return (r * stages + s) * k + j
+
+
+def stack_in_stage_order(fn: str, params: Any, layout: Any, pipeline: Pipeline) -> Any:
+    """``params`` (the model's tree, layers in canonical order) with every leaf split over the stage axis checked
+    (its layers a multiple of ``v p``) and, with ``v > 1``, its layers put in :func:`stage_order`. Raises
+    :class:`SpmdError` when no leaf is split over the stage axis."""
+    p = dict(zip(layout.mesh_axes, layout.mesh_sizes, strict=True))[pipeline.axis]
+    stacked = layout.stage_stacked("params")
+    if not any(stacked):
+        raise SpmdError(
+            describe(
+                fn,
+                f"pipeline={pipeline!r} but no parameter is split over the stage axis {pipeline.axis!r}.",
+                fix="build the model's repeated layers with sc.PipelineStack(block, layers=L), or give the stacked "
+                f"leaves the spec P({pipeline.axis!r}, ...) (param_specs= or nn.with_partitioning).",
+            )
+        )
+    for x, is_stacked in zip(jax.tree.leaves(params), stacked, strict=True):
+        if is_stacked:
+            check_schedule(fn, pipeline, p, int(x.shape[0]), None)
+    return reorder_layers(params, stacked, p, pipeline.repeats, to_stage=True)
+
+
+def reorder_layers(tree: Any, stacked: tuple[bool, ...], stages: int, repeats: int, *, to_stage: bool) -> Any:
+    """``tree`` with the leaves flagged in ``stacked`` reordered along dimension 0: from the canonical layer order to
+    :func:`stage_order` (``to_stage``), or back. Any other leaf, and every leaf for ``repeats=1``, is unchanged."""
+    if repeats == 1:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for x, flag in zip(leaves, stacked, strict=True):
+        if flag:
+            order = stage_order(int(x.shape[0]), stages, repeats)
+            x = jnp.take(x, jnp.asarray(order if to_stage else np.argsort(order)), axis=0)
+        out.append(x)
+    return jax.tree.unflatten(treedef, out)
+
+
+#: What the loop's buffers hold before anything is written to them. Bubble ticks read such slots; they compute on
+#: zeros instead and their results are never written, so NaN here must change nothing (tests/test_pipeline.py).
+_FILL = 0.0
+
+_ACTIVE: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar("spmdcomm_pipeline", default=None)
+
+
+def active_pipeline() -> Pipeline | None:
+    """The pipeline of the step being traced (None outside a step of a state with a pipeline)."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def pipeline_context(pipeline: Pipeline | None) -> Iterator[None]:
+    """Within the block, layer stacks run as ``pipeline`` says (the train and eval steps set it while tracing)."""
+    token = _ACTIVE.set(pipeline)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def run_stack(
+    layer_fn: Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array],
+    params: Any,
+    x: jax.Array,
+    *,
+    remat: bool = True,
+) -> jax.Array:
+    """Applies a stack of layers to ``x``: ``layer_fn(layer_params, h, index, row) -> h``, ``params`` a tree whose
+    leaves have the layers on dimension 0. ``index`` is the layer's canonical index and ``row`` the position of
+    ``h``'s first row relative to ``x``'s first row on this device (0 in a scan; in a pipeline the micro-batch may
+    hold another stage's rows): with :func:`spmdcomm.train.rng.sub_block_key` they give every example and layer its
+    own random bits, whatever the split.
+
+    Inside a train or eval step of a state with a :class:`Pipeline` (and its stage axis), ``params`` holds this
+    stage's layers and the stack runs as a pipeline (module docstring); everywhere else it is a plain ``lax.scan``
+    over all layers (``remat``: each layer rematerialised in the backward pass).
+    """
+    pipeline = active_pipeline()
+    if pipeline is None:
+        return _scan(layer_fn, params, x, offset=0, row=0, remat=remat)
+    return _pipelined(layer_fn, params, x, pipeline)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _scan(
+    layer_fn: Callable[..., jax.Array], params: Any, x: jax.Array, *, offset: Any, row: Any, remat: bool
+) -> jax.Array:
+    def one(h: jax.Array, inputs: Any) -> tuple[jax.Array, None]:
+        layer, index = inputs
+        return layer_fn(layer, h, index, row), None
+
+    body = jax.checkpoint(one) if remat else one
+    count = jax.tree.leaves(params)[0].shape[0]
+    h, _ = lax.scan(body, x, (params, offset + jnp.arange(count)))
+    return h
+
+
+def _pipelined(layer_fn: Callable[..., jax.Array], params: Any, x: jax.Array, pipeline: Pipeline) -> jax.Array:
+    axis, m, v = pipeline.axis, pipeline.microbatches, pipeline.repeats
+    p = lax.axis_size(axis)
+    s = lax.axis_index(axis)
+    local = jax.tree.leaves(params)[0].shape[0]
+    check_schedule("PipelineStack", pipeline, p, local * p, x.shape[0] * p)
+    k, q = local // v, m // p
+    mb = x.shape[0] // q
+    chunks = jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), params)
+    # Every buffer the loop carries varies over the same manual axes as the activations (shard_map's typing).
+    axes = tuple(sorted(set(varying_axes(x)) | {axis}))
+    zeros = lambda shape: _vary(jnp.full(shape, _FILL, x.dtype), axes)
+    io_in = x.reshape((q, mb) + x.shape[1:])
+    io_out = zeros(io_in.shape)
+    loop = zeros((m, mb) + x.shape[1:]) if v > 1 else None
+    carry = zeros((mb,) + x.shape[1:])
+    left = [(i, (i - 1) % p) for i in range(p)]
+    right = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
+
+    def chunk(r: jax.Array, i: jax.Array, h: jax.Array) -> jax.Array:
+        layers = jax.tree.map(lambda a: a[r], chunks) if v > 1 else jax.tree.map(lambda a: a[0], chunks)
+        # Micro-batch i holds the replica's rows [i mb, (i + 1) mb); this device's rows begin at s q mb.
+        return _scan(layer_fn, layers, h, offset=(r * p + s) * k, row=(i - s * q) * mb, remat=False)
+
+    run = jax.checkpoint(chunk) if pipeline.remat else chunk
+
+    def tick(state: Any, t: jax.Array) -> tuple[Any, None]:
+        io_in, io_out, loop, carry = state
+        w = t - s  # the work item of this stage: micro-batch w mod m of chunk w // m
+        valid = (w >= 0) & (w < v * m)
+        r, i = jnp.clip(w, 0, v * m - 1) // m, jnp.clip(w, 0, v * m - 1) % m
+        if v > 1:
+            # Stage 0 keeps what the last stage finished of an earlier chunk until its micro-batch's turn.
+            back = t - p
+            keep = (s == 0) & (back >= 0) & (back < (v - 1) * m)
+            loop = loop.at[back % m].set(jnp.where(keep, carry, loop[back % m]))
+            first = jnp.where(t < m, io_in[t % q], loop[i])
+        else:
+            first = io_in[t % q]
+        h = jnp.where(s == 0, first, carry)
+        h = jnp.where(valid, h, jnp.zeros_like(h))  # bubbles compute on zeros: nothing of theirs is ever used
+        out = run(r, i, h)
+        # The slot stage 0 read moves one stage back, bringing the next micro-batches to stage 0 in turn.
+        io_in = io_in.at[t % q].set(lax.ppermute(io_in[t % q], axis, left))
+        # The output slot moves one stage back before the last stage writes a finished micro-batch into it, so
+        # that micro-batch j ends on stage j // (m / p), where its rows began.
+        u = t - (p - 1) - (v - 1) * m
+        slot = u % q
+        moved = lax.ppermute(io_out[slot], axis, left)
+        done = (s == p - 1) & valid & (r == v - 1)
+        io_out = io_out.at[slot].set(jnp.where(done, out, moved))
+        carry = lax.ppermute(out, axis, right)
+        return (io_in, io_out, loop, carry), None
+
+    (_, io_out, _, _), _ = lax.scan(tick, (io_in, io_out, loop, carry), jnp.arange(pipeline.ticks(p)))
+    return io_out.reshape(x.shape)
+
+
+def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x

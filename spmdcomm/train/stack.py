@@ -1,0 +1,122 @@
+"""A Flax Linen layer stack that runs as a plain scan, or as a pipeline over a stage axis inside the steps of a
+state with a :class:`~spmdcomm.Pipeline` (:mod:`spmdcomm.train.pipeline`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax.core import meta
+
+from spmdcomm.train.pipeline import run_stack
+from spmdcomm.train.rng import sub_block_key
+
+__all__ = ["PipelineStack", "StageStacked", "StageStackedLogical", "Stacked"]
+
+
+class StageStacked(meta.Partitioned):
+    """The partitioning box of a stacked layer parameter: dimension 0 holds the layers, split over the state's
+    stage axis when it has a :class:`~spmdcomm.Pipeline` and whole otherwise; the other names are the block's own
+    (model axes)."""
+
+
+class StageStackedLogical(nn.LogicallyPartitioned):
+    """As :class:`StageStacked`, for a block whose parameters have logical names (``nn.with_logical_partitioning``):
+    the other names are mapped by the rules."""
+
+
+class Stacked:
+    """A parameter spec entry for a pipeline's stacked layers (``TrainState.create`` reads it from the boxes above
+    and from NNX ``pipeline_stacked`` metadata): dimension 0 on the state's stage axis (whole without a pipeline),
+    the other dimensions as ``rest`` says (a ``PartitionSpec``, or logical names to map by the rules)."""
+
+    def __init__(self, rest: Any) -> None:
+        self.rest = rest
+
+
+class PipelineStack(nn.Module):
+    """``layers`` copies of ``block`` applied in turn, their parameters stacked ``[layers, ...]``.
+
+    ``h = block_l(h, *args)`` for ``l = 0 .. layers - 1``; the parameters live under ``"layers"`` in the shape
+    ``nn.scan`` gives, each layer initialised from its own key. Outside a train or eval step, and in the steps of a
+    state without a pipeline, the stack is a ``lax.scan`` over the layers. In the steps of a state created with
+    ``pipeline=sc.Pipeline(...)`` on a mesh with the stage axis, each stage holds its share of the layers and the
+    batch flows through the stages in micro-batches (:mod:`spmdcomm.train.pipeline`); the result is the scan's.
+    ``block`` must map an array to one of its shape, one example per row of dimension 0 (no statistics across
+    examples: mutable collections such as BatchNorm's are refused), and may use the ``"dropout"`` RNG stream, keyed
+    by layer and example (with ``rng="per_example"`` the masks are one device's, whatever the stages).
+
+    Attributes:
+      block: the layer, an unbound Flax module (e.g. ``Block(width=256)``), called as ``block(h, *args)``.
+      layers: how many layers, ``L``.
+      remat: rematerialise each layer in the backward pass of the plain scan (the pipeline has its own setting).
+      parent: Flax's module parent.
+      name: Flax's module name (unnamed, it is auto-named ``PipelineStack_0``, ...).
+
+    Examples:
+      >>> stack = sc.PipelineStack(nn.Dense(4), layers=3)
+      >>> variables = stack.init(jax.random.key(0), jnp.ones((2, 4)))
+      >>> variables["params"]["layers"]["kernel"].value.shape, stack.apply(variables, jnp.ones((2, 4))).shape
+      ((3, 4, 4), (2, 4))
+    """
+
+    block: nn.Module
+    layers: int
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
+        """Applies the ``layers`` blocks to ``x`` (rows first) and returns an array of ``x``'s shape.
+
+        Args:
+          x: the input, one example per row of dimension 0.
+          *args: passed to every block call (masks, flags).
+
+        Returns:
+          The last block's output.
+        """
+        block = self.block.clone(parent=None)
+        # Read without Flax's shape check once it exists: inside a pipeline this stage holds L / p of the layers.
+        params: Any
+        if self.has_variable("params", "layers"):
+            params = self.get_variable("params", "layers")
+        else:
+            params = self.param("layers", _stacked_init(block, self.layers), x, *args)
+        rng = self.make_rng("dropout") if self.has_rng("dropout") else None
+
+        def layer(layer_params: Any, h: jax.Array, index: jax.Array, row: jax.Array) -> jax.Array:
+            # Keyed by layer and example, not by stage or micro-batch: a per-example key draws one device's bits.
+            key = None if rng is None else sub_block_key(jax.random.fold_in(rng, index), shift=row, rows=h.shape[0])
+            rngs = {} if key is None else {"dropout": key}
+            out, variables = block.apply({"params": layer_params}, h, *args, rngs=rngs, mutable=True)
+            mutated = sorted(c for c in variables if c != "params")
+            if mutated:
+                raise ValueError(
+                    f"spmdcomm.PipelineStack: the block mutates {mutated}; a stacked block must not keep "
+                    "statistics across examples (BatchNorm's batch_stats). Use LayerNorm or RMSNorm in the block."
+                )
+            return out
+
+        return run_stack(layer, meta.unbox(params), x, remat=self.remat)
+
+
+def _stacked_init(block: nn.Module, layers: int) -> Any:
+    """The initializer of the stacked parameters: ``block.init`` under ``vmap`` over ``layers`` keys, each leaf
+    boxed as :class:`StageStacked` (dimension 0 the layers, then the block's own partitioning names)."""
+
+    def init(rng: jax.Array, x: jax.Array, *args: Any) -> Any:
+        # A block with dropout draws while it initialises too: it gets a stream of its own.
+        init_one = lambda key: block.init({"params": key, "dropout": jax.random.fold_in(key, 1)}, x, *args)["params"]
+        params = jax.vmap(init_one)(jax.random.split(rng, layers))
+
+        def box(leaf: Any) -> Any:
+            if isinstance(leaf, nn.LogicallyPartitioned):
+                return StageStackedLogical(leaf.value, names=("stage", *leaf.names), rules=leaf.rules)
+            if isinstance(leaf, meta.Partitioned):
+                return StageStacked(leaf.value, names=("stage", *leaf.names))
+            return StageStacked(leaf, names=("stage",) + (None,) * (leaf.ndim - 1))
+
+        return jax.tree.map(box, params, is_leaf=lambda v: isinstance(v, meta.Partitioned))
+
+    return init

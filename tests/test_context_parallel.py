@@ -1,0 +1,137 @@
+"""Context parallelism in the train and eval steps: every sequence split over a ``context`` axis equals one device,
+for a small causal transformer whose attention goes through ``sc.context_attention`` (both algorithms) and whose
+positions come from ``sc.context_positions``; on ``data 2 x context 4`` and ``data 2 x context 2 x model 2``."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmdcomm as sc
+from tests.ddp_models import assert_trees_close, mesh_of
+
+T, VOCAB, WIDTH, HEADS = 16, 13, 16, 4
+
+
+class Attention(nn.Module):
+    algorithm: str
+    model: bool = False
+
+    @nn.compact
+    def __call__(self, x, segments, valid):
+        split = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")) if self.model else None
+        rows = nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None)) if self.model else None
+        qkv = nn.Dense(3 * WIDTH, use_bias=False, **({"kernel_init": split} if split else {}))(x)
+        q, k, v = jnp.split(qkv.reshape(x.shape[:2] + (3 * HEADS, WIDTH // HEADS)), 3, axis=2)
+        out = sc.context_attention(q, k, v, causal=True, segment_ids=segments, kv_mask=valid, algorithm=self.algorithm)
+        return nn.Dense(WIDTH, use_bias=False, **({"kernel_init": rows} if rows else {}))(out.reshape(x.shape))
+
+
+class LM(nn.Module):
+    algorithm: str = "ring"
+    model: bool = False
+
+    @nn.compact
+    def __call__(self, tokens, segments, valid):
+        positions = sc.context_positions(tokens.shape[1])
+        h = nn.Embed(VOCAB, WIDTH)(tokens) + self.param("pos", nn.initializers.normal(0.1), (T, WIDTH))[positions]
+        h = h + Attention(self.algorithm, self.model)(nn.LayerNorm()(h), segments, valid)
+        h = h + nn.Dense(WIDTH)(nn.gelu(nn.Dense(2 * WIDTH)(nn.LayerNorm()(h))))
+        return nn.Dense(VOCAB)(nn.LayerNorm()(h))
+
+
+def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
+    logits = apply_fn({"params": params}, batch["tokens"], batch["segments"], batch["valid"])
+    token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return sc.masked_mean(token_loss.mean(-1), mask)
+
+
+def batches(steps=3, rows=8):
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(steps):
+        tokens = rng.integers(0, VOCAB, (rows, T + 1)).astype(np.int32)
+        segments = (np.arange(T)[None, :] >= rng.integers(4, T, (rows, 1))).astype(np.int32)  # two packed segments
+        valid = np.arange(T)[None, :] < rng.integers(T - 3, T + 1, (rows, 1))  # padding at the end
+        out.append({"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segments": segments, "valid": valid})
+    return out
+
+
+def init(model):
+    sample = batches(1)[0]
+    return jax.jit(model.init)(jax.random.key(0), sample["tokens"][:1], sample["segments"][:1], sample["valid"][:1])
+
+
+def train(state, data):
+    step, losses = sc.make_train_step(loss_fn), []
+    for batch in data:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+@functools.cache
+def one_device():
+    model = LM()
+    state = sc.TrainState.create(
+        params=init(model)["params"], apply_fn=model.apply, tx=optax.adam(1e-2), mesh=mesh_of(1)
+    )
+    state, losses = train(state, batches())
+    return jax.device_get(state.params), losses
+
+
+CASES = [
+    ({"data": 2, "context": 4}, "ring", "zigzag", "ddp"),
+    ({"data": 2, "context": 4}, "all_to_all", "contiguous", "fsdp"),
+    ({"data": 2, "context": 2, "model": 2}, "ring", "zigzag", "zero1"),
+    ({"data": 2, "context": 2, "model": 2}, "all_to_all", "zigzag", "ddp"),
+]
+
+
+@pytest.mark.parametrize("layout, algorithm, order, strategy", CASES, ids=lambda x: str(x))
+def test_train_step_with_a_context_axis_equals_one_device(layout, algorithm, order, strategy):
+    expected, expected_losses = one_device()
+    model = LM(algorithm, "model" in layout)
+    state = sc.TrainState.create(
+        params=init(model)["params"],
+        apply_fn=model.apply,
+        tx=optax.adam(1e-2),
+        mesh=sc.make_mesh(layout),
+        strategy=strategy,
+        context=sc.ContextParallel(layout=order),
+    )
+    state, losses = train(state, batches())
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-4, atol=1e-5)
+    metrics = sc.make_eval_step(lambda *a, **k: loss_fn(*a, rng=None, **k))(state, batches(1)[0])
+    assert float(metrics["examples"]) == 8.0
+
+
+def test_a_sequence_that_does_not_split_is_refused():
+    model = LM()
+    state = sc.TrainState.create(
+        params=init(model)["params"],
+        apply_fn=model.apply,
+        tx=optax.sgd(0.1),
+        mesh=sc.make_mesh({"data": 2, "context": 4}),
+        context=sc.ContextParallel(),
+    )
+    short = {k: v[:, :12] for k, v in batches(1)[0].items()}  # 12 tokens: not a multiple of 2 x 4 chunks
+    with pytest.raises(sc.ShapeError, match=r"12 tokens does not split into 8 equal chunks"):
+        sc.make_train_step(loss_fn)(state, short)
+
+
+def test_a_context_axis_must_be_a_free_mesh_axis():
+    with pytest.raises(sc.AxisError, match=r"context axis 'context' must be a mesh axis"):
+        sc.TrainState.create(
+            params={"w": np.zeros(3, np.float32)},
+            tx=optax.sgd(0.1),
+            mesh=sc.make_mesh({"data": 8}),
+            context=sc.ContextParallel(),
+        )

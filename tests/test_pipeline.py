@@ -1,0 +1,380 @@
+"""Pipeline parallelism: the schedule equals a scan over the layers, and the train step with a stage axis equals one
+device running the same model as a plain scan over the global batch, under every strategy and layout.
+
+One model throughout: a dense embedding, a ``PipelineStack`` of 8 residual blocks (optionally with tensor-parallel
+kernels and dropout), a dense head, squared error."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import spmdcomm as sc
+from spmdcomm.train import pipeline as pipeline_module
+from spmdcomm.train.pipeline import pipeline_context, run_stack, stage_order
+from tests.ddp_models import assert_trees_close, mesh_of
+
+LAYERS, WIDTH = 8, 16
+
+
+# --- the schedule against a scan -----------------------------------------------------------------------------
+
+
+def residual(w, h, index, row):
+    return h + jnp.tanh(h @ w)
+
+
+def scanned(weights, x):
+    return run_stack(residual, weights, x, remat=False)
+
+
+@functools.cache
+def core_program(d, p, m, v):
+    """The pipelined stack on a ``data`` d x ``stage`` p mesh, and its gradient (compiled once per layout)."""
+    mesh = jax.make_mesh(
+        (d, p), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[: d * p]
+    )
+    schedule = sc.Pipeline(microbatches=m, repeats=v)
+
+    def local(weights, x):
+        with pipeline_context(schedule):
+            return run_stack(residual, weights, x)
+
+    mapped = jax.shard_map(
+        local, mesh=mesh, in_specs=(P("stage"), P(("data", "stage"))), out_specs=P(("data", "stage"))
+    )
+    return jax.jit(mapped), jax.jit(jax.grad(lambda w, x: jnp.sum(mapped(w, x) ** 2)))
+
+
+CORE_CASES = [(1, 2, 2, 1), (2, 4, 4, 1), (4, 2, 6, 1), (2, 2, 4, 2), (1, 4, 8, 2), (1, 8, 8, 1)]
+
+
+@pytest.mark.parametrize("d, p, m, v", CORE_CASES)
+def test_the_schedule_equals_a_scan_forward_and_backward(d, p, m, v):
+    rng = np.random.default_rng(0)
+    weights = (rng.normal(size=(LAYERS, 6, 6)) / np.sqrt(6)).astype(np.float32)
+    x = rng.normal(size=(d * m * 2, 6)).astype(np.float32)  # 2 rows per micro-batch
+    order = stage_order(LAYERS, p, v)
+    forward, grad = core_program(d, p, m, v)
+    np.testing.assert_allclose(forward(weights[order], x), scanned(weights, x), rtol=1e-5, atol=1e-5)
+    expected = jax.grad(lambda w: jnp.sum(scanned(w, x) ** 2))(weights)
+    np.testing.assert_allclose(np.asarray(grad(weights[order], x))[np.argsort(order)], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_nan_in_every_bubble_slot_changes_nothing(monkeypatch):
+    """The loop's buffers start as NaN instead of zeros: bubble ticks compute on zeros and are never written, so the
+    output and the gradient are bitwise those of the zero-filled run (praxis's NaN testing mode)."""
+    rng = np.random.default_rng(1)
+    weights = (rng.normal(size=(LAYERS, 6, 6)) / np.sqrt(6)).astype(np.float32)
+    x = rng.normal(size=(2 * 4 * 2, 6)).astype(np.float32)
+    order = stage_order(LAYERS, 2, 2)
+    results = {}
+    for fill in (0.0, np.nan):
+        monkeypatch.setattr(pipeline_module, "_FILL", fill)
+        core_program.cache_clear()
+        forward, grad = core_program(2, 2, 4, 2)
+        results[str(fill)] = (np.asarray(forward(weights[order], x)), np.asarray(grad(weights[order], x)))
+    core_program.cache_clear()
+    zero, nan = results["0.0"], results["nan"]
+    assert np.isfinite(nan[0]).all() and np.isfinite(nan[1]).all()
+    np.testing.assert_array_equal(nan[0], zero[0])
+    np.testing.assert_array_equal(nan[1], zero[1])
+
+
+# --- the train step against one device -----------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm residual MLP block; ``model``: its kernels split Megatron-style over ``"model"``."""
+
+    model: bool = False
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x):
+        columns = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")) if self.model else None
+        rows = nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None)) if self.model else None
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(2 * WIDTH, **({"kernel_init": columns} if columns else {}))(h)
+        h = nn.Dropout(self.dropout, deterministic=self.dropout == 0.0)(nn.gelu(h))
+        return x + nn.Dense(WIDTH, **({"kernel_init": rows} if rows else {}))(h)
+
+
+class Net(nn.Module):
+    model: bool = False
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(WIDTH)(x)
+        h = sc.PipelineStack(Block(self.model, self.dropout), layers=LAYERS)(h)
+        return nn.Dense(3)(nn.LayerNorm()(h))
+
+
+def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
+    out = apply_fn({"params": params}, batch["x"], rngs={"dropout": rng})
+    return sc.masked_mean(jnp.sum((out - batch["y"]) ** 2, -1), mask)
+
+
+def batches(rows=32, steps=3):
+    rng = np.random.default_rng(2)
+    return [
+        {"x": rng.normal(size=(rows, 5)).astype(np.float32), "y": rng.normal(size=(rows, 3)).astype(np.float32)}
+        for _ in range(steps)
+    ]
+
+
+TX = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))  # the global norm must see every stage
+
+
+def train(state, data, *, rng="per_device", accum=1, pad_to=None):
+    step = sc.make_train_step(loss_fn, rng=rng, accum_steps=accum)
+    losses = []
+    for batch in data:
+        state, metrics = step(state, batch if pad_to is None else sc.pad_batch(batch, pad_to))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def init(model):
+    keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    return jax.jit(model.init)(keys, np.zeros((2, 5), np.float32))["params"]
+
+
+@functools.cache
+def one_device(real_rows, model=False, dropout=0.0, rng="per_device"):
+    net = Net(model, dropout)
+    state = sc.TrainState.create(params=init(Net(False, dropout)), apply_fn=net.apply, tx=TX, mesh=mesh_of(1))
+    data = [{k: v[:real_rows] for k, v in b.items()} for b in batches()]
+    state, losses = train(state, data, rng=rng)
+    return jax.device_get(state.params), losses
+
+
+LAYOUTS = [
+    # (mesh, data axes, strategy, microbatches, repeats, accumulation, padded)
+    ({"data": 4, "stage": 2}, "data", "ddp", 2, 1, 1, False),
+    ({"data": 2, "stage": 4}, "data", "fsdp", 8, 1, 1, True),
+    ({"data": 2, "stage": 2, "model": 2}, "data", "zero1", 4, 2, 1, False),
+    ({"data": 4, "stage": 2}, "data", "zero2", 2, 2, 2, True),
+    ({"replica": 2, "shard": 2, "stage": 2}, ("replica", "shard"), "fsdp", 4, 1, 1, False),
+]
+
+
+@pytest.mark.parametrize("layout, axis, strategy, m, v, accum, padded", LAYOUTS, ids=lambda x: str(x))
+def test_train_step_with_a_stage_axis_equals_one_device(layout, axis, strategy, m, v, accum, padded):
+    model = "model" in layout
+    expected, expected_losses = one_device(29 if padded else 32)
+    state = sc.TrainState.create(
+        params=init(Net(model)),
+        apply_fn=Net(model).apply,
+        tx=TX,
+        mesh=sc.make_mesh(layout),
+        axis=axis,
+        strategy=strategy,
+        pipeline=sc.Pipeline(microbatches=m, repeats=v),
+    )
+    stacked = state.params["PipelineStack_0"]["layers"]["Dense_0"]["kernel"]
+    assert stacked.sharding.spec[0] == "stage"
+    data = [{k: v[:29] for k, v in b.items()} for b in batches()] if padded else batches()
+    pad_to = 32 if padded else None
+    state, losses = train(state, data, accum=accum, pad_to=pad_to)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
+
+
+# --- what a user can get wrong -------------------------------------------------------------------------------
+
+
+def error_of(layout, *, m=2, v=1, axis="data", params=None, stage_axis="stage"):
+    params = init(Net()) if params is None else params
+    with pytest.raises((sc.SpmdError, sc.AxisError, sc.ShapeError)) as e:
+        sc.TrainState.create(
+            params=params,
+            tx=optax.sgd(0.1),
+            mesh=sc.make_mesh(layout),
+            axis=axis,
+            pipeline=sc.Pipeline(microbatches=m, repeats=v, axis=stage_axis),
+        )
+    return e
+
+
+@pytest.mark.parametrize(
+    "layout, kwargs, kind, facts",
+    [
+        ({"data": 2, "stage": 4}, {"m": 2}, sc.SpmdError, ["microbatches=2 on 4 stages", "microbatches=4"]),
+        ({"data": 2, "stage": 4}, {"m": 6}, sc.SpmdError, ["microbatches=6 on 4 stages", "multiple of 4"]),
+        ({"data": 2, "stage": 4}, {"m": 4, "v": 4}, sc.SpmdError, ["8 layers", "v * p = 16", "repeats=4"]),
+        ({"data": 8}, {}, sc.AxisError, ["stage axis 'stage'", "{'data': 8}", "sc.Pipeline(axis=...)"]),
+        ({"data": 2, "stage": 4}, {"axis": ("data", "stage")}, sc.AxisError, ["'stage'", "not a data axis"]),
+    ],
+)
+def test_schedules_that_cannot_run_are_refused_before_compiling(layout, kwargs, kind, facts):
+    e = error_of(layout, **kwargs)
+    assert isinstance(e.value, kind), e.value
+    for fact in facts:
+        assert fact in str(e.value), (fact, str(e.value))
+
+
+def test_a_pipeline_needs_stacked_layers():
+    with pytest.raises(sc.SpmdError, match=r"no parameter is split over the stage axis 'stage'.*PipelineStack"):
+        sc.TrainState.create(
+            params={"w": np.zeros((4, 4), np.float32)},
+            tx=optax.sgd(0.1),
+            mesh=sc.make_mesh({"data": 4, "stage": 2}),
+            pipeline=sc.Pipeline(microbatches=2),
+        )
+
+
+def test_a_batch_that_does_not_split_into_microbatches_is_refused():
+    state = sc.TrainState.create(
+        params=init(Net()),
+        apply_fn=Net().apply,
+        tx=optax.sgd(0.1),
+        mesh=sc.make_mesh({"data": 2, "stage": 4}),
+        pipeline=sc.Pipeline(microbatches=8),
+    )
+    rows = {k: np.concatenate([v, v[:8]]) for k, v in batches()[0].items()}  # 40 rows: 20 per data replica
+    with pytest.raises(sc.ShapeError, match=r"a data replica's 20 rows do not split into microbatches=8"):
+        sc.make_train_step(loss_fn)(state, rows)
+
+
+@pytest.mark.slow
+def test_per_example_dropout_draws_one_devices_masks():
+    """Dropout keyed by example and layer (rng="per_example"): the same masks as one device, whatever the stages,
+    micro-batches and chunks."""
+    expected, expected_losses = one_device(32, dropout=0.2, rng="per_example")
+    net = Net(dropout=0.2)
+    state = sc.TrainState.create(
+        params=init(net),
+        apply_fn=net.apply,
+        tx=TX,
+        mesh=sc.make_mesh({"data": 2, "stage": 2, "other": 2}),
+        axis=("data", "other"),
+        pipeline=sc.Pipeline(microbatches=4, repeats=2),
+    )
+    state, losses = train(state, batches(), rng="per_example")
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_checkpoints_keep_the_canonical_layer_order_and_restore_onto_any_layout(tmp_path):
+    """Saved at p = 4, v = 1; restored at p = 2, v = 2 (stage order differs), without a stage axis and under other
+    strategies: the same model, and one more step gives the uninterrupted run's parameters."""
+    data = batches(steps=3)
+    net = Net()
+
+    def create(layout, strategy, pipeline):
+        return sc.TrainState.create(
+            params=init(net), apply_fn=net.apply, tx=TX, mesh=sc.make_mesh(layout), strategy=strategy, pipeline=pipeline
+        )
+
+    state, _ = train(create({"data": 2, "stage": 4}, "ddp", sc.Pipeline(microbatches=4)), data[:2])
+    sc.save_checkpoint(tmp_path, state)
+    saved = jax.device_get(state.full_params())
+    straight, _ = train(state, data[2:])
+    straight = jax.device_get(straight.full_params())
+    for layout, strategy, pipeline in [
+        ({"data": 4, "stage": 2}, "fsdp", sc.Pipeline(microbatches=2, repeats=2)),
+        ({"data": 8}, "zero1", None),
+    ]:
+        restored = sc.restore_checkpoint(tmp_path, create(layout, strategy, pipeline))
+        assert_trees_close(jax.device_get(restored.full_params()), saved, rtol=0, atol=0)
+        resumed, _ = train(restored, data[2:])
+        assert_trees_close(jax.device_get(resumed.full_params()), straight, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_explain_shows_the_schedule_and_that_stages_keep_their_layers(strategy):
+    state = sc.TrainState.create(
+        params=init(Net()),
+        apply_fn=Net().apply,
+        tx=TX,
+        mesh=sc.make_mesh({"data": 2, "stage": 4}),
+        strategy=strategy,
+        pipeline=sc.Pipeline(microbatches=4),
+    )
+    report = sc.explain(sc.make_train_step(loss_fn), state, batches()[0])
+    pipeline = report.pipeline
+    assert (pipeline.stages, pipeline.repeats, pipeline.microbatches, pipeline.ticks) == (4, 1, 4, 7)
+    assert pipeline.bubble == pytest.approx(3 / 7)
+    # 1/p of the stack per device, and 1/(p N) under FSDP (N = 2 data devices).
+    assert pipeline.stacked_bytes * 4 * (2 if strategy == "fsdp" else 1) == pipeline.stack_bytes
+    assert pipeline.stage_gathers == 0 and report.count("all-gather", over="stage") == 0
+    permutes = [c for c in report.collectives if c.kind == "collective-permute"]
+    assert permutes and all(c.axes == ("stage",) and c.where == "while" for c in permutes)
+    assert pipeline.permutes == sum(c.count for c in permutes) and "pipeline over 'stage': p=4" in report.table()
+    if strategy == "fsdp":  # the stage's layers are gathered once per step, outside the schedule's loop
+        assert all(c.where == "entry" for c in report.collectives if c.kind == "all-gather")
+
+
+# --- Flax NNX --------------------------------------------------------------------------------------------------
+
+
+def nnx_net():
+    from flax import nnx
+
+    class NnxBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+            self.up = nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs)
+            self.down = nnx.Linear(2 * WIDTH, WIDTH, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+    class NnxNet(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Linear(5, WIDTH, rngs=rngs)
+            self.stack = sc.nnx.PipelineStack(NnxBlock, layers=LAYERS, rngs=rngs)
+            self.head = nnx.Linear(WIDTH, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.stack(self.embed(x)))
+
+    return NnxNet(nnx.Rngs(0))
+
+
+def nnx_loss(model, batch, *, rng, mask):
+    return sc.masked_mean(jnp.sum((model(batch["x"]) - batch["y"]) ** 2, -1), mask)
+
+
+@pytest.mark.parametrize(
+    "layout, strategy, m, v", [({"data": 4, "stage": 2}, "fsdp", 2, 2), ({"data": 8}, "ddp", 1, 1)]
+)
+def test_nnx_stack_trains_as_one_device(layout, strategy, m, v):
+    def run(mesh, **kwargs):
+        state = sc.TrainState.create_nnx(nnx_net(), tx=TX, mesh=mesh, strategy=strategy, **kwargs)
+        step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss)), []
+        for batch in batches():
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return state, losses
+
+    reference, expected = run(mesh_of(1))
+    pipeline = sc.Pipeline(microbatches=m, repeats=v) if "stage" in layout else None
+    state, losses = run(sc.make_mesh(layout), pipeline=pipeline)
+    kernel = state.params["stack"]["layers"]["up"]["kernel"]
+    assert kernel.sharding.spec[0] == ("stage" if pipeline else None)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), jax.device_get(reference.params), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_with_the_stage_axis_across_them_equal_one_device(launch, tmp_path):
+    out = launch("mp_pipeline.py", tmp_path, timeout=300)
+    assert out.stdout.count("PIPELINE OK") == 2  # one per process
+    expected, expected_losses = one_device(32)
+    got = np.load(tmp_path / "params_pipeline.npz")
+    for path, x in jax.tree_util.tree_flatten_with_path(expected)[0]:
+        name = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(np.load(tmp_path / "losses_pipeline.npy"), expected_losses, rtol=1e-5)
