@@ -100,6 +100,7 @@ def test_mesh_flags_name_the_axes_and_the_data_axes_are_the_others():
     assert lm.train.parse_mesh("data=2,stage=2,model=2") == {"data": 2, "stage": 2, "model": 2}
     assert list(lm.train.parse_mesh("replica=2, shard=-1")) == ["replica", "shard"]
     assert lm.train.data_axes(("data", "stage", "model")) == "data"
+    assert lm.train.data_axes(("data", "context")) == "data"
     assert lm.train.data_axes(("replica", "shard", "model")) == ("replica", "shard")
     for bad in ("data", "data=2,data=2", "data=two", "=4"):
         with pytest.raises(ValueError, match="--mesh"):
@@ -108,10 +109,10 @@ def test_mesh_flags_name_the_axes_and_the_data_axes_are_the_others():
         lm.train.data_axes(("model",))
 
 
-def test_a_stage_axis_is_refused_until_pipelines_exist():
-    mesh = sc.make_mesh({"data": 2, "stage": 2, "model": 2})
-    with pytest.raises(NotImplementedError, match="pipeline parallelism: not available yet"):
-        lm.train.build_state(lm.train.Config(mesh="data=2,stage=2,model=2"), mesh)
+def test_repeats_need_a_stage_axis():
+    mesh = sc.make_mesh({"data": 4, "model": 2})
+    with pytest.raises(ValueError, match="--repeats 2: repeats are a pipeline's"):
+        lm.train.build_state(lm.train.Config(mesh="data=4,model=2", repeats=2), mesh)
 
 
 # About 7 s of training on 2 cores: 4.4, 4.2 and 3.9 bits/byte after 10, 20 and 30 steps, the baseline 4.3.
@@ -132,3 +133,14 @@ def test_tiny_run_on_data_and_model_axes_learns_stops_and_resumes(tmp_path, caps
     curve = [r["val_bits_per_byte"] for r in stopped["evaluations"] + resumed["evaluations"]]
     assert all(map(math.isfinite, curve)) and curve[0] > curve[1] > curve[2], curve
     assert resumed["val_bits_per_byte"] < resumed["unigram_bits_per_byte"], curve
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["data=2,stage=2,model=2", "data=2,context=4"])
+def test_pipeline_and_context_layouts_train_the_model_one_axis_trains(mesh):
+    """The same model on the same batches: a pipeline over 2 stages with tensor parallelism, and every sequence
+    split over 4 context devices (ring attention), reach the data-only layout's validation loss."""
+    short = dict(TINY, steps=6, eval_every=6, microbatches=2, strategy="ddp")
+    reference = lm.train.train_and_evaluate(lm.train.Config(**(short | {"mesh": "data=8"})))
+    split = lm.train.train_and_evaluate(lm.train.Config(**(short | {"mesh": mesh})))
+    assert split["val_bits_per_byte"] == pytest.approx(reference["val_bits_per_byte"], rel=1e-4)

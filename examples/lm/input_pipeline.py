@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -95,6 +96,25 @@ class Windows:
 
     def __getitem__(self, idx) -> np.ndarray:
         return self.stream[self.starts[np.asarray(idx)][..., None] + np.arange(self.length)]
+
+
+class Bytes:
+    """Bytes ``[start, stop)`` of every window of ``windows`` (an array, or :class:`Windows`), read lazily."""
+
+    def __init__(self, windows: Any, start: int, stop: int | None):
+        self.windows, self.start, self.stop = windows, start, stop
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, idx) -> np.ndarray:
+        return np.asarray(self.windows[idx])[..., self.start : self.stop]
+
+
+def next_bytes(windows: Any) -> dict[str, Bytes]:
+    """``windows`` of ``length + 1`` bytes as the model's ``inputs`` and the ``targets`` one byte on, each
+    ``length`` bytes: separate leaves of one shape, so that a context axis splits both alike."""
+    return {"inputs": Bytes(windows, 0, -1), "targets": Bytes(windows, 1, None)}
 
 
 def train_windows(stream: np.ndarray, seq_len: int, *, seed: int) -> Windows:

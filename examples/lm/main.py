@@ -42,9 +42,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS
     )
-    p.add_argument("--mesh", help="mesh axes and sizes, e.g. data=4,model=2 or replica=2,shard=4 (default data=-1)")
+    p.add_argument(
+        "--mesh",
+        help="mesh axes and sizes, e.g. data=4,model=2, replica=2,shard=4, data=2,stage=2,model=2 or "
+        "data=2,context=4 (default data=-1)",
+    )
     p.add_argument("--strategy", choices=["ddp", "zero1", "zero2", "fsdp"], help="over the data axes")
-    p.add_argument("--microbatches", type=int, help="micro-batches per step (gradient accumulation)")
+    p.add_argument("--microbatches", type=int, help="a pipeline's micro-batches (else gradient accumulation's)")
+    p.add_argument("--attention", choices=["ring", "all_to_all"], help="context parallelism's algorithm")
     p.add_argument("--repeats", type=int, help="a pipeline's layer groups per stage (needs a stage axis)")
     p.add_argument("--width", type=int)
     p.add_argument("--layers", type=int)

@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import optax
 from input_pipeline import VOCAB
@@ -63,6 +62,7 @@ class Block(nn.Module):
     heads: int
     hidden: int  # the MLP's hidden units
     dtype: Any = jnp.float32
+    attention: str = "ring"  # context parallelism's algorithm: "ring" or "all_to_all"
 
     @nn.compact
     def __call__(self, x):
@@ -73,7 +73,8 @@ class Block(nn.Module):
         q, k, v = (
             Projection(heads, ("embed", "heads", "kv"), dtype=self.dtype, name=n)(y) for n in ("query", "key", "value")
         )
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        # Exact over a sequence split over a context axis too (ring or all-to-all); plain attention otherwise.
+        y = sc.context_attention(q, k, v, causal=True, algorithm=self.attention)
         # Row-parallel: each model device sums over its heads, one all-reduce of the partial sums.
         x = x + Projection((self.width,), ("heads", "kv", "embed"), contract=2, dtype=self.dtype, name="out")(y)
         y = _norm(self.dtype, "mlp_norm")(x)
@@ -107,45 +108,10 @@ class Projection(nn.Module):
         return jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.contract)
 
 
-class ScanStack(nn.Module):
-    """``layers`` copies of ``block`` applied in turn, ``x = block(x, *args)``, as one ``nn.scan``: the parameters
-    of the copies are stacked on a leading ``layers`` dimension (logical name ``"layers"``), under ``"layers"``."""
-
-    block: nn.Module
-    layers: int
-
-    @nn.compact
-    def __call__(self, x, *args):
-        scanned = nn.scan(
-            _Carry,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},  # each copy initialised on its own
-            in_axes=(nn.broadcast,) * len(args),  # every copy sees the same extra arguments
-            length=self.layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        # A copy of the template without a parent, so that the scan (not the module that built the template) owns
-        # its parameters.
-        x, _ = scanned(self.block.clone(), name="layers")(x, *args)
-        return x
-
-
-class _Carry(nn.Module):
-    """The scan's body: the block, with ``nn.scan``'s ``(carry, outputs)`` signature."""
-
-    block: nn.Module
-
-    @nn.compact
-    def __call__(self, x, *args):
-        return self.block(x, *args), None
-
-
 def stack(block: nn.Module, layers: int, *, name: str | None = None) -> nn.Module:
-    """``layers`` copies of ``block``: ``stack(block, layers)(x, *args)`` applies each as ``block(x, *args)`` (the
-    result shaped like ``x``), their parameters stacked ``[layers, ...]``. The one place the model's layers are
-    put together: ``sc.PipelineStack(block, layers)`` has the same contract and spreads them over pipeline stages.
-    """
-    return ScanStack(block, layers, name=name)
+    """``layers`` copies of ``block``: ``stack(block, layers)(x)`` applies each as ``block(x)``, their parameters
+    stacked ``[layers, ...]``: ``sc.PipelineStack``, a scan, or a pipeline over the state's stage axis."""
+    return sc.PipelineStack(block, layers, name=name)
 
 
 class Transformer(nn.Module):
@@ -158,6 +124,7 @@ class Transformer(nn.Module):
     mlp_ratio: int = 4
     max_len: int = 128
     dtype: Any = jnp.float32
+    attention: str = "ring"  # context parallelism's algorithm
 
     @nn.compact
     def __call__(self, tokens):
@@ -168,8 +135,9 @@ class Transformer(nn.Module):
             "positions", _init(("length", "embed"), nn.initializers.normal(0.02)), (self.max_len, self.width)
         )
         # Positions count from the first token of the sequence: every window is a sequence of its own.
-        x = embed(tokens).astype(self.dtype) + positions[: tokens.shape[1]].astype(self.dtype)
-        block = Block(self.width, self.heads, self.mlp_ratio * self.width, self.dtype, parent=None)
+        # Each token's global position: with a context axis this device holds other tokens than the first.
+        x = embed(tokens).astype(self.dtype) + positions[sc.context_positions(tokens.shape[1])].astype(self.dtype)
+        block = Block(self.width, self.heads, self.mlp_ratio * self.width, self.dtype, self.attention, parent=None)
         x = stack(block, self.layers, name="blocks")(x)
         x = _norm(self.dtype, "final_norm")(x)
         return embed.attend(x).astype(jnp.float32)  # the head is the embedding, transposed
@@ -177,10 +145,11 @@ class Transformer(nn.Module):
 
 def make_loss_fn() -> Callable:
     """spmdcomm's loss_fn contract: the mean next-byte cross-entropy (nats) over this device's real windows, and
-    the next-byte accuracy. ``batch["tokens"]`` is ``uint8[windows, length + 1]``."""
+    the next-byte accuracy. ``batch`` holds ``"inputs"`` and ``"targets"``, ``uint8[windows, length]`` (the
+    targets one byte on): separate leaves, so that a context axis splits both the same way."""
 
     def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
-        loss, accuracy = _per_window(apply_fn, params, batch["tokens"])
+        loss, accuracy = _per_window(apply_fn, params, batch)
         return sc.masked_mean(loss, mask), {"accuracy": sc.masked_mean(accuracy, mask)}
 
     return loss_fn
@@ -190,17 +159,16 @@ def make_metric_fn() -> Callable:
     """Validation loss (nats per byte) and next-byte accuracy over this device's real windows."""
 
     def metric_fn(params, batch, *, apply_fn, model_state, mask):
-        loss, accuracy = _per_window(apply_fn, params, batch["tokens"])
+        loss, accuracy = _per_window(apply_fn, params, batch)
         return {"loss": sc.masked_mean(loss, mask), "accuracy": sc.masked_mean(accuracy, mask)}
 
     return metric_fn
 
 
-def _per_window(apply_fn, params, tokens) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Each window's mean loss and accuracy over its positions: every window predicts the same number of bytes,
-    so the mean over windows is the mean over bytes."""
-    tokens = tokens.astype(jnp.int32)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+def _per_window(apply_fn, params, batch) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Each window's mean loss and accuracy over its positions (this device's, with a context axis): every window
+    predicts the same number of bytes, so the mean over windows is the mean over bytes."""
+    inputs, targets = batch["inputs"].astype(jnp.int32), batch["targets"].astype(jnp.int32)
     logits = apply_fn({"params": params}, inputs)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(-1)
     return loss, (jnp.argmax(logits, -1) == targets).astype(jnp.float32).mean(-1)

@@ -29,6 +29,7 @@ from models import MODEL_AXIS, Transformer, logical_axis_rules, make_loss_fn, ma
 import spmdcomm as sc
 
 PIPELINE_AXIS = "stage"  # the mesh axis of pipeline stages
+CONTEXT_AXIS = "context"  # the mesh axis every sequence is split over
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -38,8 +39,9 @@ class Config:
 
     mesh: str = "data=-1"  # mesh axes and sizes; -1 takes the devices the others leave
     strategy: str = "ddp"  # one of spmdcomm.train.STRATEGIES, over the data axes
-    microbatches: int = 1  # each device's batch in this many micro-batches (gradient accumulation)
+    microbatches: int = 1  # a pipeline's micro-batches; without a stage axis, gradient accumulation's
     repeats: int = 1  # a pipeline's layer groups per stage (needs a "stage" axis)
+    attention: str = "ring"  # how attention crosses a "context" axis: "ring" or "all_to_all"
     width: int = 128
     layers: int = 4
     heads: int = 4
@@ -78,13 +80,13 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def data_axes(axis_names: Sequence[str]) -> str | tuple[str, ...]:
-    """The mesh axes the batch is split over: every axis but the model's and the pipeline's, in mesh order
+    """The data axes: every axis but the model's, the pipeline's and the context's, in mesh order
     (several: hybrid sharding, ZeRO and FSDP splitting over the last one).
 
     Raises:
       ValueError: when no axis is left for the data.
     """
-    axes = tuple(a for a in axis_names if a not in (MODEL_AXIS, PIPELINE_AXIS))
+    axes = tuple(a for a in axis_names if a not in (MODEL_AXIS, PIPELINE_AXIS, CONTEXT_AXIS))
     if not axes:
         raise ValueError(f"the mesh {tuple(axis_names)} has no data axis: add one, e.g. data=-1")
     return axes[0] if len(axes) == 1 else axes
@@ -93,7 +95,12 @@ def data_axes(axis_names: Sequence[str]) -> str | tuple[str, ...]:
 def make_model(config: Config) -> Transformer:
     """The transformer ``config`` describes."""
     return Transformer(
-        width=config.width, layers=config.layers, heads=config.heads, max_len=config.seq_len, dtype=DTYPES[config.dtype]
+        width=config.width,
+        layers=config.layers,
+        heads=config.heads,
+        max_len=config.seq_len,
+        dtype=DTYPES[config.dtype],
+        attention=config.attention,
     )
 
 
@@ -123,25 +130,21 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
 
 def build_state(config: Config, mesh: Mesh) -> tuple[sc.TrainState, sc.TrainStep]:
     """The train state on ``mesh`` (the strategy over its data axes, the model's logical names mapped to its
-    model axis) and the train step (``config.microbatches`` micro-batches accumulated per step).
+    model axis, a pipeline over a ``"stage"`` axis, a context split over a ``"context"`` axis) and the train step.
 
-    The one place that knows about pipeline stages: a mesh with a ``"stage"`` axis raises until pipeline
-    parallelism is available.
+    ``config.microbatches`` is the pipeline's micro-batches on a mesh with a ``"stage"`` axis, and gradient
+    accumulation's otherwise.
 
     Raises:
-      NotImplementedError: for a mesh with a ``"stage"`` axis.
-      ValueError: for ``config.repeats`` other than 1 (a pipeline's setting).
+      ValueError: for ``config.repeats`` other than 1 without a ``"stage"`` axis (a pipeline's setting).
     """
-    if PIPELINE_AXIS in mesh.axis_names:
-        raise NotImplementedError(
-            f"pipeline parallelism: not available yet (the mesh {dict(mesh.shape)} has a {PIPELINE_AXIS!r} axis); "
-            "leave that axis out, e.g. --mesh data=4,model=2"
-        )
-    if config.repeats != 1:
+    pipelined = PIPELINE_AXIS in mesh.axis_names
+    if config.repeats != 1 and not pipelined:
         raise ValueError(f"--repeats {config.repeats}: repeats are a pipeline's, and the mesh has no 'stage' axis")
     model = make_model(config)
     # One compiled program for the initialisation, as Flax's examples do (eagerly, each initializer compiles).
     params = jax.jit(model.init)(jax.random.key(config.seed), np.zeros((1, config.seq_len), np.int32))["params"]
+    pipeline = sc.Pipeline(config.microbatches, PIPELINE_AXIS, config.repeats) if pipelined else None
     state = sc.TrainState.create(
         params=params,
         tx=make_optimizer(config),
@@ -151,8 +154,10 @@ def build_state(config: Config, mesh: Mesh) -> tuple[sc.TrainState, sc.TrainStep
         axis=data_axes(mesh.axis_names),
         strategy=config.strategy,
         logical_axis_rules=logical_axis_rules(mesh.axis_names),
+        pipeline=pipeline,
+        context=sc.ContextParallel(CONTEXT_AXIS) if CONTEXT_AXIS in mesh.axis_names else None,
     )
-    return state, sc.make_train_step(make_loss_fn(), accum_steps=config.microbatches)
+    return state, sc.make_train_step(make_loss_fn(), accum_steps=1 if pipelined else config.microbatches)
 
 
 def train_and_evaluate(config: Config) -> dict[str, Any]:
@@ -188,14 +193,21 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         say(f"resuming from {config.checkpoint_dir} at step {start}, restart {sc.restart_count()}")
 
     def validation(state: sc.TrainState) -> dict[str, float]:
-        metrics = sc.evaluate(eval_step, state, sc.take_batches({"tokens": val}, val_sampler.batches(local_batch)))
+        metrics = sc.evaluate(
+            eval_step, state, sc.take_batches(input_pipeline.next_bytes(val), val_sampler.batches(local_batch))
+        )
         return {"val/loss": metrics["loss"], "val/accuracy": metrics["accuracy"]}
 
     rows = EvalRows(unigram, start=start)
     per_epoch = sampler.num_batches(local_batch)
     epochs = math.ceil(config.steps / per_epoch)
     loader = sc.Loader(
-        {"tokens": windows}, sampler, batch_size=local_batch, epochs=epochs, mesh=state.mesh, axis=state.axis
+        input_pipeline.next_bytes(windows),
+        sampler,
+        batch_size=local_batch,
+        epochs=epochs,
+        mesh=state.mesh,
+        axis=state.roles.batch,
     )
     checkpoints = {}
     if config.checkpoint_dir:
@@ -282,12 +294,16 @@ def say(line: str) -> None:
 
 
 def _check_batch(config: Config, mesh: Mesh) -> None:
-    """The global batch must split over the processes and the data axes, and each device's block into the
-    micro-batches."""
+    """The global batch must split over the processes and the data axes (and the stage axis), and each data
+    replica's rows into the micro-batches (a pipeline's, or accumulation's per device)."""
     names = data_axes(mesh.axis_names)
     data = math.prod(mesh.shape[a] for a in (names if isinstance(names, tuple) else (names,)))
-    if config.batch_size % (data * config.microbatches) or config.batch_size % sc.process_count():
-        raise SystemExit(
-            f"--batch-size {config.batch_size} must be a multiple of the {data} data devices x "
-            f"{config.microbatches} micro-batches (and of the {sc.process_count()} processes)"
+    stages = mesh.shape.get(PIPELINE_AXIS, 1)
+    per_device = 1 if PIPELINE_AXIS in mesh.axis_names else data
+    need = math.lcm(data * stages, per_device * config.microbatches, data * config.microbatches)
+    if config.batch_size % need or config.batch_size % sc.process_count():
+        raise ValueError(
+            f"--batch-size {config.batch_size} must be a multiple of {need}: the {data} data devices x {stages} "
+            f"stage(s), and {config.microbatches} micro-batches per data replica (and of the {sc.process_count()} "
+            "processes)"
         )
