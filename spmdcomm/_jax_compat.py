@@ -23,6 +23,7 @@ import jax
 from spmdcomm.errors import DistributedError, SpmdError
 
 __all__ = [
+    "vary",
     "JAX_MAX_VERSION",
     "JAX_MIN_VERSION",
     "SUPPORTED_JAX",
@@ -92,6 +93,19 @@ def varying_axes(x: Any) -> frozenset[str]:
             )
         )
     return frozenset()
+
+
+def vary(tree: Any, axes: Sequence[str]) -> Any:
+    """``tree`` with every leaf typed as varying over each of the manual ``axes`` (``lax.pcast``), where it is not
+    already: what a ``psum`` over those axes, a scan carry that becomes varying, or a per-device gradient needs
+    under ``check_vma=True``."""
+    from jax import lax
+
+    def one(x: Any) -> Any:
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
 
 
 def collective_axes_in_traceback(tb: TracebackType | None) -> list[str]:

@@ -15,7 +15,7 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm._jax_compat import varying_axes
+from spmdcomm._jax_compat import vary
 from spmdcomm.data.placement import HostInput
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.train._flat import all_finite
@@ -186,7 +186,7 @@ def _accumulate(
     # a device's gradient also holds the other devices' losses wherever the model couples them (synchronised
     # BatchNorm statistics: the transpose of their all-reduce), and split parameters (FSDP) come out summed over
     # the axis by the transpose of the gather; each of those terms must carry its own device's weight.
-    params = _vary(state.params, axis)
+    params = vary(state.params, axis)
     weight = _loss_weight(state, mask, masked, k)
     grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, masked, reserved), has_aux=True)
     extra = {"step": state.step} if _takes_keyword(o.loss_fn, "step") else {}
@@ -220,7 +220,7 @@ def _accumulate(
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 
     batch0, mask0 = jax.tree.map(lambda x: x[0], micro)
-    first = one(_vary(state.model_state, state.roles.manual), batch0, mask0, 0)
+    first = one(vary(state.model_state, state.roles.manual), batch0, mask0, 0)
     if k == 1:
         return first
 
@@ -232,7 +232,7 @@ def _accumulate(
         return (add(grad_sum, grads), add(metric_sums, metrics), model_state, count + c), None
 
     rest = jax.tree.map(lambda x: x[1:], micro)
-    carry, _ = lax.scan(body, _vary(first, axis), (rest, jnp.arange(1, k)))
+    carry, _ = lax.scan(body, vary(first, axis), (rest, jnp.arange(1, k)))
     return carry
 
 
@@ -263,7 +263,8 @@ def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int) -> Ca
         return (lambda c: c) if masked else (lambda c: 1.0)
     if not masked:
         return lambda c: 1.0 / (state.roles.blocks * k)
-    total = jnp.maximum(lax.psum(jnp.sum(mask, dtype=jnp.float32), state.roles.manual), 1.0)
+    # The mask is per row: the same on every context device, so typed varying before summing over them too.
+    total = jnp.maximum(lax.psum(vary(jnp.sum(mask, dtype=jnp.float32), state.roles.manual), state.roles.manual), 1.0)
     return lambda c: c / total
 
 
@@ -343,17 +344,6 @@ def _check_same_tree(old: Any, new: Any) -> None:
 
 def _context_size(state: TrainState) -> int:
     return int(state.mesh.shape[state.context.axis]) if state.context is not None else 1
-
-
-def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
-    # Marks values as varying over every data axis so that jax.grad returns the per-device gradient instead
-    # of one already summed over the axes (shard_map with check_vma=True).
-
-    def one(x: jax.Array) -> jax.Array:
-        missing = tuple(a for a in axes if a not in varying_axes(x))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(one, tree)
 
 
 def _float_leaves(tree: Any) -> Any:

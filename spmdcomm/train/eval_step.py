@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm._jax_compat import vary
 from spmdcomm.data.placement import HostInput, check_host_input
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.train._step import (
@@ -213,7 +214,8 @@ class EvalStep:
             )
             metrics = out if isinstance(out, dict) else {"loss": out}
             check_scalars("make_eval_step", metrics, "metric_fn")
-            count = jnp.sum(mask, dtype=jnp.float32)
+            # Typed varying over every manual axis: the mask is per row, the same on every context device.
+            count = vary(jnp.sum(mask, dtype=jnp.float32), state.roles.manual)
             sums = {k: jnp.where(count > 0, count * v.astype(sum_dtype(v.dtype)), 0.0) for k, v in metrics.items()}
             total, sums = lax.psum((count, sums), state.roles.manual)
             # Every device of the context axis counted its rows (holding other tokens of them).

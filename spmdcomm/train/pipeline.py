@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from spmdcomm._jax_compat import varying_axes
+from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import ShapeError, SpmdError, describe
 
 __all__ = [
@@ -267,7 +267,7 @@ def _pipelined(layer_fn: Callable[..., jax.Array], params: Any, x: jax.Array, pi
     chunks = jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), params)
     # Every buffer the loop carries varies over the same manual axes as the activations (shard_map's typing).
     axes = tuple(sorted(set(varying_axes(x)) | {axis}))
-    zeros = lambda shape: _vary(jnp.full(shape, _FILL, x.dtype), axes)
+    zeros = lambda shape: vary(jnp.full(shape, _FILL, x.dtype), axes)
     io_in = x.reshape((q, mb) + x.shape[1:])
     io_out = zeros(io_in.shape)
     loop = zeros((m, mb) + x.shape[1:]) if v > 1 else None
@@ -312,8 +312,3 @@ def _pipelined(layer_fn: Callable[..., jax.Array], params: Any, x: jax.Array, pi
 
     (_, io_out, _, _), _ = lax.scan(tick, (io_in, io_out, loop, carry), jnp.arange(pipeline.ticks(p)))
     return io_out.reshape(x.shape)
-
-
-def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
