@@ -407,16 +407,32 @@ def section_mfu(size: Size, args: argparse.Namespace, out: dict, deadline: float
         out["examples_lm"] = "examples/lm not present"
     else:
         try:
-            out["examples_lm"] = measure_mfu(examples_lm_spec(lm), peak, size.lm_rounds, size.lm_steps)
+            out["examples_lm"] = measure_mfu(examples_lm_spec(lm, size.lm), peak, size.lm_rounds, size.lm_steps)
         except NotImplementedError as e:
             out["examples_lm"] = str(e)
     out["stand_in"] = measure_mfu(stand_in_spec(size.lm), peak, size.lm_rounds, size.lm_steps)
 
 
-def examples_lm_spec(path: Path) -> LMSpec:
-    """The :class:`LMSpec` of examples/lm's model. The example is not written yet, so nothing is wired in: once
-    it lands, build its module, parameters and batch here, as :func:`stand_in_spec` does."""
-    raise NotImplementedError(f"{path.name} is present but not wired into benchmarks/gpu.py (examples_lm_spec)")
+def examples_lm_spec(path: Path, cfg: dict) -> LMSpec:
+    """The :class:`LMSpec` of examples/lm's model (``models.Transformer``, byte vocabulary) at ``cfg``'s width,
+    layers, heads and sequence length, on random bytes of ``cfg["batch"]`` sequences."""
+    import importlib.util
+
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    sys.path.insert(0, str(path))  # the example's modules import each other by name, as a script directory
+    spec = importlib.util.spec_from_file_location("lm_models", path / "models.py")
+    models = importlib.util.module_from_spec(spec)
+    sys.modules["lm_models"] = models  # Flax's dataclasses look their module up while the file runs
+    spec.loader.exec_module(models)
+    module = models.Transformer(width=cfg["width"], layers=cfg["layers"], heads=cfg["heads"], max_len=cfg["seq"])
+    tokens = np.random.default_rng(0).integers(0, 256, (cfg["batch"], cfg["seq"])).astype(np.int32)
+    params = jax.jit(module.init)(jax.random.PRNGKey(0), tokens[:1])["params"]
+    params = jax.tree.map(np.asarray, dict(nn.unbox(params)))  # the logical names matter only to the example
+    name = f"examples/lm Transformer {cfg['layers']}x{cfg['width']}, {cfg['batch']}x{cfg['seq']} bytes"
+    return LMSpec(name, module, params, {"tokens": tokens}, cfg["layers"], cfg["width"])
 
 
 def stand_in_spec(cfg: dict) -> LMSpec:
