@@ -135,3 +135,41 @@ def test_a_context_axis_must_be_a_free_mesh_axis():
             mesh=sc.make_mesh({"data": 8}),
             context=sc.ContextParallel(),
         )
+
+
+class StackedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        # No bias: a key bias has a zero gradient (softmax ignores it), which Adam would turn into rounding-sized steps.
+        q, k, v = jnp.split(nn.Dense(3 * WIDTH, use_bias=False)(nn.LayerNorm()(x)), 3, axis=-1)
+        heads = lambda t: t.reshape(t.shape[:2] + (HEADS, WIDTH // HEADS))
+        return x + nn.Dense(WIDTH)(sc.context_attention(heads(q), heads(k), heads(v), causal=True).reshape(x.shape))
+
+
+class StackedLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, segments, valid):
+        positions = sc.context_positions(tokens.shape[1])
+        h = nn.Embed(VOCAB, WIDTH)(tokens) + self.param("pos", nn.initializers.normal(0.1), (T, WIDTH))[positions]
+        return nn.Dense(VOCAB)(sc.PipelineStack(StackedBlock(), layers=4)(h))
+
+
+def test_the_context_axis_composes_with_a_pipeline_and_fsdp():
+    """Every sequence over 2 context devices, the stacked blocks over 2 stages, FSDP over 2 data devices: one
+    device's losses and parameters."""
+    model = StackedLM()
+    params = init(model)["params"]
+
+    def run(mesh, **kwargs):
+        state = sc.TrainState.create(params=params, apply_fn=model.apply, tx=optax.adam(1e-2), mesh=mesh, **kwargs)
+        return train(state, batches())
+
+    expected, expected_losses = run(mesh_of(1))
+    state, losses = run(
+        sc.make_mesh({"data": 2, "stage": 2, "context": 2}),
+        strategy="fsdp",
+        pipeline=sc.Pipeline(microbatches=2),
+        context=sc.ContextParallel(),
+    )
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), jax.device_get(expected.params), rtol=1e-4, atol=1e-5)
