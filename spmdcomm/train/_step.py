@@ -181,23 +181,15 @@ def _local(body: Callable[..., Any], state: TrainState, out_specs: Any) -> Calla
     context axis (partial-manual when the mesh has model axes). With a context axis, dimension 1 (the tokens) of
     every data leaf of two or more dimensions is put in the context layout's order and split over that axis (the
     rows arrive split over the batch axes and whole over the context axis, so each device keeps its own tokens)."""
-    rows = P(state.roles.batch)
-    context = state.context
-    if context is None:
-        return jax.shard_map(
-            body,
-            mesh=state.mesh,
-            in_specs=(state.manual_specs(), rows, rows),
-            out_specs=out_specs,
-            axis_names=set(state.roles.manual),
-            check_vma=True,
-        )
-    size = int(state.mesh.shape[context.axis])
+    rows, context = P(state.roles.batch), state.context
 
     def split(state: TrainState, data: Any, mask: Any) -> Any:
-        tokens = lambda x: np.ndim(x) >= 2
-        data = jax.tree.map(lambda x: jnp.take(x, context.order(x.shape[1], size), axis=1) if tokens(x) else x, data)
-        specs = jax.tree.map(lambda x: P(state.roles.batch, context.axis) if tokens(x) else rows, data)
+        specs = jax.tree.map(lambda _: rows, data)
+        if context is not None:
+            size, tokens = int(state.mesh.shape[context.axis]), lambda x: np.ndim(x) >= 2
+            order = lambda x: jnp.take(x, context.order(x.shape[1], size), axis=1) if tokens(x) else x
+            data = jax.tree.map(order, data)
+            specs = jax.tree.map(lambda x: P(state.roles.batch, context.axis) if tokens(x) else rows, data)
         return jax.shard_map(
             body,
             mesh=state.mesh,

@@ -27,10 +27,15 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from spmdcomm.errors import ShapeError, SpmdError, describe
-from spmdcomm.train.attention import attention_reference, ring_attention, ulysses_attention
+from spmdcomm.train.attention import (
+    attention_reference,
+    local_positions,
+    ring_attention,
+    ulysses_attention,
+    zigzag_order,
+)
 
 __all__ = ["ContextParallel", "context_attention", "context_positions", "active_context", "context_split"]
 
@@ -101,10 +106,7 @@ class ContextParallel:
                     fix=f"make the sequence length a multiple of {chunks} (pad it; mask the padding in the loss).",
                 )
             )
-        if self.layout == "contiguous":
-            return np.arange(length)
-        parts = np.arange(length).reshape(chunks, length // chunks)
-        return np.concatenate([np.concatenate([parts[i], parts[chunks - 1 - i]]) for i in range(size)])
+        return zigzag_order(length, size) if self.layout == "zigzag" else np.arange(length)
 
 
 _ACTIVE: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar("spmdcomm_context", default=None)
@@ -143,9 +145,7 @@ def context_positions(length: int) -> jax.Array:
     context = active_context()
     if context is None:
         return jnp.arange(length, dtype=jnp.int32)
-    size = lax.axis_size(context.axis)
-    order = jnp.asarray(context.order(length * size, size), jnp.int32).reshape(size, length)
-    return order[lax.axis_index(context.axis)]
+    return local_positions(length, context.axis, context.layout)
 
 
 def context_attention(
