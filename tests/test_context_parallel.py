@@ -86,11 +86,12 @@ def one_device():
     return jax.device_get(state.params), losses
 
 
-CASES = [
-    ({"data": 2, "context": 4}, "ring", "zigzag", "ddp"),
-    ({"data": 2, "context": 4}, "all_to_all", "contiguous", "fsdp"),
-    ({"data": 2, "context": 2, "model": 2}, "ring", "zigzag", "zero1"),
-    ({"data": 2, "context": 2, "model": 2}, "all_to_all", "zigzag", "ddp"),
+SLOW = pytest.mark.slow
+CASES = [  # the fast tier runs one case of each algorithm
+    pytest.param({"data": 2, "context": 4}, "ring", "zigzag", "ddp"),
+    pytest.param({"data": 2, "context": 4}, "all_to_all", "contiguous", "fsdp", marks=SLOW),
+    pytest.param({"data": 2, "context": 2, "model": 2}, "ring", "zigzag", "zero1", marks=SLOW),
+    pytest.param({"data": 2, "context": 2, "model": 2}, "all_to_all", "zigzag", "ddp"),
 ]
 
 
@@ -154,6 +155,7 @@ class StackedLM(nn.Module):
         return nn.Dense(VOCAB)(sc.PipelineStack(StackedBlock(), layers=4)(h))
 
 
+@pytest.mark.slow
 def test_the_context_axis_composes_with_a_pipeline_and_fsdp():
     """Every sequence over 2 context devices, the stacked blocks over 2 stages, FSDP over 2 data devices: one
     device's losses and parameters."""
