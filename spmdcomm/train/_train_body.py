@@ -275,7 +275,9 @@ def _differentiable_loss(
     the loss times ``weight`` (see :func:`_loss_weight`; zero for a masked block without real examples, whose mean
     may be NaN), times the loss scale."""
     strategy, layout = state.strategy, state.layout
-    policy = strategy.remat_policy
+    # A pipeline gathers each stage's layers once per step and keeps them (MaxText's fsdp_ag_once); FSDP's policy,
+    # which keeps every computed value, would also override the schedule's rematerialisation of each tick.
+    policy = strategy.remat_policy if state.pipeline is None else None
 
     def wrapped(params: Any, batch: Any, *, count: jax.Array, weight: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
         def forward(p: Any) -> Any:
