@@ -173,6 +173,59 @@ def plot_strategies(result: dict, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def plot_pipeline(result: dict, path: Path) -> Path:
+    """Pipeline parallelism: the stack's bytes per device against the whole stack's, the step's temporaries
+    against m with and without remat, and each variant's step time relative to DDP with the bubble formula."""
+    plt = _pyplot()
+    speed = result.get("speed", {})
+    panels = 2 + bool(speed)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels + (2 if speed else 0), 4.2), squeeze=False)
+    fig.set_layout_engine("constrained")
+    ax = axes[0][0]
+    rows = result["stack_memory"]
+    labels = [f"{r['strategy'].replace(' reshard_after_forward=False', ', no reshard')}\n{r['layout']}" for r in rows]
+    ax.bar(labels, [r["fraction"] for r in rows], label="measured")
+    ax.scatter(labels, [r["goal_fraction"] for r in rows], color="black", marker="_", s=400, label="1/p, 1/(p N)")
+    ax.set(title="stack params + Adam state per device", ylabel="fraction of the whole stack", ylim=(0, 1.1))
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=7)
+    ax = axes[0][1]
+    act = result["activation_memory"]
+    for color, remat in (("C0", True), ("C1", False)):
+        pts = [(r["m"], r["temp_bytes"] / 2**20) for r in act if r.get("ticks") and r["remat"] == remat]
+        ax.plot(*zip(*pts), marker="o", color=color, label=f"ours, remat={remat}")
+        for r in act:
+            if r["variant"].startswith("hand-written") and r["remat"] == remat:
+                ax.scatter([r["m"]], [r["temp_bytes"] / 2**20], marker="x", s=80, color=color, label=r["variant"])
+    for r in act:
+        if r["variant"].startswith("ddp"):
+            color = "C0" if r["remat"] else "C1"
+            ax.axhline(r["temp_bytes"] / 2**20, color=color, ls="--", lw=1, label=r["variant"])
+    ms = sorted({r["m"] for r in act if r.get("ticks")})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.set_xticks([], minor=True)
+    ax.set(title="step temporaries per device", xlabel="micro-batches m", ylabel="MiB", ylim=(0, None))
+    ax.legend(fontsize=7)
+    if speed:
+        ax = axes[0][2]
+        names = list(speed)
+        ax.barh(names, [speed[n]["time_vs_ddp"] for n in names], label="measured step time / DDP")
+        bubble = [(speed[n]["bubble_formula"], n) for n in names if "bubble_formula" in speed[n]]
+        ax.scatter(*zip(*bubble), color="black", marker="|", s=200, label="bubble formula (v m + p - 1) / (v m)")
+        ax.axvline(1.0, color="gray", ls="--")
+        ax.invert_yaxis()
+        ax.tick_params(axis="y", labelsize=8)
+        ax.set(title="step time relative to DDP data=8 (same remat)", xlabel="ratio")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)  # below: bars fill the axes
+    cfg = result["config"]
+    fig.suptitle(
+        f"Pipeline, data 2 x stage 4 vs data 8: {cfg['layers']} blocks of width {cfg['width']}, batch "
+        f"{cfg['batch']}, {result['devices']} fake CPU devices, {result['date']}"
+    )
+    return _save(plt, fig, path)
+
+
 def train_step_rows(result: dict) -> list[tuple[str, float]]:
     """(configuration, samples/s) pairs from benchmarks/train_step.py's flat JSON (ratios and bytes left out)."""
     skip = ("ratio", "bytes", "(ms)")
@@ -188,6 +241,7 @@ PLOTS = {
     "prefetch": plot_prefetch,
     "train_step": plot_train_step,
     "strategies": plot_strategies,
+    "pipeline": plot_pipeline,
 }
 
 

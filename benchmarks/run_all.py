@@ -1,12 +1,13 @@
 """Runs every benchmark at a short setting, writes their JSON, and draws the PNG plots.
 
-    python benchmarks/run_all.py --out bench-results          # about 15 minutes on a 2-core CPU
+    python benchmarks/run_all.py --out bench-results          # about 20 minutes on a 2-core CPU
     python benchmarks/run_all.py --out bench-results --plot-only
 
 Each benchmark runs in its own process (the fake device count must be set before JAX starts) and streams its
 progress. Plots: busbw vs message size per collective (spmdcomm vs jax.lax vs the memcpy line), steps/s vs
 loader latency for prefetch, samples/s per train-step configuration, memory per device and samples/s
-relative to DDP per data-parallel strategy.
+relative to DDP per data-parallel strategy, and for the pipeline its stack bytes per device, its temporaries
+against the micro-batch count and its step time against DDP's with the bubble formula.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ BENCHMARKS = {
     "prefetch": ["prefetch.py", "--reps", "5"],
     "train_step": ["train_step.py", "--rounds", "5"],
     "strategies": ["strategies.py", "--rounds", "5"],
+    "pipeline": ["pipeline.py", "--rounds", "5"],
 }
 SMOKE = {
     "collectives": [
@@ -58,6 +60,7 @@ SMOKE = {
         "--strategies",
         "fsdp",
     ],
+    "pipeline": ["pipeline.py", "--smoke"],
 }
 
 

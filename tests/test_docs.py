@@ -318,7 +318,7 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
         env=env,
         timeout=480,
     )
-    names = ("collectives", "prefetch", "train_step", "strategies")
+    names = ("collectives", "prefetch", "train_step", "strategies", "pipeline")
     results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in names}
     ops = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
     assert {r["op"] for r in results["collectives"]["rows"]} == ops
@@ -332,6 +332,15 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
     layouts = {r["layout"]: r for r in results["strategies"]["layouts"]}
     assert layouts["fsdp hybrid replica=2 x shard=4"]["goal_met"] and layouts["ddp data=4 x model=2"]["goal_met"]
     assert set(layouts["fsdp hybrid replica=2 x shard=4"]["bytes_over_axis"]) == {"replica", "shard"}
+    pipeline = results["pipeline"]
+    # The stack's parameters + Adam state per device: whole under DDP, 1/p with 4 stages, 1/(p N) under FSDP.
+    assert [r["fraction"] for r in pipeline["stack_memory"]] == [1.0, 0.25, 0.125]
+    temps = {r["variant"]: r["temp_bytes"] for r in pipeline["activation_memory"]}
+    assert set(temps) >= {"ours GPipe m=4", "ours GPipe m=4 no remat", "ddp data=8", "hand-written GPipe m=4 no remat"}
+    assert all(t > 0 for t in temps.values())
+    ours = pipeline["speed"]["ours GPipe m=4 no remat"]
+    assert ours["samples_per_s"] > 0 and ours["ratio_vs_handwritten"] > 0 and ours["bubble_formula"] == 1.75
+    assert "| data 2 x stage 4 | fsdp |" in pipeline["markdown"]
     for name in results:
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
