@@ -175,3 +175,38 @@ def test_the_context_axis_composes_with_a_pipeline_and_fsdp():
     )
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), jax.device_get(expected.params), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_an_nnx_model_with_context_attention_equals_one_device():
+    from flax import nnx
+
+    class NnxLM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+            self.pos = nnx.Param(0.1 * jax.random.normal(rngs.params(), (T, WIDTH)))
+            self.qkv = nnx.Linear(WIDTH, 3 * WIDTH, use_bias=False, rngs=rngs)
+            self.out = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
+
+        def __call__(self, tokens):
+            h = self.embed(tokens) + self.pos[...][sc.context_positions(tokens.shape[1])]
+            q, k, v = jnp.split(self.qkv(h), 3, axis=-1)
+            heads = lambda t: t.reshape(t.shape[:2] + (HEADS, WIDTH // HEADS))
+            return self.out(h + sc.context_attention(heads(q), heads(k), heads(v), causal=True).reshape(h.shape))
+
+    def nnx_loss(model, batch, *, rng, mask):
+        losses = optax.softmax_cross_entropy_with_integer_labels(model(batch["tokens"]), batch["targets"])
+        return sc.masked_mean(losses.mean(-1), mask)
+
+    def run(mesh, **kwargs):
+        state = sc.TrainState.create_nnx(NnxLM(nnx.Rngs(0)), tx=optax.adam(1e-2), mesh=mesh, **kwargs)
+        step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss)), []
+        for batch in batches():
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return state, losses
+
+    expected, expected_losses = run(mesh_of(1))
+    state, losses = run(sc.make_mesh({"data": 2, "context": 4}), context=sc.ContextParallel())
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), jax.device_get(expected.params), rtol=1e-4, atol=1e-5)
