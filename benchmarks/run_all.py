@@ -6,7 +6,8 @@
 Each benchmark runs in its own process (the fake device count must be set before JAX starts) and streams its
 progress. Plots: busbw vs message size per collective (spmdcomm vs jax.lax vs the memcpy line), steps/s vs
 loader latency for prefetch, samples/s per train-step configuration, memory per device and samples/s
-relative to DDP per data-parallel strategy.
+relative to DDP per data-parallel strategy, tokens/s, temporaries and bytes over the context axis against the
+sequence length for context parallelism.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ BENCHMARKS = {
     "prefetch": ["prefetch.py", "--reps", "5"],
     "train_step": ["train_step.py", "--rounds", "5"],
     "strategies": ["strategies.py", "--rounds", "5"],
+    "context": ["context.py", "--rounds", "3", "--lengths", "128,512,1024"],
 }
 SMOKE = {
     "collectives": [
@@ -57,6 +59,19 @@ SMOKE = {
         "mlp",
         "--strategies",
         "fsdp",
+    ],
+    "context": [
+        "context.py",
+        "--lengths",
+        "32",
+        "--rounds",
+        "1",
+        "--round-tokens",
+        "1",
+        "--layers",
+        "1",
+        "--variants",
+        "ring4,a2a4",
     ],
 }
 
