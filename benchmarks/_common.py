@@ -226,6 +226,36 @@ def plot_pipeline(result: dict, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def plot_context(result: dict, path: Path) -> Path:
+    """Tokens/s, the compiled step's temporaries and the bytes over the context axis per step against the sequence
+    length, one line per variant (no split, ring and all-to-all on each context mesh)."""
+    plt = _pyplot()
+    rows = result["rows"]
+    panels = [
+        ("tokens_per_s", 1, "tokens/s", "speed"),
+        ("temp_bytes", 2**20, "temporaries, MiB/device", "compiled step's temporaries"),
+        ("bytes_over_context_per_step", 2**20, "MiB/device per step", "over the context axis"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False, layout="constrained")
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    for ax, (key, unit, label, title) in zip(axes[0], panels):
+        for k, variant in enumerate(variants):
+            pts = [(r["length"], r[key] / unit) for r in rows if r["variant"] == variant and r[key] > 0]
+            if pts:  # one colour per variant in every panel; shrinking markers keep equal lines visible
+                style = "--" if "all-to-all" in variant else "-"
+                ax.plot(*zip(*pts), ls=style, marker="o", ms=9 - 1.5 * k, color=f"C{k}", label=variant)
+        lengths = sorted({r["length"] for r in rows})
+        ax.set(xscale="log", yscale="log", title=title, xlabel="sequence length (tokens)", ylabel=label)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xticks([], minor=True)
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        f"Context parallelism, global batch {result['global_batch']} sequences, {result['devices']} "
+        f"{result['platform']} devices, {result['date']}"
+    )
+    return _save(plt, fig, path)
+
+
 def train_step_rows(result: dict) -> list[tuple[str, float]]:
     """(configuration, samples/s) pairs from benchmarks/train_step.py's flat JSON (ratios and bytes left out)."""
     skip = ("ratio", "bytes", "(ms)")
@@ -242,6 +272,7 @@ PLOTS = {
     "train_step": plot_train_step,
     "strategies": plot_strategies,
     "pipeline": plot_pipeline,
+    "context": plot_context,
 }
 
 

@@ -8,6 +8,8 @@ progress. Plots: busbw vs message size per collective (spmdcomm vs jax.lax vs th
 loader latency for prefetch, samples/s per train-step configuration, memory per device and samples/s
 relative to DDP per data-parallel strategy, and for the pipeline its stack bytes per device, its temporaries
 against the micro-batch count and its step time against DDP's with the bubble formula.
+relative to DDP per data-parallel strategy, tokens/s, temporaries and bytes over the context axis against the
+sequence length for context parallelism.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ BENCHMARKS = {
     "train_step": ["train_step.py", "--rounds", "5"],
     "strategies": ["strategies.py", "--rounds", "5"],
     "pipeline": ["pipeline.py", "--rounds", "5"],
+    "context": ["context.py", "--rounds", "3", "--lengths", "128,512,1024"],
 }
 SMOKE = {
     "collectives": [
@@ -61,6 +64,19 @@ SMOKE = {
         "fsdp",
     ],
     "pipeline": ["pipeline.py", "--smoke"],
+    "context": [
+        "context.py",
+        "--lengths",
+        "32",
+        "--rounds",
+        "1",
+        "--round-tokens",
+        "1",
+        "--layers",
+        "1",
+        "--variants",
+        "ring4,a2a4",
+    ],
 }
 
 

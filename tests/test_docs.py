@@ -318,7 +318,7 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
         env=env,
         timeout=480,
     )
-    names = ("collectives", "prefetch", "train_step", "strategies", "pipeline")
+    names = ("collectives", "prefetch", "train_step", "strategies", "pipeline", "context")
     results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in names}
     ops = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
     assert {r["op"] for r in results["collectives"]["rows"]} == ops
@@ -341,6 +341,17 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
     ours = pipeline["speed"]["ours GPipe m=4 no remat"]
     assert ours["samples_per_s"] > 0 and ours["ratio_vs_handwritten"] > 0 and ours["bubble_formula"] == 1.75
     assert "| data 2 x stage 4 | fsdp |" in pipeline["markdown"]
+    context = results["context"]
+    assert {r["variant"] for r in context["rows"]} == {
+        "no split",
+        "data 2 x context 4, ring",
+        "data 2 x context 4, all-to-all",
+    }
+    for r in context["rows"]:
+        assert r["tokens_per_s"] > 0 and r["ratio_vs_no_split"] > 0 and r["temp_bytes"] > 0
+        if r["algorithm"]:
+            assert r["ratio_ring_vs_all_to_all"] > 0 and r["attention_bytes_per_step"] > 0
+    assert len(context["errors"]) == 6 and all(e["as_documented"] for e in context["errors"])
     for name in results:
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
