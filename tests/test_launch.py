@@ -126,9 +126,11 @@ def test_timeout(tmp_path, capsys):
     assert "timed out: the timeout of 0.5 s expired with rank(s) 0, 1 still running" in capsys.readouterr().err
 
 
-# Every process prints its attempt's restart count and coordinator address first.
+# Every process prints its attempt's restart count and coordinator address first, in one write: the launcher runs
+# its children unbuffered and stops the others when one fails, which could cut a line printed in pieces.
 ATTEMPT = """attempt = int(os.environ['SPMDCOMM_RESTART_COUNT'])
-print('attempt', attempt, os.environ['SPMDCOMM_COORDINATOR'], flush=True)
+sys.stdout.write(f"attempt {attempt} {os.environ['SPMDCOMM_COORDINATOR']}\\n")
+sys.stdout.flush()
 """
 
 

@@ -129,8 +129,9 @@ def context_split(context: ContextParallel | None) -> Iterator[None]:
 
 
 def context_positions(length: int) -> jax.Array:
-    """The global positions of this device's ``length`` tokens of every sequence (for RoPE, learned positions and
-    masks).
+    """The global positions of this device's ``length`` tokens of every sequence.
+
+    For rotary or learned positions and for masks: outside a context-parallel step, ``arange(length)``.
 
     Args:
       length: the tokens of each sequence this device holds (dimension 1 of its block).
@@ -158,9 +159,9 @@ def context_attention(
     kv_mask: jax.Array | None = None,
     algorithm: Literal["ring", "all_to_all"] = "ring",
 ) -> jax.Array:
-    """Softmax attention of ``q`` over ``k`` and ``v`` (``[batch, tokens, heads, head_dim]``; fewer KV heads for
-    grouped-query attention), exact to one device whatever the context split.
+    """Softmax attention of ``q`` over ``k`` and ``v``, exact to one device whatever the context split.
 
+    ``q``, ``k``, ``v`` are ``[batch, tokens, heads, head_dim]`` (fewer KV heads for grouped-query attention).
     Outside a context-parallel step the tokens are the whole sequence and this is plain attention. Inside one, each
     device holds its tokens of every sequence and ``algorithm`` moves what attention needs: ``"all_to_all"``
     (DeepSpeed Ulysses: one all-to-all swaps the split from tokens to heads, attention runs on whole sequences, one
