@@ -61,6 +61,19 @@ def time_calls(call: Callable[[], Any], n: int, *, chained: bool = False, window
     return time.perf_counter() - start
 
 
+def run_facts() -> dict[str, Any]:
+    """What every result records of the run: the date, the JAX version, the platform and device count, the cores."""
+    import jax
+
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "jax": jax.__version__,
+        "platform": jax.devices()[0].platform,
+        "devices": jax.device_count(),
+        "cpu_cores": os.cpu_count(),
+    }
+
+
 def write_json(path: str | Path | None, result: dict[str, Any]) -> None:
     """Writes ``result`` to ``path`` as indented JSON (nothing when ``path`` is None) and says so."""
     if path is None:

@@ -57,7 +57,7 @@ import os
 import time
 from pathlib import Path
 
-from _common import set_cpu_devices, time_calls, write_json
+from _common import run_facts, set_cpu_devices, time_calls, write_json
 
 set_cpu_devices(8)  # before JAX starts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -355,11 +355,7 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     t0 = time.perf_counter()
     result = {
-        "date": time.strftime("%Y-%m-%d"),
-        "jax": jax.__version__,
-        "platform": jax.devices()[0].platform,
-        "devices": jax.device_count(),
-        "cpu_cores": os.cpu_count(),
+        **run_facts(),
         "model": {"vocab": VOCAB, "width": WIDTH, "layers": args.layers, "heads": HEADS, "optimizer": "adam"},
         "global_batch": BATCH,
         "rounds": args.rounds,

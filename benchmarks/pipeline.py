@@ -59,7 +59,7 @@ import os
 import time
 from pathlib import Path
 
-from _common import set_cpu_devices, time_calls, write_json
+from _common import run_facts, set_cpu_devices, time_calls, write_json
 
 set_cpu_devices(8)  # before JAX starts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -614,11 +614,7 @@ def main() -> None:
         names = ["ddp data=8", *names]
     start = time.perf_counter()
     result = {
-        "date": time.strftime("%Y-%m-%d"),
-        "jax": jax.__version__,
-        "platform": jax.devices()[0].platform,
-        "devices": jax.device_count(),
-        "cpu_cores": os.cpu_count(),
+        **run_facts(),
         "config": dataclasses.asdict(cfg),
         "mesh": PIPELINE_MESH,
     }

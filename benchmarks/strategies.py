@@ -57,10 +57,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import time
 from pathlib import Path
 
-from _common import set_cpu_devices, time_calls, write_json
+from _common import run_facts, set_cpu_devices, time_calls, write_json
 
 set_cpu_devices(8)  # before JAX starts: the memory table takes meshes of 2, 4 and 8 of these devices
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -583,11 +582,7 @@ def main() -> None:
     models = args.models.split(",")
     names = ["ddp", *(name for name in args.strategies.split(",") if name != "ddp")]
     result = {
-        "date": time.strftime("%Y-%m-%d"),
-        "jax": jax.__version__,
-        "platform": jax.devices()[0].platform,
-        "devices": jax.device_count(),
-        "cpu_cores": os.cpu_count(),
+        **run_facts(),
         "global_batch": BATCH,
         "batch_per_model": {m: global_batch(m) for m in models},
         "memory": [row for m in models for n in map(int, args.sizes.split(",")) for row in memory(m, n, names)],

@@ -209,30 +209,12 @@ class TreeLayout:
     def stored(self, tree: Any, which: str, mesh: Mesh) -> Any:
         """In the global view (under ``jax.jit``): ``tree`` (leaves of their own shapes) padded to
         :meth:`stored_shapes`, split as the layout says. The padding is zeros."""
-        leaves, treedef = jax.tree.flatten(tree)
-        specs, _ = self._specs(which)
-        out = []
-        for x, spec, stored in zip(leaves, specs, self.stored_shapes(which), strict=True):
-            if tuple(x.shape) != stored:
-                x = lax.with_sharding_constraint(
-                    _blocks.pad_to(x, _dim(spec, self.shard_axis), stored), NamedSharding(mesh, spec)
-                )
-            out.append(x)
-        return jax.tree.unflatten(treedef, out)
+        return self._reshaped(tree, which, mesh, self.stored_shapes(which), _blocks.pad_to)
 
     def unpadded(self, tree: Any, which: str, mesh: Mesh) -> Any:
         """In the global view (under ``jax.jit``): the stored ``tree`` cut to each leaf's own shape. A padded
         leaf stays split over the shard axis (unevenly: XLA pads inside, and the cut moves no data)."""
-        leaves, treedef = jax.tree.flatten(tree)
-        specs, _ = self._specs(which)
-        out = []
-        for x, spec, shape in zip(leaves, specs, self.own_shapes(which), strict=True):
-            if tuple(x.shape) != shape:
-                x = lax.with_sharding_constraint(
-                    _blocks.cut(x, _dim(spec, self.shard_axis), shape), NamedSharding(mesh, spec)
-                )
-            out.append(x)
-        return jax.tree.unflatten(treedef, out)
+        return self._reshaped(tree, which, mesh, self.own_shapes(which), _blocks.cut)
 
     def unpadded_shardings(self, mesh: Mesh, which: str) -> Any:
         """``NamedSharding``s that hold the leaves of ``"params"``, ``"grads"`` or ``"opt"`` at their own shapes
@@ -316,6 +298,18 @@ class TreeLayout:
     def _specs(self, which: str) -> tuple[tuple[P, ...], Any]:
         specs = {"params": self.param_leaf_specs, "grads": self.grad_leaf_specs, "opt": self.opt_leaf_specs}[which]
         return specs, self.opt_treedef if which == "opt" else self.treedef
+
+    def _reshaped(self, tree: Any, which: str, mesh: Mesh, shapes: tuple[tuple[int, ...], ...], move: Any) -> Any:
+        """``tree`` with each leaf whose shape is not its entry of ``shapes`` brought to it by ``move(x, dim,
+        shape)`` (padding or cutting the dimension the shard axis splits), kept split as the layout says."""
+        leaves, treedef = jax.tree.flatten(tree)
+        specs, _ = self._specs(which)
+        out = []
+        for x, spec, shape in zip(leaves, specs, shapes, strict=True):
+            if tuple(x.shape) != shape:
+                x = lax.with_sharding_constraint(move(x, _dim(spec, self.shard_axis), shape), NamedSharding(mesh, spec))
+            out.append(x)
+        return jax.tree.unflatten(treedef, out)
 
     def _local(self, i: int) -> tuple[int, ...]:
         """Parameter leaf ``i``'s shape inside the steps' ``shard_map``: a stacked leaf holds this stage's layers."""
