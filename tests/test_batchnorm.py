@@ -303,6 +303,40 @@ def test_a_feature_without_real_entries_keeps_its_running_statistics():
     np.testing.assert_allclose(y[:, 1], x[:, 1] / np.sqrt(1e-5), rtol=1e-6)  # mean 0 and variance 0
 
 
+@pytest.mark.parametrize("devices, accum, masked", [(1, 2, False), (2, 2, False), (4, 4, False), (2, 2, True)])
+def test_running_statistics_under_accumulation_update_once_per_micro_batch(devices, accum, masked):
+    """Each device updates the running mean once per micro-batch, in order, and the step averages the devices' results
+    (weighted by their real rows when masked); unmasked, the average once divided by accum_steps too often."""
+
+    class Norm(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.BatchNorm(use_running_average=False, momentum=0.5)(x))
+
+    def loss(params, batch, *, apply_fn, model_state, rng, mask):
+        out, new = apply_fn({"params": params, **model_state}, batch, mutable=["batch_stats"])
+        return sc.masked_mean(out[:, 0] ** 2, mask), {"model_state": new}
+
+    x = np.random.default_rng(3).normal(size=(32, 3)).astype(np.float32)
+    variables = Norm().init(jax.random.PRNGKey(0), x)
+    state = sc.TrainState.create(
+        params=variables["params"],
+        apply_fn=Norm().apply,
+        model_state={"batch_stats": variables["batch_stats"]},
+        tx=optax.sgd(0.0),
+        mesh=mesh_of(devices),
+    )
+    step = sc.make_train_step(loss, accum_steps=accum)
+    state, _ = step(state, sc.MaskedBatch(x, np.ones(32, bool)) if masked else x)
+    means = []
+    for block in np.split(x, devices):  # one device's rows, then its micro-batches in order
+        mean = np.zeros(3, np.float32)
+        for micro in np.split(block, accum):
+            mean = 0.5 * mean + 0.5 * micro.mean(0)
+        means.append(mean)
+    np.testing.assert_allclose(state.model_state["batch_stats"]["BatchNorm_0"]["mean"], np.mean(means, 0), rtol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------------
 # Plain jax.shard_map, evaluation, variable names, errors
 

@@ -100,9 +100,11 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
             vec = lax.psum(vec, others)
         vec, reduced = strategy.reduce(ctx, layout, grad_sum, vec)
         total, metric_sums, stats = unravel(vec)
-        denom = denominator(total, masked)
+        # Each device sent its last model state once, not once per micro-batch: unmasked, the average is over the
+        # blocks alone (dividing by blocks * accum_steps shrank the running statistics accum_steps times).
+        state_denom = jnp.maximum(total, 1.0) if masked else float(blocks)
         new_model_state = _merge_model_state(
-            model_state, jax.tree.map(lambda v: v / denom, stats), state.roles.manual, state.model_state
+            model_state, jax.tree.map(lambda v: v / state_denom, stats), state.roles.manual, state.model_state
         )
         return reduced, total, metric_sums, new_model_state
 
