@@ -27,12 +27,12 @@ LAYERS, WIDTH = 8, 16
 # --- the schedule against a scan -----------------------------------------------------------------------------
 
 
-def residual(w, h, index, row):
-    return h + jnp.tanh(h @ w)
+def residual(w, state, h, index, row):
+    return h + jnp.tanh(h @ w), state
 
 
 def scanned(weights, x):
-    return run_stack(residual, weights, x, remat=False)
+    return run_stack(residual, weights, x, remat=False)[0]
 
 
 @functools.cache
@@ -45,7 +45,7 @@ def core_program(d, p, m, v):
 
     def local(weights, x):
         with pipeline_context(schedule):
-            return run_stack(residual, weights, x)
+            return run_stack(residual, weights, x)[0]
 
     mapped = jax.shard_map(
         local, mesh=mesh, in_specs=(P("stage"), P(("data", "stage"))), out_specs=P(("data", "stage"))
@@ -86,6 +86,42 @@ def test_nan_in_every_bubble_slot_changes_nothing(monkeypatch):
     assert np.isfinite(nan[0]).all() and np.isfinite(nan[1]).all()
     np.testing.assert_array_equal(nan[0], zero[0])
     np.testing.assert_array_equal(nan[1], zero[1])
+
+
+def counted(w, state, h, index, row):
+    """A residual layer whose state counts its calls and keeps a running mean of its input (as BatchNorm's)."""
+    mean = 0.5 * state["mean"] + 0.5 * jnp.mean(h, axis=0)
+    return h + jnp.tanh(h @ w), {"calls": state["calls"] + 1, "mean": mean}
+
+
+@pytest.mark.parametrize("p, m, v, fill", [(2, 4, 2, 0.0), (4, 4, 1, np.nan), (2, 2, 1, np.nan)])
+def test_layer_state_updates_once_per_micro_batch_in_order_and_never_in_a_bubble(monkeypatch, p, m, v, fill):
+    """Each layer's state moves on once per micro-batch, in micro-batch order, as a scan over the micro-batches in
+    turn gives (one device with accum_steps=m); bubble ticks (their buffers NaN here) never update it, and every
+    stage device ends with the whole state in canonical layer order."""
+    monkeypatch.setattr(pipeline_module, "_FILL", fill)
+    rng = np.random.default_rng(4)
+    weights = (rng.normal(size=(LAYERS, 6, 6)) / np.sqrt(6)).astype(np.float32)
+    x = rng.normal(size=(m * 2, 6)).astype(np.float32)
+    state = {"calls": np.zeros(LAYERS, np.int32), "mean": np.zeros((LAYERS, 6), np.float32)}
+    expected = state
+    for micro in np.split(x, m):
+        _, expected = run_stack(counted, weights, micro, state=expected, remat=False)
+    mesh = jax.make_mesh((p,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:p])
+
+    def local(weights, state, x):
+        with pipeline_context(sc.Pipeline(microbatches=m, repeats=v)):
+            out, new = run_stack(counted, weights, state=state, x=x)
+        return out, jax.tree.map(lambda a: a[None], new)  # each stage device's copy
+
+    order = stage_order(LAYERS, p, v)
+    specs = (P("stage"), P(), P("stage"))
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P("stage"), P("stage"))))
+    out, got = run(weights[order], state, x)
+    np.testing.assert_allclose(out, scanned(weights, x), rtol=1e-5, atol=1e-5)
+    assert np.asarray(got["calls"]).tolist() == [[m] * LAYERS] * p
+    for copy in np.asarray(got["mean"]):
+        np.testing.assert_allclose(copy, expected["mean"], rtol=1e-5, atol=1e-6)
 
 
 # --- the train step against one device -----------------------------------------------------------------------
@@ -316,6 +352,92 @@ def test_explain_shows_the_schedule_and_that_stages_keep_their_layers(strategy):
         assert all(c.where == "entry" for c in report.collectives if c.kind == "all-gather")
 
 
+# --- BatchNorm in a stage -------------------------------------------------------------------------------------
+
+
+class NormBlock(nn.Module):
+    """A residual block with BatchNorm (synchronised over ``axis_name``, if given) in it."""
+
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        h = nn.Dense(WIDTH, use_bias=False)(x)  # a bias before BatchNorm has no gradient: Adam would amplify noise
+        h = sc.SyncBatchNorm(use_running_average=not train, momentum=0.8, axis_name=self.axis_name)(h)
+        return x + jnp.tanh(h)
+
+
+class NormNet(nn.Module):
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        h = sc.PipelineStack(NormBlock(self.axis_name), layers=4)(nn.Dense(WIDTH)(x), train)
+        return nn.Dense(3)(h)
+
+
+def norm_loss(params, batch, *, apply_fn, model_state, rng, mask):
+    out, new = apply_fn({"params": params, **model_state}, batch["x"], mutable=["batch_stats"])
+    return sc.masked_mean(jnp.sum((out - batch["y"]) ** 2, -1), mask), {"model_state": new}
+
+
+def norm_metrics(params, batch, *, apply_fn, model_state, mask):
+    out = apply_fn({"params": params, **model_state}, batch["x"], train=False)
+    return {"error": sc.masked_mean(jnp.sum((out - batch["y"]) ** 2, -1), mask)}
+
+
+def train_norm(net, mesh, data, *, accum=1, **kwargs):
+    variables = jax.jit(NormNet().init)(jax.random.key(0), np.zeros((2, 5), np.float32))
+    state = sc.TrainState.create(
+        params=variables["params"],
+        model_state={"batch_stats": variables["batch_stats"]},
+        apply_fn=net.apply,
+        tx=optax.adam(1e-2),
+        mesh=mesh,
+        **kwargs,
+    )
+    step, losses = sc.make_train_step(norm_loss, accum_steps=accum), []
+    for batch in data:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    error = float(sc.make_eval_step(norm_metrics)(state, data[0])["error"])
+    return jax.device_get((state.full_params(), state.model_state)), losses, error
+
+
+@pytest.mark.parametrize(
+    "layout, strategy, m, v",
+    [
+        ({"data": 1, "stage": 2}, "ddp", 4, 2),
+        pytest.param({"data": 2, "stage": 2}, "fsdp", 4, 1, marks=SLOW),
+        pytest.param({"data": 2, "stage": 2, "model": 2}, "zero1", 2, 2, marks=SLOW),
+    ],
+    ids=str,
+)
+def test_batchnorm_in_a_stage_equals_one_device_with_one_micro_batch_at_a_time(layout, strategy, m, v):
+    """GPipe's rule: each micro-batch is normalised by its own statistics (synchronised over the data axis, so over
+    the micro-batch's rows on every replica) and the running statistics update once per micro-batch, in order. One
+    device computes the same with accum_steps=m, its micro-batch j holding every replica's micro-batch j."""
+    data = batches(rows=16)
+    replicas = layout["data"]
+    # Replica d's micro-batch j is global rows d R + j R/m (R rows per replica): one device's micro-batch j
+    # gathers them from every replica.
+    order = np.arange(16).reshape(replicas, m, -1).transpose(1, 0, 2).ravel()
+    (want, want_stats), want_losses, want_error = train_norm(
+        NormNet("data"), mesh_of(1), [{k: a[order] for k, a in b.items()} for b in data], accum=m
+    )
+    (got, got_stats), losses, error = train_norm(
+        NormNet("data"),
+        sc.make_mesh(layout, devices=jax.devices()[: int(np.prod(list(layout.values())))]),
+        data,
+        strategy=strategy,
+        pipeline=sc.Pipeline(microbatches=m, repeats=v),
+    )
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_trees_close(got_stats, want_stats, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(error, want_error, rtol=1e-5)  # the eval step normalises by the running statistics
+
+
 # --- Flax NNX --------------------------------------------------------------------------------------------------
 
 
@@ -366,6 +488,44 @@ def test_nnx_stack_trains_as_one_device(layout, strategy, m, v):
     assert kernel.sharding.spec[0] == ("stage" if pipeline else None)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), jax.device_get(reference.params), rtol=1e-5, atol=1e-5)
+
+
+def test_nnx_batchnorm_in_a_stage_equals_one_device_with_one_micro_batch_at_a_time():
+    from flax import nnx
+
+    class NormBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
+            self.norm = nnx.BatchNorm(WIDTH, momentum=0.8, rngs=rngs)
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.norm(self.dense(x)))
+
+    class NormNet(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Linear(5, WIDTH, rngs=rngs)
+            self.stack = sc.nnx.PipelineStack(NormBlock, layers=4, rngs=rngs)
+            self.head = nnx.Linear(WIDTH, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.stack(self.embed(x)))
+
+    def run(mesh, accum, **kwargs):
+        state = sc.TrainState.create_nnx(NormNet(nnx.Rngs(0)), tx=optax.adam(1e-2), mesh=mesh, **kwargs)
+        step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss), accum_steps=accum), []
+        for batch in batches(rows=16):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return jax.device_get((state.full_params(), state.model_state)), losses
+
+    (want, want_stats), want_losses = run(mesh_of(1), 4)
+    stats = want_stats["stack"]["layers"]["norm"]["mean"]
+    assert stats.shape == (4, WIDTH) and np.abs(stats).max() > 0.01  # stacked and trained
+    mesh = sc.make_mesh({"data": 1, "stage": 2}, devices=jax.devices()[:2])
+    (got, got_stats), losses = run(mesh, 1, pipeline=sc.Pipeline(microbatches=4, repeats=2))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_trees_close(got_stats, want_stats, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.multiprocess

@@ -21,8 +21,9 @@ class PipelineStack(nnx.Module):
     ``self.layers`` has the layers on dimension 0, marked (``pipeline_stacked`` metadata) for
     ``TrainState.create_nnx``: split over the stage axis of a state with a :class:`~spmdcomm.Pipeline`, whole
     otherwise. A call runs the blocks as a scan, or as the state's pipeline inside its train and eval steps. A block
-    must map an array to one of its shape, one example per row, and hold parameters only (no ``BatchStat``, no RNG
-    streams: the stack refuses others).
+    must map an array to one of its shape, one example per row, and hold no RNG streams (keep dropout outside the
+    stack). Its other state (``nnx.BatchNorm``'s ``BatchStat``) is stacked too and stays whole on every device; in a
+    pipeline it updates once per micro-batch, in order, never in a bubble, as one device with ``accum_steps=m``.
 
     Args:
       make_block: ``make_block(rngs) -> nnx.Module``, called once under ``nnx.vmap``.
@@ -30,7 +31,7 @@ class PipelineStack(nnx.Module):
       rngs: the ``nnx.Rngs`` the blocks are initialised from.
 
     Raises:
-      ValueError: when a block holds state other than ``nnx.Param``.
+      ValueError: when a block holds RNG streams.
 
     Examples:
       >>> from flax import nnx
@@ -46,13 +47,13 @@ class PipelineStack(nnx.Module):
             return make_block(rngs)
 
         self.layers = create(rngs)
-        _, rest = nnx.state(self.layers, nnx.Param, ...)
-        if jax.tree.leaves(rest):
+        streams = nnx.state(self.layers, nnx.RngState)
+        if jax.tree.leaves(streams):
             raise ValueError(
-                "spmdcomm.nnx.PipelineStack: the block holds state other than nnx.Param "
-                f"({sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=_is_variable)})}); a stacked "
-                "block must hold parameters only. Use LayerNorm or RMSNorm instead of BatchNorm, and keep RNG "
-                "streams (dropout) outside the stack."
+                "spmdcomm.nnx.PipelineStack: the block holds RNG streams "
+                f"({sorted({type(v).__name__ for v in jax.tree.leaves(streams, is_leaf=_is_variable)})}); a "
+                "stacked block must not draw from its own streams, whose counts a pipeline would advance per stage. "
+                "Keep dropout (and its nnx.Rngs) outside the stack."
             )
         for _, variable in nnx.iter_graph(self.layers):
             if isinstance(variable, nnx.Param):
@@ -68,12 +69,16 @@ class PipelineStack(nnx.Module):
         Returns:
           The last block's output.
         """
-        graphdef, params = nnx.split(self.layers, nnx.Param)
+        graphdef, params, state = nnx.split(self.layers, nnx.Param, ...)
 
-        def layer(layer_params: Any, h: jax.Array, index: jax.Array, row: jax.Array) -> jax.Array:
-            return nnx.merge(graphdef, layer_params)(h, *args)
+        def layer(layer_params: Any, layer_state: Any, h: jax.Array, index: jax.Array, row: jax.Array) -> Any:
+            block = nnx.merge(graphdef, layer_params, layer_state)
+            out = block(h, *args)
+            return out, nnx.split(block, nnx.Param, ...)[2]
 
-        return run_stack(layer, params, x, remat=False)
+        out, new_state = run_stack(layer, params, x, state=state, remat=False)
+        nnx.update(self.layers, new_state)
+        return out
 
 
 # nnx.Module's metaclass hides __init__'s signature from inspect and help() (they see (*args, **kwargs)).

@@ -218,45 +218,63 @@ def pipeline_context(pipeline: Pipeline | None) -> Iterator[None]:
 
 
 def run_stack(
-    layer_fn: Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array],
+    layer_fn: Callable[[Any, Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]],
     params: Any,
     x: jax.Array,
     *,
+    state: Any = None,
     remat: bool = True,
-) -> jax.Array:
-    """Applies a stack of layers to ``x``: ``layer_fn(layer_params, h, index, row) -> h``, ``params`` a tree whose
-    leaves have the layers on dimension 0. ``index`` is the layer's canonical index and ``row`` the position of
-    ``h``'s first row relative to ``x``'s first row on this device (0 in a scan; in a pipeline the micro-batch may
-    hold another stage's rows): with :func:`spmdcomm.train.rng.sub_block_key` they give every example and layer its
-    own random bits, whatever the split.
+) -> tuple[jax.Array, Any]:
+    """Applies a stack of layers to ``x``: ``layer_fn(layer_params, layer_state, h, index, row) -> (h, layer_state)``.
+
+    ``params`` and ``state`` are trees whose leaves have the layers on dimension 0: ``params`` the trained ones,
+    ``state`` the mutable ones (BatchNorm's running statistics; ``None``: none), always all ``L`` layers in canonical
+    order. ``index`` is the layer's canonical index and ``row`` the position of ``h``'s first row relative to ``x``'s
+    first row on this device (0 in a scan; in a pipeline the micro-batch may hold another stage's rows): with
+    :func:`spmdcomm.train.rng.sub_block_key` they give every example and layer its own random bits, whatever the
+    split.
 
     Inside a train or eval step of a state with a :class:`Pipeline` (and its stage axis), ``params`` holds this
-    stage's layers and the stack runs as a pipeline (module docstring); everywhere else it is a plain ``lax.scan``
-    over all layers (``remat``: each layer rematerialised in the backward pass).
+    stage's layers and the stack runs as a pipeline (module docstring); a layer's state is updated once per
+    micro-batch, in micro-batch order, and never in a bubble, and the new state is whole on every stage device.
+    Everywhere else it is a plain ``lax.scan`` over all layers (``remat``: each layer rematerialised in the backward
+    pass).
+
+    Returns:
+      ``(h, new_state)``: the last layer's output and the layers' state after it (``{}`` for ``state=None``).
     """
+    state = {} if state is None else state
     pipeline = active_pipeline()
     if pipeline is None:
-        return _scan(layer_fn, params, x, offset=0, row=0, remat=remat)
-    return _pipelined(layer_fn, params, x, pipeline)
+        return _scan(layer_fn, params, state, x, offset=0, row=0, remat=remat)
+    return _pipelined(layer_fn, params, state, x, pipeline)
 
 
 # --------------------------------------------------------------------------------------------------
 
 
 def _scan(
-    layer_fn: Callable[..., jax.Array], params: Any, x: jax.Array, *, offset: Any, row: Any, remat: bool
-) -> jax.Array:
-    def one(h: jax.Array, inputs: Any) -> tuple[jax.Array, None]:
-        layer, index = inputs
-        return layer_fn(layer, h, index, row), None
+    layer_fn: Callable[..., tuple[jax.Array, Any]],
+    params: Any,
+    state: Any,
+    x: jax.Array,
+    *,
+    offset: Any,
+    row: Any,
+    remat: bool,
+) -> tuple[jax.Array, Any]:
+    def one(h: jax.Array, inputs: Any) -> tuple[jax.Array, Any]:
+        layer, layer_state, index = inputs
+        return layer_fn(layer, layer_state, h, index, row)
 
     body = jax.checkpoint(one) if remat else one
     count = jax.tree.leaves(params)[0].shape[0]
-    h, _ = lax.scan(body, x, (params, offset + jnp.arange(count)))
-    return h
+    return lax.scan(body, x, (params, state, offset + jnp.arange(count)))
 
 
-def _pipelined(layer_fn: Callable[..., jax.Array], params: Any, x: jax.Array, pipeline: Pipeline) -> jax.Array:
+def _pipelined(
+    layer_fn: Callable[..., tuple[jax.Array, Any]], params: Any, state: Any, x: jax.Array, pipeline: Pipeline
+) -> tuple[jax.Array, Any]:
     axis, m, v = pipeline.axis, pipeline.microbatches, pipeline.repeats
     p = lax.axis_size(axis)
     s = lax.axis_index(axis)
@@ -272,18 +290,22 @@ def _pipelined(layer_fn: Callable[..., jax.Array], params: Any, x: jax.Array, pi
     io_out = zeros(io_in.shape)
     loop = zeros((m, mb) + x.shape[1:]) if v > 1 else None
     carry = zeros((mb,) + x.shape[1:])
+    # The state is whole (all L layers, canonical order) on every device: this stage's layers, as its chunks.
+    order = stage_order(local * p, p, v)
+    own = _stage_rows(state, order, local, p, s)
+    layer_state = vary(jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), own), axes)
     left = [(i, (i - 1) % p) for i in range(p)]
     right = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
 
-    def chunk(r: jax.Array, i: jax.Array, h: jax.Array) -> jax.Array:
-        layers = jax.tree.map(lambda a: a[r], chunks) if v > 1 else jax.tree.map(lambda a: a[0], chunks)
+    def chunk(r: jax.Array, i: jax.Array, chunk_state: Any, h: jax.Array) -> tuple[jax.Array, Any]:
+        layers = jax.tree.map(lambda a: a[r] if v > 1 else a[0], chunks)
         # Micro-batch i holds the replica's rows [i mb, (i + 1) mb); this device's rows begin at s q mb.
-        return _scan(layer_fn, layers, h, offset=(r * p + s) * k, row=(i - s * q) * mb, remat=False)
+        return _scan(layer_fn, layers, chunk_state, h, offset=(r * p + s) * k, row=(i - s * q) * mb, remat=False)
 
     run = jax.checkpoint(chunk) if pipeline.remat else chunk
 
-    def tick(state: Any, t: jax.Array) -> tuple[Any, None]:
-        io_in, io_out, loop, carry = state
+    def tick(carried: Any, t: jax.Array) -> tuple[Any, None]:
+        io_in, io_out, loop, carry, layer_state = carried
         w = t - s  # the work item of this stage: micro-batch w mod m of chunk w // m
         valid = (w >= 0) & (w < v * m)
         r, i = jnp.clip(w, 0, v * m - 1) // m, jnp.clip(w, 0, v * m - 1) % m
@@ -297,7 +319,9 @@ def _pipelined(layer_fn: Callable[..., jax.Array], params: Any, x: jax.Array, pi
             first = io_in[t % q]
         h = jnp.where(s == 0, first, carry)
         h = jnp.where(valid, h, jnp.zeros_like(h))  # bubbles compute on zeros: nothing of theirs is ever used
-        out = run(r, i, h)
+        out, new_state = run(r, i, jax.tree.map(lambda a: a[r] if v > 1 else a[0], layer_state), h)
+        # A chunk's state moves on once per real micro-batch, in micro-batch order (a bubble's update is dropped).
+        layer_state = jax.tree.map(lambda a, n: a.at[r].set(jnp.where(valid, n, a[r])), layer_state, new_state)
         # The slot stage 0 read moves one stage back, bringing the next micro-batches to stage 0 in turn.
         io_in = io_in.at[t % q].set(lax.ppermute(io_in[t % q], axis, left))
         # The output slot moves one stage back before the last stage writes a finished micro-batch into it, so
@@ -308,7 +332,36 @@ def _pipelined(layer_fn: Callable[..., jax.Array], params: Any, x: jax.Array, pi
         done = (s == p - 1) & valid & (r == v - 1)
         io_out = io_out.at[slot].set(jnp.where(done, out, moved))
         carry = lax.ppermute(out, axis, right)
-        return (io_in, io_out, loop, carry), None
+        return (io_in, io_out, loop, carry, layer_state), None
 
-    (_, io_out, _, _), _ = lax.scan(tick, (io_in, io_out, loop, carry), jnp.arange(pipeline.ticks(p)))
-    return io_out.reshape(x.shape)
+    initial = (io_in, io_out, loop, carry, layer_state)
+    (_, io_out, _, _, layer_state), _ = lax.scan(tick, initial, jnp.arange(pipeline.ticks(p)))
+    return io_out.reshape(x.shape), _whole_state(layer_state, order, local, axis)
+
+
+def _stage_rows(state: Any, order: np.ndarray, local: int, stages: int, stage: jax.Array) -> Any:
+    """The rows of ``state`` (whole, canonical layer order) that stage ``stage`` holds, in its stored order."""
+
+    def rows(a: jax.Array) -> jax.Array:
+        if a.shape[0] != len(order):
+            raise ShapeError(
+                describe(
+                    "PipelineStack",
+                    f"a state leaf of the stack has {a.shape[0]} layers on dimension 0, the parameters {len(order)}.",
+                    fix="keep the stack's mutable state (BatchNorm's statistics) whole: one row per layer.",
+                )
+            )
+        return jnp.take(a, jnp.asarray(order.reshape(stages, local))[stage], axis=0)
+
+    return jax.tree.map(rows, state)
+
+
+def _whole_state(layer_state: Any, order: np.ndarray, local: int, axis: str) -> Any:
+    """Every stage's updated rows gathered over the stage axis (small: statistics) and put back in canonical order,
+    so each device holds the whole state, as the step stores it."""
+
+    def whole(a: jax.Array) -> jax.Array:
+        gathered = lax.all_gather(a.reshape((local,) + a.shape[2:]), axis, tiled=True)  # stage order
+        return jnp.take(gathered, jnp.asarray(np.argsort(order)), axis=0)
+
+    return jax.tree.map(whole, layer_state)

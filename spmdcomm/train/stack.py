@@ -43,9 +43,12 @@ class PipelineStack(nn.Module):
     state without a pipeline, the stack is a ``lax.scan`` over the layers. In the steps of a state created with
     ``pipeline=sc.Pipeline(...)`` on a mesh with the stage axis, each stage holds its share of the layers and the
     batch flows through the stages in micro-batches (:mod:`spmdcomm.train.pipeline`); the result is the scan's.
-    ``block`` must map an array to one of its shape, one example per row of dimension 0 (no statistics across
-    examples: mutable collections such as BatchNorm's are refused), and may use the ``"dropout"`` RNG stream, keyed
-    by layer and example (with ``rng="per_example"`` the masks are one device's, whatever the stages).
+    ``block`` must map an array to one of its shape, one example per row of dimension 0, and may use the
+    ``"dropout"`` RNG stream, keyed by layer and example (with ``rng="per_example"`` the masks are one device's,
+    whatever the stages). Its other collections (BatchNorm's ``batch_stats``) are stacked ``[layers, ...]`` beside
+    the parameters, whole on every device; in a pipeline a BatchNorm normalises each micro-batch by its own
+    statistics and updates the running ones once per micro-batch, in order, never in a bubble: the result equals
+    one device with ``accum_steps=m`` (GPipe's rule; ``docs/pipeline.md``).
 
     Attributes:
       block: the layer, an unbound Flax module (e.g. ``Block(width=256)``), called as ``block(h, *args)``.
@@ -71,44 +74,53 @@ class PipelineStack(nn.Module):
 
         Args:
           x: the input, one example per row of dimension 0.
-          *args: passed to every block call (masks, flags).
+          *args: passed to every block call (flags; not per-row arrays, which a pipeline cannot cut into
+            micro-batches).
 
         Returns:
           The last block's output.
         """
         block = self.block.clone(parent=None)
-        # Read without Flax's shape check once it exists: inside a pipeline this stage holds L / p of the layers.
-        params: Any
-        if self.has_variable("params", "layers"):
-            params = self.get_variable("params", "layers")
-        else:
-            params = self.param("layers", _stacked_init(block, self.layers), x, *args)
+        if not self.has_variable("params", "layers"):
+            # Every collection the block creates (params, batch_stats) from one vmapped init, stacked [L, ...].
+            created = _stacked_init(block, self.layers)(self.make_rng("params"), x, *args)
+            self.param("layers", lambda _: created["params"])
+            for collection in sorted(c for c in created if c != "params"):
+                self.variable(collection, "layers", lambda c=collection: created[c])
+        # Read without Flax's shape check: inside a pipeline this stage holds L / p of the layers.
+        params = meta.unbox(self.get_variable("params", "layers"))
+        held = sorted(c for c, v in self.variables.items() if c != "params" and "layers" in v)
+        state = {c: self.get_variable(c, "layers") for c in held}
+        initializing = self.is_initializing()
+        mutable = [c for c in held if initializing or self.is_mutable_collection(c)]
         rng = self.make_rng("dropout") if self.has_rng("dropout") else None
 
-        def layer(layer_params: Any, h: jax.Array, index: jax.Array, row: jax.Array) -> jax.Array:
+        def layer(layer_params: Any, layer_state: Any, h: jax.Array, index: jax.Array, row: jax.Array) -> Any:
             # Keyed by layer and example, not by stage or micro-batch: a per-example key draws one device's bits.
             key = None if rng is None else sub_block_key(jax.random.fold_in(rng, index), shift=row, rows=h.shape[0])
             rngs = {} if key is None else {"dropout": key}
-            out, variables = block.apply({"params": layer_params}, h, *args, rngs=rngs, mutable=True)
-            mutated = sorted(c for c in variables if c != "params")
-            if mutated:
-                raise ValueError(
-                    f"spmdcomm.PipelineStack: the block mutates {mutated}; a stacked block must not keep "
-                    "statistics across examples (BatchNorm's batch_stats). Use LayerNorm or RMSNorm in the block."
-                )
-            return out
+            variables = {"params": layer_params, **layer_state}
+            if not mutable:
+                return block.apply(variables, h, *args, rngs=rngs), layer_state
+            out, updated = block.apply(variables, h, *args, rngs=rngs, mutable=mutable)
+            return out, {**layer_state, **updated}
 
-        return run_stack(layer, meta.unbox(params), x, remat=self.remat)
+        out, new_state = run_stack(layer, params, x, state=state, remat=self.remat)
+        # While initialising, the state keeps its initial values (Flax's BatchNorm does not update them either).
+        for collection in [] if initializing else mutable:
+            self.put_variable(collection, "layers", new_state[collection])
+        return out
 
 
 def _stacked_init(block: nn.Module, layers: int) -> Any:
-    """The initializer of the stacked parameters: ``block.init`` under ``vmap`` over ``layers`` keys, each leaf
-    boxed as :class:`StageStacked` (dimension 0 the layers, then the block's own partitioning names)."""
+    """The initializer of the stacked variables: ``block.init`` under ``vmap`` over ``layers`` keys, every collection
+    stacked ``[layers, ...]``; each parameter boxed as :class:`StageStacked` (dimension 0 the layers, then the block's
+    own partitioning names). Other collections (BatchNorm's ``batch_stats``) stay whole on every device."""
 
     def init(rng: jax.Array, x: jax.Array, *args: Any) -> Any:
         # A block with dropout draws while it initialises too: it gets a stream of its own.
-        init_one = lambda key: block.init({"params": key, "dropout": jax.random.fold_in(key, 1)}, x, *args)["params"]
-        params = jax.vmap(init_one)(jax.random.split(rng, layers))
+        init_one = lambda key: block.init({"params": key, "dropout": jax.random.fold_in(key, 1)}, x, *args)
+        variables = dict(jax.vmap(init_one)(jax.random.split(rng, layers)))
 
         def box(leaf: Any) -> Any:
             if isinstance(leaf, nn.LogicallyPartitioned):
@@ -117,6 +129,7 @@ def _stacked_init(block: nn.Module, layers: int) -> Any:
                 return StageStacked(leaf.value, names=("stage", *leaf.names))
             return StageStacked(leaf, names=("stage",) + (None,) * (leaf.ndim - 1))
 
-        return jax.tree.map(box, params, is_leaf=lambda v: isinstance(v, meta.Partitioned))
+        params = jax.tree.map(box, variables["params"], is_leaf=lambda v: isinstance(v, meta.Partitioned))
+        return {**variables, "params": params}
 
     return init
