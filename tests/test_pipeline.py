@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import spmdcomm as sc
 from spmdcomm.train import pipeline as pipeline_module
-from spmdcomm.train.pipeline import pipeline_context, run_stack, stage_order
+from spmdcomm.train.pipeline import stage_order
+from spmdcomm.train.schedule import run_stack, schedule_context
 from tests.ddp_models import assert_trees_close, mesh_of
 
 LAYERS, WIDTH = 8, 16
@@ -44,7 +45,7 @@ def core_program(d, p, m, v):
     schedule = sc.Pipeline(microbatches=m, repeats=v)
 
     def local(weights, x):
-        with pipeline_context(schedule):
+        with schedule_context(schedule):
             return run_stack(residual, weights, x)[0]
 
     mapped = jax.shard_map(
@@ -110,7 +111,7 @@ def test_layer_state_updates_once_per_micro_batch_in_order_and_never_in_a_bubble
     mesh = jax.make_mesh((p,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:p])
 
     def local(weights, state, x):
-        with pipeline_context(sc.Pipeline(microbatches=m, repeats=v)):
+        with schedule_context(sc.Pipeline(microbatches=m, repeats=v)):
             out, new = run_stack(counted, weights, state=state, x=x)
         return out, jax.tree.map(lambda a: a[None], new)  # each stage device's copy
 

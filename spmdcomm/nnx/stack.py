@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from spmdcomm.train.pipeline import run_stack
+from spmdcomm.train.schedule import run_stack
 
 __all__ = ["PipelineStack"]
 
@@ -69,12 +69,15 @@ class PipelineStack(nnx.Module):
         Returns:
           The last block's output.
         """
-        graphdef, params, state = nnx.split(self.layers, nnx.Param, ...)
+        graphdef, params = nnx.graphdef(self.layers), nnx.state(self.layers, nnx.Param)
+        others = nnx.Not(nnx.Param)  # BatchStat and any other state of the blocks
 
         def layer(layer_params: Any, layer_state: Any, h: jax.Array, index: jax.Array, row: jax.Array) -> Any:
             block = nnx.merge(graphdef, layer_params, layer_state)
             out = block(h, *args)
-            return out, nnx.split(block, nnx.Param, ...)[2]
+            return out, nnx.state(block, others)
+
+        state = nnx.state(self.layers, others)
 
         out, new_state = run_stack(layer, params, x, state=state, remat=False)
         nnx.update(self.layers, new_state)

@@ -17,6 +17,7 @@ from spmdcomm.train.loop import Preempted, fit
 from spmdcomm.train.memory import StateMemory
 from spmdcomm.train.pipeline import Pipeline
 from spmdcomm.train.roles import MeshRoles
+from spmdcomm.train.schedule import Schedule
 from spmdcomm.train.stack import PipelineStack
 from spmdcomm.train.state import TrainState, optimizer_state_bytes
 from spmdcomm.train.strategies import DDP, FSDP, STRATEGIES, ZeRO1, ZeRO2
@@ -34,6 +35,7 @@ __all__ = [
     "MeshRoles",
     "Pipeline",
     "PipelineStack",
+    "Schedule",
     "ContextParallel",
     "context_attention",
     "context_positions",

@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 
-from spmdcomm.train.pipeline import reorder_layers
 from spmdcomm.train.state import TrainState
 
 __all__ = ["arrays", "targets", "unpadded", "stored", "with_arrays"]
@@ -81,11 +80,9 @@ def _reordered(state: TrainState) -> bool:
 
 
 def _layers(state: TrainState, tree: Any, which: str, *, to_stage: bool) -> Any:
-    if not _reordered(state):
+    if state.pipeline is None:
         return tree
-    assert state.pipeline is not None  # _reordered
-    stages = int(state.mesh.shape[state.pipeline.axis])
-    return reorder_layers(tree, state.layout.stage_stacked(which), stages, state.pipeline.repeats, to_stage=to_stage)
+    return state.pipeline.reorder(tree, state.layout.stage_stacked(which), state.mesh, to_stage=to_stage)
 
 
 def with_arrays(state: TrainState, arrays: dict[str, Any]) -> TrainState:

@@ -22,7 +22,7 @@ from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError, check_not_deleted, describe
 from spmdcomm.train._mesh_axes import step_axis_rules
 from spmdcomm.train.context import context_split
-from spmdcomm.train.pipeline import pipeline_context
+from spmdcomm.train.schedule import schedule_context
 from spmdcomm.train.state import TrainState
 
 #: How many calls back a train/eval step waits for before dispatching another. XLA:CPU allows about 32
@@ -226,7 +226,7 @@ def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., 
     try:
         with (
             step_axis_rules(state.logical_axis_rules, state.data_axes),
-            pipeline_context(state.pipeline),
+            schedule_context(state.schedule),
             context_split(state.context),
         ):
             return model_fn(*args, **kwargs)

@@ -172,14 +172,14 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
 def _accumulate(
     o: StepOptions, ctx: ReduceContext, state: TrainState, data: Any, mask: Any, reserved: set[str]
 ) -> tuple[Any, ...]:
-    """Runs loss_fn over the micro-batches.
+    """Runs loss_fn over the micro-batches, in the loop of the state's schedule (sequential: gradient accumulation).
 
     Returns the sums over micro-batches of gradients (in the strategy's accumulated form) and metrics
     (weighted by real-example count when the batch is masked), the last model state and this device's
     real-example count.
     """
     axis, k, masked = state.data_axes, o.accum_steps, mask is not None
-    strategy, layout = state.strategy, state.layout
+    strategy, layout, schedule = state.strategy, state.layout, state.schedule
     mask = full_mask(data) if mask is None else mask
     micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), (data, mask))
     micro_rng = _micro_rng(o, state, mask.shape[0] // k)
@@ -214,28 +214,13 @@ def _accumulate(
         weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v)
         metrics = jax.tree.map(lambda v: weigh(v.astype(sum_dtype(v.dtype))), {"loss": loss, **aux})
         if masked and strategy.local_grads:
-            # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN. In a
-            # pipeline every gradient holds the rows of the whole stage group (the stack's through the schedule,
-            # the other layers' summed over the stage axis by autodiff): it is kept when any of them is real.
-            seen = c if state.pipeline is None else lax.psum(c, state.pipeline.axis)
+            # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN: a
+            # gradient is kept when any row it depends on is real (the schedule says which rows those are).
+            seen = schedule.rows_seen(c)
             grads = jax.tree.map(lambda g: jnp.where(seen > 0, g, jnp.zeros_like(g)), grads)
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 
-    batch0, mask0 = jax.tree.map(lambda x: x[0], micro)
-    first = one(vary(state.model_state, state.roles.manual), batch0, mask0, 0)
-    if k == 1:
-        return first
-
-    def body(carry: Any, xs: Any) -> Any:
-        grad_sum, metric_sums, model_state, count = carry
-        (batch, m), j = xs
-        grads, metrics, model_state, c = one(model_state, batch, m, j)
-        add = lambda a, b: jax.tree.map(jnp.add, a, b)
-        return (add(grad_sum, grads), add(metric_sums, metrics), model_state, count + c), None
-
-    rest = jax.tree.map(lambda x: x[1:], micro)
-    carry, _ = lax.scan(body, vary(first, axis), (rest, jnp.arange(1, k)))
-    return carry
+    return schedule.loop(one, vary(state.model_state, state.roles.manual), micro, axis)
 
 
 def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], jax.Array]:
@@ -277,9 +262,9 @@ def _differentiable_loss(
     the loss times ``weight`` (see :func:`_loss_weight`; zero for a masked block without real examples, whose mean
     may be NaN), times the loss scale."""
     strategy, layout = state.strategy, state.layout
-    # A pipeline gathers each stage's layers once per step and keeps them (MaxText's fsdp_ag_once); FSDP's policy,
-    # which keeps every computed value, would also override the schedule's rematerialisation of each tick.
-    policy = strategy.remat_policy if state.pipeline is None else None
+    # A pipeline gathers each stage's layers once per step and keeps them (MaxText's fsdp_ag_once), and
+    # rematerialises its ticks itself: its schedule turns the strategy's policy off.
+    policy = strategy.remat_policy if state.schedule.strategy_remat else None
 
     def wrapped(params: Any, batch: Any, *, count: jax.Array, weight: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
         def forward(p: Any) -> Any:

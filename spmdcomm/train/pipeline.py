@@ -3,8 +3,9 @@ micro-batches flowing through the stages so that every stage works at once.
 
 :class:`Pipeline` is the policy, given once to ``TrainState.create(..., pipeline=...)``: the stage axis, the number
 of micro-batches ``m`` and of layer chunks per stage ``v`` (the circular / interleaved schedule; ``v = 1`` is GPipe).
-The layer stack (:class:`~spmdcomm.PipelineStack`, or :func:`run_stack` from your own module) runs as a plain scan
-outside a step, and as a pipeline inside the train and eval steps of a state with a pipeline.
+It is a :class:`~spmdcomm.train.schedule.Schedule`: a layer stack (:class:`~spmdcomm.PipelineStack`, or
+:func:`~spmdcomm.train.schedule.run_stack` from your own module) runs as a plain scan outside a step, and as a
+pipeline inside the train and eval steps of a state with a pipeline.
 
 The schedule. The batch is split over the data axes and the stage axis, as over one more data axis: the
 embedding, head and loss outside the stack see this device's rows. The stack treats the rows of one data replica
@@ -27,35 +28,28 @@ runs on it.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh
 
 from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import ShapeError, SpmdError, describe
+from spmdcomm.train.schedule import LayerFn, Schedule, scan_layers
 
-__all__ = [
-    "Pipeline",
-    "run_stack",
-    "stage_order",
-    "stack_in_stage_order",
-    "reorder_layers",
-    "active_pipeline",
-    "pipeline_context",
-    "check_schedule",
-]
+__all__ = ["Pipeline", "stage_order", "stack_in_stage_order", "reorder_layers", "check_schedule"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Pipeline:
+class Pipeline(Schedule):
     """How a layer stack is split over the stage axis and scheduled (``TrainState.create(..., pipeline=...)``).
+
+    A :class:`~spmdcomm.train.schedule.Schedule`: the step's loop over ``accum_steps`` groups stays sequential, and
+    every layer stack in a group's forward pass runs as a pipeline of ``microbatches`` over the stage axis.
 
     Args:
       microbatches: ``m``, the micro-batches each data replica's rows are cut into; a multiple of the stage count
@@ -77,6 +71,9 @@ class Pipeline:
     axis: str = "stage"
     repeats: int = 1
     remat: bool = True
+
+    #: The schedule rematerialises each tick itself (FSDP's policy, which keeps every computed value, would undo it).
+    strategy_remat: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for name in ("microbatches", "repeats"):
@@ -109,6 +106,49 @@ class Pipeline:
           ``(p - 1) / (v m + p - 1)``.
         """
         return (stages - 1) / self.ticks(stages)
+
+    def rows_seen(self, count: jax.Array) -> jax.Array:
+        """The real-example count of the rows one micro-batch's gradient on this device depends on.
+
+        Every gradient holds the rows of the whole stage group: the stack's through the schedule, the other layers'
+        summed over the stage axis by autodiff.
+
+        Args:
+          count: this device's real-example count.
+
+        Returns:
+          The count summed over the stage axis.
+        """
+        return lax.psum(count, self.axis)
+
+    def stack(self, layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, *, remat: bool) -> tuple[jax.Array, Any]:
+        """Runs a layer stack as this pipeline (module docstring).
+
+        Args:
+          layer_fn: one layer, as :func:`~spmdcomm.train.schedule.run_stack` takes it.
+          params: this stage's layers (dimension 0), in stored order.
+          state: the stack's mutable state, all layers in canonical order.
+          x: this device's rows.
+          remat: the stack's own setting, which gives way to the schedule's ``remat``.
+
+        Returns:
+          ``(h, new_state)``: the stack's output for this device's rows and the whole updated state.
+        """
+        return _pipelined(layer_fn, params, state, x, self)
+
+    def reorder(self, tree: Any, stacked: tuple[bool, ...], mesh: Mesh, *, to_stage: bool) -> Any:
+        """Puts the stacked leaves of ``tree`` in the order a state on ``mesh`` stores them, or back.
+
+        Args:
+          tree: a tree of the model's parameters or optimizer state.
+          stacked: one flag per leaf of ``tree``: whether it is a stacked leaf (layers on dimension 0).
+          mesh: the state's mesh (its stage axis gives ``p``).
+          to_stage: from canonical layer order to :func:`stage_order` (True), or back (False).
+
+        Returns:
+          ``tree`` reordered by :func:`reorder_layers` (unchanged for ``repeats=1``).
+        """
+        return reorder_layers(tree, stacked, int(mesh.shape[self.axis]), self.repeats, to_stage=to_stage)
 
 
 def check_schedule(fn: str, pipeline: Pipeline, stages: int, layers: int | None, rows: int | None) -> None:
@@ -199,82 +239,8 @@ def reorder_layers(tree: Any, stacked: tuple[bool, ...], stages: int, repeats: i
 #: zeros instead and their results are never written, so NaN here must change nothing (tests/test_pipeline.py).
 _FILL = 0.0
 
-_ACTIVE: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar("spmdcomm_pipeline", default=None)
 
-
-def active_pipeline() -> Pipeline | None:
-    """The pipeline of the step being traced (None outside a step of a state with a pipeline)."""
-    return _ACTIVE.get()
-
-
-@contextlib.contextmanager
-def pipeline_context(pipeline: Pipeline | None) -> Iterator[None]:
-    """Within the block, layer stacks run as ``pipeline`` says (the train and eval steps set it while tracing)."""
-    token = _ACTIVE.set(pipeline)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def run_stack(
-    layer_fn: Callable[[Any, Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]],
-    params: Any,
-    x: jax.Array,
-    *,
-    state: Any = None,
-    remat: bool = True,
-) -> tuple[jax.Array, Any]:
-    """Applies a stack of layers to ``x``: ``layer_fn(layer_params, layer_state, h, index, row) -> (h, layer_state)``.
-
-    ``params`` and ``state`` are trees whose leaves have the layers on dimension 0: ``params`` the trained ones,
-    ``state`` the mutable ones (BatchNorm's running statistics; ``None``: none), always all ``L`` layers in canonical
-    order. ``index`` is the layer's canonical index and ``row`` the position of ``h``'s first row relative to ``x``'s
-    first row on this device (0 in a scan; in a pipeline the micro-batch may hold another stage's rows): with
-    :func:`spmdcomm.train.rng.sub_block_key` they give every example and layer its own random bits, whatever the
-    split.
-
-    Inside a train or eval step of a state with a :class:`Pipeline` (and its stage axis), ``params`` holds this
-    stage's layers and the stack runs as a pipeline (module docstring); a layer's state is updated once per
-    micro-batch, in micro-batch order, and never in a bubble, and the new state is whole on every stage device.
-    Everywhere else it is a plain ``lax.scan`` over all layers (``remat``: each layer rematerialised in the backward
-    pass).
-
-    Returns:
-      ``(h, new_state)``: the last layer's output and the layers' state after it (``{}`` for ``state=None``).
-    """
-    state = {} if state is None else state
-    pipeline = active_pipeline()
-    if pipeline is None:
-        return _scan(layer_fn, params, state, x, offset=0, row=0, remat=remat)
-    return _pipelined(layer_fn, params, state, x, pipeline)
-
-
-# --------------------------------------------------------------------------------------------------
-
-
-def _scan(
-    layer_fn: Callable[..., tuple[jax.Array, Any]],
-    params: Any,
-    state: Any,
-    x: jax.Array,
-    *,
-    offset: Any,
-    row: Any,
-    remat: bool,
-) -> tuple[jax.Array, Any]:
-    def one(h: jax.Array, inputs: Any) -> tuple[jax.Array, Any]:
-        layer, layer_state, index = inputs
-        return layer_fn(layer, layer_state, h, index, row)
-
-    body = jax.checkpoint(one) if remat else one
-    count = jax.tree.leaves(params)[0].shape[0]
-    return lax.scan(body, x, (params, state, offset + jnp.arange(count)))
-
-
-def _pipelined(
-    layer_fn: Callable[..., tuple[jax.Array, Any]], params: Any, state: Any, x: jax.Array, pipeline: Pipeline
-) -> tuple[jax.Array, Any]:
+def _pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline: Pipeline) -> tuple[jax.Array, Any]:
     axis, m, v = pipeline.axis, pipeline.microbatches, pipeline.repeats
     p = lax.axis_size(axis)
     s = lax.axis_index(axis)
@@ -300,7 +266,7 @@ def _pipelined(
     def chunk(r: jax.Array, i: jax.Array, chunk_state: Any, h: jax.Array) -> tuple[jax.Array, Any]:
         layers = jax.tree.map(lambda a: a[r] if v > 1 else a[0], chunks)
         # Micro-batch i holds the replica's rows [i mb, (i + 1) mb); this device's rows begin at s q mb.
-        return _scan(layer_fn, layers, chunk_state, h, offset=(r * p + s) * k, row=(i - s * q) * mb, remat=False)
+        return scan_layers(layer_fn, layers, chunk_state, h, offset=(r * p + s) * k, row=(i - s * q) * mb, remat=False)
 
     run = jax.checkpoint(chunk) if pipeline.remat else chunk
 

@@ -9,8 +9,8 @@ import flax.linen as nn
 import jax
 from flax.core import meta
 
-from spmdcomm.train.pipeline import run_stack
 from spmdcomm.train.rng import sub_block_key
+from spmdcomm.train.schedule import run_stack
 
 __all__ = ["PipelineStack", "StageStacked", "StageStackedLogical", "Stacked"]
 
@@ -90,7 +90,7 @@ class PipelineStack(nn.Module):
         # Read without Flax's shape check: inside a pipeline this stage holds L / p of the layers.
         params = meta.unbox(self.get_variable("params", "layers"))
         held = sorted(c for c, v in self.variables.items() if c != "params" and "layers" in v)
-        state = {c: self.get_variable(c, "layers") for c in held}
+        state: dict[str, Any] = {c: self.get_variable(c, "layers") for c in held}
         initializing = self.is_initializing()
         mutable = [c for c in held if initializing or self.is_mutable_collection(c)]
         rng = self.make_rng("dropout") if self.has_rng("dropout") else None

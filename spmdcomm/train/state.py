@@ -30,9 +30,10 @@ from spmdcomm.train._mesh_axes import (
 from spmdcomm.train.context import ContextParallel
 from spmdcomm.train.loss_scale import resolve_loss_scale
 from spmdcomm.train.memory import StateMemory, device_bytes
-from spmdcomm.train.pipeline import Pipeline, reorder_layers, stack_in_stage_order
+from spmdcomm.train.pipeline import Pipeline, stack_in_stage_order
 from spmdcomm.train.rng import data_to_keys, keys_to_data, raw_key
 from spmdcomm.train.roles import MeshRoles, mesh_roles
+from spmdcomm.train.schedule import SEQUENTIAL, Schedule
 from spmdcomm.train.strategies import DDP, Strategy, resolve_strategy
 
 __all__ = ["TrainState", "optimizer_state_bytes"]
@@ -281,6 +282,11 @@ class TrainState:
         return mesh_roles("TrainState", self.mesh, self.axis, self.pipeline, self.context)
 
     @property
+    def schedule(self) -> Schedule:
+        """How its steps run a device's block: its :class:`~spmdcomm.Pipeline`, else the sequential schedule."""
+        return SEQUENTIAL if self.pipeline is None else self.pipeline
+
+    @property
     def data_axes(self) -> tuple[str, ...]:
         """The data axes, as a tuple (``("data",)``); with a pipeline the batch is split over the stage axis too."""
         return data_axes(self.axis)
@@ -297,14 +303,7 @@ class TrainState:
           A :class:`TrainState` whose array fields hold ``PartitionSpec`` s (``P()`` for a replicated field); its
           static fields are this state's.
         """
-        return self.replace(
-            step=P(),
-            params=self.layout.param_specs,
-            opt_state=self.layout.opt_specs,
-            model_state=P(),
-            rng=P(),
-            loss_scale=P(),
-        )
+        return self._with_specs(self.layout.param_specs, self.layout.opt_specs)
 
     def manual_specs(self) -> TrainState:
         """As :meth:`specs`, over the data axes only: what a ``shard_map`` manual over them takes.
@@ -312,14 +311,7 @@ class TrainState:
         Returns:
           A :class:`TrainState` whose array fields hold ``PartitionSpec`` s naming only the data axes.
         """
-        return self.replace(
-            step=P(),
-            params=self.layout.manual_specs("params"),
-            opt_state=self.layout.manual_specs("opt"),
-            model_state=P(),
-            rng=P(),
-            loss_scale=P(),
-        )
+        return self._with_specs(self.layout.manual_specs("params"), self.layout.manual_specs("opt"))
 
     def shardings(self) -> TrainState:
         """The state with the ``NamedSharding`` of each array in place of it (prefix tree).
@@ -347,8 +339,7 @@ class TrainState:
         if self.pipeline is None or self.pipeline.repeats == 1:
             return full
         # Stored in the circular schedule's stage order: back to the canonical layer order.
-        stages, stacked = int(self.mesh.shape[self.pipeline.axis]), self.layout.stage_stacked("params")
-        reorder = lambda p: reorder_layers(p, stacked, stages, self.pipeline.repeats, to_stage=False)
+        reorder = lambda p: self.pipeline.reorder(p, self.layout.stage_stacked("params"), self.mesh, to_stage=False)
         return jax.jit(reorder, out_shardings=jax.tree.map(lambda x: x.sharding, full))(full)
 
     @property
@@ -378,6 +369,10 @@ class TrainState:
             padding=layout.padding_bytes("params") + layout.padding_bytes("opt"),
             whole=layout.replicated_bytes("params"),
         )
+
+    def _with_specs(self, params: Any, opt_state: Any) -> TrainState:
+        # Everything but the parameters and the optimizer state is replicated.
+        return self.replace(step=P(), params=params, opt_state=opt_state, model_state=P(), rng=P(), loss_scale=P())
 
 
 def optimizer_state_bytes(state: TrainState) -> int:
