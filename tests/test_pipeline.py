@@ -227,6 +227,29 @@ def test_train_step_with_a_stage_axis_equals_one_device(layout, axis, strategy, 
     assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_non_finite_step_is_skipped_on_every_stage_and_the_loss_scale_is_one_devices():
+    """A NaN in one row of step 2's batch makes the gradient of every stage non-finite at once: the step is skipped
+    everywhere, the loss scale backs off once, and the run goes on as one device's (clipping sees each stage)."""
+
+    def run(mesh, **kwargs):
+        state = sc.TrainState.create(
+            params=init(Net()), apply_fn=Net().apply, tx=TX, mesh=mesh, loss_scale={"scale": 2.0**15}, **kwargs
+        )
+        data = batches(steps=4)
+        data[1]["x"][5, 2] = np.nan
+        step, seen = sc.make_train_step(loss_fn), []
+        for batch in data:
+            state, metrics = step(state, batch)
+            seen.append([float(metrics[k]) for k in ("loss", "skipped", "loss_scale")])
+        return jax.device_get(state.full_params()), np.array(seen)
+
+    want, want_seen = run(mesh_of(1))
+    got, seen = run(sc.make_mesh({"data": 4, "stage": 2}), strategy="fsdp", pipeline=sc.Pipeline(microbatches=2))
+    assert want_seen[:, 1].tolist() == [0.0, 1.0, 0.0, 0.0] and want_seen[2, 2] == 2.0**14
+    np.testing.assert_allclose(seen, want_seen, rtol=1e-5)  # a NaN loss equals a NaN loss
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # --- what a user can get wrong -------------------------------------------------------------------------------
 
 
