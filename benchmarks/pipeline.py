@@ -194,7 +194,6 @@ def handwritten(cfg: Config, m: int, remat: bool = False):
     """
     mesh = sc.make_mesh(PIPELINE_MESH)
     p = mesh.shape["stage"]
-    tx = TX
     block, embed, norm = Block(cfg.width, cfg.hidden), nn.Dense(cfg.width), nn.LayerNorm()
     head = nn.Dense(cfg.classes)
     params = meta.unbox(init_params(cfg))
@@ -236,22 +235,61 @@ def handwritten(cfg: Config, m: int, remat: bool = False):
         local = lax.pcast(params, "data", to="varying")
         value, grads = jax.value_and_grad(loss)(local, batch["x"], batch["y"])
         value, grads = lax.pmean((value, grads), "data")
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = TX.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    opt_specs = optax.tree_map_params(
-        tx, lambda _, spec: spec, tx.init(params), specs, transform_non_params=lambda _: P()
-    )
+    opt_specs = _opt_specs(params, specs)
     batch_specs = {"x": P("data"), "y": P("data")}
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, opt_specs, batch_specs), out_specs=(specs, opt_specs, P()))
+    return jax.jit(mapped, donate_argnums=(0, 1)), _start(cfg, mesh, params, specs, opt_specs, batch_specs)
+
+
+@functools.cache
+def jit_program(cfg: Config):
+    """The program ``jax.jit`` gives a JAX user who splits the stacked layers over ``stage`` and leaves the rest to
+    XLA, on ``data 2 x stage 4``: ``(step, start)`` as :func:`handwritten`. The model is the plain scan over its
+    layers (each rematerialised, as DDP's default here), the stacked weights ``NamedSharding`` ``P("stage")``, the
+    rest replicated, the batch split over ``data`` and ``stage``; one ``jax.jit`` of the loss's gradient and Adam,
+    and XLA inserts the collectives. No schedule: what XLA does with layers split over devices (it moves the
+    weights to the rows, not micro-batches through the stages)."""
+    mesh = sc.make_mesh(PIPELINE_MESH)
+    net = Net(cfg, remat=True)
+    params = meta.unbox(init_params(cfg))
+    specs = jax.tree.map(lambda _: P(), params)
+    specs["stack"] = jax.tree.map(lambda _: P("stage"), params["stack"])
+    opt_specs = _opt_specs(params, specs)
+    batch_specs = {"x": P(("data", "stage")), "y": P(("data", "stage"))}
+
+    def step(params, opt_state, batch):
+        def loss(params):
+            logits = net.apply({"params": params}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
     shard = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree)
-    init = jax.jit(tx.init, out_shardings=shard(opt_specs))
+    shardings = (shard(specs), shard(opt_specs), shard(batch_specs))
+    jitted = jax.jit(step, in_shardings=shardings, out_shardings=shardings[:2] + (None,), donate_argnums=(0, 1))
+    return jitted, _start(cfg, mesh, params, specs, opt_specs, batch_specs)
+
+
+def _opt_specs(params, specs):
+    """Adam's state split as the parameters are (its count replicated)."""
+    return optax.tree_map_params(TX, lambda _, spec: spec, TX.init(params), specs, transform_non_params=lambda _: P())
+
+
+def _start(cfg: Config, mesh, params, specs, opt_specs, batch_specs):
+    """``start()``: the initial parameters, Adam state and batch, placed as the specs say."""
+    shard = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree)
+    init = jax.jit(TX.init, out_shardings=shard(opt_specs))
 
     def start():
         placed = jax.device_put(params, shard(specs))
         return placed, init(placed), jax.device_put(data(cfg), shard(batch_specs))
 
-    return jax.jit(mapped, donate_argnums=(0, 1)), start
+    return start
 
 
 # --- runners: each returns run(steps) -> seconds --------------------------------------------------------------
@@ -275,9 +313,9 @@ def ours_runner(cfg: Config, state: sc.TrainState, rows: int = 0):
     return run
 
 
-def handwritten_runner(cfg: Config, m: int, remat: bool):
-    """The hand-written program's steps on one placed batch, as :func:`ours_runner`."""
-    step, start = handwritten(cfg, m, remat)
+def program_runner(step, start):
+    """The steps of a program made by :func:`handwritten` or :func:`jit_program` on one placed batch, as
+    :func:`ours_runner`."""
     params, opt_state, batch = start()
     holder = {"p": params, "o": opt_state}
 
@@ -294,8 +332,8 @@ def handwritten_runner(cfg: Config, m: int, remat: bool):
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """A speed variant: ``kind`` "ours", "handwritten" (both GPipe or circular on ``data 2 x stage 4``), "ddp" or
-    "fsdp" (on ``data 8``)."""
+    """A speed variant: ``kind`` "ours", "handwritten" (both GPipe or circular on ``data 2 x stage 4``), "jit"
+    (:func:`jit_program`, no schedule, on ``data 2 x stage 4``), "ddp" or "fsdp" (on ``data 8``)."""
 
     kind: str
     m: int = 0
@@ -307,6 +345,8 @@ class Variant:
     def name(self) -> str:
         if self.kind in ("ddp", "fsdp"):
             name = f"{self.kind} data=8"
+        elif self.kind == "jit":
+            name = "jit + NamedSharding stage=4"
         else:
             schedule = "GPipe" if self.v == 1 else f"circular v={self.v}"
             name = f"{'ours' if self.kind == 'ours' else 'hand-written'} {schedule} m={self.m}"
@@ -337,7 +377,9 @@ class Variant:
 
     def runner(self, cfg: Config):
         if self.kind == "handwritten":
-            return handwritten_runner(cfg, self.m, self.remat)
+            return program_runner(*handwritten(cfg, self.m, self.remat))
+        if self.kind == "jit":
+            return program_runner(*jit_program(cfg))
         if self.rows:  # a step of other shapes: a state of its own
             return ours_runner(cfg, new_state(cfg, self.kind, remat=self.remat), self.rows)
         key = (cfg, "ddp", self.m, self.v, self.remat) if self.kind == "ours" else (cfg, self.kind, None, 1, self.remat)
@@ -356,12 +398,14 @@ VARIANTS = {
         *(Variant(kind, 4, 1, remat) for remat in (True, False) for kind in ("handwritten", "ours")),
         Variant("handwritten", 8, 1, True),
         Variant("ours", 8, 1, True),
+        Variant("jit"),  # the stacked layers split over "stage" with no schedule: XLA decides
         Variant("ours", 8, 2, True),
         Variant("handwritten", 8, 1, False),
         Variant("ours", 8, 1, False),
     ]
 }
-SMOKE_VARIANTS = ["ddp data=8", "hand-written GPipe m=4 no remat", "ours GPipe m=4 no remat"]
+JIT = Variant("jit").name
+SMOKE_VARIANTS = ["ddp data=8", "hand-written GPipe m=4 no remat", "ours GPipe m=4 no remat", JIT]
 
 
 def check_same_model(runs: dict, steps: int) -> dict[str, list[float]]:
@@ -405,6 +449,8 @@ def speed(cfg: Config, names: list[str], rounds: int, steps: int) -> dict:
         if variant.baseline in t:
             row["baseline"] = variant.baseline
             row["ratio_vs_handwritten"] = float(np.median(t[variant.baseline] / t[name]))
+        if variant.pipelined and JIT in t:
+            row["ratio_vs_jit"] = float(np.median(t[JIT] / t[name]))
         if variant.reference in t:
             row["reference"] = variant.reference
             row["time_vs_reference"] = float(np.median(t[name] / t[variant.reference]))
@@ -489,8 +535,9 @@ def activation_memory(
     ddp_remats: tuple[bool, ...] = (True, False),
 ) -> list[dict]:
     """The compiled step's temporaries (its activation peak) per device for each m with and without remat on
-    ``data 2 x stage 4``, then DDP on ``data 8`` (each remat of ``ddp_remats``) and the hand-written program (each
-    ``(m, remat)`` of ``handwritten_``) for reference; each set against DDP's with the same remat."""
+    ``data 2 x stage 4``, then DDP on ``data 8`` (each remat of ``ddp_remats``), the hand-written program (each
+    ``(m, remat)`` of ``handwritten_``) and the ``jax.jit`` program for reference; each set against DDP's with the
+    same remat."""
     batch = data(cfg)
     rows = []
     for m in microbatches:
@@ -521,14 +568,14 @@ def activation_memory(
                 "temp_bytes": report.memory.temp_bytes,
             }
         )
-    for m, remat in handwritten_:
-        step, start = handwritten(cfg, m, remat)
+    programs = [(Variant("handwritten", m, 1, remat), handwritten(cfg, m, remat)) for m, remat in handwritten_]
+    for variant, (step, start) in [*programs, (Variant("jit"), jit_program(cfg))]:
         analysis = step.lower(*start()).compile().memory_analysis()
         rows.append(
             {
-                "variant": Variant("handwritten", m, 1, remat).name,
-                "m": m,
-                "remat": remat,
+                "variant": variant.name,
+                "m": variant.m,
+                "remat": variant.remat,
                 "argument_bytes": int(analysis.argument_size_in_bytes),
                 "temp_bytes": int(analysis.temp_size_in_bytes),
             }
@@ -579,13 +626,15 @@ def tables(result: dict) -> str:
     if "speed" in result:
         out += [
             "",
-            "| variant | samples/s | ms/step | vs hand-written (same m, remat) | vs DDP (same remat) | time / DDP |"
-            " bubble formula (v m + p - 1) / (v m) | time / same program at m = 8 | formula / formula at m = 8 |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| variant | samples/s | ms/step | vs hand-written (same m, remat) | vs jit + NamedSharding |"
+            " vs DDP (same remat) | time / DDP | bubble formula (v m + p - 1) / (v m) | time / same program at m = 8 |"
+            " formula / formula at m = 8 |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for name, r in result["speed"].items():
             cells = [
                 f"{r['ratio_vs_handwritten']:.3f}" if "ratio_vs_handwritten" in r else "",
+                f"{r['ratio_vs_jit']:.3f}" if "ratio_vs_jit" in r else "",
                 f"{r['ratio_vs_ddp']:.3f}",
                 f"{r['time_vs_ddp']:.2f}",
                 f"{r['bubble_formula']:.3f}" if "bubble_formula" in r else "",

@@ -425,6 +425,11 @@ def train_norm(net, mesh, data, *, accum=1, **kwargs):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     error = float(sc.make_eval_step(norm_metrics)(state, data[0])["error"])
+    if state.pipeline is not None:
+        # The statistics are gathered over the stage axis once per step; explain does not take them for layers.
+        report = sc.explain(step, state, data[0])
+        gathers = [c for c in report.collectives if c.kind == "all-gather" and "stage" in (c.axes or ())]
+        assert gathers and report.pipeline.stage_gathers == 0, report.pipeline
     return jax.device_get((state.full_params(), state.model_state)), losses, error
 
 

@@ -28,8 +28,10 @@ class PipelineReport:
       stack_bytes: the bytes of the whole stack (every layer).
       permutes: collective-permutes over the stage axis per step (each counted once, as in the table).
       permute_bytes: their message bytes per device.
-      stage_gathers: all-gathers over the stage axis: 0 in a pipeline whose stages keep their own layers (a
-        partial-manual ``shard_map`` has been seen to lower a ``ppermute`` as an all-gather and a permute).
+      stage_gathers: all-gathers over the stage axis larger than the model state: 0 in a pipeline whose stages
+        keep their own layers (a partial-manual ``shard_map`` has been seen to lower a ``ppermute`` as an
+        all-gather and a permute). The stack's own state (BatchNorm's statistics) is gathered over the stage
+        axis once per step by design, and is not counted.
     """
 
     axis: str
@@ -67,6 +69,7 @@ def pipeline_report(state: TrainState, collectives: tuple[Collective, ...]) -> P
     stacked = [x for x, flag in zip(leaves, state.layout.stage_stacked("params"), strict=True) if flag]
     over = [c for c in collectives if c.axes is not None and pipeline.axis in c.axes]
     permutes = [c for c in over if c.kind == "collective-permute"]
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state.model_state))
     return PipelineReport(
         axis=pipeline.axis,
         stages=stages,
@@ -78,5 +81,5 @@ def pipeline_report(state: TrainState, collectives: tuple[Collective, ...]) -> P
         stack_bytes=sum(x.nbytes for x in stacked),
         permutes=sum(c.count for c in permutes),
         permute_bytes=sum(c.total_bytes for c in permutes),
-        stage_gathers=sum(c.count for c in over if c.kind == "all-gather"),
+        stage_gathers=sum(c.count for c in over if c.kind == "all-gather" and c.bytes > state_bytes),
     )
