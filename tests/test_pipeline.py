@@ -227,6 +227,7 @@ def test_train_step_with_a_stage_axis_equals_one_device(layout, axis, strategy, 
     assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
 
 
+@SLOW
 def test_a_non_finite_step_is_skipped_on_every_stage_and_the_loss_scale_is_one_devices():
     """A NaN in one row of step 2's batch makes the gradient of every stage non-finite at once: the step is skipped
     everywhere, the loss scale backs off once, and the run goes on as one device's (clipping sees each stage)."""
@@ -519,6 +520,22 @@ def test_nnx_stack_trains_as_one_device(layout, strategy, m, v):
     assert_trees_close(jax.device_get(state.full_params()), jax.device_get(reference.params), rtol=1e-5, atol=1e-5)
 
 
+def test_an_nnx_block_with_its_own_rng_streams_is_refused():
+    from flax import nnx
+
+    class DropoutBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.dense(x))
+
+    with pytest.raises(ValueError, match=r"RNG streams.*Keep dropout \(and its nnx.Rngs\) outside the stack"):
+        sc.nnx.PipelineStack(DropoutBlock, layers=2, rngs=nnx.Rngs(0))
+
+
+@SLOW
 def test_nnx_batchnorm_in_a_stage_equals_one_device_with_one_micro_batch_at_a_time():
     from flax import nnx
 
