@@ -125,6 +125,19 @@ def test_layer_state_updates_once_per_micro_batch_in_order_and_never_in_a_bubble
         np.testing.assert_allclose(copy, expected["mean"], rtol=1e-5, atol=1e-6)
 
 
+def test_a_stack_state_without_a_row_per_layer_is_refused():
+    mesh = jax.make_mesh((2,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+
+    def local(weights, state, x):
+        with schedule_context(sc.Pipeline(microbatches=2)):
+            return run_stack(counted, weights, x, state=state)[0]
+
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("stage"), P(), P("stage")), out_specs=P("stage")))
+    state = {"calls": np.zeros(LAYERS - 1, np.int32), "mean": np.zeros((LAYERS - 1, 6), np.float32)}
+    with pytest.raises(sc.ShapeError, match=r"7 layers on dimension 0, the parameters 8.*one row per layer"):
+        run(np.zeros((LAYERS, 6, 6), np.float32), state, np.zeros((4, 6), np.float32))
+
+
 # --- the train step against one device -----------------------------------------------------------------------
 
 
