@@ -257,8 +257,7 @@ def _pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipelin
     loop = zeros((m, mb) + x.shape[1:]) if v > 1 else None
     carry = zeros((mb,) + x.shape[1:])
     # The state is whole (all L layers, canonical order) on every device: this stage's layers, as its chunks.
-    order = stage_order(local * p, p, v)
-    own = _stage_rows(state, order, local, p, s)
+    own = _stage_rows(state, local, p, v, s)
     layer_state = vary(jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), own), axes)
     left = [(i, (i - 1) % p) for i in range(p)]
     right = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
@@ -302,32 +301,31 @@ def _pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipelin
 
     initial = (io_in, io_out, loop, carry, layer_state)
     (_, io_out, _, _, layer_state), _ = lax.scan(tick, initial, jnp.arange(pipeline.ticks(p)))
-    return io_out.reshape(x.shape), _whole_state(layer_state, order, local, axis)
+    return io_out.reshape(x.shape), _whole_state(layer_state, local, p, v, axis)
 
 
-def _stage_rows(state: Any, order: np.ndarray, local: int, stages: int, stage: jax.Array) -> Any:
+def _stage_rows(state: Any, local: int, stages: int, repeats: int, stage: jax.Array) -> Any:
     """The rows of ``state`` (whole, canonical layer order) that stage ``stage`` holds, in its stored order."""
-
-    def rows(a: jax.Array) -> jax.Array:
-        if a.shape[0] != len(order):
+    for a in jax.tree.leaves(state):
+        if a.shape[0] != local * stages:
             raise ShapeError(
                 describe(
                     "PipelineStack",
-                    f"a state leaf of the stack has {a.shape[0]} layers on dimension 0, the parameters {len(order)}.",
+                    f"a state leaf of the stack has {a.shape[0]} layers on dimension 0, the parameters "
+                    f"{local * stages}.",
                     fix="keep the stack's mutable state (BatchNorm's statistics) whole: one row per layer.",
                 )
             )
-        return jnp.take(a, jnp.asarray(order.reshape(stages, local))[stage], axis=0)
+    stored = reorder_layers(state, _every_leaf(state), stages, repeats, to_stage=True)
+    return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, stage * local, local), stored)
 
-    return jax.tree.map(rows, state)
 
-
-def _whole_state(layer_state: Any, order: np.ndarray, local: int, axis: str) -> Any:
+def _whole_state(layer_state: Any, local: int, stages: int, repeats: int, axis: str) -> Any:
     """Every stage's updated rows gathered over the stage axis (small: statistics) and put back in canonical order,
     so each device holds the whole state, as the step stores it."""
+    gathered = jax.tree.map(lambda a: lax.all_gather(a.reshape((local,) + a.shape[2:]), axis, tiled=True), layer_state)
+    return reorder_layers(gathered, _every_leaf(gathered), stages, repeats, to_stage=False)
 
-    def whole(a: jax.Array) -> jax.Array:
-        gathered = lax.all_gather(a.reshape((local,) + a.shape[2:]), axis, tiled=True)  # stage order
-        return jnp.take(gathered, jnp.asarray(np.argsort(order)), axis=0)
 
-    return jax.tree.map(whole, layer_state)
+def _every_leaf(tree: Any) -> tuple[bool, ...]:
+    return (True,) * len(jax.tree.leaves(tree))
