@@ -36,6 +36,19 @@ def set_cpu_devices(default: int) -> int:
     return count
 
 
+def step_caller(step: Callable[[Any, Any], tuple[Any, Any]], state: Any, batch: Any) -> Callable[[], Any]:
+    """``call() -> metrics``: one ``step(state, batch)``, the state threaded from call to call (each step consumes
+    the state the previous one returned); ``call.state()`` is the newest state."""
+    holder = {"state": state}
+
+    def call() -> Any:
+        holder["state"], metrics = step(holder["state"], batch)
+        return metrics
+
+    call.state = lambda: holder["state"]  # type: ignore[attr-defined]
+    return call
+
+
 def time_calls(call: Callable[[], Any], n: int, *, chained: bool = False, window: int = WINDOW) -> float:
     """Seconds for ``n`` calls of ``call()``, with never more than ``window`` of them in flight.
 

@@ -57,7 +57,7 @@ import os
 import time
 from pathlib import Path
 
-from _common import run_facts, set_cpu_devices, time_calls, write_json
+from _common import run_facts, set_cpu_devices, step_caller, time_calls, write_json
 
 set_cpu_devices(8)  # before JAX starts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -193,12 +193,10 @@ def measure(length: int, keys: list[str], rounds: int, round_tokens: int, layers
         for x in report.collectives:
             if context is not None and x.axes and "context" in x.axes:
                 per_step[x.kind] = per_step.get(x.kind, 0) + x.total_bytes * (c - 1 if x.in_loop else 1)
-        placed = jax.device_put(batch, sc.data_sharding(mesh=state.mesh, axis=state.roles.batch))
-        holder = {"state": state}
-        losses = []
-        for _ in range(WARMUP):
-            holder["state"], metrics = step(holder["state"], placed)
-            losses.append(float(metrics["loss"]))
+        call = step_caller(
+            step, state, jax.device_put(batch, sc.data_sharding(mesh=state.mesh, axis=state.roles.batch))
+        )
+        losses = [float(call()["loss"]) for _ in range(WARMUP)]
         rows[key] = {
             "length": length,
             "variant": name,
@@ -214,11 +212,6 @@ def measure(length: int, keys: list[str], rounds: int, round_tokens: int, layers
             "steps_per_round": steps,
             "setup_s": time.perf_counter() - t0,
         }
-
-        def call(holder=holder, placed=placed):
-            holder["state"], metrics = step(holder["state"], placed)
-            return metrics
-
         runs[key] = call
     base = np.array(rows[keys[0]]["losses"])
     for row in rows.values():

@@ -56,7 +56,7 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # this checkout's spmdcomm, installed or not, before any installed copy
     sys.path.insert(1, str(ROOT))
 
-from _common import set_cpu_devices, time_calls, write_json  # noqa: E402
+from _common import set_cpu_devices, step_caller, time_calls, write_json  # noqa: E402
 
 SECTIONS = ("prefetch", "train_step", "memory", "mfu", "suite")
 # Each section's share of the time left when it starts, relative to the sections after it.
@@ -545,14 +545,9 @@ def _ours_lm(spec: LMSpec) -> Callable[[int], float]:
     def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
         return sc.masked_mean(_lm_losses(spec, params, batch["tokens"]).mean(axis=1), mask)
 
-    holder = {"state": sc.TrainState.create(params=spec.params, tx=optax.adam(1e-4), mesh=mesh)}
-    step = sc.make_train_step(loss_fn)
+    state = sc.TrainState.create(params=spec.params, tx=optax.adam(1e-4), mesh=mesh)
     batch = jax.device_put(spec.batch, sc.data_sharding(mesh=mesh))
-
-    def call():
-        holder["state"], metrics = step(holder["state"], batch)
-        return metrics
-
+    call = step_caller(sc.make_train_step(loss_fn), state, batch)
     return lambda n: time_calls(call, n)
 
 

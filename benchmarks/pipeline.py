@@ -59,7 +59,7 @@ import os
 import time
 from pathlib import Path
 
-from _common import run_facts, set_cpu_devices, time_calls, write_json
+from _common import run_facts, set_cpu_devices, step_caller, time_calls, write_json
 
 set_cpu_devices(8)  # before JAX starts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -299,12 +299,7 @@ def ours_runner(cfg: Config, state: sc.TrainState, rows: int = 0):
     """``run(steps) -> seconds`` for our steps from ``state`` on one placed batch (its first ``rows`` rows, all
     with 0); ``run.losses(n)``: the losses of ``n`` steps."""
     batch = {k: v[: rows or None] for k, v in data(cfg).items()}
-    batch = jax.device_put(batch, sc.data_sharding(mesh=state.mesh, axis=state.axis))
-    holder = {"state": state}
-
-    def call():
-        holder["state"], metrics = STEP(holder["state"], batch)
-        return metrics
+    call = step_caller(STEP, state, jax.device_put(batch, sc.data_sharding(mesh=state.mesh, axis=state.axis)))
 
     def run(n: int) -> float:
         return time_calls(call, n)

@@ -59,7 +59,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from _common import run_facts, set_cpu_devices, time_calls, write_json
+from _common import run_facts, set_cpu_devices, step_caller, time_calls, write_json
 
 set_cpu_devices(8)  # before JAX starts: the memory table takes meshes of 2, 4 and 8 of these devices
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -458,11 +458,7 @@ def runner(model_name: str, mesh, strategy):
     state = make_state(model_name, mesh, strategy)
     step = sc.make_train_step(LOSSES[model_name])
     batch = jax.device_put(model_data(model_name), sc.data_sharding(mesh=mesh))
-    holder = {"state": state}
-
-    def call():
-        holder["state"], metrics = step(holder["state"], batch)
-        return metrics
+    call = step_caller(step, state, batch)
 
     def run(n: int) -> float:
         return time_calls(call, n)

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import set_cpu_devices, time_calls, write_json
+from _common import set_cpu_devices, step_caller, time_calls, write_json
 
 set_cpu_devices(2)  # before JAX starts; the launched workers keep the launcher's 1 device each
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -104,16 +104,12 @@ def ours(model_name: str, mesh, strategy: sc.train.Strategy | str = "ddp", **ste
     )
     step = sc.make_train_step(loss_fn, **step_options)
     batch = jax.tree.map(lambda x: jax.device_put(x, sc.data_sharding(mesh=mesh)), data())
-    holder = {"state": state}
-
-    def call():
-        holder["state"], metrics = step(holder["state"], batch)
-        return metrics
+    call = step_caller(step, state, batch)
 
     def run(steps: int) -> float:
         return time_calls(call, steps)
 
-    run.state = holder  # for optimizer-state bytes
+    run.state = call.state  # for optimizer-state bytes
     return run
 
 
@@ -205,7 +201,7 @@ def in_process(rounds: int, steps: int, models: list[str]) -> dict[str, float]:
                 results[f"{m}/ratio {name} / {base} (paired median)"] = float(np.median(ratio))
     for name in ("mlp/ours", "mlp/ours ZeRO-1"):
         if name in variants:
-            results[f"{name} optimizer-state bytes/device"] = sc.optimizer_state_bytes(variants[name].state["state"])
+            results[f"{name} optimizer-state bytes/device"] = sc.optimizer_state_bytes(variants[name].state())
     return results
 
 
