@@ -48,6 +48,8 @@ def test_every_step_reports_its_phase_times_and_the_log_continues_after_a_resume
     )
     assert all(sorted(k for k in h if k.startswith("time/")) == PHASES for h in history)
     assert all(all(h[k] >= 0 for k in PHASES) for h in history)
+    # The first step compiled its program (same shapes after it: no other step did).
+    assert [i for i, h in enumerate(history) if h["time/compile"] > 0] == [0]
     # Saves block the loop: the steps that saved (4, 8, ...) spent time saving, the others none.
     saved = [i + 1 for i, h in enumerate(history) if h["time/save"] > 0]
     assert saved == list(range(4, len(history) + 1, 4)), saved

@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "spmdcomm._ops",
             "spmdcomm._cache",
             "spmdcomm._env",
+            "spmdcomm._compile_watch",
         ),
     ),
     # transport is the bottom of runtime: every module that agrees across processes imports it

@@ -36,6 +36,7 @@ PER_EPOCH = -(-job.EXAMPLES // job.GLOBAL_BATCH)  # 6 global batches, the last o
 EPOCHS, SAVE_EVERY = 4, 4  # recovery_job.py's defaults
 STEPS = EPOCHS * PER_EPOCH  # 24
 WATCHDOG_TIMEOUT = 5.0
+SLOW_COMPILE = 8  # seconds a process's compilation takes longer, in the stalled test: over the watchdog's timeout
 
 
 def mid_epoch(step: int) -> bool:
@@ -147,10 +148,17 @@ def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwis
     assert not resumed.exists()
 
     # The same command with one restart: attempt 0 resumes from the checkpoint the stalled run left, stalls
-    # again and is ended; attempt 1 completes.
+    # again and is ended; attempt 1 completes. Each attempt, one process compiles the step for longer than the
+    # watchdog's timeout (the other one on attempt 0, the stalled one after the restart): that is no stall.
     saved = last_save(stall_step - 1)
-    res = launch(*args, max_restarts=1)
+    slow = ["--fault", f"0:{1 - stall_rank}:{SLOW_COMPILE}:slow-compile"]
+    slow += ["--fault", f"1:{stall_rank}:{SLOW_COMPILE}:slow-compile"]
+    res = launch(*args, *slow, max_restarts=1)
     out, err = res.stdout, res.stderr
+    assert sorted(lines(rf"^\[rank (\d)\] COMPILING SLOWLY for {SLOW_COMPILE} s$", out)) == ["0", "1"], out
+    assert len(lines(r"^\[rank \d\] spmdcomm\.Watchdog: ", err)) == 2, err  # attempt 0's stall only, once each
+    found = tables(err)
+    assert all(found[rank][stall_rank][2::2] == ("waiting for data", True) for rank in (0, 1)), found
     assert f"Stuck: process {stall_rank} (waiting for data)." in err and "restart 1 of 1" in err, err
     assert sorted(lines(r"^\[rank (\d)\] ATTEMPT (\d) resumes from step (\d+)$", out)) == [
         (r, a, str(saved)) for r in "01" for a in "01"

@@ -6,10 +6,20 @@ import re
 import threading
 import time
 
+import jax
+import numpy as np
+import optax
 import pytest
 
 import spmdcomm as sc
-from spmdcomm.reliability.watchdog import ProcessState, format_table, stuck_processes
+from spmdcomm.reliability.phases import Progress
+from spmdcomm.reliability.verdicts import (
+    ProcessState,
+    compiling_process,
+    format_table,
+    overdue,
+    stuck_processes,
+)
 
 TIMEOUT = 5  # the watchdog's, in the jobs below
 # A row of the table: process, host, last step, phase, seconds in phase, mark.
@@ -38,10 +48,62 @@ def state(process, step, phase, seconds=1.0):
         # no step completed yet counts as the lowest
         ({0: state(0, 0, "data"), 1: state(1, None, "other")}, 2, [1]),
         ({}, 2, [0, 1]),
+        # a compilation past its allowance is the process's own work
+        ({0: state(0, 4, "devices"), 1: state(1, 4, "compile")}, 2, [1]),
     ],
 )
 def test_stuck_processes_are_the_ones_behind_that_do_not_wait_for_others(states, n, stuck):
     assert stuck_processes(states, n) == stuck
+
+
+def progress(step, phase, *, phase_start=0.0, step_start=0.0, compile_end=None):
+    return Progress(step, phase, phase_start, 0.0, step_start, 0, compile_end, None)
+
+
+TIMEOUTS, COMPILE = (20.0, 5.0), 60.0  # (first step, later steps), compilation
+
+
+@pytest.mark.parametrize(
+    "p,now,late",
+    [
+        (progress(3, "devices"), 4.9, None),
+        (progress(3, "devices"), 6.0, "completed no step for 6.0 s after the last completed step (timeout 5 s)"),
+        # the step's time counts from the end of its compilation...
+        (progress(3, "devices", compile_end=3.0), 7.9, None),
+        (progress(3, "data", compile_end=3.0), 8.5, "completed no step for 5.5 s after its last compilation ended"),
+        # ...not from one before the step began
+        (progress(3, "data", step_start=2.0, compile_end=1.0), 7.5, "completed no step for 5.5 s after the last"),
+        # a compilation has its own allowance, from the start of the phase
+        (progress(3, "compile", phase_start=1.0), 60.9, None),
+        (progress(3, "compile", phase_start=1.0), 62.0, "compiled for 61.0 s (compile timeout 60 s)"),
+        # the first step: first_step_timeout, from the watchdog's start
+        (progress(None, "data"), 19.0, None),
+        (progress(None, "data"), 21.0, "completed no step for 21.0 s after the watchdog started (timeout 20 s)"),
+        (progress(None, "dispatch", compile_end=30.0), 49.0, None),
+    ],
+)
+def test_a_step_is_late_past_its_timeout_counted_after_compilation_and_a_compilation_past_its_own(p, now, late):
+    got = overdue(p, now, TIMEOUTS, COMPILE)
+    assert got == late if late is None else got.startswith(late), got
+
+
+def compiled(process, seconds_ago, phase="devices"):
+    return ProcessState(process, "host", 4, phase, 1.0, seconds_ago)
+
+
+@pytest.mark.parametrize(
+    "states,holder",
+    [
+        ([state(0, 4, "devices"), state(1, 4, "compile", seconds=30.0)], 1),  # compiling, within its allowance
+        ([state(0, 4, "devices"), state(1, 4, "compile", seconds=61.0)], None),  # past it: its own timeout fires
+        ([compiled(0, None), compiled(1, 4.0)], 1),  # just compiled: its step may take a timeout after that
+        ([compiled(0, None), compiled(1, 6.0)], None),
+        ([compiled(0, 1.0, phase="compile")], 0),  # a compile phase's "compiled" is the previous compilation's
+        ([state(0, 4, "data"), state(1, 4, "devices")], None),
+    ],
+)
+def test_a_process_that_compiles_or_just_compiled_holds_the_others_up_legitimately(states, holder):
+    assert compiling_process(states, TIMEOUTS[1], COMPILE) == holder
 
 
 def test_table_has_one_aligned_row_per_process_and_marks_the_stuck_ones():
@@ -62,6 +124,7 @@ def test_table_has_one_aligned_row_per_process_and_marks_the_stuck_ones():
         ({"timeout": True}, "timeout=True is not a positive number of seconds"),
         ({"timeout": 10, "interval": -1}, "interval=-1 is not a positive number of seconds"),
         ({"timeout": 10, "first_step_timeout": "5"}, "first_step_timeout='5' is not a positive number of seconds"),
+        ({"timeout": 10, "compile_timeout": 0}, "compile_timeout=0 is not a positive number of seconds"),
         ({"timeout": 10, "on_stuck": "abort"}, "on_stuck='abort' is not 'exit', 'raise' or a callable"),
     ],
 )
@@ -81,9 +144,10 @@ STUCK_AFTER = 0.3  # the watchdog's timeout in the tests below (seconds)
 GIVE_UP = 30.0  # a bound on every wait below, far above what firing takes
 
 
-def stuck_in_data_phase(timer, until=lambda: False):
-    """Two steps, then a data phase that completes no step: returns when ``until()`` or after GIVE_UP seconds."""
-    for i in range(2):
+def stuck_in_data_phase(timer, until=lambda: False, steps=2):
+    """``steps`` steps, then a data phase that completes no step: returns when ``until()`` or after GIVE_UP
+    seconds."""
+    for i in range(steps):
         with timer.phase("dispatch"):
             pass
         timer.end_step(i)
@@ -130,6 +194,90 @@ def test_on_stuck_callable_gets_the_error_once_and_the_loop_decides():
     assert "Stuck: process 0 (waiting for data)." in str(error)
     assert thread != threading.get_ident()  # called from the watchdog's thread, not the training thread
     assert all(not t.is_alive() for t in watchdog._threads)
+
+
+def slow_to_compile(seconds, until=lambda: False):
+    """An spmd function whose trace (so its compilation) takes ``seconds``, or until ``until()``."""
+
+    def body(x):
+        deadline = time.monotonic() + seconds
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return sc.psum(x, "data")
+
+    return sc.spmd(body, in_specs=sc.P("data"), out_specs=sc.P())
+
+
+COMPILE_SECONDS = 4 * STUCK_AFTER  # longer than the step timeout: an alarm before compilation was known
+
+
+def test_a_compilation_longer_than_the_timeout_is_no_stall_and_a_stall_after_it_is_named():
+    timer = sc.PhaseTimer()
+    x = np.ones(8, np.float32)
+    with pytest.raises(sc.StuckStepError) as info:
+        with sc.Watchdog(timer, timeout=STUCK_AFTER, interval=0.05, on_stuck="raise"):
+            for i, fn in enumerate([slow_to_compile(COMPILE_SECONDS), slow_to_compile(COMPILE_SECONDS)]):
+                with timer.phase("dispatch"):
+                    fn(x)  # the first step compiles; the second step compiles again (a new program)
+                times = timer.end_step(i)
+                assert times["compile"] >= COMPILE_SECONDS and times["dispatch"] < COMPILE_SECONDS, times
+            with timer.phase("dispatch"):
+                fn(x)  # cached: no compilation
+            assert timer.end_step(2)["compile"] == 0.0
+            with timer.phase("dispatch"):
+                slow_to_compile(COMPILE_SECONDS)(x)  # compiles, then the data source stalls: named
+            stuck_in_data_phase(timer, steps=0)
+    message = str(info.value)
+    assert re.match(
+        r"^spmdcomm\.Watchdog: process 0 completed no step for [\d.]+ s after its last compilation ended "
+        rf"\(timeout {STUCK_AFTER:g} s\)\. Stuck: process 0 \(waiting for data\)\.\n",
+        message,
+    ), message
+
+
+def test_a_compilation_past_its_own_allowance_is_named_as_compiling():
+    fired = threading.Event()
+    got = []
+    timer = sc.PhaseTimer()
+    with sc.Watchdog(
+        timer,
+        timeout=STUCK_AFTER,
+        compile_timeout=2 * STUCK_AFTER,
+        interval=0.05,
+        on_stuck=lambda e: (got.append(e), fired.set()),
+    ):
+        with timer.phase("dispatch"):
+            slow_to_compile(GIVE_UP, until=fired.is_set)(np.ones(8, np.float32))
+    assert fired.is_set(), "the watchdog never fired"
+    ((error,),) = [got]
+    assert re.match(
+        rf"^spmdcomm\.Watchdog: process 0 compiled for [\d.]+ s \(compile timeout {2 * STUCK_AFTER:g} s\)\. "
+        r"Stuck: process 0 \(compiling\)\.\n",
+        str(error),
+    ), error
+    assert re.search(r"^0 +\S+ +none +compiling +[\d.]+ +<- stuck$", str(error), re.M), error
+
+
+def test_train_and_eval_steps_report_their_compilations_inside_the_loops_phases():
+    mesh = sc.data_mesh(devices=jax.devices()[:2])
+    state = sc.TrainState.create(params={"w": np.ones(3, np.float32)}, tx=optax.sgd(0.1), mesh=mesh)
+    loss = lambda params, batch, **_: sc.masked_mean((batch @ params["w"]) ** 2, _["mask"])
+    step, evaluate = sc.make_train_step(loss), sc.make_eval_step(lambda p, b, **kw: {"loss": loss(p, b, **kw)})
+    timer, compiled = sc.PhaseTimer(), []
+    for i, (rows, phase) in enumerate([(4, "dispatch"), (4, "dispatch"), (6, "dispatch"), (4, "hooks"), (4, "hooks")]):
+        with timer.phase(phase):
+            if phase == "dispatch":
+                state, _ = step(state, np.ones((rows, 3), np.float32))
+            else:
+                evaluate(state, np.ones((rows, 3), np.float32))
+        times = timer.end_step(i)
+        compiled.append(times["compile"] > 0)
+        assert timer.snapshot().phase == "other" and times[phase] > 0, times  # the loop's phase resumed
+    # the first call, a new batch shape, the first eval call
+    assert compiled == [True, False, True, True, False]
+    # outside any phase block nothing is reported (and nothing breaks)
+    step(state, np.ones((8, 3), np.float32))
+    assert timer.end_step(5)["compile"] == 0.0
 
 
 def tables(out):

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+from spmdcomm import _compile_watch
 from spmdcomm.errors import SpmdError, describe
 
 __all__ = [
@@ -34,12 +35,14 @@ __all__ = [
     "PHASES",
     "PHASE_DESCRIPTIONS",
     "WAITING_PHASES",
+    "COMPILE_PHASE",
 ]
 
 # The phases of a training step, in the order a step passes through them, and what each one means. A loop may
 # time other phases too (any name); these are the ones the training loop and the watchdog know.
 PHASE_DESCRIPTIONS: dict[str, str] = {
     "data": "waiting for data",
+    "compile": "compiling",
     "dispatch": "dispatching",
     "devices": "waiting for devices",
     "sync": "in a barrier",
@@ -52,6 +55,9 @@ PHASES: tuple[str, ...] = tuple(PHASE_DESCRIPTIONS)
 # more likely a victim than the cause (the watchdog names the others first). A checkpoint save is one: every
 # process saves the same step and meets the others at the save's barriers.
 WAITING_PHASES: frozenset[str] = frozenset({"devices", "sync", "save"})
+# The phase of a call that traces and compiles its program. The train and eval steps and spmd functions report
+# it themselves (inside whichever phase their call is in); a loop may time its own compilations as this phase too.
+COMPILE_PHASE = "compile"
 
 _OTHER = "other"
 
@@ -65,6 +71,8 @@ class Progress(NamedTuple):
     phase_start_wall: float  # the same moment as time.time(), comparable across processes
     step_start: float  # when the last step completed (or the timer started), on the timer's clock
     thread: int  # threading.get_ident() of the thread that drives the timer
+    compile_end: float | None = None  # when the last compile phase ended, on the timer's clock (None: none yet)
+    compile_end_wall: float | None = None  # the same moment as time.time()
 
 
 class PhaseTimer:
@@ -72,6 +80,11 @@ class PhaseTimer:
 
     One thread, the training loop, drives a timer; any thread may call :meth:`snapshot`. Cost: two clock reads
     and a few attribute writes per phase change (about a microsecond).
+
+    Compilation is a phase of its own, ``"compile"``: a train or eval step, or an ``sc.spmd`` function, called
+    inside a phase block of this timer and compiling its program (its first call, a new batch shape, ...) counts
+    the time from the start of its trace to the end of that call as ``"compile"``, then the block's phase
+    resumes. :class:`~spmdcomm.Watchdog` gives that phase its own allowance.
 
     Args:
       clock: the monotonic clock in seconds, also the clock of :meth:`snapshot`'s times (``time.monotonic`` by
@@ -81,6 +94,7 @@ class PhaseTimer:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic):
         self.clock = clock  # the clock of snapshot()'s times
         now = clock()
+        self._compiling_in = _OTHER  # the phase a compilation interrupted
         self._seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._progress = Progress(None, _OTHER, now, time.time(), now, threading.get_ident())
 
@@ -106,7 +120,8 @@ class PhaseTimer:
         outer = self._progress.phase
         self._switch(name)
         try:
-            yield
+            with _compile_watch.listening(self):
+                yield
         finally:
             self._switch(outer)
 
@@ -133,8 +148,7 @@ class PhaseTimer:
             )
         self._switch(self._progress.phase)  # books the current phase's time up to now into this step
         times, self._seconds = self._seconds, dict.fromkeys(PHASES, 0.0)
-        p = self._progress
-        self._progress = Progress(step, p.phase, p.phase_start, p.phase_start_wall, p.phase_start, p.thread)
+        self._progress = self._progress._replace(step=step, step_start=self._progress.phase_start)
         return times
 
     def snapshot(self) -> Progress:
@@ -142,15 +156,28 @@ class PhaseTimer:
 
         Returns:
           An immutable ``Progress`` record: ``step`` (None before the first), ``phase``, ``phase_start`` and
-          ``step_start`` on the timer's clock, ``phase_start_wall`` as ``time.time()``, and ``thread``, the id
-          of the thread that drives the timer.
+          ``step_start`` on the timer's clock, ``phase_start_wall`` as ``time.time()``, ``thread``, the id
+          of the thread that drives the timer, and ``compile_end`` / ``compile_end_wall``, when the last
+          ``"compile"`` phase ended (None before one did).
         """
         return self._progress
+
+    def compile_started(self) -> None:
+        """A call inside one of this timer's phase blocks began compiling: the ``"compile"`` phase starts."""
+        self._compiling_in = self._progress.phase
+        self._switch(COMPILE_PHASE)
+
+    def compile_ended(self) -> None:
+        """That call returned: the phase it was called in resumes."""
+        self._switch(self._compiling_in)
 
     def _switch(self, name: str) -> None:
         now, wall = self.clock(), time.time()
         p = self._progress
         self._seconds[p.phase] = self._seconds.get(p.phase, 0.0) + (now - p.phase_start)
+        ended = (
+            (now, wall) if p.phase == COMPILE_PHASE and name != COMPILE_PHASE else (p.compile_end, p.compile_end_wall)
+        )
         # One assignment of an immutable record: a reader in another thread sees the old or the new state,
         # never a mix.
-        self._progress = Progress(p.step, name, now, wall, p.step_start, threading.get_ident())
+        self._progress = Progress(p.step, name, now, wall, p.step_start, threading.get_ident(), *ended)

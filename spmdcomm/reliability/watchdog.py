@@ -23,6 +23,11 @@ How it works, and what it costs:
   key-value store when it changed, and reads an alarm key, once per ``interval``: at most two small RPCs
   per ``interval``. The training thread itself never waits for the service. (No call blocks for long: a
   daemon thread inside a blocking call when Python exits would abort the process.)
+- Compilation is not a stall. The steps report it as the timer's ``"compile"`` phase, timed against
+  ``compile_timeout``; a step's timeout counts from the end of its compilation, and a process over its timeout
+  first reads the others' states (one directory read per ``interval`` while it is over): while one of them
+  compiles, or finished compiling less than ``timeout`` ago, it waits for that process, not for a stall. A job
+  resumed after a preemption recompiles for minutes on every process, each at its own speed.
 - The first process whose step exceeds the timeout sets the alarm and reads every process's state (one
   directory read); the others see the alarm within ``interval`` and do the same. Each prints the table (with the stack
   of its own training thread), the processes meet at a barrier bounded by a few seconds, and every process
@@ -54,28 +59,40 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, NoReturn
+from typing import Any, Literal, NoReturn
 
 from spmdcomm.errors import DistributedError, SpmdError, describe
-from spmdcomm.reliability.phases import PHASE_DESCRIPTIONS, WAITING_PHASES, PhaseTimer
+from spmdcomm.reliability.phases import COMPILE_PHASE, PhaseTimer
+from spmdcomm.reliability.verdicts import (
+    ProcessState,
+    compiling_process,
+    describe_phase,
+    format_table,
+    overdue,
+    seconds_since,
+    states_from_entries,
+    stuck_processes,
+)
 from spmdcomm.runtime.process import process_count, process_index
-from spmdcomm.runtime.transport import attempt, coordination_client, key_process, milliseconds
+from spmdcomm.runtime.transport import attempt, coordination_client, milliseconds
 
 __all__ = [
     "Watchdog",
     "StuckStepError",
-    "ProcessState",
     "STUCK_EXIT_CODE",
+    "DEFAULT_COMPILE_TIMEOUT",
     "exit_stuck_process",
-    "stuck_processes",
-    "format_table",
 ]
 
 # The exit status of every process of a job the watchdog ends: EX_TEMPFAIL of sysexits.h, "a temporary
 # failure; retrying may succeed".
 STUCK_EXIT_CODE = 75
+
+# Seconds a compilation may take before the watchdog calls it stuck: XLA compiles a large model's step in minutes
+# (and again after every restart), so the allowance is far above any step's; it still ends a compiler that hangs.
+DEFAULT_COMPILE_TIMEOUT = 1800.0
 
 
 OnStuck = Literal["exit", "raise"] | Callable[["StuckStepError"], Any]
@@ -93,16 +110,6 @@ class StuckStepError(DistributedError):
         self.stuck = list(stuck or [])
 
 
-class ProcessState(NamedTuple):
-    """One process's row of the watchdog's table."""
-
-    process: int
-    host: str
-    step: int | None  # last completed step; None before the first
-    phase: str  # a phase name of spmdcomm.reliability.phases, or the loop's own
-    seconds: float  # seconds in that phase
-
-
 class Watchdog:
     """Ends every process of the job, naming the stuck one(s), when a step takes longer than ``timeout`` s.
 
@@ -113,9 +120,15 @@ class Watchdog:
     Args:
       timer: the :class:`~spmdcomm.PhaseTimer` the training loop drives: a step is complete at
         ``timer.end_step``.
-      timeout: seconds a step may take, from the end of the previous step.
-      first_step_timeout: seconds until the first step completes, which includes compilation (default
-        ``timeout``).
+      timeout: seconds a step may take, from the end of the previous step or of the step's compilation,
+        whichever is later.
+      first_step_timeout: the same for the first step, from the watchdog's start (default ``timeout``): the
+        first batch of a data loader may take longer than the others.
+      compile_timeout: seconds a compilation may take (:data:`DEFAULT_COMPILE_TIMEOUT`, 30 minutes). A step that
+        compiles (the ``"compile"`` phase of the :class:`~spmdcomm.PhaseTimer`: a train or eval step's first
+        call, a new batch shape, the first step after a restart) is timed against it, and while any process of
+        the job compiles, or finished compiling less than ``timeout`` ago, no process's wait for it counts as a
+        stall.
       interval: the period in seconds of the checks and the most frequent publication of this process's state.
       on_stuck: what a process does once the table is printed: ``"exit"`` (default) ends it with
         :data:`STUCK_EXIT_CODE` (see the module: a thread stuck in a device collective cannot be unwound);
@@ -133,6 +146,7 @@ class Watchdog:
         *,
         timeout: float,
         first_step_timeout: float | None = None,
+        compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
         interval: float = 1.0,
         on_stuck: OnStuck = "exit",
     ):
@@ -155,7 +169,13 @@ class Watchdog:
             )
         self._on_stuck = on_stuck
         first_step_timeout = timeout if first_step_timeout is None else first_step_timeout
-        for name, value in (("timeout", timeout), ("first_step_timeout", first_step_timeout), ("interval", interval)):
+        settings = {
+            "timeout": timeout,
+            "first_step_timeout": first_step_timeout,
+            "compile_timeout": compile_timeout,
+            "interval": interval,
+        }
+        for name, value in settings.items():
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise SpmdError(
                     describe(
@@ -166,6 +186,7 @@ class Watchdog:
                 )
         self._timer = timer
         self._timeouts = (float(first_step_timeout), float(timeout))
+        self._compile_timeout = float(compile_timeout)
         self._interval = float(interval)
         self._me, self._n, self._host = process_index(), process_count(), socket.gethostname()
         self._client = coordination_client("Watchdog") if self._n > 1 else None
@@ -197,7 +218,8 @@ class Watchdog:
         self.close()
 
     def _monitor(self) -> None:
-        """Thread: fires when this process's step is over its timeout, or another process raised the alarm."""
+        """Thread: fires when this process's step is over its timeout, unless another process compiles, or
+        when another process raised the alarm."""
         while True:
             self._wake.wait(self._interval)
             if self._closed.is_set():
@@ -206,14 +228,24 @@ class Watchdog:
                 self._fire(f"process {self._alarm['process']} raised the alarm: {self._alarm['why']}")
                 return
             p = self._timer.snapshot()
-            limit = self._timeouts[p.step is not None]
-            waited = self._timer.clock() - p.step_start
-            if waited > limit:
-                after = "the last completed step" if p.step is not None else "the watchdog started"
-                self._fire(
-                    f"process {self._me} completed no step for {waited:.1f} s after {after} (timeout {limit:g} s)"
-                )
-                return
+            late = overdue(p, self._timer.clock(), self._timeouts, self._compile_timeout)
+            if late is None or (p.phase != COMPILE_PHASE and self._other_compiles()):
+                continue
+            self._fire(f"process {self._me} {late}")
+            return
+
+    def _other_compiles(self) -> bool:
+        """Whether another process compiles (within its allowance) or ended a compilation less than ``timeout`` s
+        ago, by the states the processes published: the one wait of a process that is over its timeout that is
+        not a stall. False when they cannot be read (the watchdog then fires as without that answer)."""
+        client = self._client
+        if client is None:
+            return False
+        entries, error = _bounded(lambda: client.key_value_dir_get(self._prefix + "state/"), _SERVICE_SECONDS)
+        if error is not None:
+            return False
+        states = states_from_entries(entries, skip=self._me)
+        return compiling_process(states.values(), self._timeouts[1], self._compile_timeout) is not None
 
     def _publish(self) -> None:
         """Thread: publishes this process's state when it changed and looks for the alarm, every ``interval``."""
@@ -221,7 +253,13 @@ class Watchdog:
         assert client is not None  # __init__ starts this thread only for a multi-process job, which has a client
         while not self._closed.wait(self._interval):
             p = self._timer.snapshot()
-            state = {"host": self._host, "step": p.step, "phase": p.phase, "since": p.phase_start_wall}
+            state = {
+                "host": self._host,
+                "step": p.step,
+                "phase": p.phase,
+                "since": p.phase_start_wall,
+                "compiled": p.compile_end_wall,
+            }
             if state != published and self._set(client, f"state/{self._me}", json.dumps(state)):
                 published = state
             alarm, missing = attempt(lambda: client.key_value_try_get(self._prefix + "alarm"))
@@ -239,7 +277,11 @@ class Watchdog:
     def _fire(self, why: str) -> None:
         """Prints the table, meets the other processes for a bounded time, and does what ``on_stuck`` says."""
         p = self._timer.snapshot()
-        states = {self._me: ProcessState(self._me, self._host, p.step, p.phase, self._timer.clock() - p.phase_start)}
+        now = self._timer.clock()
+        own = ProcessState(
+            self._me, self._host, p.step, p.phase, now - p.phase_start, seconds_since(p.compile_end, now)
+        )
+        states = {self._me: own}
         unknown = None  # why the other processes' state is unknown
         if self._client is not None:
             alarm = json.dumps({"process": self._me, "why": why})
@@ -252,17 +294,13 @@ class Watchdog:
 
             entries, error = _bounded(gather, _SERVICE_SECONDS)
             if error is None:
-                now = time.time()
-                for key, text in entries:
-                    other, s = key_process(key), json.loads(text)
-                    if other != self._me:
-                        states[other] = ProcessState(other, s["host"], s["step"], s["phase"], now - s["since"])
+                states.update(states_from_entries(entries, skip=self._me))
             else:
                 unknown = f"the coordination service {error}"
         if unknown is None:
             stuck = stuck_processes(states, self._n)
             named = ", ".join(
-                f"process {q} ({_describe(states[q].phase)})" if q in states else f"process {q} (no report)"
+                f"process {q} ({describe_phase(states[q].phase)})" if q in states else f"process {q} (no report)"
                 for q in stuck
             )
         else:
@@ -310,38 +348,6 @@ def exit_stuck_process() -> NoReturn:
     os._exit(STUCK_EXIT_CODE)
 
 
-def stuck_processes(states: Mapping[int, ProcessState], n: int) -> list[int]:
-    """The processes of a job of ``n`` that hold it up, from each process's state (absent: no report).
-
-    Those that never reported, then, among the processes with the lowest last completed step, those that are
-    not waiting for the others (not in :data:`~spmdcomm.reliability.phases.WAITING_PHASES`); when all of those wait, all
-    of them.
-    """
-    missing = [q for q in range(n) if q not in states]
-    if len(missing) == n:
-        return missing
-    lowest = min(-1 if s.step is None else s.step for s in states.values())
-    behind = [q for q, s in sorted(states.items()) if (-1 if s.step is None else s.step) == lowest]
-    busy = [q for q in behind if states[q].phase not in WAITING_PHASES]
-    return missing + (busy if busy or missing else behind)
-
-
-def format_table(states: Mapping[int, ProcessState], n: int, *, stuck: list[int], absent: str = "no report") -> str:
-    """The watchdog's table: one row per process of a job of ``n``, the stuck ones marked, ``absent`` in the
-    phase column of the processes without a state."""
-    rows = [("process", "host", "last step", "phase", "seconds in phase", "")]
-    for q in range(n):
-        s = states.get(q)
-        mark = "<- stuck" if q in stuck else ""
-        if s is None:
-            rows.append((str(q), "?", "?", absent, "?", mark))
-        else:
-            step = "none" if s.step is None else str(s.step)
-            rows.append((str(q), s.host, step, _describe(s.phase), f"{s.seconds:.1f}", mark))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
 # ------------------------------------------------------------------------------------------------
 
 # Numbers the Watchdog objects of a process, so that every process's k-th watchdog uses the same keys.
@@ -364,10 +370,6 @@ def _raise_in_thread(thread: int, error: StuckStepError) -> None:
     )
     if ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(carried)) != 1:
         sys.stderr.write("spmdcomm.Watchdog: the training thread has ended; nothing to raise StuckStepError in.\n")
-
-
-def _describe(phase: str) -> str:
-    return PHASE_DESCRIPTIONS.get(phase, phase)
 
 
 def _stack(thread: int) -> str:

@@ -7,6 +7,7 @@ Private to the package; the public step objects are in :mod:`spmdcomm.train.trai
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmdcomm import _compile_watch
 from spmdcomm._cache import Cache
 from spmdcomm._jax_compat import collective_axes_in_traceback
 from spmdcomm.data import placement
@@ -90,9 +92,11 @@ class StepCache:
 
 
 def dispatch(fn: str, program: Callable[..., Any], state: TrainState, batch: tuple[Any, Any]) -> Any:
-    """Runs ``program(state, data, mask)``, replacing JAX's device error for a misplaced state leaf."""
+    """Runs ``program(state, data, mask)``, replacing JAX's device error for a misplaced state leaf; a call that
+    compiles is reported as the ``"compile"`` phase of the calling thread's :class:`~spmdcomm.PhaseTimer`."""
     try:
-        return program(state, *batch)
+        with _compile_watch.call():
+            return program(state, *batch)
     except ValueError as e:
         raise_if_misplaced(fn, state, cause=e)
         raise
@@ -148,7 +152,14 @@ def compile_local_step(body: Callable[..., Any], state: TrainState, out_specs: A
     """The compiled ``body(state, data, mask)`` per device (manual over the data axes only, model axes left to XLA),
     the batch split over the data axes and the outputs laid out as ``out_specs``."""
     # The state is already placed (by TrainState.create and the previous step), the batch by place_batch.
-    return jax.jit(_local(body, state, out_specs))
+    local = _local(body, state, out_specs)
+
+    @functools.wraps(local)
+    def traced(state: TrainState, data: Any, mask: Any) -> Any:
+        _compile_watch.tracing()
+        return local(state, data, mask)
+
+    return jax.jit(traced)
 
 
 def compile_global_step(
@@ -169,8 +180,13 @@ def compile_global_step(
     """
     mapped = _local(local, state, local_specs)
     replicated = NamedSharding(state.mesh, P())
+
+    def traced(state: TrainState, data: Any, mask: Any) -> Any:
+        _compile_watch.tracing()
+        return finish(state, data, mask, mapped(state, data, mask))
+
     return jax.jit(
-        lambda state, data, mask: finish(state, data, mask, mapped(state, data, mask)),
+        traced,
         out_shardings=(state.shardings(), replicated),
         donate_argnums=(0,) if donate else (),
     )

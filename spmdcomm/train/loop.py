@@ -17,7 +17,7 @@ from spmdcomm.errors import SpmdError, describe
 from spmdcomm.reliability.metrics import MetricsWriter
 from spmdcomm.reliability.phases import PhaseTimer
 from spmdcomm.reliability.preemption import PREEMPTED_EXIT_CODE, Preemption
-from spmdcomm.reliability.watchdog import Watchdog
+from spmdcomm.reliability.watchdog import DEFAULT_COMPILE_TIMEOUT, Watchdog
 from spmdcomm.train.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from spmdcomm.train.hooks import Hook, check_hooks, data_epoch, due_hooks, optional_positive, run_hooks
 from spmdcomm.train.state import TrainState
@@ -38,6 +38,7 @@ def fit(
     save_every: int | None = None,
     max_to_keep: int | None = None,
     watchdog_timeout: float | None = None,
+    watchdog_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
     preemption: bool | None = None,
     metrics_log: str | os.PathLike[str] | None = None,
     tensorboard_dir: str | os.PathLike[str] | None = None,
@@ -78,10 +79,12 @@ def fit(
       save_every: save every this many steps (by ``state.step``); ``None`` (default): only at the end. Needs
         ``checkpoint_dir``.
       max_to_keep: keep the newest this many checkpoints; ``None`` (default): all. Needs ``checkpoint_dir``.
-      watchdog_timeout: seconds; starts a :class:`spmdcomm.Watchdog`: when a step takes longer (the first step gets
-        10x, for compilation), every process prints one table naming the stuck process(es) and their phase, and
-        exits with status :data:`spmdcomm.STUCK_EXIT_CODE` (75), so that ``spmdcomm-launch --max-restarts``
-        restarts the job. ``None`` (default): no watchdog.
+      watchdog_timeout: seconds; starts a :class:`spmdcomm.Watchdog`: when a step takes longer, compilation left
+        out (the first step gets 10x, for the data source's start), every process prints one table naming the
+        stuck process(es) and their phase, and exits with status :data:`spmdcomm.STUCK_EXIT_CODE` (75), so that
+        ``spmdcomm-launch --max-restarts`` restarts the job. ``None`` (default): no watchdog.
+      watchdog_compile_timeout: seconds a compilation of the train or eval step may take on any process before
+        the watchdog calls it stuck (30 minutes by default); while one process compiles, the others wait for it.
       preemption: makes SIGTERM stop every process at one agreed step, save a checkpoint there and raise
         :class:`Preempted` (default: on with a ``checkpoint_dir``; create ``fit`` in the main thread). ``True``
         needs ``checkpoint_dir``.
@@ -138,7 +141,13 @@ def fit(
         # Closed in reverse: the writer, the preemption handlers and the watchdog's threads end with the loop;
         # a loader's prefetch threads stop even when the loop ends early (an exception here or in a callback).
         if watchdog_timeout is not None:
-            stack.enter_context(Watchdog(timer, timeout=watchdog_timeout, first_step_timeout=10 * watchdog_timeout))
+            watchdog = Watchdog(
+                timer,
+                timeout=watchdog_timeout,
+                first_step_timeout=10 * watchdog_timeout,
+                compile_timeout=watchdog_compile_timeout,
+            )
+            stack.enter_context(watchdog)
         stop = stack.enter_context(Preemption()) if _wants_preemption(preemption, checkpoints) else None
         writer = None
         if metrics_log is not None or tensorboard_dir is not None:

@@ -16,6 +16,8 @@ RANK only:
   the save of checkpoint STEP; on disk: [...]`` (the checkpoint directory's entries).
 - ``stall``: the process's data source prints ``SLEEPING before step STEP at <unix time>`` and sleeps forever
   instead of handing over the batch of step STEP (``--watchdog-timeout`` must end the job).
+- ``slow-compile``: the process's compilation of the train step takes STEP seconds longer (its ``loss_fn``
+  sleeps while it is traced, once), after printing ``COMPILING SLOWLY for STEP s``: the watchdog must wait.
 
 ``--ready-at STEP``: on attempt 0 every process prints ``READY at step STEP`` once its data source hands over
 that step's batch, and from then on waits 0.3 s before each batch, so that the test can send SIGTERM while
@@ -110,6 +112,20 @@ def kill_in_save(step: int) -> None:
     ocp.CompositeCheckpointHandler.save = save
 
 
+def slow_to_trace(loss_fn, seconds: int):
+    """``loss_fn``, whose first trace (inside the step's compilation) sleeps ``seconds`` first."""
+    traced = []
+
+    def slow(*args, **kwargs):
+        if not traced:
+            traced.append(True)
+            print(f"COMPILING SLOWLY for {seconds} s", flush=True)
+            time.sleep(seconds)
+        return loss_fn(*args, **kwargs)
+
+    return slow
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("ckpt_dir")
@@ -133,7 +149,10 @@ def main() -> None:
     loader = job.loader(mesh, shard_index=me, num_shards=sc.process_count())
     loader.epochs = args.epochs
     data = Data(loader, stall_at=mine.get("stall"), ready_at=args.ready_at if attempt == 0 else None)
-    step = Steps(sc.make_train_step(job.loss_fn), mine.get("kill"))
+    loss_fn = job.loss_fn
+    if "slow-compile" in mine:
+        loss_fn = slow_to_trace(loss_fn, mine["slow-compile"])
+    step = Steps(sc.make_train_step(loss_fn), mine.get("kill"))
     options = {"watchdog_timeout": args.watchdog_timeout}
     if args.ckpt_dir != "-":
         options.update(checkpoint_dir=args.ckpt_dir, save_every=args.save_every)
