@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -148,7 +149,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="folder for gpu.json and gpu.png (default benchmarks/results; --tiny: bench-results)")
     p.add_argument("--tiny", action="store_true", help="every section at a tiny size: checks that all of it runs")
-    p.add_argument("--budget", type=float, help="seconds for all sections (default 450; --tiny: 150)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for all sections (default 450; --tiny: 150); inf: no limit (each section runs to its end)",
+    )
     p.add_argument("--only", help=f"comma-separated sections of {','.join(SECTIONS)}; the others keep their entries")
     p.add_argument("--peak-tflops", type=float, help="the device's bf16 peak, for a device not in PEAK_BF16")
     p.add_argument("--plot-only", action="store_true", help="redraw gpu.png from gpu.json")
@@ -214,13 +219,13 @@ def run_sections(names: list[str], size: Size, args: argparse.Namespace, result:
         left = end - time.monotonic()
         limit = left * SHARES[name] / sum(SHARES[n] for n in names[i:])
         partial: dict = {}
-        entry: dict = {"limit_s": round(limit, 1)}
+        entry: dict = {"limit_s": round(limit, 1) if math.isfinite(limit) else None}
         if limit < MIN_SECTION_S:
             result["sections"][name] = {**entry, "status": "skipped", "error": "no time left in --budget"}
             write_json(path, result)
             continue
         start = time.monotonic()
-        print(f"\n=== {name} (at most {limit:.0f} s) ===", flush=True)
+        print(f"\n=== {name} (at most {limit:.0f} s) ===" if math.isfinite(limit) else f"\n=== {name} ===", flush=True)
         try:
             with _alarm(limit):
                 SECTION_FUNCTIONS[name](size, args, partial, start + limit)
@@ -247,7 +252,8 @@ class _alarm:
             raise SectionTimeout
 
         self.previous = signal.signal(signal.SIGALRM, fire)
-        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        if math.isfinite(self.seconds):  # --budget inf: no alarm
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
 
     def __exit__(self, *exc: object) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -55,7 +55,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 # Seconds a job may run unless a test says otherwise: well below pytest's 600 s, so that a stuck job fails
 # with its output instead of being killed by pytest-timeout.
-LAUNCH_TIMEOUT = 150.0
+LAUNCH_TIMEOUT = 400.0
 
 
 @pytest.fixture(params=[1, 2, 4, 8], ids=lambda n: f"{n}dev")

@@ -87,8 +87,10 @@ def test_command_line_single_process_prints_and_writes_the_summary_and_metrics(t
     for key, name in train.PHASE_KEYS.items():
         assert row[key] == pytest.approx(np.mean([r[name] for r in lines]), rel=1e-9), key
     # The row's seconds are its steps' wall time (every phase, the evaluation included); samples/s is training's.
+    # The first step compiled the train step; the last one (its hook) the evaluation.
+    assert [r["time/compile"] > 0 for r in lines] == [True] + [False] * 6 + [True]
     assert row["seconds"] == pytest.approx(sum(r[k] for r in lines for k in PHASES), rel=1e-9)
-    training = sum(r[k] for r in lines for k in PHASES if k != "time/hooks")
+    training = sum(r[k] for r in lines for k in PHASES if k not in ("time/hooks", "time/compile"))
     assert row["samples_per_s"] == pytest.approx(256 / training, rel=1e-9)
     assert row["train_loss"] == pytest.approx(np.mean([r["loss"] for r in lines]), rel=1e-6)  # 32 real each
     assert [p.name for p in tb.iterdir() if p.name.startswith("events.out.tfevents")]

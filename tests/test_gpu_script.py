@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from timing import LATE_S
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu.py"
@@ -88,14 +89,14 @@ def test_a_failing_or_slow_section_is_recorded_and_the_others_run(gpu, monkeypat
     result = {"budget_s": 3.0, "sections": {}}
     start = time.monotonic()
     gpu.run_sections(["prefetch", "train_step", "memory", "suite"], gpu.TINY, None, result, tmp_path / "gpu.json")
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 3.0 + LATE_S  # the hanging section (60 s) was stopped
     sections = json.loads((tmp_path / "gpu.json").read_text())["sections"]
     assert sections["prefetch"]["status"] == "failed" and sections["prefetch"]["result"] == {"measured": 1}
     assert sections["prefetch"]["error"] == "ValueError: broke in ."  # no machine's paths in committed results
     assert sections["train_step"]["status"] == "timed out" and sections["train_step"]["result"] == {"measured": 2}
     assert sections["memory"]["status"] == "ok" and sections["memory"]["result"] == {"measured": 3}
     assert sections["suite"]["status"] == "ok"
-    assert sum(s["seconds"] for s in sections.values()) <= 3.0 + 0.5  # each its share of what was left
+    assert sum(s["limit_s"] for s in sections.values()) <= 3.0  # each its share of what was left
 
     result = {"budget_s": 0.01, "sections": {}}  # no time for any section: each says so, none runs
     gpu.run_sections(["prefetch", "suite"], gpu.TINY, None, result, tmp_path / "gpu.json")
@@ -108,17 +109,17 @@ def test_run_parallel_stops_what_outlives_the_deadline(gpu):
     start = time.monotonic()
     (out, code), (_, stuck_code) = gpu._run_parallel([quick, stuck], time.monotonic() + 2.0, parallel=2)
     assert (out.strip(), code) == ("done", 0) and stuck_code == -9
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 2.0 + LATE_S  # the stuck process (60 s) was stopped
 
 
 @pytest.mark.slow
 def test_tiny_run_on_cpu_writes_every_section(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script takes one CPU device
     env["JAX_PLATFORMS"] = "cpu"
-    # A generous budget: the suite's other workers share the cores, and a section that runs out of its share is
-    # recorded as timed out (tested above), which is not what this run checks.
-    cmd = [sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path), "--peak-tflops", "0.5", "--budget", "360"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    # No budget: on a loaded machine any share of one runs out, and a section that runs out of its share is
+    # recorded as timed out (tested above), which is not what this run checks. The timeout only ends a hang.
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path), "--peak-tflops", "0.5", "--budget", "inf"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "gpu.json").read_text())
     assert (r["device"], r["platform"], r["device_count"], r["tiny"]) == ("cpu", "cpu", 1, True)
@@ -127,7 +128,7 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path):
     assert list(sections) == ["prefetch", "train_step", "memory", "mfu", "suite"]
     for name, entry in sections.items():
         assert entry["status"] == "ok", (name, entry.get("error"), entry.get("traceback"))
-        assert 0 < entry["seconds"] <= entry["limit_s"] + 5
+        assert entry["seconds"] > 0 and entry["limit_s"] is None
 
     prefetch = sections["prefetch"]["result"]
     assert list(prefetch["summary"]) == ["1", "2"]

@@ -193,10 +193,10 @@ def test_killed_rank_is_restarted(tmp_path, capsys):
 def test_timeout_applies_per_attempt(tmp_path, capsys):
     # Attempt 0 outlives its timeout; attempt 1 gets a whole timeout of its own and finishes.
     path = script(tmp_path, ATTEMPT + "if attempt == 0:\n    time.sleep(600)\n")
-    assert launcher.launch([path], 2, max_restarts=1, timeout=3, grace=0.5) == 0
+    assert launcher.launch([path], 2, max_restarts=1, timeout=8, grace=0.5) == 0
     out, err = capsys.readouterr()
     assert sorted(attempts(out)) == [0, 1]
-    assert "timed out: the timeout of 3 s expired with rank(s) 0, 1 still running" in err
+    assert "timed out: the timeout of 8 s expired with rank(s) 0, 1 still running" in err
     assert "restart 1 of 1" in err
 
 

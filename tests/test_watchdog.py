@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from timing import LATE_S
 
 import spmdcomm as sc
 from spmdcomm.reliability.phases import Progress
@@ -301,8 +302,8 @@ def test_every_process_names_the_stuck_one_and_the_job_exits_with_the_stuck_code
         rows = found[rank]
         _, step, phase, seconds, stuck = rows[1]
         assert (step, phase, stuck) == ("2", "waiting for data", True), rows
-        # Detected within timeout + 10 s of entering the phase (the table's own figure).
-        assert TIMEOUT <= float(seconds) < TIMEOUT + 10, rows
+        # Detected at the timeout after entering the phase (the table's own figure; idle: within timeout + 1 s).
+        assert TIMEOUT <= float(seconds) < TIMEOUT + LATE_S, rows
         # Process 0 waits inside the step's device collective, a victim: its watchdog thread acted all the same.
         _, step, phase, _, stuck = rows[0]
         assert (step, phase, stuck) == ("2", "waiting for devices", False), rows
@@ -323,7 +324,7 @@ def test_a_single_stuck_process_reports_and_exits(launch):
     assert list(rows) == [0]
     _, step, phase, seconds, stuck = rows[0]
     assert (step, phase, stuck) == ("2", "waiting for data", True)
-    assert TIMEOUT <= float(seconds) < TIMEOUT + 10
+    assert TIMEOUT <= float(seconds) < TIMEOUT + LATE_S
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ PHASE_KEYS = {
     "data_wait_s": "time/data",
     "dispatch_s": "time/dispatch",
     "devices_s": "time/devices",
+    "compile_s": "time/compile",  # the train step's first call, and the evaluation's (in the hooks' step)
     "save_s": "time/save",
     "hooks_s": "time/hooks",  # the epoch hook's evaluation, in the epoch's last step
     "other_s": "time/other",
@@ -213,7 +214,7 @@ def params_digest(state: sc.TrainState) -> str:
 
 def _epoch_row(steps: list[dict[str, float]], end: dict[str, float]) -> dict[str, Any]:
     """An epoch's row from its steps' metrics (train loss over real examples, mean seconds per step of each phase,
-    samples/s of the training alone) and ``end``: the epoch's number and test metrics."""
+    samples/s of the training alone, compilation left out) and ``end``: the epoch's number and test metrics."""
     n = len(steps)
     examples = sum(m["examples"] for m in steps)
     totals = {key: sum(m[name] for m in steps) for key, name in PHASE_KEYS.items()}
@@ -221,7 +222,8 @@ def _epoch_row(steps: list[dict[str, float]], end: dict[str, float]) -> dict[str
     return {
         "epoch": int(end["epoch"]),
         "train_loss": sum(m["loss"] * m["examples"] for m in steps) / examples,
-        "samples_per_s": examples / (seconds - totals["hooks_s"]),  # the evaluation is not training
+        # neither the evaluation nor compiling is training
+        "samples_per_s": examples / (seconds - totals["hooks_s"] - totals["compile_s"]),
         "seconds": seconds,
         "steps": n,
         **{key: total / n for key, total in totals.items()},
