@@ -57,7 +57,7 @@ def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
 def metric_fn(params, batch, *, apply_fn, model_state, mask):
     return loss_fn(params, batch, apply_fn=apply_fn, model_state=model_state, rng=None, mask=mask)[1] | {
         "loss": loss_fn(params, batch, apply_fn=apply_fn, model_state=model_state, rng=None, mask=mask)[0],
-        "row_mean": sc.masked_mean(jnp.sum(batch["weights"], -1), mask),
+        "row_mean": sc.masked_mean(jnp.mean(batch["weights"], -1), mask),
     }
 
 
@@ -131,14 +131,14 @@ CASES = [  # the fast tier runs one case of each kind of split: data and accumul
         1,
         id="pipeline-context",
     ),
-    pytest.param({"data": 8}, {"strategy": "zero2"}, 4, id="data8-zero2-accum4", marks=SLOW),
+    pytest.param({"data": 4, "model": 2}, {"strategy": "zero2"}, 4, id="zero2-accum4", marks=SLOW),
     pytest.param({"data": 4, "model": 2}, {"strategy": "fsdp"}, 1, id="fsdp-model-axis", marks=SLOW),
     pytest.param(
         {"replica": 2, "data": 4}, {"strategy": "fsdp", "axis": ("replica", "data")}, 2, id="hybrid", marks=SLOW
     ),
     pytest.param(
         {"data": 4, "stage": 2},
-        {"strategy": "ddp", "pipeline": sc.Pipeline(microbatches=4)},
+        {"strategy": "ddp", "pipeline": sc.Pipeline(microbatches=2)},
         2,
         id="pipeline-accum2",
         marks=SLOW,
@@ -162,3 +162,78 @@ def test_a_token_weighted_loss_trains_one_devices_global_token_mean(mesh, kwargs
     assert [float(m["tokens"]) for m in metrics] == [float(lengths(i)[:13].sum()) for i in range(STEPS)]
     assert [float(m["examples"]) for m in metrics] == [13.0] * STEPS
     assert_trees_close(jax.device_get(state.full_params()), expected[-1][1], rtol=1e-4, atol=1e-5)
+
+
+def eval_set():
+    """Three full batches and a last one of 5 real rows, padded to 16 with masked rows."""
+    full = [global_batch(10 + i) for i in range(3)]
+    last = {k: v[:5] for k, v in global_batch(13).items()}
+    return full + [last], full + [sc.pad_batch(last, ROWS)]
+
+
+def test_evaluate_gives_the_exact_token_weighted_mean_of_an_eval_set_with_a_padded_last_batch():
+    boxed, _ = reference()
+    params = nn.unbox(boxed)
+    real, padded = eval_set()
+    whole = {k: np.concatenate([b[k] for b in real]) for k in real[0]}
+    ce, w = np.asarray(token_losses(params, whole), np.float64), whole["weights"].astype(np.float64)
+    logits = MODEL.apply({"params": params}, whole["tokens"])
+    right = np.asarray(jnp.argmax(logits, -1) == whole["targets"], np.float64)
+    state = sc.TrainState.create(
+        params=boxed,
+        apply_fn=MODEL.apply,
+        tx=tx(),
+        mesh=sc.make_mesh({"data": 2, "context": 4}),
+        context=sc.ContextParallel(),
+    )
+    got = sc.evaluate(sc.make_eval_step(metric_fn), state, padded)
+    assert got["tokens"] == w.sum() and got["examples"] == len(w)
+    np.testing.assert_allclose(got["loss"], (ce * w).sum() / w.sum(), rtol=1e-5)
+    np.testing.assert_allclose(got["accuracy"], (right * w).sum() / w.sum(), rtol=1e-6)
+    np.testing.assert_allclose(got["row_mean"], w.mean(-1).mean(), rtol=1e-6)  # a plain mean still weighs by rows
+
+
+def scalar_loss(total, weight, aux=None):
+    def fn(params, batch, *, apply_fn, model_state, rng, mask):
+        return (sc.weighted(total(params, batch), weight(batch)), aux or {})
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    "total, weight, match",
+    [
+        (np.ones(3, np.float32), 1.0, r"total has shape \(3,\) and dtype float32; it must be a float scalar"),
+        (np.int32(3), 1.0, r"total has shape \(\) and dtype int32"),
+        (1.0, np.ones((2, 2)), r"weight has shape \(2, 2\); it must be a scalar"),
+    ],
+)
+def test_weighted_refuses_what_is_not_a_sum_and_its_weight(total, weight, match):
+    with pytest.raises(sc.ShapeError, match=match) as e:
+        sc.weighted(total, weight)
+    assert "jnp.sum(token_loss * weights), jnp.sum(weights)" in str(e.value)
+
+
+def test_a_tokens_metric_beside_a_token_weighted_loss_is_refused():
+    state = sc.TrainState.create(
+        params={"w": np.zeros((), np.float32)}, tx=optax.sgd(0.1), mesh=sc.make_mesh({"data": 8})
+    )
+    loss = scalar_loss(lambda p, b: jnp.sum(b * p["w"]), jnp.sum, {"tokens": jnp.float32(1.0)})
+    with pytest.raises(sc.SpmdError, match=r"aux holds \['tokens'\], which the step reports itself"):
+        sc.make_train_step(loss)(state, np.ones((8, 4), np.float32))
+
+
+def test_float16_loss_scaling_differentiates_the_global_token_mean():
+    """Scale 2048, 32 tokens per device of 256: one device's ``scale * mean`` has a finite float16 gradient (4096), the
+    scaled unnormalised sum of one device would not (2048 * 2 * 32 = 131072 > 65504). The step must not skip."""
+    state = sc.TrainState.create(
+        params={"w": np.ones((), np.float16)},
+        tx=optax.sgd(0.1),
+        mesh=sc.make_mesh({"data": 8}),
+        loss_scale={"scale": 2048.0},
+    )
+    loss = scalar_loss(lambda p, b: jnp.sum((b["x"] * p["w"]) ** 2 * b["w"]), lambda b: jnp.sum(b["w"]))
+    batch = {"x": np.ones((16, 16), np.float16), "w": np.ones((16, 16), np.float16)}
+    state, metrics = sc.make_train_step(loss, accum_steps=2)(state, batch)
+    assert float(metrics["skipped"]) == 0.0 and float(metrics["tokens"]) == 256.0
+    np.testing.assert_allclose(float(state.params["w"]), 0.8, rtol=1e-3)  # w - 0.1 * d(mean w^2)/dw
