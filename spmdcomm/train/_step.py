@@ -17,10 +17,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm._cache import Cache
-from spmdcomm._jax_compat import collective_axes_in_traceback
+from spmdcomm._jax_compat import collective_axes_in_traceback, vary
 from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError, check_not_deleted, describe
-from spmdcomm.train._mesh_axes import step_axis_rules
+from spmdcomm.train._logical_rules import step_axis_rules
 from spmdcomm.train.context import context_split
 from spmdcomm.train.schedule import schedule_context
 from spmdcomm.train.state import TrainState
@@ -295,9 +295,11 @@ def summable(v: Weighted) -> Weighted:
     return Weighted(jnp.where(v.weight > 0, total, jnp.zeros_like(total)), v.weight.astype(total.dtype))
 
 
-def full_mask(data: Any) -> jax.Array:
-    """An all-True mask of the block's length."""
-    return jnp.ones((jax.tree.leaves(data)[0].shape[0],), dtype=bool)
+def full_mask(data: Any, axes: tuple[str, ...]) -> jax.Array:
+    """An all-True mask of the block's length, typed varying over the batch axes ``axes`` as a MaskedBatch's mask is:
+    a constant would be replicated, and ``sc.psum(jnp.sum(mask), "data")`` inside ``loss_fn`` (the global row count)
+    would then warn that it multiplies a replicated value by the axis size, although that product is what is meant."""
+    return vary(jnp.ones((jax.tree.leaves(data)[0].shape[0],), dtype=bool), axes)
 
 
 def zero_masked_rows(data: Any, mask: jax.Array) -> Any:

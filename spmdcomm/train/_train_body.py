@@ -33,7 +33,7 @@ from spmdcomm.train.loss_scale import next_loss_scale
 from spmdcomm.train.rng import is_key_leaf, per_example_key
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.strategy import ReduceContext
-from spmdcomm.train.weighted import Weighted
+from spmdcomm.train.weighted import Weighted, token_share, tokens_seen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +191,7 @@ def _accumulate(
     """
     axis, k, masked = state.data_axes, o.accum_steps, mask is not None
     strategy, layout, schedule = state.strategy, state.layout, state.schedule
-    mask = full_mask(data) if mask is None else mask
+    mask = full_mask(data, state.roles.batch) if mask is None else mask
     micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), (data, mask))
     micro_rng = _micro_rng(o, state, mask.shape[0] // k)
     # Replicated parameters are marked varying so that each device differentiates its own loss. A masked block's
@@ -210,7 +210,7 @@ def _accumulate(
         kwargs = dict(apply_fn=state.apply_fn, model_state=model_state, rng=micro_rng(j), mask=m, **extra)
         return c, fn(p, batch, count=c, weight=weight(c), share=share, **kwargs)
 
-    share = _token_share(state, micro, lambda b, m, j: call(loss_fn, params, state.model_state, b, m, j, 1.0))
+    share = token_share(state, micro, lambda b, m, j: call(loss_fn, params, state.model_state, b, m, j, 1.0))
 
     def one(model_state: Any, batch: Any, m: jax.Array, j: Any) -> tuple[Any, ...]:
         c, ((_, (loss, aux)), grads) = call(grad_fn, params, model_state, batch, m, j, share)
@@ -224,7 +224,7 @@ def _accumulate(
             name: summable(v) if isinstance(v, Weighted) else weigh(v.astype(sum_dtype(v.dtype)))
             for name, v in {"loss": loss, **aux}.items()
         }
-        seen = _tokens_seen(state, loss) if isinstance(loss, Weighted) else (c if masked else None)
+        seen = tokens_seen(state, loss) if isinstance(loss, Weighted) else (c if masked else None)
         if seen is not None and strategy.local_grads:
             # A block without real examples (or tokens) has weight 0, but its backward pass may still give
             # 0 * NaN = NaN: a gradient is kept when any row it depends on is real (the schedule says which rows
@@ -268,44 +268,13 @@ def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int) -> Ca
     return lambda c: c / total
 
 
-def _token_share(state: TrainState, micro: Any, forward: Callable[[Any, Any, Any], Any]) -> Any:
-    """What a token-weighted loss's total is multiplied by before differentiating: 1 (the gradients are divided by
-    the global weight once, after the reduction) unless the loss is scaled.
-
-    With a loss scale, each token's backward values must be those of one device running ``scale * global token
-    mean`` (float16 overflows and skipped steps are that program's), so the share is 1 / the global weight, known
-    before any backward pass: a forward-only pass over the micro-batches reads each one's weight first. XLA drops
-    whatever that pass computes that the weight does not need (the whole model, when the weight depends on the batch
-    alone). ``forward(batch, mask, j)`` returns ``(count, (value, (loss, aux)))`` for micro-batch ``j``."""
-    if state.loss_scale is None:
-        return 1.0
-    first = jax.tree.map(lambda x: x[0], micro)
-    _, (_, (loss, _)) = jax.eval_shape(lambda: forward(*first, 0))
-    if not isinstance(loss, Weighted):
-        return 1.0
-    k = jax.tree.leaves(micro)[0].shape[0]
-    weights = lax.map(lambda xs: forward(*xs[0], xs[1])[1][1][0].weight, (micro, jnp.arange(k)))
-    total = lax.psum(vary(jnp.sum(weights), state.roles.manual), state.roles.manual)
-    return 1.0 / jnp.where(total > 0, total, 1.0)
-
-
-def _tokens_seen(state: TrainState, loss: Weighted) -> jax.Array:
-    """The weight of every token a micro-batch's gradient on this device depends on, but for the pipeline's stage
-    group (:meth:`Schedule.rows_seen` adds it): the gradient comes out summed over the context axis, so every context
-    device's tokens of these rows count."""
-    if state.context is None:
-        return loss.weight
-    axis = (state.context.axis,)
-    return lax.psum(vary(loss.weight, axis), axis)
-
-
 def _differentiable_loss(
     o: StepOptions, ctx: ReduceContext, state: TrainState, masked: bool, reserved: set[str]
 ) -> Callable[..., Any]:
     """``f(params, batch, ..., count, weight, share) -> (differentiated value, (loss, aux))`` for
     ``jax.value_and_grad``: a mean loss times ``weight`` (see :func:`_loss_weight`; zero for a masked block without
-    real examples, whose mean may be NaN), a token-weighted loss's total times ``share`` (see :func:`_token_share`;
-    zero without weight), times the loss scale."""
+    real examples, whose mean may be NaN), a token-weighted loss's total times ``share`` (see
+    :func:`~spmdcomm.train.weighted.token_share`; zero without weight), times the loss scale."""
     strategy, layout = state.strategy, state.layout
     # A pipeline gathers each stage's layers once per step and keeps them (MaxText's fsdp_ag_once), and
     # rematerialises its ticks itself: its schedule turns the strategy's policy off.

@@ -219,7 +219,7 @@ class EvalStep:
 
         def body(state: TrainState, data: Any, mask: Any) -> dict[str, jax.Array]:
             data = data if mask is None else zero_masked_rows(data, mask)
-            mask = full_mask(data) if mask is None else mask
+            mask = full_mask(data, state.roles.batch) if mask is None else mask
             params = strategy.compute_params(ctx, state.layout, state.params)
             out = call_model_fn(
                 "make_eval_step",

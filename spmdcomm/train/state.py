@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 from spmdcomm.data import placement
 from spmdcomm.runtime.host_collectives import broadcast_tree
 from spmdcomm.runtime.mesh import default_mesh
+from spmdcomm.train._logical_rules import LogicalRules
 from spmdcomm.train._mesh_axes import (
-    LogicalRules,
     check_data_axes,
     data_axes,
     model_partitioning,

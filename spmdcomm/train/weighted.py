@@ -28,12 +28,16 @@ and loss scaling's finiteness test, which therefore see the gradient of the glob
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from spmdcomm._jax_compat import vary
 from spmdcomm.errors import ShapeError, describe
+from spmdcomm.train.state import TrainState
 
 __all__ = ["Weighted", "weighted"]
 
@@ -106,3 +110,34 @@ def weighted(total: Any, weight: Any) -> Weighted:
             )
         )
     return Weighted(total, weight.astype(jnp.promote_types(total.dtype, jnp.float32)))
+
+
+def token_share(state: TrainState, micro: Any, forward: Callable[[Any, Any, Any], Any]) -> Any:
+    """What a token-weighted loss's total is multiplied by before differentiating: 1 (the gradients are divided by
+    the global weight once, after the reduction) unless the loss is scaled.
+
+    With a loss scale, each token's backward values must be those of one device running ``scale * global token
+    mean`` (float16 overflows and skipped steps are that program's), so the share is 1 / the global weight, known
+    before any backward pass: a forward-only pass over the micro-batches reads each one's weight first. XLA drops
+    whatever that pass computes that the weight does not need (the whole model, when the weight depends on the batch
+    alone). ``forward(batch, mask, j)`` returns ``(count, (value, (loss, aux)))`` for micro-batch ``j``."""
+    if state.loss_scale is None:
+        return 1.0
+    first = jax.tree.map(lambda x: x[0], micro)
+    _, (_, (loss, _)) = jax.eval_shape(lambda: forward(*first, 0))
+    if not isinstance(loss, Weighted):
+        return 1.0
+    k = jax.tree.leaves(micro)[0].shape[0]
+    weights = lax.map(lambda xs: forward(*xs[0], xs[1])[1][1][0].weight, (micro, jnp.arange(k)))
+    total = lax.psum(vary(jnp.sum(weights), state.roles.manual), state.roles.manual)
+    return 1.0 / jnp.where(total > 0, total, 1.0)
+
+
+def tokens_seen(state: TrainState, loss: Weighted) -> jax.Array:
+    """The weight of every token a micro-batch's gradient on this device depends on, but for the pipeline's stage
+    group (:meth:`Schedule.rows_seen` adds it): the gradient comes out summed over the context axis, so every context
+    device's tokens of these rows count."""
+    if state.context is None:
+        return loss.weight
+    axis = (state.context.axis,)
+    return lax.psum(vary(loss.weight, axis), axis)
