@@ -7,6 +7,7 @@ optax on one device over the whole batch (no spmdcomm)."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import flax.linen as nn
 import jax
@@ -237,3 +238,20 @@ def test_float16_loss_scaling_differentiates_the_global_token_mean():
     state, metrics = sc.make_train_step(loss, accum_steps=2)(state, batch)
     assert float(metrics["skipped"]) == 0.0 and float(metrics["tokens"]) == 256.0
     np.testing.assert_allclose(float(state.params["w"]), 0.8, rtol=1e-3)  # w - 0.1 * d(mean w^2)/dw
+
+
+def test_the_global_row_count_of_an_unmasked_batch_does_not_warn():
+    """``sc.psum(jnp.sum(mask), "data")`` is the global row count: the step's all-True mask of an unmasked batch is
+    per device, as a MaskedBatch's is, so the sum does not warn of a replicated value multiplied by the axis size."""
+
+    def rows_loss(params, batch, *, apply_fn, model_state, rng, mask):
+        rows = sc.psum(jnp.sum(mask, dtype=jnp.float32), "data")
+        return sc.masked_mean((batch * params["w"]) ** 2, mask), {"rows": rows}
+
+    state = sc.TrainState.create(
+        params={"w": np.ones((), np.float32)}, tx=optax.sgd(0.1), mesh=sc.make_mesh({"data": 8})
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sc.ReplicatedReductionWarning)
+        _, metrics = sc.make_train_step(rows_loss)(state, np.ones((16, 4), np.float32))
+    assert float(metrics["rows"]) == 16.0

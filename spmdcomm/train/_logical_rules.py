@@ -4,6 +4,7 @@ dimensions (:class:`LogicalNames`), their mapping to mesh axes (:class:`LogicalR
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,12 +57,23 @@ def step_axis_rules(rules: Any, axes: tuple[str, ...]) -> Any:
 class LogicalRules:
     """The logical axis rules in force for a new state: ``logical_axis_rules`` as given, else the active
     ``nn.logical_axis_rules`` context (read once), checked to be ``(logical name, mesh axis | tuple of them |
-    None)`` pairs; ``rules`` holds them as a tuple of tuples (hashable: the state keeps them)."""
+    None)`` pairs; ``rules`` holds them as a tuple of tuples (hashable: the state keeps them). ``missing``: what a
+    logical name with no rule does, ``"warn"`` (its dimension stays whole, as in Flax; :meth:`warn_missing` warns
+    once for every such name) or ``"error"`` (raises :class:`~spmdcomm.errors.AxisError`)."""
 
-    def __init__(self, fn: str, given: Any) -> None:
+    def __init__(self, fn: str, given: Any, *, missing: str = "error") -> None:
         import flax.linen as nn
 
-        self.fn = fn
+        if missing not in ("warn", "error"):
+            raise SpmdError(
+                describe(
+                    fn,
+                    f"missing_logical_rules={missing!r} is not 'warn' or 'error'.",
+                    fix="pass 'warn' (a name with no rule leaves its dimension whole, as in Flax) or 'error'.",
+                )
+            )
+        self.fn, self.missing = fn, missing
+        self.unruled: list[tuple[str, str]] = []  # (parameter, logical name) left whole for want of a rule
         if given is None:
             self.rules = self._check(nn.get_logical_axis_rules(), "the active nn.logical_axis_rules context")
             self.where = (
@@ -116,9 +128,13 @@ class LogicalRules:
                     fix="give each dimension its own logical name.",
                 )
             )
-        ruled = {r[0] for r in rules}
+        ruled, unruled = {r[0] for r in rules}, set()
         for i, n in enumerate(names):
             if isinstance(n, str) and n not in ruled and (logical.strict or n not in mesh.axis_names):
+                if self.missing == "warn":
+                    unruled.add(n)
+                    self.unruled.append((f"params{leaf}", n))
+                    continue
                 also = f" ({n!r} is also a mesh axis; a logical name needs a rule even so)" * (n in mesh.axis_names)
                 raise AxisError(
                     describe(
@@ -131,6 +147,8 @@ class LogicalRules:
                         f"the mesh's axes are {tuple(mesh.axis_names)}.",
                     )
                 )
+        # A name without a rule is a dimension no rule splits, as in Flax's logical_to_mesh_axes.
+        names = tuple(None if n in unruled else n for n in names)
         spec: list[Any] = []
         for i, (n, r) in enumerate(zip(names, _assign(names, rules, ruled), strict=True)):
             if n not in ruled:  # None, or NNX mesh axes without a rule: checked as given (a data axis raises)
@@ -164,6 +182,26 @@ class LogicalRules:
         if not any(n in ruled for n in strs):  # NNX mesh-axis names only: nothing was mapped
             return mapped, ""
         return mapped, f" (the logical names {names} mapped to {mapped} by {where})"
+
+    def warn_missing(self, mesh: Mesh) -> None:
+        """One warning naming every parameter whose logical name had no rule (its dimension was left whole), the
+        name and the rule to add; nothing when every name had one."""
+        if not self.unruled:
+            return
+        names = sorted({n for _, n in self.unruled})
+        listed = "; ".join(f"{p}: {n!r}" for p, n in self.unruled)
+        warnings.warn(
+            describe(
+                self.fn,
+                f"logical name(s) {names} have no rule in {self.where}, so these dimensions stay whole (not split), "
+                f"as Flax leaves them: {listed}.",
+                fix=f"add a rule for each, e.g. {[(n, None) for n in names]} to keep them whole without this warning, "
+                f"or ({names[0]!r}, 'model') to split over a mesh axis (the mesh's axes are "
+                f"{tuple(mesh.axis_names)}); TrainState.create(..., missing_logical_rules='error') raises instead.",
+            ),
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ sharding metadata; logical axis names (``nn.with_logical_partitioning``) are map
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -95,6 +96,8 @@ def model_partitioning(
         param_specs = jax.tree.map(_box_spec, params, is_leaf=_is_box)
         params = meta.unbox(params)
     if param_specs is None:
+        param_specs = _arriving_specs(fn, params, mesh, axes)
+    if param_specs is None:
         return params, None
     # jax.tree_util.PyTreeDef: jaxlib ships no type stubs, so mypy knows a treedef's methods only through this name
     treedef: jax.tree_util.PyTreeDef
@@ -120,10 +123,52 @@ def model_partitioning(
         if stacked:
             spec = P(stage, *(P() if spec is None else spec))
         out.append(_check_model_spec(fn, name, np.shape(leaf), spec, mesh, axes, model_axes, origin))
+    rules.warn_missing(mesh)
     return params, tuple(out) if any(s != P() for s in out) else None
 
 
 # ---------------------------------------------------------------------------------------------------------
+
+
+def _arriving_specs(fn: str, params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
+    """The model split that ``params`` arrive with, when no box or ``param_specs`` gives one: each ``jax.Array``
+    leaf's ``NamedSharding`` spec, kept over the state's model axes (a parameter initialised split for tensor
+    parallelism stays split), without data axes (the strategy's to split over); a split over an axis the state's mesh
+    lacks is dropped with one warning naming the leaves. ``None`` when no leaf arrives split over a model axis."""
+    dropped: list[str] = []
+
+    def one(path: Any, x: Any) -> P:
+        spec = getattr(getattr(x, "sharding", None), "spec", None)
+        if not isinstance(x, jax.Array) or spec is None:
+            return P()
+        entries = []
+        for entry in spec:
+            names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+            lost = [a for a in names if a not in mesh.axis_names]
+            if lost:
+                dropped.append(f"params{jax.tree_util.keystr(path)} over {lost} ({spec})")
+            kept = tuple(a for a in names if a in mesh.axis_names and a not in axes)
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        return P(*entries)
+
+    specs = jax.tree_util.tree_map_with_path(one, params)
+    if dropped:
+        warnings.warn(
+            describe(
+                fn,
+                f"parameters arrive split over mesh axes that the state's mesh {dict(mesh.shape)} lacks, so they are "
+                f"stored whole over them: {'; '.join(dropped)}.",
+                fix="create the state on a mesh with those axes, or give param_specs= (or nn.with_partitioning "
+                "boxes) over the state's model axes.",
+            ),
+            UserWarning,
+            stacklevel=4,
+        )
+    return specs if any(any(e is not None for e in spec) for spec in jax.tree.leaves(specs, is_leaf=_is_spec)) else None
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
 
 
 def _box_spec(x: Any) -> Any:
