@@ -33,7 +33,7 @@ from spmdcomm.train.loss_scale import next_loss_scale
 from spmdcomm.train.rng import is_key_leaf, per_example_key
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.strategy import ReduceContext
-from spmdcomm.train.weighted import Weighted, token_share, tokens_seen
+from spmdcomm.train.weighted import Weighted, token_share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,12 +224,11 @@ def _accumulate(
             name: summable(v) if isinstance(v, Weighted) else weigh(v.astype(sum_dtype(v.dtype)))
             for name, v in {"loss": loss, **aux}.items()
         }
-        seen = tokens_seen(state, loss) if isinstance(loss, Weighted) else (c if masked else None)
-        if seen is not None and strategy.local_grads:
-            # A block without real examples (or tokens) has weight 0, but its backward pass may still give
-            # 0 * NaN = NaN: a gradient is kept when any row it depends on is real (the schedule says which rows
-            # those are).
-            seen = schedule.rows_seen(seen)
+        if masked and strategy.local_grads:
+            # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN: a
+            # gradient is kept when any row it depends on is real (the schedule says which rows those are). The
+            # rows, not the tokens: a real row without tokens is one device's too, NaN and all.
+            seen = schedule.rows_seen(c)
             grads = jax.tree.map(lambda g: jnp.where(seen > 0, g, jnp.zeros_like(g)), grads)
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 

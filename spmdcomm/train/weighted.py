@@ -131,13 +131,3 @@ def token_share(state: TrainState, micro: Any, forward: Callable[[Any, Any, Any]
     weights = lax.map(lambda xs: forward(*xs[0], xs[1])[1][1][0].weight, (micro, jnp.arange(k)))
     total = lax.psum(vary(jnp.sum(weights), state.roles.manual), state.roles.manual)
     return 1.0 / jnp.where(total > 0, total, 1.0)
-
-
-def tokens_seen(state: TrainState, loss: Weighted) -> jax.Array:
-    """The weight of every token a micro-batch's gradient on this device depends on, but for the pipeline's stage
-    group (:meth:`Schedule.rows_seen` adds it): the gradient comes out summed over the context axis, so every context
-    device's tokens of these rows count."""
-    if state.context is None:
-        return loss.weight
-    axis = (state.context.axis,)
-    return lax.psum(vary(loss.weight, axis), axis)
