@@ -217,7 +217,7 @@ class EvalStep:
         axis, strategy = state.data_axes, state.strategy
         ctx = ReduceContext(axis, state.data_size, None, False)
 
-        def body(state: TrainState, data: Any, mask: Any) -> dict[str, jax.Array]:
+        def body(state: TrainState, data: Any, mask: Any) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
             data = data if mask is None else zero_masked_rows(data, mask)
             mask = full_mask(data, state.roles.batch) if mask is None else mask
             params = strategy.compute_params(ctx, state.layout, state.params)

@@ -152,13 +152,13 @@ class TrainState:
             naming each such parameter, name and the rule to add); data axes in the result are dropped (the strategy
             splits parameters over those). ``None`` (default): the active ``nn.logical_axis_rules`` context's rules.
             The state keeps them for the steps' tracing (:attr:`logical_axis_rules`).
-          missing_logical_rules: ``"warn"`` (default, as above) or ``"error"``: a logical name with no rule raises.
           pipeline: ``sc.Pipeline(microbatches=m, axis="stage", repeats=v)`` splits the leaves stacked by
             ``sc.PipelineStack`` (or given the spec ``P("stage", ...)``) over the stage axis, and the steps run them
             as a pipeline; the batch is split over the data axes and the stage axis. ``None`` (default): none.
           context: ``sc.ContextParallel(axis="context")`` splits dimension 1 (the tokens) of every batch leaf of two
             or more dimensions over the context axis inside the steps; the model's attention goes through
             ``sc.context_attention``. ``None`` (default): none.
+          missing_logical_rules: ``"warn"`` (default, as above) or ``"error"``: a logical name with no rule raises.
 
         Returns:
           The new :class:`TrainState` at step 0, every leaf placed as the strategy's layout says.

@@ -112,7 +112,7 @@ def weighted(total: Any, weight: Any) -> Weighted:
     return Weighted(total, weight.astype(jnp.promote_types(total.dtype, jnp.float32)))
 
 
-def token_share(state: TrainState, micro: Any, forward: Callable[[Any, Any, Any], Any]) -> Any:
+def token_share(state: TrainState, micro: Any, forward: Callable[..., Any]) -> Any:
     """What a token-weighted loss's total is multiplied by before differentiating: 1 (the gradients are divided by
     the global weight once, after the reduction) unless the loss is scaled.
 
