@@ -61,6 +61,7 @@ from spmdcomm.train.eval_step import evaluate as evaluate
 from spmdcomm.train.eval_step import make_eval_step as make_eval_step
 from spmdcomm.train.train_step import make_train_step as make_train_step
 from spmdcomm.train.train_step import masked_mean as masked_mean
+from spmdcomm.train.weighted import weighted as weighted
 from spmdcomm.train.batchnorm import SyncBatchNorm as SyncBatchNorm
 from spmdcomm.nnx.adapters import nnx_loss_fn as nnx_loss_fn
 from spmdcomm.nnx.adapters import nnx_metric_fn as nnx_metric_fn

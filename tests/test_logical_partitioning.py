@@ -8,6 +8,7 @@ One mesh (``data`` 4 x ``model`` 2); each training run compiles once per file (`
 """
 
 import functools
+import warnings
 
 import flax.linen as nn
 import jax
@@ -17,6 +18,7 @@ import optax
 import pytest
 from ddp_models import assert_trees_close, reference_train
 from hybrid_models import HEADS, HIDDEN, WIDTH, Block, batches, boxed_params, loss_fn, plain_params
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmdcomm as sc
@@ -205,20 +207,63 @@ def test_mapping_follows_flax_and_drops_data_axes(names, rules, expected):
 def test_a_box_with_its_own_rules_uses_them():
     params = {"w": nn.LogicallyPartitioned(np.zeros((8, 8), np.float32), ("embed", "mlp"), rules=(("mlp", "model"),))}
     with pytest.raises(sc.AxisError, match="'embed'.*has no rule; the rules in force: the box's own rules"):
-        sc.TrainState.create(params=params, tx=optax.sgd(0.1), mesh=mesh(), logical_axis_rules=RULES)
+        sc.TrainState.create(
+            params=params, tx=optax.sgd(0.1), mesh=mesh(), logical_axis_rules=RULES, missing_logical_rules="error"
+        )
     params["w"] = params["w"].replace(rules=(("mlp", "model"), ("embed", None)))
     state = sc.TrainState.create(params=params, tx=optax.sgd(0.1), mesh=mesh(), logical_axis_rules=RULES)
     assert state.params["w"].sharding.spec == P(None, "model")
 
 
 def test_a_linen_logical_name_that_is_a_mesh_axis_still_needs_a_rule():
-    # Flax would leave it whole; a logical box's names are all logical, so the missing rule is an error.
+    # A logical box's names are all logical: without a rule, 'model' is a missing rule (whole, as Flax leaves it).
     params = {"w": nn.LogicallyPartitioned(np.zeros((8, 8), np.float32), ("embed", "model"))}
+    with pytest.warns(UserWarning, match=r"\['model'\] have no rule"):
+        state = sc.TrainState.create(
+            params=params, tx=optax.sgd(0.1), mesh=mesh(), logical_axis_rules=[("embed", None)]
+        )
+    assert state.params["w"].sharding.spec == P(None, None)
     with pytest.raises(sc.AxisError, match="'model' is also a mesh axis; a logical name needs a rule even so"):
-        sc.TrainState.create(params=params, tx=optax.sgd(0.1), mesh=mesh(), logical_axis_rules=[("embed", None)])
+        sc.TrainState.create(
+            params=params,
+            tx=optax.sgd(0.1),
+            mesh=mesh(),
+            logical_axis_rules=[("embed", None)],
+            missing_logical_rules="error",
+        )
     rules = [("embed", None), ("model", "model")]
     state = sc.TrainState.create(params=params, tx=optax.sgd(0.1), mesh=mesh(), logical_axis_rules=rules)
     assert state.params["w"].sharding.spec == P(None, "model")
+
+
+def test_a_logical_name_without_a_rule_leaves_its_dimension_whole_as_flax_does_with_one_warning():
+    """Flax's lm1b port: the attention kernels' 'kv' has no rule in the example's rules. Flax leaves the dimension
+    whole; so does the state, with one warning naming every parameter, the name and the rule to add."""
+    params = {
+        "q": nn.LogicallyPartitioned(np.zeros((8, 16), np.float32), ("embed", "kv")),
+        "up": nn.LogicallyPartitioned(np.zeros((8, 16), np.float32), ("embed", "mlp")),
+        "out": nn.LogicallyPartitioned(np.zeros((16, 8), np.float32), ("kv", "embed")),
+    }
+    rules = [("embed", None), ("mlp", "model")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = sc.TrainState.create(params=params, tx=optax.sgd(0.1), mesh=mesh(), logical_axis_rules=rules)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    for fact in [
+        "['kv'] have no rule",
+        "params['out']: 'kv'",
+        "params['q']: 'kv'",
+        "[('kv', None)]",
+        "('kv', 'model')",
+    ]:
+        assert fact in str(caught[0].message), str(caught[0].message)
+    for name, leaf in params.items():
+        assert state.params[name].sharding.spec == nn.logical_to_mesh_axes(leaf.names, rules), name
+
+
+def test_missing_logical_rules_takes_warn_or_error():
+    with pytest.raises(sc.SpmdError, match="missing_logical_rules='raise' is not 'warn' or 'error'"):
+        create(logical_params(), "ddp", logical_axis_rules=RULES, missing_logical_rules="raise")
 
 
 ERROR_CASES = [
@@ -269,7 +314,7 @@ ERROR_CASES = [
 )
 def test_errors_name_the_leaf_the_name_and_the_rules(given, context, error, facts):
     with nn.logical_axis_rules(context or ()), pytest.raises(error) as err:
-        create(logical_params(), "ddp", logical_axis_rules=given)
+        create(logical_params(), "ddp", logical_axis_rules=given, missing_logical_rules="error")
     for fact in facts:
         assert fact in str(err.value), str(err.value)
 
@@ -353,7 +398,7 @@ def test_nnx_names_without_eager_sharding_rules_from_context_and_variable():
     assert create_nnx_specs(own, "ddp", logical_axis_rules=RULES)["['up']['kernel'].value"] == P(None, None)
     assert create_nnx_specs(mixed, "ddp", logical_axis_rules=RULES)["['down']['kernel'].value"] == P("model", None)
     with pytest.raises(sc.AxisError) as err:
-        create_nnx_specs(logical, "ddp", logical_axis_rules=[("embed", None)])
+        create_nnx_specs(logical, "ddp", logical_axis_rules=[("embed", None)], missing_logical_rules="error")
     for fact in ["leaf params['down']['kernel'].value", "'mlp'", "from NNX sharding metadata", "has no rule"]:
         assert fact in str(err.value), str(err.value)
 
@@ -394,3 +439,25 @@ def test_constraints_reach_the_compiled_step():
         report = sc.explain(sc.make_train_step(loss_fn), state, batches(1)[0])
         over_model.append([(c.kind, c.bytes) for c in report.collectives if "model" in (c.axes or ())])
     assert over_model[0] != over_model[1], over_model
+
+
+# ----- parameters that arrive placed -------------------------------------------------------------------------
+
+
+def test_parameters_that_arrive_split_over_a_model_axis_keep_their_split():
+    """Unboxed parameters initialised split for tensor parallelism (jax.jit(init, out_shardings=...)) keep the split
+    over the state's model axis; their data-axis split is the strategy's to decide."""
+    placed = jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh(), P("data", "model")))
+    state = sc.TrainState.create(params={"w": placed, "b": np.ones(16, np.float32)}, tx=optax.sgd(0.1), mesh=mesh())
+    assert (state.params["w"].sharding.spec, state.params["b"].sharding.spec) == (P(None, "model"), P())
+
+
+def test_parameters_split_over_an_axis_the_state_lacks_warn():
+    other = sc.make_mesh({"data": 4, "tensor": 2})
+    placed = jax.device_put(np.ones((8, 16), np.float32), NamedSharding(other, P(None, "tensor")))
+    with pytest.warns(UserWarning) as caught:
+        state = sc.TrainState.create(params={"w": placed}, tx=optax.sgd(0.1), mesh=mesh())
+    message = str(caught[0].message)
+    for fact in ["params['w'] over ['tensor'] (P(None, 'tensor'))", "{'data': 4, 'model': 2} lacks", "param_specs="]:
+        assert fact in message, message
+    assert state.params["w"].sharding.spec == P()

@@ -23,6 +23,7 @@ from spmdcomm.train.state import TrainState, optimizer_state_bytes
 from spmdcomm.train.strategies import DDP, FSDP, STRATEGIES, ZeRO1, ZeRO2
 from spmdcomm.train.strategy import ReduceContext, Strategy
 from spmdcomm.train.train_step import TrainStep, make_train_step, masked_mean
+from spmdcomm.train.weighted import Weighted, weighted
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
@@ -52,6 +53,8 @@ __all__ = [
     "make_eval_step",
     "make_train_step",
     "masked_mean",
+    "weighted",
+    "Weighted",
     "SyncBatchNorm",
     "optimizer_state_bytes",
     "latest_checkpoint_step",

@@ -5,7 +5,7 @@ sharding metadata; logical axis names (``nn.with_logical_partitioning``) are map
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
 from typing import Any
 
 import jax
@@ -15,17 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
 from spmdcomm.runtime.mesh import check_mesh_axes
+from spmdcomm.train._logical_rules import LogicalNames, LogicalRules
 from spmdcomm.train.stack import Stacked, StageStacked, StageStackedLogical
 
-__all__ = [
-    "data_axes",
-    "check_data_axes",
-    "model_partitioning",
-    "LogicalNames",
-    "LogicalRules",
-    "nnx_logical_specs",
-    "step_axis_rules",
-]
+__all__ = ["data_axes", "check_data_axes", "model_partitioning", "nnx_logical_specs"]
 
 
 def data_axes(axis: str | tuple[str, ...]) -> tuple[str, ...]:
@@ -47,21 +40,6 @@ def check_data_axes(fn: str, mesh: Mesh, axis: Any) -> str | tuple[str, ...]:
         )
     check_mesh_axes(fn, mesh, names)
     return names[0] if len(names) == 1 else names
-
-
-class LogicalNames:
-    """A leaf's dimension names still to be mapped to mesh axes by rules (a spec entry of ``model_partitioning``).
-
-    ``strict``: every name is logical and needs a rule (Linen ``LogicallyPartitioned``); otherwise a name with no
-    rule that is a mesh axis stays that axis (NNX ``out_sharding``, as ``nnx.get_partition_spec`` reads it).
-    ``rules``: the box's or variable's own rules (``None``: none)."""
-
-    def __init__(self, names: Sequence[Any], rules: Any, *, strict: bool, source: str) -> None:
-        self.names = tuple(tuple(n) if isinstance(n, list) else n for n in names)
-        self.rules, self.strict, self.source = rules, strict, source
-
-    def __repr__(self) -> str:
-        return f"LogicalNames({self.names!r})"
 
 
 def nnx_logical_specs(params: Any) -> Any:
@@ -118,6 +96,8 @@ def model_partitioning(
         param_specs = jax.tree.map(_box_spec, params, is_leaf=_is_box)
         params = meta.unbox(params)
     if param_specs is None:
+        param_specs = _arriving_specs(fn, params, mesh, axes)
+    if param_specs is None:
         return params, None
     # jax.tree_util.PyTreeDef: jaxlib ships no type stubs, so mypy knows a treedef's methods only through this name
     treedef: jax.tree_util.PyTreeDef
@@ -143,170 +123,52 @@ def model_partitioning(
         if stacked:
             spec = P(stage, *(P() if spec is None else spec))
         out.append(_check_model_spec(fn, name, np.shape(leaf), spec, mesh, axes, model_axes, origin))
+    rules.warn_missing(mesh)
     return params, tuple(out) if any(s != P() for s in out) else None
 
 
 # ---------------------------------------------------------------------------------------------------------
 
 
-def step_axis_rules(rules: Any, axes: tuple[str, ...]) -> Any:
-    """A context manager that makes ``rules`` (``None``: the active ``nn.logical_axis_rules`` context) with their
-    data axes dropped the active Flax rules while the step traces the model: inside the step the data axes are
-    manual, and each device's block of the batch is already its data split, so a ``nn.with_logical_constraint``
-    keeps only its model axes (JAX refuses a sharding constraint naming a manual axis)."""
-    import contextlib
+def _arriving_specs(fn: str, params: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
+    """The model split that ``params`` arrive with, when no box or ``param_specs`` gives one: each ``jax.Array``
+    leaf's ``NamedSharding`` spec, kept over the state's model axes (a parameter initialised split for tensor
+    parallelism stays split), without data axes (the strategy's to split over); a split over an axis the state's mesh
+    lacks is dropped with one warning naming the leaves. ``None`` when no leaf arrives split over a model axis."""
+    dropped: list[str] = []
 
-    from flax.core import spmd
+    def one(path: Any, x: Any) -> P:
+        spec = getattr(getattr(x, "sharding", None), "spec", None)
+        if not isinstance(x, jax.Array) or spec is None:
+            return P()
+        entries = []
+        for entry in spec:
+            names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+            lost = [a for a in names if a not in mesh.axis_names]
+            if lost:
+                dropped.append(f"params{jax.tree_util.keystr(path)} over {lost} ({spec})")
+            kept = tuple(a for a in names if a in mesh.axis_names and a not in axes)
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        return P(*entries)
 
-    rules = spmd.get_logical_axis_rules() if rules is None else rules
-    if not rules:
-        return contextlib.nullcontext()
-    local = []
-    for name, target in rules:
-        if isinstance(target, (tuple, list)):
-            kept = tuple(a for a in target if a not in axes)
-            target = None if not kept else kept[0] if len(kept) == 1 else kept
-        elif isinstance(target, str) and target in axes:
-            target = None
-        local.append((name, target))
-    return spmd.logical_axis_rules(tuple(local))
-
-
-class LogicalRules:
-    """The logical axis rules in force for a new state: ``logical_axis_rules`` as given, else the active
-    ``nn.logical_axis_rules`` context (read once), checked to be ``(logical name, mesh axis | tuple of them |
-    None)`` pairs; ``rules`` holds them as a tuple of tuples (hashable: the state keeps them)."""
-
-    def __init__(self, fn: str, given: Any) -> None:
-        import flax.linen as nn
-
-        self.fn = fn
-        if given is None:
-            self.rules = self._check(nn.get_logical_axis_rules(), "the active nn.logical_axis_rules context")
-            self.where = (
-                f"the nn.logical_axis_rules context {list(self.rules)}"
-                if self.rules
-                else "none (logical_axis_rules was not given, and no nn.logical_axis_rules context is active)"
-            )
-        else:
-            self.rules = self._check(given, "logical_axis_rules")
-            self.where = f"logical_axis_rules={list(self.rules)}"
-
-    def _check(self, rules: Any, what: str) -> tuple[tuple[str, Any], ...]:
-        def target_ok(t: Any) -> bool:
-            if t is None or isinstance(t, str) or t is P.UNCONSTRAINED:
-                return True
-            return isinstance(t, (tuple, list)) and all(isinstance(a, str) for a in t)
-
-        pairs = rules if isinstance(rules, (tuple, list)) else None
-        bad = pairs is None or not all(
-            isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) and target_ok(r[1]) for r in pairs
+    specs = jax.tree_util.tree_map_with_path(one, params)
+    if dropped:
+        warnings.warn(
+            describe(
+                fn,
+                f"parameters arrive split over mesh axes that the state's mesh {dict(mesh.shape)} lacks, so they are "
+                f"stored whole over them: {'; '.join(dropped)}.",
+                fix="create the state on a mesh with those axes, or give param_specs= (or nn.with_partitioning "
+                "boxes) over the state's model axes.",
+            ),
+            UserWarning,
+            stacklevel=4,
         )
-        if bad:
-            raise SpmdError(
-                describe(
-                    self.fn,
-                    f"{what} is {rules!r}, not a sequence of (logical name, mesh axis) pairs.",
-                    fix='give pairs such as [("batch", "data"), ("embed", None), ("mlp", "model")]: each logical '
-                    "name with a mesh axis, a tuple of mesh axes, or None (not split).",
-                )
-            )
-        return tuple((r[0], tuple(r[1]) if isinstance(r[1], list) else r[1]) for r in pairs or ())
-
-    def map(self, leaf: str, logical: LogicalNames, mesh: Mesh, axes: tuple[str, ...]) -> tuple[P, str]:
-        """``(spec over the model axes, a note on where it came from)`` for ``logical``'s names: Flax's
-        ``logical_to_mesh_axes``, a name with no rule raising; data axes then dropped (the strategy splits
-        parameters over them)."""
-        names, where = logical.names, self.where
-        rules = self.rules
-        if logical.rules is not None:
-            own = self._check(logical.rules, f"the {logical.source}'s own rules")
-            if logical.strict:  # Linen: a box's own rules replace the others, as in Flax
-                rules, where = own, f"the box's own rules {list(own)}"
-            else:  # NNX: the variable's sharding_rules first, then the others
-                rules, where = own + rules, f"the variable's sharding_rules {list(own)}, then {where}"
-        strs = [n for n in names if isinstance(n, str)]
-        if len(set(strs)) != len(strs):
-            raise AxisError(
-                describe(
-                    self.fn,
-                    f"the logical names {names} repeat a name.",
-                    leaf=f"params{leaf}",
-                    fix="give each dimension its own logical name.",
-                )
-            )
-        ruled = {r[0] for r in rules}
-        for i, n in enumerate(names):
-            if isinstance(n, str) and n not in ruled and (logical.strict or n not in mesh.axis_names):
-                also = f" ({n!r} is also a mesh axis; a logical name needs a rule even so)" * (n in mesh.axis_names)
-                raise AxisError(
-                    describe(
-                        self.fn,
-                        f"logical name {n!r} (dimension {i} of {names}, from {logical.source}) has no rule{also}; "
-                        f"the rules in force: {where}.",
-                        leaf=f"params{leaf}",
-                        fix=f"add a rule for it to logical_axis_rules (or the nn.logical_axis_rules context): "
-                        f"({n!r}, None) keeps the dimension whole, ({n!r}, 'model') splits it over a mesh axis; "
-                        f"the mesh's axes are {tuple(mesh.axis_names)}.",
-                    )
-                )
-        spec: list[Any] = []
-        for i, (n, r) in enumerate(zip(names, _assign(names, rules, ruled), strict=True)):
-            if n not in ruled:  # None, or NNX mesh axes without a rule: checked as given (a data axis raises)
-                spec.append(r)
-                continue
-            if r is P.UNCONSTRAINED:
-                raise AxisError(
-                    describe(
-                        self.fn,
-                        f"dimension {i} of the logical names {names} maps to {r!r}; a parameter needs a mesh axis, "
-                        "a tuple of them, or None.",
-                        leaf=f"params{leaf}",
-                        fix=f"map {n!r} to a mesh axis or None for parameters.",
-                    )
-                )
-            for a in _axes_of(r):
-                if a not in mesh.axis_names:
-                    raise AxisError(
-                        describe(
-                            self.fn,
-                            f"logical name {n!r} (dimension {i} of {names}) maps to {a!r} by {where}, but {a!r} is "
-                            f"not an axis of the mesh {dict(mesh.shape)}.",
-                            leaf=f"params{leaf}",
-                            fix=f"add {a!r} to the mesh (size 1 keeps it whole), or map {n!r} to one of "
-                            f"{tuple(mesh.axis_names)} or None.",
-                        )
-                    )
-            kept = tuple(a for a in _axes_of(r) if a not in axes)  # data axes: the strategy's to split over
-            spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-        mapped = P(*spec)
-        if not any(n in ruled for n in strs):  # NNX mesh-axis names only: nothing was mapped
-            return mapped, ""
-        return mapped, f" (the logical names {names} mapped to {mapped} by {where})"
+    return specs if any(any(e is not None for e in spec) for spec in jax.tree.leaves(specs, is_leaf=_is_spec)) else None
 
 
-def _assign(names: tuple[Any, ...], rules: tuple[tuple[str, Any], ...], ruled: set[str]) -> list[Any]:
-    """Each dimension's mesh axes, as Flax's ``logical_to_mesh_axes`` assigns them: rule by rule in order, a rule
-    gives its mesh axes to the dimension of its name if that dimension has none yet and no other dimension uses
-    any of them; a dimension no rule could take stays whole (``None``). Names without a rule (NNX mesh axes) and
-    ``None`` stand for themselves."""
-    unset = object()
-    result: list[Any] = [unset if n in ruled else n for n in names]
-    for name, target in rules:
-        if name in names:
-            i = names.index(name)
-            used = {a for r in result if r is not unset for a in _axes_of(r)}
-            if result[i] is unset and not set(_axes_of(target)) & used:
-                result[i] = target
-    return [None if r is unset else r for r in result]
-
-
-def _axes_of(entry: Any) -> tuple[str, ...]:
-    if isinstance(entry, str):
-        return (entry,)
-    if isinstance(entry, tuple):
-        return tuple(a for a in entry if isinstance(a, str))
-    return ()
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
 
 
 def _box_spec(x: Any) -> Any:

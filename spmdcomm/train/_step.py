@@ -19,13 +19,14 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm import _compile_watch
 from spmdcomm._cache import Cache
-from spmdcomm._jax_compat import collective_axes_in_traceback
+from spmdcomm._jax_compat import collective_axes_in_traceback, vary
 from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError, check_not_deleted, describe
-from spmdcomm.train._mesh_axes import step_axis_rules
+from spmdcomm.train._logical_rules import step_axis_rules
 from spmdcomm.train.context import context_split
 from spmdcomm.train.schedule import schedule_context
 from spmdcomm.train.state import TrainState
+from spmdcomm.train.weighted import Weighted
 
 #: How many calls back a train/eval step waits for before dispatching another. XLA:CPU allows about 32
 #: queued executions containing collectives per device; beyond that the collectives stall and XLA
@@ -277,19 +278,24 @@ def check_in_flight(fn: str, k: int) -> int:
 
 
 def check_scalars(fn: str, values: dict[str, Any], who: str) -> None:
-    """Raises unless every value is a float scalar (a mean over the block's real examples)."""
+    """Raises unless every value is a float scalar (a mean over the block's real examples) or a
+    :class:`~spmdcomm.train.Weighted` of scalars (a sum over the block's tokens and its weight)."""
     for name, v in values.items():
-        shape = getattr(v, "shape", None)
-        if shape != () or not jnp.issubdtype(v.dtype, jnp.floating):
-            raise ShapeError(
-                describe(
-                    fn,
-                    f"{who} returned {name!r} with shape {shape} and dtype {getattr(v, 'dtype', type(v))}; "
-                    "it must be a float scalar (the mean over this block's real examples).",
-                    leaf=name,
-                    fix="reduce per-example values with spmdcomm.masked_mean(values, mask).",
+        parts = {"total": v.total, "weight": v.weight} if isinstance(v, Weighted) else {"": v}
+        for part, x in parts.items():
+            shape = getattr(x, "shape", None)
+            if shape != () or not jnp.issubdtype(getattr(x, "dtype", type(x)), jnp.floating):
+                raise ShapeError(
+                    describe(
+                        fn,
+                        f"{who} returned {name!r}{' (sc.weighted ' + part + ')' if part else ''} with shape {shape} "
+                        f"and dtype {getattr(x, 'dtype', type(x))}; it must be a float scalar (the mean over this "
+                        "block's real examples, or sc.weighted(sum over its tokens, their weight)).",
+                        leaf=name,
+                        fix="reduce per-example values with spmdcomm.masked_mean(values, mask), or per-token values "
+                        "with spmdcomm.weighted(jnp.sum(values * weights), jnp.sum(weights)).",
+                    )
                 )
-            )
 
 
 def sum_dtype(dtype: Any) -> Any:
@@ -298,9 +304,18 @@ def sum_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def full_mask(data: Any) -> jax.Array:
-    """An all-True mask of the block's length."""
-    return jnp.ones((jax.tree.leaves(data)[0].shape[0],), dtype=bool)
+def summable(v: Weighted) -> Weighted:
+    """A token-weighted value as the steps sum it over micro-batches and devices: in the dtype sums are taken in, and
+    a block without weight adds exactly nothing (its total may be NaN)."""
+    total = v.total.astype(sum_dtype(v.total.dtype))
+    return Weighted(jnp.where(v.weight > 0, total, jnp.zeros_like(total)), v.weight.astype(total.dtype))
+
+
+def full_mask(data: Any, axes: tuple[str, ...]) -> jax.Array:
+    """An all-True mask of the block's length, typed varying over the batch axes ``axes`` as a MaskedBatch's mask is:
+    a constant would be replicated, and ``sc.psum(jnp.sum(mask), "data")`` inside ``loss_fn`` (the global row count)
+    would then warn that it multiplies a replicated value by the axis size, although that product is what is meant."""
+    return vary(jnp.ones((jax.tree.leaves(data)[0].shape[0],), dtype=bool), axes)
 
 
 def zero_masked_rows(data: Any, mask: jax.Array) -> Any:

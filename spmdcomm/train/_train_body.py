@@ -26,12 +26,14 @@ from spmdcomm.train._step import (
     compile_global_step,
     full_mask,
     sum_dtype,
+    summable,
     zero_masked_rows,
 )
 from spmdcomm.train.loss_scale import next_loss_scale
 from spmdcomm.train.rng import is_key_leaf, per_example_key
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.strategy import ReduceContext
+from spmdcomm.train.weighted import Weighted, token_share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,10 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
         reductions a global norm or a per-leaf statistic needs. The optimizer sees every leaf at its own shape:
         padded leaves are cut to it before and padded again after (see spmdcomm.train.layout)."""
         denom = denominator(total, masked)
+        loss_sums = metric_sums["loss"]
+        tokens = loss_sums.weight if isinstance(loss_sums, Weighted) else None
+        # A token-weighted loss's gradient is the sum of its totals' gradients: divided once by the global weight.
+        grad_denom = denom if tokens is None else jnp.where(tokens > 0, tokens, 1.0)
         reduced = layout.unpadded(reduced, "grads", state.mesh)
         stored_params, stored_opt_state = state.params, state.opt_state
         state = state.replace(
@@ -127,12 +133,15 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
             # float32 at least (a float16 gradient divided by 65536 underflows), as Flax's DynamicScale.
             grads = jax.tree.map(lambda g: g.astype(sum_dtype(g.dtype)) / state.loss_scale.scale, reduced)
         else:
-            grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), reduced)
+            grads = jax.tree.map(lambda g: (g / grad_denom).astype(g.dtype), reduced)
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         params = strategy.store_params(layout, state.mesh, optax.apply_updates(state.params, updates))
         params = layout.stored(params, "params", state.mesh)
-        # Keep the old state where nothing real was seen (all padding) or a gradient was not finite.
+        # Keep the old state where nothing real was seen (all padding, or no token of weight) or a gradient was not
+        # finite.
         apply = total > 0 if masked else None
+        if tokens is not None:
+            apply = tokens > 0 if apply is None else apply & (tokens > 0)
         finite = all_finite(grads) if o.skip_nonfinite or scaled else None
         if finite is not None:
             apply = finite if apply is None else apply & finite
@@ -147,8 +156,10 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
             opt_state=keep(layout.stored(opt_state, "opt", state.mesh), stored_opt_state),
             model_state=keep(new_model_state, state.model_state),
         )
-        metrics = {k: v / denom for k, v in metric_sums.items()}
+        metrics = {k: v.mean() if isinstance(v, Weighted) else v / denom for k, v in metric_sums.items()}
         metrics["examples"] = total / _context_size(state)  # every context device counted its rows
+        if tokens is not None:
+            metrics["tokens"] = tokens  # every context device weighed its own tokens
         if finite is not None:
             metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         if scaled:
@@ -180,7 +191,7 @@ def _accumulate(
     """
     axis, k, masked = state.data_axes, o.accum_steps, mask is not None
     strategy, layout, schedule = state.strategy, state.layout, state.schedule
-    mask = full_mask(data) if mask is None else mask
+    mask = full_mask(data, state.roles.batch) if mask is None else mask
     micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), (data, mask))
     micro_rng = _micro_rng(o, state, mask.shape[0] // k)
     # Replicated parameters are marked varying so that each device differentiates its own loss. A masked block's
@@ -190,32 +201,33 @@ def _accumulate(
     # the axis by the transpose of the gather; each of those terms must carry its own device's weight.
     params = vary(state.params, axis)
     weight = _loss_weight(state, mask, masked, k)
-    grad_fn = jax.value_and_grad(_differentiable_loss(o, ctx, state, masked, reserved), has_aux=True)
+    loss_fn = _differentiable_loss(o, ctx, state, masked, reserved)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     extra = {"step": state.step} if _takes_keyword(o.loss_fn, "step") else {}
 
-    def one(model_state: Any, batch: Any, m: jax.Array, j: Any) -> tuple[Any, ...]:
+    def call(fn: Callable[..., Any], p: Any, model_state: Any, batch: Any, m: jax.Array, j: Any, share: Any) -> Any:
         c = jnp.sum(m, dtype=jnp.float32)
-        (_, (loss, aux)), grads = grad_fn(
-            params,
-            batch,
-            apply_fn=state.apply_fn,
-            model_state=model_state,
-            rng=micro_rng(j),
-            mask=m,
-            count=c,
-            weight=weight(c),
-            **extra,
-        )
+        kwargs = dict(apply_fn=state.apply_fn, model_state=model_state, rng=micro_rng(j), mask=m, **extra)
+        return c, fn(p, batch, count=c, weight=weight(c), share=share, **kwargs)
+
+    share = token_share(state, micro, lambda b, m, j: call(loss_fn, params, state.model_state, b, m, j, 1.0))
+
+    def one(model_state: Any, batch: Any, m: jax.Array, j: Any) -> tuple[Any, ...]:
+        c, ((_, (loss, aux)), grads) = call(grad_fn, params, model_state, batch, m, j, share)
         new_model_state = aux.pop("model_state", model_state)
         _check_same_tree(model_state, new_model_state)
         # Masked, a block without real examples may give a NaN mean: its weight is zero, and so is
         # its contribution. Unmasked, every block has the same count: plain sums, divided once by
-        # the number of blocks after the reduction.
+        # the number of blocks after the reduction. A token-weighted value carries its own weight.
         weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v)
-        metrics = jax.tree.map(lambda v: weigh(v.astype(sum_dtype(v.dtype))), {"loss": loss, **aux})
+        metrics = {
+            name: summable(v) if isinstance(v, Weighted) else weigh(v.astype(sum_dtype(v.dtype)))
+            for name, v in {"loss": loss, **aux}.items()
+        }
         if masked and strategy.local_grads:
             # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN: a
-            # gradient is kept when any row it depends on is real (the schedule says which rows those are).
+            # gradient is kept when any row it depends on is real (the schedule says which rows those are). The
+            # rows, not the tokens: a real row without tokens is one device's too, NaN and all.
             seen = schedule.rows_seen(c)
             grads = jax.tree.map(lambda g: jnp.where(seen > 0, g, jnp.zeros_like(g)), grads)
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
@@ -258,15 +270,18 @@ def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int) -> Ca
 def _differentiable_loss(
     o: StepOptions, ctx: ReduceContext, state: TrainState, masked: bool, reserved: set[str]
 ) -> Callable[..., Any]:
-    """``f(params, batch, ..., count, weight) -> (differentiated value, (loss, aux))`` for ``jax.value_and_grad``:
-    the loss times ``weight`` (see :func:`_loss_weight`; zero for a masked block without real examples, whose mean
-    may be NaN), times the loss scale."""
+    """``f(params, batch, ..., count, weight, share) -> (differentiated value, (loss, aux))`` for
+    ``jax.value_and_grad``: a mean loss times ``weight`` (see :func:`_loss_weight`; zero for a masked block without
+    real examples, whose mean may be NaN), a token-weighted loss's total times ``share`` (see
+    :func:`~spmdcomm.train.weighted.token_share`; zero without weight), times the loss scale."""
     strategy, layout = state.strategy, state.layout
     # A pipeline gathers each stage's layers once per step and keeps them (MaxText's fsdp_ag_once), and
     # rematerialises its ticks itself: its schedule turns the strategy's policy off.
     policy = strategy.remat_policy if state.schedule.strategy_remat else None
 
-    def wrapped(params: Any, batch: Any, *, count: jax.Array, weight: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
+    def wrapped(
+        params: Any, batch: Any, *, count: jax.Array, weight: Any, share: Any, **kwargs: Any
+    ) -> tuple[jax.Array, Any]:
         def forward(p: Any) -> Any:
             return call_model_fn(
                 "make_train_step", "loss_fn", state, o.loss_fn, strategy.compute_params(ctx, layout, p), batch, **kwargs
@@ -277,12 +292,18 @@ def _differentiable_loss(
             # (FSDP's resharding: the gathered parameters, gathered again).
             forward = jax.checkpoint(forward, policy=policy)
         loss, aux = split_loss_output(forward(params), "make_train_step")
-        _check_aux_names(aux, reserved)
+        _check_aux_names(aux, reserved | ({"tokens"} if isinstance(loss, Weighted) else set()))
         scalars = {"loss": loss, **{k: v for k, v in aux.items() if k != "model_state"}}
         check_scalars("make_train_step", scalars, "loss_fn")
-        # In the loss's dtype, as one device's ``scale * loss`` differentiates a float16 loss in float16.
-        value = (weight if state.loss_scale is None else jnp.asarray(weight, loss.dtype)) * loss
-        value = jnp.where(count > 0, value, jnp.zeros_like(loss)) if masked else value
+        if isinstance(loss, Weighted):
+            # The unnormalised total: each micro-batch's backward pass needs nothing of the others.
+            total = loss.total
+            value = (share if state.loss_scale is None else jnp.asarray(share, total.dtype)) * total
+            value = jnp.where(loss.weight > 0, value, jnp.zeros_like(value))
+        else:
+            # In the loss's dtype, as one device's ``scale * loss`` differentiates a float16 loss in float16.
+            value = (weight if state.loss_scale is None else jnp.asarray(weight, loss.dtype)) * loss
+            value = jnp.where(count > 0, value, jnp.zeros_like(loss)) if masked else value
         if state.loss_scale is not None:
             # Not cast to the loss's dtype: 65536 is Inf in float16. A float16 loss is promoted, as in Flax.
             value = value * state.loss_scale.scale

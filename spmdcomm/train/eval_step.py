@@ -27,10 +27,12 @@ from spmdcomm.train._step import (
     full_mask,
     place_batch,
     sum_dtype,
+    summable,
     zero_masked_rows,
 )
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.strategy import ReduceContext
+from spmdcomm.train.weighted import Weighted
 
 __all__ = ["EvalStep", "evaluate", "make_eval_step"]
 
@@ -118,23 +120,27 @@ def evaluate(eval_step: EvalStep, state: TrainState, batches: Iterable[Any]) -> 
             )
         )
     sums: dict[str, float] = {}
-    total = 0.0
-    pending: collections.deque[dict[str, jax.Array]] = collections.deque()
+    weights: dict[str, float] = {}  # each metric's weight: real examples for a mean, its own for sc.weighted
+    seen: dict[str, float] = {}  # "examples", and "tokens" when metric_fn's loss is token-weighted
+    pending: collections.deque[Any] = collections.deque()
 
     def add(keep: int) -> None:
-        nonlocal total
         while len(pending) > keep:
-            metrics = {k: float(v) for k, v in jax.device_get(pending.popleft()).items()}
-            count = metrics.pop("examples")
+            metrics, own = jax.tree.map(float, jax.device_get(pending.popleft()))
+            counts = {k: metrics.pop(k) for k in ("examples", "tokens") if k in metrics}
+            for k, v in counts.items():
+                seen[k] = seen.get(k, 0.0) + v
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + (count * v if count else 0.0)
-            total += count
+                w = own.get(k, counts["examples"])
+                sums[k] = sums.get(k, 0.0) + (w * v if w else 0.0)
+                weights[k] = weights.get(k, 0.0) + w
 
     for batch in batches:
-        pending.append(eval_step(state, batch))
+        pending.append(eval_step.weighed(state, batch))
         add(eval_step.max_in_flight)
     add(0)
-    return {**{k: v / max(total, 1.0) for k, v in sums.items()}, "examples": total}
+    means = {k: v / weights[k] if weights[k] else 0.0 for k, v in sums.items()}
+    return {**means, **seen}
 
 
 class EvalStep:
@@ -173,13 +179,27 @@ class EvalStep:
             non-scalar metric.
           AxisError: when ``metric_fn`` runs a collective over an axis the step does not run over.
         """
+        return self.weighed(state, batch)[0]
+
+    def weighed(self, state: TrainState, batch: Any) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+        """Evaluates ``metric_fn`` on ``batch``, with the weight of each token-weighted metric.
+
+        Args:
+          state: as for a call.
+          batch: as for a call.
+
+        Returns:
+          ``(metrics, weights)``: the metrics of a call, and the global weight of each metric ``metric_fn``
+          returned as :func:`~spmdcomm.weighted` (a mean's weight is ``metrics["examples"]``), which
+          :func:`evaluate` sums over batches.
+        """
         program = self._cache.program(state)
         self._window.wait_for_room()
-        metrics = dispatch(
+        metrics, weights = dispatch(
             "make_eval_step", program, state, place_batch("make_eval_step", batch, state, 1, self.host_input)
         )
         self._window.add(metrics["examples"])
-        return metrics
+        return metrics, weights
 
     def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
         """Lowers the evaluation for these inputs (``.compile().as_text()`` shows the HLO XLA runs).
@@ -197,9 +217,9 @@ class EvalStep:
         axis, strategy = state.data_axes, state.strategy
         ctx = ReduceContext(axis, state.data_size, None, False)
 
-        def body(state: TrainState, data: Any, mask: Any) -> dict[str, jax.Array]:
+        def body(state: TrainState, data: Any, mask: Any) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
             data = data if mask is None else zero_masked_rows(data, mask)
-            mask = full_mask(data) if mask is None else mask
+            mask = full_mask(data, state.roles.batch) if mask is None else mask
             params = strategy.compute_params(ctx, state.layout, state.params)
             out = call_model_fn(
                 "make_eval_step",
@@ -216,10 +236,15 @@ class EvalStep:
             check_scalars("make_eval_step", metrics, "metric_fn")
             # Typed varying over every manual axis: the mask is per row, the same on every context device.
             count = vary(jnp.sum(mask, dtype=jnp.float32), state.roles.manual)
-            sums = {k: jnp.where(count > 0, count * v.astype(sum_dtype(v.dtype)), 0.0) for k, v in metrics.items()}
-            total, sums = lax.psum((count, sums), state.roles.manual)
+            # A mean weighs by the block's real examples; a token-weighted value carries its own weight.
+            weigh = lambda v: jnp.where(count > 0, count * v.astype(sum_dtype(v.dtype)), 0.0)
+            sums = {k: summable(v) if isinstance(v, Weighted) else weigh(v) for k, v in metrics.items()}
+            total, sums = lax.psum(vary((count, sums), state.roles.manual), state.roles.manual)
             # Every device of the context axis counted its rows (holding other tokens of them).
             examples = total / state.roles.size((state.context.axis,)) if state.context is not None else total
-            return {**{k: v / jnp.maximum(total, 1.0) for k, v in sums.items()}, "examples": examples}
+            means = {k: v.mean() if isinstance(v, Weighted) else v / jnp.maximum(total, 1.0) for k, v in sums.items()}
+            weights = {k: v.weight for k, v in sums.items() if isinstance(v, Weighted)}
+            tokens = {"tokens": weights["loss"]} if "loss" in weights else {}
+            return {**means, "examples": examples, **tokens}, weights
 
         return compile_local_step(body, state, P())

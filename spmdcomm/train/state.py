@@ -8,7 +8,7 @@ with :func:`~spmdcomm.make_train_step` / :func:`~spmdcomm.make_eval_step` reads 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import flax.struct
 import jax
@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 from spmdcomm.data import placement
 from spmdcomm.runtime.host_collectives import broadcast_tree
 from spmdcomm.runtime.mesh import default_mesh
+from spmdcomm.train._logical_rules import LogicalRules
 from spmdcomm.train._mesh_axes import (
-    LogicalRules,
     check_data_axes,
     data_axes,
     model_partitioning,
@@ -109,6 +109,7 @@ class TrainState:
         logical_axis_rules: Any = None,
         pipeline: Pipeline | None = None,
         context: ContextParallel | None = None,
+        missing_logical_rules: Literal["warn", "error"] = "warn",
     ) -> TrainState:
         """Builds the state and places it on ``mesh`` as ``strategy`` says (default: replicated, DDP).
 
@@ -147,23 +148,25 @@ class TrainState:
             ("embed", None), ("mlp", "model")]``: each pair a logical name and a mesh axis, a tuple of mesh axes
             or ``None`` (not split). They map the names of ``nn.with_logical_partitioning`` boxes and of NNX
             sharding metadata as Flax's ``nn.logical_to_mesh_axes`` does (in order; a rule whose mesh axes another
-            dimension already uses is passed over), except that a name with no rule raises; data axes in the
-            result are dropped, since the strategy splits parameters over those. ``None`` (default): the active
-            ``nn.logical_axis_rules`` context's rules. The state keeps them for the steps' tracing
-            (:attr:`logical_axis_rules`).
+            dimension already uses is passed over; a name with no rule leaves its dimension whole, with one warning
+            naming each such parameter, name and the rule to add); data axes in the result are dropped (the strategy
+            splits parameters over those). ``None`` (default): the active ``nn.logical_axis_rules`` context's rules.
+            The state keeps them for the steps' tracing (:attr:`logical_axis_rules`).
           pipeline: ``sc.Pipeline(microbatches=m, axis="stage", repeats=v)`` splits the leaves stacked by
             ``sc.PipelineStack`` (or given the spec ``P("stage", ...)``) over the stage axis, and the steps run them
             as a pipeline; the batch is split over the data axes and the stage axis. ``None`` (default): none.
           context: ``sc.ContextParallel(axis="context")`` splits dimension 1 (the tokens) of every batch leaf of two
             or more dimensions over the context axis inside the steps; the model's attention goes through
             ``sc.context_attention``. ``None`` (default): none.
+          missing_logical_rules: ``"warn"`` (default, as above) or ``"error"``: a logical name with no rule raises.
 
         Returns:
           The new :class:`TrainState` at step 0, every leaf placed as the strategy's layout says.
 
         Raises:
           AxisError: when ``axis`` is not a mesh axis (or tuple of distinct ones), a parameter spec names a
-            data axis or an axis the mesh lacks, or a logical name has no rule or maps to an axis the mesh lacks.
+            data axis or an axis the mesh lacks, or a logical name maps to an axis the mesh lacks (or has no rule,
+            with ``missing_logical_rules="error"``).
           ShapeError: when a parameter spec has more entries than its leaf has dimensions, or splits a dimension
             its axes do not divide.
           SpmdError: for an unknown ``strategy``, an unusable ``loss_scale``, ``param_specs`` whose structure
@@ -188,7 +191,7 @@ class TrainState:
         axis = check_data_axes("TrainState.create", mesh, axis)
         roles = mesh_roles("TrainState.create", mesh, axis, pipeline, context)
         strategy = resolve_strategy("TrainState.create", strategy)
-        rules = LogicalRules("TrainState.create", logical_axis_rules)
+        rules = LogicalRules("TrainState.create", logical_axis_rules, missing=missing_logical_rules)
         params, model_specs = model_partitioning(
             "TrainState.create", params, param_specs, mesh, roles.data, rules, stage=roles.stage
         )
