@@ -51,17 +51,10 @@ def ring_forward(
         p = jnp.exp(s - safe[..., None])
         fade = jnp.exp(top - safe)
         acc = acc * fade[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", p, vb.astype(jnp.float32))
-        return new, total * fade + jnp.sum(p, axis=-1), acc
+        return (new, total * fade + jnp.sum(p, axis=-1), acc), block
 
-    def hop(carry: Any, _: Any) -> Any:
-        state, block = carry
-        block = _shift(block, axis)
-        return (step(state, block), block), None
-
-    block = vary((k, v, kside))
-    state = step(vary((jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (d,)))), block)
-    (state, _), _ = lax.scan(hop, (state, block), length=lax.axis_size(axis) - 1)
-    top, total, acc = state
+    start = vary((jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (d,))))
+    (top, total, acc), _ = _around(step, start, vary((k, v, kside)), axis)
     seen = total > 0
     total = jnp.where(seen, total, 1.0)
     lse = jnp.where(seen, top + jnp.log(total), -jnp.inf)
@@ -154,13 +147,8 @@ def _ring_bwd(axis: str, causal: bool, res: Any, dout: jax.Array) -> tuple[Any, 
         dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb.astype(jnp.float32))
         return dq, (kb, vb, ks, dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qg), dv)
 
-    def hop(carry: Any, _: Any) -> Any:
-        dq, block = carry
-        return step(dq, _shift(block, axis)), None
-
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-    dq, block = step(vary(zeros(qg)), vary((k, v, kside, zeros(k), zeros(v))))
-    (dq, block), _ = lax.scan(hop, (dq, block), length=lax.axis_size(axis) - 1)
+    dq, block = _around(step, vary(zeros(qg)), vary((k, v, kside, zeros(k), zeros(v))), axis)
     dk, dv = _shift(block[3:], axis)  # block j's gradients are on device j - 1: one hop home
     grads = (dq.reshape(q.shape), dk, dv)
     return tuple(_cotangent(g, x) for g, x in zip(grads, (q, k, v))) + (None, None)
@@ -179,6 +167,20 @@ def _scores(qg: jax.Array, k: jax.Array, visible: jax.Array) -> jax.Array:
     """Float32 scores ``[b, h_kv, g, t_q, t_k]``, -inf where ``visible`` (``[1 or b, t_q, t_k]``) is False."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) / np.sqrt(qg.shape[-1])
     return jnp.where(visible[:, None, None], s, -jnp.inf)
+
+
+def _around(step: Any, carry: Any, block: Any, axis: str) -> tuple[Any, Any]:
+    """``carry, block = step(carry, block)`` for the ``c`` blocks of the ring in turn: this device's own, then each
+    one hop on (``c - 1`` hops); the final ``carry`` and ``block``.
+
+    One loop of ``c`` steps whose first takes no hop (a conditional on the step's index), rather than a first step
+    before a loop of ``c - 1`` hops: XLA unrolls a loop of one iteration (``c = 2``) and then computes both steps'
+    score blocks at once, keeping twice the blocks of any other ``c``. In a loop, one step's blocks are live at a
+    time."""
+    hop = lambda i, x: lax.cond(i > 0, lambda y: _shift(y, axis), lambda y: y, x)
+    body = lambda state, i: (step(state[0], hop(i, state[1])), None)
+    (carry, block), _ = lax.scan(body, (carry, block), jnp.arange(lax.axis_size(axis)))
+    return carry, block
 
 
 def _shift(tree: Any, axis: str) -> Any:
