@@ -9,6 +9,7 @@ d]`` (``g = h / h_kv``) and scores are ``[b, h_kv, g, t, s]`` in float32, -inf w
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -62,36 +63,52 @@ def ring_forward(
     return out.astype(q.dtype), lse
 
 
-def sides(fn: str, q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, q_seg: Any, k_seg: Any, valid: Any) -> Any:
-    """The query and key sides' positions, segments and validity, each ``[1 or b, t]``, after checking shapes."""
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[::3] != k.shape[::3] or q.shape[2] % k.shape[2]:
+def sides(
+    fn: str, q: Any, k: Any, v: Any, positions: Callable[[int], jax.Array], segment_ids: Any, kv_mask: Any
+) -> tuple[Side, Side]:
+    """The query and key sides (``q`` and ``k`` hold the same tokens): ``positions(t)`` ``[t]``, and segments and
+    validity ``[1 or b, t]``, after checking every shape against ``q``."""
+    if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (q, k, v)):
+        raise SpmdError(describe(fn, "q, k and v must be arrays.", fix="pass jax or NumPy arrays."))
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[:2] + q.shape[3:] != k.shape[:2] + k.shape[3:]:
         raise ShapeError(
             describe(
                 fn,
-                f"q {q.shape}, k {k.shape}, v {v.shape} do not fit: q is [batch, tokens, heads, head_dim], k and v "
-                "[batch, tokens, kv_heads, head_dim] with the same shape, the batch and head_dim of q, and kv_heads "
-                "dividing heads.",
+                f"{shapes} do not fit: q is [batch, tokens, heads, head_dim], k and v [batch, tokens, kv_heads, "
+                "head_dim], all three with the same batch, tokens (the same tokens of the sequence) and head_dim.",
                 fix="reshape the projections to [batch, tokens, heads, head_dim].",
             )
         )
-    if (q_seg is None) != (k_seg is None):
-        raise SpmdError(describe(fn, "q_segments and k_segments go together.", fix="pass both or neither."))
+    if q.shape[2] % k.shape[2]:
+        raise ShapeError(
+            describe(
+                fn,
+                f"{shapes}: {k.shape[2]} KV heads do not divide {q.shape[2]} query heads (grouped-query attention: "
+                "query head j reads KV head j // (heads / kv_heads)).",
+                fix=f"use a number of KV heads that divides {q.shape[2]}.",
+            )
+        )
 
-    def rows(name: str, x: Any, ref: Any) -> Any:
+    def rows(name: str, x: Any, kinds: str) -> Any:
         if x is None:
             return None
         x = jnp.asarray(x)
-        if not (x.ndim == 1 or (x.ndim == 2 and x.shape[0] == ref.shape[0])) or x.shape[-1] != ref.shape[1]:
+        b, t = q.shape[:2]
+        if not (x.ndim == 1 or (x.ndim == 2 and x.shape[0] == b)) or x.shape[-1] != t or x.dtype.kind not in kinds:
             raise ShapeError(
-                describe(fn, f"{name} has shape {x.shape}; it must be [{ref.shape[1]}] or {list(ref.shape[:2])}.")
+                describe(
+                    fn,
+                    f"{name} is {x.dtype} {tuple(x.shape)}; with {shapes} it must be "
+                    f"{'bool' if kinds == 'b' else 'int'} [{t}] (shared by the rows) or [{b}, {t}] (one per row).",
+                    fix=f"pass {name} for the same tokens as q, k and v.",
+                )
             )
         return x[None] if x.ndim == 1 else x
 
-    return (rows("q_pos", q_pos, q), rows("q_segments", q_seg, q), None), (
-        rows("k_pos", k_pos, k),
-        rows("k_segments", k_seg, k),
-        rows("k_valid", valid, k),
-    )
+    segments, valid = rows("segment_ids", segment_ids, "iu"), rows("kv_mask", kv_mask, "b")
+    pos = positions(q.shape[1])[None]
+    return (pos, segments, None), (pos, segments, valid)
 
 
 def mask(qside: Side, kside: Side, causal: bool) -> jax.Array:
