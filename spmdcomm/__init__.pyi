@@ -23,6 +23,7 @@ from jax import P as P
 from spmdcomm.collectives.exchanges import all_gather as all_gather
 from spmdcomm.collectives.reductions import all_reduce as all_reduce
 from spmdcomm.collectives.exchanges import all_to_all as all_to_all
+from spmdcomm.collectives.attention import all_to_all_attention as all_to_all_attention
 from spmdcomm.collectives.reductions import axis_index as axis_index
 from spmdcomm.collectives.reductions import axis_size as axis_size
 from spmdcomm.collectives.rooted import broadcast as broadcast
@@ -34,6 +35,7 @@ from spmdcomm.collectives.reductions import pmin as pmin
 from spmdcomm.collectives.reductions import psum as psum
 from spmdcomm.collectives.rooted import reduce as reduce
 from spmdcomm.collectives.exchanges import reduce_scatter as reduce_scatter
+from spmdcomm.collectives.attention import ring_attention as ring_attention
 from spmdcomm.collectives.rooted import scatter as scatter
 from spmdcomm.collectives.p2p import shift as shift
 from spmdcomm.collectives.p2p import scan as scan
@@ -82,6 +84,8 @@ from spmdcomm.train.stack import PipelineStack as PipelineStack
 from spmdcomm.train.context import ContextParallel as ContextParallel
 from spmdcomm.train.context import context_attention as context_attention
 from spmdcomm.train.context import context_positions as context_positions
+from spmdcomm.collectives.attention import sequence_positions as sequence_positions
+from spmdcomm.collectives.attention import zigzag_order as zigzag_order
 
 # what a compiled step communicates and holds
 from spmdcomm.explain.report import explain as explain

@@ -9,7 +9,7 @@ Every function validates its input before calling ``jax.lax``: an unknown axis, 
 not divide, a ``root`` out of range, an unknown op, a non-array leaf or a bad permutation raise an
 :class:`~spmdcomm.errors.SpmdError` subclass naming the function, the leaf path, the axis and the sizes.
 
-The collectives live in four modules, all re-exported here:
+The collectives live in five modules, all re-exported here:
 
 - :mod:`spmdcomm.collectives.reductions`: every device receives the reduction over the axis (``psum``,
   ``pmean``, ``pmax``, ``pmin``, ``all_reduce``), and the axis queries (``axis_index``, ``axis_size``);
@@ -18,7 +18,10 @@ The collectives live in four modules, all re-exported here:
 - :mod:`spmdcomm.collectives.rooted`: one device sends or receives (``broadcast``, ``reduce``, ``gather``,
   ``scatter``), built from data movement so that they run on every backend and deliver values exactly;
 - :mod:`spmdcomm.collectives.p2p`: point-to-point sends and the prefix scan built on them (``permute``,
-  ``shift``, ``scan``).
+  ``shift``, ``scan``);
+- :mod:`spmdcomm.collectives.attention`: softmax attention over a sequence split along the axis
+  (``ring_attention``, ``all_to_all_attention``), and the positions of each device's tokens
+  (``sequence_positions``, ``zigzag_order``).
 
 :mod:`spmdcomm.collectives.spmd` holds :func:`spmdcomm.spmd`, the ``shard_map``/``pmap`` wrapper they run in.
 
@@ -42,6 +45,7 @@ Array([28.], dtype=float32)
 """
 
 from spmdcomm._ops import REDUCE_OPS, SCAN_OPS
+from spmdcomm.collectives.attention import all_to_all_attention, ring_attention, sequence_positions, zigzag_order
 from spmdcomm.collectives.exchanges import all_gather, all_to_all, reduce_scatter
 from spmdcomm.collectives.p2p import permute, scan, shift
 from spmdcomm.collectives.reductions import (
@@ -73,6 +77,10 @@ __all__ = [
     "permute",
     "shift",
     "scan",
+    "ring_attention",
+    "all_to_all_attention",
+    "sequence_positions",
+    "zigzag_order",
     "axis_index",
     "axis_size",
     "REDUCE_OPS",

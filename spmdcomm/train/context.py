@@ -28,14 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmdcomm.errors import ShapeError, SpmdError, describe
-from spmdcomm.train.attention import (
+from spmdcomm.collectives.attention import (
+    LAYOUTS,
+    all_to_all_attention,
     attention_reference,
-    local_positions,
     ring_attention,
-    ulysses_attention,
+    sequence_positions,
     zigzag_order,
 )
+from spmdcomm.errors import ShapeError, SpmdError, describe
 
 __all__ = ["ContextParallel", "context_attention", "context_positions", "active_context", "context_split"]
 
@@ -69,7 +70,7 @@ class ContextParallel:
             raise SpmdError(
                 describe("ContextParallel", f"axis={self.axis!r} is not a mesh axis name.", fix='"context"')
             )
-        if self.layout not in ("zigzag", "contiguous"):
+        if self.layout not in LAYOUTS:
             raise SpmdError(
                 describe(
                     "ContextParallel",
@@ -146,7 +147,7 @@ def context_positions(length: int) -> jax.Array:
     context = active_context()
     if context is None:
         return jnp.arange(length, dtype=jnp.int32)
-    return local_positions(length, context.axis, context.layout)
+    return sequence_positions(length, context.axis, layout=context.layout)
 
 
 def context_attention(
@@ -159,49 +160,55 @@ def context_attention(
     kv_mask: jax.Array | None = None,
     algorithm: Literal["ring", "all_to_all"] = "ring",
 ) -> jax.Array:
-    """Softmax attention of ``q`` over ``k`` and ``v``, exact to one device whatever the context split.
+    """Softmax attention of ``q`` over ``k`` and ``v``, exact to one device whatever the context split of the step.
 
-    ``q``, ``k``, ``v`` are ``[batch, tokens, heads, head_dim]`` (fewer KV heads for grouped-query attention).
-    Outside a context-parallel step the tokens are the whole sequence and this is plain attention. Inside one, each
-    device holds its tokens of every sequence and ``algorithm`` moves what attention needs: ``"all_to_all"``
-    (DeepSpeed Ulysses: one all-to-all swaps the split from tokens to heads, attention runs on whole sequences, one
-    all-to-all swaps back; the heads and KV heads must divide the context size) or ``"ring"`` (key/value blocks
-    travel around the context axis while each device merges blockwise results with a running log-sum-exp; the
-    backward pass reruns the ring instead of keeping every block).
+    ``q``, ``k``, ``v`` are ``[batch, tokens, heads, head_dim]``; ``k`` and ``v`` may have fewer heads
+    (grouped-query attention: query head ``j`` reads KV head ``j // (heads / kv_heads)``). Outside a
+    context-parallel step the tokens are the whole sequence and this is plain attention
+    (``spmdcomm.collectives.attention.attention_reference``); in a program of your own whose sequence is split over
+    an axis, call :func:`~spmdcomm.ring_attention` or :func:`~spmdcomm.all_to_all_attention` with that axis. Inside a
+    step of a state with ``context=sc.ContextParallel(...)``, each device holds its tokens of every sequence and this
+    is exactly ``sc.ring_attention`` (``algorithm="ring"``) or ``sc.all_to_all_attention`` (``"all_to_all"``) over
+    the context axis, in the split's layout: the ring passes key/value blocks around the axis with a running
+    log-sum-exp and its backward pass reruns the ring; the all-to-all (DeepSpeed Ulysses) swaps the split from
+    tokens to heads and back (the heads and KV heads must divide the context size).
 
     Args:
-      q: the queries.
-      k: the keys.
-      v: the values.
+      q: the queries, ``[batch, tokens, heads, head_dim]``.
+      k: the keys, ``[batch, tokens, kv_heads, head_dim]`` (``kv_heads`` divides ``heads``).
+      v: the values, shaped like ``k``.
       causal: each token sees only tokens at or before its global position.
-      segment_ids: ``[batch, tokens]`` ints: a token sees only tokens of its segment (packed sequences).
-      kv_mask: ``[batch, tokens]`` bools: False keys (padding) are seen by no token.
-      algorithm: ``"ring"`` (default) or ``"all_to_all"``.
+      segment_ids: int ``[tokens]`` or ``[batch, tokens]``: a token sees only tokens of its segment (packed
+        sequences).
+      kv_mask: bool ``[tokens]`` or ``[batch, tokens]``: False keys (padding) are seen by no token.
+      algorithm: ``"ring"`` (default) or ``"all_to_all"``; checked on every path, in a step or not.
 
     Returns:
       ``[batch, tokens, heads, head_dim]``, in ``q``'s dtype; zeros for a query that sees no key.
 
     Raises:
-      ShapeError: when heads or KV heads do not divide the context size (``"all_to_all"``).
-      SpmdError: for an unknown ``algorithm``.
+      ShapeError: for shapes that do not fit together, or heads or KV heads that do not divide the context size
+        (``"all_to_all"``).
+      SpmdError: for an unknown ``algorithm`` or a ``causal`` that is not a bool.
+
+    Examples:
+      >>> sc.context_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 8))).shape
+      (1, 4, 2, 8)
     """
+    if algorithm not in ALGORITHMS:
+        raise SpmdError(
+            describe(
+                "context_attention",
+                f"algorithm={algorithm!r} is not an algorithm.",
+                fix='algorithm="ring" or "all_to_all".',
+            )
+        )
+    masks: dict[str, Any] = {"causal": causal, "segment_ids": segment_ids, "kv_mask": kv_mask}
     context = active_context()
-    tokens = q.shape[1]
-    positions = context_positions(tokens)
-    masks: dict[str, Any] = {
-        "q_pos": positions,
-        "k_pos": positions,
-        "causal": causal,
-        "q_segments": segment_ids,
-        "k_segments": segment_ids,
-        "k_valid": kv_mask,
-    }
     if context is None:
         return attention_reference(q, k, v, **masks)
-    if algorithm == "ring":
-        return ring_attention(q, k, v, axis=context.axis, **masks)
-    if algorithm == "all_to_all":
-        return ulysses_attention(q, k, v, axis=context.axis, **masks)
-    raise SpmdError(
-        describe("context_attention", f"algorithm={algorithm!r} is not an algorithm.", fix='"ring" or "all_to_all".')
-    )
+    return ALGORITHMS[algorithm](q, k, v, context.axis, layout=context.layout, **masks)
+
+
+#: ``context_attention``'s algorithms: the collective each runs over the context axis.
+ALGORITHMS = {"ring": ring_attention, "all_to_all": all_to_all_attention}

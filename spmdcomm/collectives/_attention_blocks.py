@@ -9,6 +9,7 @@ d]`` (``g = h / h_kv``) and scores are ``[b, h_kv, g, t, s]`` in float32, -inf w
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,17 +52,10 @@ def ring_forward(
         p = jnp.exp(s - safe[..., None])
         fade = jnp.exp(top - safe)
         acc = acc * fade[..., None] + jnp.einsum("bkgqs,bskd->bkgqd", p, vb.astype(jnp.float32))
-        return new, total * fade + jnp.sum(p, axis=-1), acc
+        return (new, total * fade + jnp.sum(p, axis=-1), acc), block
 
-    def hop(carry: Any, _: Any) -> Any:
-        state, block = carry
-        block = _shift(block, axis)
-        return (step(state, block), block), None
-
-    block = vary((k, v, kside))
-    state = step(vary((jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (d,)))), block)
-    (state, _), _ = lax.scan(hop, (state, block), length=lax.axis_size(axis) - 1)
-    top, total, acc = state
+    start = vary((jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape + (d,))))
+    (top, total, acc), _ = _around(step, start, vary((k, v, kside)), axis)
     seen = total > 0
     total = jnp.where(seen, total, 1.0)
     lse = jnp.where(seen, top + jnp.log(total), -jnp.inf)
@@ -69,36 +63,52 @@ def ring_forward(
     return out.astype(q.dtype), lse
 
 
-def sides(fn: str, q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, q_seg: Any, k_seg: Any, valid: Any) -> Any:
-    """The query and key sides' positions, segments and validity, each ``[1 or b, t]``, after checking shapes."""
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[::3] != k.shape[::3] or q.shape[2] % k.shape[2]:
+def sides(
+    fn: str, q: Any, k: Any, v: Any, positions: Callable[[int], jax.Array], segment_ids: Any, kv_mask: Any
+) -> tuple[Side, Side]:
+    """The query and key sides (``q`` and ``k`` hold the same tokens): ``positions(t)`` ``[t]``, and segments and
+    validity ``[1 or b, t]``, after checking every shape against ``q``."""
+    if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (q, k, v)):
+        raise SpmdError(describe(fn, "q, k and v must be arrays.", fix="pass jax or NumPy arrays."))
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or q.shape[:2] + q.shape[3:] != k.shape[:2] + k.shape[3:]:
         raise ShapeError(
             describe(
                 fn,
-                f"q {q.shape}, k {k.shape}, v {v.shape} do not fit: q is [batch, tokens, heads, head_dim], k and v "
-                "[batch, tokens, kv_heads, head_dim] with the same shape, the batch and head_dim of q, and kv_heads "
-                "dividing heads.",
+                f"{shapes} do not fit: q is [batch, tokens, heads, head_dim], k and v [batch, tokens, kv_heads, "
+                "head_dim], all three with the same batch, tokens (the same tokens of the sequence) and head_dim.",
                 fix="reshape the projections to [batch, tokens, heads, head_dim].",
             )
         )
-    if (q_seg is None) != (k_seg is None):
-        raise SpmdError(describe(fn, "q_segments and k_segments go together.", fix="pass both or neither."))
+    if q.shape[2] % k.shape[2]:
+        raise ShapeError(
+            describe(
+                fn,
+                f"{shapes}: {k.shape[2]} KV heads do not divide {q.shape[2]} query heads (grouped-query attention: "
+                "query head j reads KV head j // (heads / kv_heads)).",
+                fix=f"use a number of KV heads that divides {q.shape[2]}.",
+            )
+        )
 
-    def rows(name: str, x: Any, ref: Any) -> Any:
+    def rows(name: str, x: Any, kinds: str) -> Any:
         if x is None:
             return None
         x = jnp.asarray(x)
-        if not (x.ndim == 1 or (x.ndim == 2 and x.shape[0] == ref.shape[0])) or x.shape[-1] != ref.shape[1]:
+        b, t = q.shape[:2]
+        if not (x.ndim == 1 or (x.ndim == 2 and x.shape[0] == b)) or x.shape[-1] != t or x.dtype.kind not in kinds:
             raise ShapeError(
-                describe(fn, f"{name} has shape {x.shape}; it must be [{ref.shape[1]}] or {list(ref.shape[:2])}.")
+                describe(
+                    fn,
+                    f"{name} is {x.dtype} {tuple(x.shape)}; with {shapes} it must be "
+                    f"{'bool' if kinds == 'b' else 'int'} [{t}] (shared by the rows) or [{b}, {t}] (one per row).",
+                    fix=f"pass {name} for the same tokens as q, k and v.",
+                )
             )
         return x[None] if x.ndim == 1 else x
 
-    return (rows("q_pos", q_pos, q), rows("q_segments", q_seg, q), None), (
-        rows("k_pos", k_pos, k),
-        rows("k_segments", k_seg, k),
-        rows("k_valid", valid, k),
-    )
+    segments, valid = rows("segment_ids", segment_ids, "iu"), rows("kv_mask", kv_mask, "b")
+    pos = positions(q.shape[1])[None]
+    return (pos, segments, None), (pos, segments, valid)
 
 
 def mask(qside: Side, kside: Side, causal: bool) -> jax.Array:
@@ -154,13 +164,8 @@ def _ring_bwd(axis: str, causal: bool, res: Any, dout: jax.Array) -> tuple[Any, 
         dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb.astype(jnp.float32))
         return dq, (kb, vb, ks, dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qg), dv)
 
-    def hop(carry: Any, _: Any) -> Any:
-        dq, block = carry
-        return step(dq, _shift(block, axis)), None
-
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-    dq, block = step(vary(zeros(qg)), vary((k, v, kside, zeros(k), zeros(v))))
-    (dq, block), _ = lax.scan(hop, (dq, block), length=lax.axis_size(axis) - 1)
+    dq, block = _around(step, vary(zeros(qg)), vary((k, v, kside, zeros(k), zeros(v))), axis)
     dk, dv = _shift(block[3:], axis)  # block j's gradients are on device j - 1: one hop home
     grads = (dq.reshape(q.shape), dk, dv)
     return tuple(_cotangent(g, x) for g, x in zip(grads, (q, k, v))) + (None, None)
@@ -179,6 +184,20 @@ def _scores(qg: jax.Array, k: jax.Array, visible: jax.Array) -> jax.Array:
     """Float32 scores ``[b, h_kv, g, t_q, t_k]``, -inf where ``visible`` (``[1 or b, t_q, t_k]``) is False."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) / np.sqrt(qg.shape[-1])
     return jnp.where(visible[:, None, None], s, -jnp.inf)
+
+
+def _around(step: Any, carry: Any, block: Any, axis: str) -> tuple[Any, Any]:
+    """``carry, block = step(carry, block)`` for the ``c`` blocks of the ring in turn: this device's own, then each
+    one hop on (``c - 1`` hops); the final ``carry`` and ``block``.
+
+    One loop of ``c`` steps whose first takes no hop (a conditional on the step's index), rather than a first step
+    before a loop of ``c - 1`` hops: XLA unrolls a loop of one iteration (``c = 2``) and then computes both steps'
+    score blocks at once, keeping twice the blocks of any other ``c``. In a loop, one step's blocks are live at a
+    time."""
+    hop = lambda i, x: lax.cond(i > 0, lambda y: _shift(y, axis), lambda y: y, x)
+    body = lambda state, i: (step(state[0], hop(i, state[1])), None)
+    (carry, block), _ = lax.scan(body, (carry, block), jnp.arange(lax.axis_size(axis)))
+    return carry, block
 
 
 def _shift(tree: Any, axis: str) -> Any:
