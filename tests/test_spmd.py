@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 import warnings
 
 import jax
@@ -22,6 +24,20 @@ def test_decorator_and_call_forms_agree():
     x = np.arange(16.0, dtype=np.float32)
     assert float(total(x)) == float(plain(x)) == 120.0
     assert total.__name__ == "total"
+
+
+@pytest.mark.parametrize(
+    "fn,name",
+    [
+        (functools.partial(lambda x, c: sc.psum(x * c, "data"), c=2.0), "partial(<lambda>)"),
+        (type("Doubler", (), {"__call__": lambda self, x: sc.psum(2.0 * x, "data")})(), "Doubler"),
+    ],
+)
+def test_a_partial_or_callable_object_runs_and_names_itself_in_errors(fn, name):
+    f = sc.spmd(fn, in_specs=sc.P("data"), out_specs=sc.P())
+    assert np.asarray(f(np.ones(8, np.float32))).tolist() == [16.0]
+    with pytest.raises(sc.ShapeError, match=rf"^spmdcomm\.{re.escape(name)}: "):
+        f(np.ones(7, np.float32))  # 7 rows do not split over 8 devices
 
 
 @pytest.mark.parametrize("backend", ["shard_map", "pmap"])

@@ -130,7 +130,7 @@ class SpmdFunction:
         ``"global"`` (see :func:`spmd`).
     """
 
-    __name__: str  # the wrapped function's, copied by functools.update_wrapper in __init__
+    __name__: str  # the wrapped function's (copied by functools.update_wrapper in __init__), or its type's
 
     def __init__(
         self,
@@ -153,6 +153,9 @@ class SpmdFunction:
         self.donate_argnums = donate_argnums
         self.host_input = host_input
         functools.update_wrapper(self, fn)
+        if "__name__" not in self.__dict__:  # a functools.partial or another callable object has no __name__
+            inner = getattr(fn, "func", None)  # a partial's function
+            self.__name__ = f"partial({inner.__name__})" if hasattr(inner, "__name__") else type(fn).__name__
         # (treedef, mesh) -> the program and the input shardings of the last call: the fast path of __call__
         self._fast = Cache(limit=64)
 
