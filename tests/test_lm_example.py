@@ -1,6 +1,6 @@
-"""The byte-level language model example (examples/lm): its corpus split and unigram baseline, its mesh flags, the
-stage axis it refuses until pipeline parallelism exists, and a tiny run on ``data`` 4 x ``model`` 2 under FSDP that
-learns, is stopped with ``max_steps`` and resumes from its checkpoint.
+"""The byte-level language model example (examples/lm): its corpus split, packed rows and unigram baseline, its mesh
+flags, a tiny run on ``data`` 4 x ``model`` 2 under FSDP that learns, is stopped with ``max_steps`` and resumes from
+its checkpoint, and a packed run whose token-weighted loss is the same on every layout and one device's.
 
 The example's modules import each other by plain name (``import train``), as the MNIST example's do, and the MNIST
 example's are on ``sys.path`` under the same names (tests/conftest.py): ``_load_example`` imports this example's
