@@ -51,6 +51,41 @@ def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
     }
 
 
+def token_loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
+    """A token-weighted loss in spmdcomm's contract: the MLP on every token of ``x`` ``[rows, tokens, 8]``, its
+    cross-entropy summed over the real tokens (``w``) and their count."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(apply_fn({"params": params}, batch["x"]), batch["y"])
+    return sc.weighted(jnp.sum(ce * batch["w"]), jnp.sum(batch["w"])), {}
+
+
+def token_mean_loss(params, batch, *, apply_fn, model_state, rng, mask):
+    """What :func:`token_loss_fn` must train on, written for one device: ``sum(loss * w) / sum(w)``."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(apply_fn({"params": params}, batch["x"]), batch["y"])
+    return jnp.sum(ce * batch["w"]) / jnp.sum(batch["w"]), {}
+
+
+def token_batches(rows: int, tokens: int, steps: int) -> list[dict[str, np.ndarray]]:
+    """``steps`` batches of ``rows`` rows of ``tokens`` tokens whose real tokens (``w``) crowd the first half of the
+    rows: the second half (another process's, on 2 processes) holds few, and its last quarter none. Its inputs are
+    larger, so are their losses: a mean that weighs its few tokens as much as the first half's many is far off."""
+    batches = []
+    for s in range(steps):
+        rng = np.random.default_rng(100 + s)
+        lengths = np.concatenate(
+            [rng.integers(0, tokens + 1, rows // 2), rng.integers(0, 2, rows // 4), np.zeros(rows - 3 * (rows // 4))]
+        )
+        batches.append(
+            {
+                "x": (
+                    rng.standard_normal((rows, tokens, 8)) * np.where(np.arange(rows) < rows // 2, 1, 5)[:, None, None]
+                ).astype(np.float32),
+                "y": rng.integers(0, 4, (rows, tokens)).astype(np.int32),
+                "w": (np.arange(tokens) < lengths[:, None]).astype(np.float32),
+            }
+        )
+    return batches
+
+
 def init(kind: str, *, axis_name: str | None = None, seed: int = 0) -> tuple[Any, Any, Any]:
     """(apply_fn, params, model_state) of an "mlp" or a "cnn" (whose BatchNorm syncs over
     axis_name)."""

@@ -18,6 +18,8 @@ from ddp_models import (
     loss_fn,
     mesh_of,
     reference_train,
+    token_batches,
+    token_mean_loss,
 )
 
 import spmdcomm as sc
@@ -404,3 +406,19 @@ def test_two_processes_of_two_devices_equal_one_process_of_four(launch, tmp_path
         np.testing.assert_allclose(
             np.load(tmp_path / f"losses_{strategy}.npy"), [h["loss"] for h in history], rtol=1e-5
         )
+    # The token-weighted loss: one device's sum(loss * w) / sum(w) over each whole global batch, though process 0
+    # holds most of the real tokens (a per-process or per-device token mean would weigh process 1's few as many).
+    assert out.stdout.count("WEIGHTED OK") == 2 * 2
+    # Rows of 0 to 6 real tokens on process 0's devices, of 0 or 1 on one device of process 1, none on the other
+    # (whose accumulation micro-batches are empty too).
+    tokens = token_batches(16, 6, 3)
+    ref_params, _, ref_losses = reference_train(token_mean_loss, apply_fn, params, {}, optax.adam(1e-2), tokens)
+    # The data tells them apart: the mean of the token means of the devices that hold tokens is another number.
+    blocks = [jax.tree.map(lambda x, d=d: x[4 * d : 4 * d + 4], tokens[0]) for d in range(3)]
+    means = [token_mean_loss(params, b, apply_fn=apply_fn, model_state={}, rng=None, mask=None)[0] for b in blocks]
+    assert abs(float(np.mean(means)) / ref_losses[0] - 1) > 1e-2, (means, ref_losses[0])
+    for strategy in ("ddp", "fsdp"):
+        got = np.load(tmp_path / f"params_weighted_{strategy}.npz")
+        for path, x in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
+            np.testing.assert_allclose(got[jax.tree_util.keystr(path)], np.asarray(x), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.load(tmp_path / f"losses_weighted_{strategy}.npy"), ref_losses, rtol=1e-5)

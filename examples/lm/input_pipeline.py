@@ -8,8 +8,10 @@ every run of one Python version. Bytes are the tokens (a vocabulary of 256).
 
 Training batches are ``seq_len + 1``-byte windows of the training bytes at random offsets (:class:`Windows`, drawn
 from the seed); validation batches are fixed windows spread over the validation bytes (:func:`eval_windows`).
-``unigram_bits_per_byte`` is the baseline a language model must beat: the cross-entropy of the training bytes'
-frequencies on the validation bytes.
+With ``packed`` rows (:func:`packed_bytes`) every window is cut into documents of different lengths, padded at
+the end, with segment ids and positions that restart in each document, so that rows hold different numbers of real
+bytes and attention stays inside a document. ``unigram_bits_per_byte`` is the baseline a language model must beat:
+the cross-entropy of the training bytes' frequencies on the validation bytes.
 """
 
 from __future__ import annotations
@@ -117,6 +119,69 @@ def next_bytes(windows: Any) -> dict[str, Bytes]:
     return {"inputs": Bytes(windows, 0, -1), "targets": Bytes(windows, 1, None)}
 
 
+class Packed:
+    """The windows of ``windows`` (``length + 1`` bytes each) cut into documents, each row padded at the end.
+
+    Row ``i`` holds documents of ``shortest`` to ``longest`` inputs drawn from ``(seed, i)``, one after another, as
+    many as fit in ``length``; the positions after the last are padding (segment 0, input and target 0). Document
+    ``j`` of a row takes the window's bytes ``[s_j, e_j]``: inputs ``s_j .. e_j - 1`` and their next bytes as targets,
+    so consecutive documents share one byte (the last target of one is the first input of the next) and every target
+    is a real byte of the stream. ``packed[idx]`` is a dict of ``int32[len(idx), length]`` arrays: ``inputs``,
+    ``targets``, ``segments`` (1, 2, ... per document) and ``positions`` (counted from each document's start)."""
+
+    FIELDS = ("inputs", "targets", "segments", "positions")
+
+    def __init__(self, windows: Any, *, seed: int, shortest: int, longest: int):
+        length = windows[np.arange(1)].shape[1] - 1
+        if not 1 <= shortest <= longest <= length:
+            raise ValueError(f"documents of {shortest} to {longest} bytes must fit windows of {length} (1 <= ...)")
+        self.windows, self.seed, self.shortest, self.longest, self.length = windows, seed, shortest, longest, length
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, idx) -> dict[str, np.ndarray]:
+        idx = np.asarray(idx)
+        rows = np.asarray(self.windows[idx]).astype(np.int32)
+        at = np.arange(self.length)
+        segments = np.zeros((len(idx), self.length), np.int32)
+        positions = np.zeros_like(segments)
+        for r, i in enumerate(idx.tolist()):
+            # Enough draws to fill any row; the documents that fit whole are kept.
+            draws = np.random.default_rng((self.seed, i)).integers(self.shortest, self.longest + 1, self.length)
+            ends = np.cumsum(draws)
+            ends = ends[ends <= self.length]
+            doc = np.searchsorted(ends, at, side="right")  # the document of each position, len(ends) past the last
+            real = doc < len(ends)
+            segments[r] = np.where(real, doc + 1, 0)
+            positions[r] = np.where(real, at - np.concatenate([[0], ends])[np.minimum(doc, len(ends))], 0)
+        real = segments > 0
+        inputs, targets = np.where(real, rows[:, :-1], 0), np.where(real, rows[:, 1:], 0)
+        return {"inputs": inputs, "targets": targets, "segments": segments, "positions": positions}
+
+
+class Field:
+    """One field of :class:`Packed`'s rows, indexed lazily (the loader indexes each leaf of its dataset)."""
+
+    def __init__(self, packed: Packed, name: str):
+        self.packed, self.name = packed, name
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def __getitem__(self, idx) -> np.ndarray:
+        return self.packed[idx][self.name]
+
+
+def packed_bytes(windows: Any, *, seed: int) -> dict[str, Field]:
+    """``windows`` of ``length + 1`` bytes as :class:`Packed` rows of documents of ``length / 8`` to ``length / 2``
+    inputs: the batch leaves the model and loss read, each ``length`` long, so that a context axis splits them alike
+    (a row holds ``length / 2`` to ``length`` real bytes)."""
+    length = windows[np.arange(1)].shape[1] - 1
+    packed = Packed(windows, seed=seed, shortest=max(length // 8, 1), longest=max(length // 2, 1))
+    return {name: Field(packed, name) for name in Packed.FIELDS}
+
+
 def train_windows(stream: np.ndarray, seq_len: int, *, seed: int) -> Windows:
     """One window of ``seq_len + 1`` bytes (inputs and their next-byte targets) per ``seq_len + 1`` bytes of
     ``stream``, at offsets drawn uniformly from ``seed``: about one pass over the bytes per epoch, at positions
@@ -148,6 +213,13 @@ def unigram_bits_per_byte(train: np.ndarray, targets: np.ndarray) -> float:
     log_p = np.log2(counts / counts.sum())
     seen = np.bincount(targets.ravel(), minlength=VOCAB)
     return float(-(seen * log_p).sum() / seen.sum())
+
+
+def real_targets(data: dict[str, Any]) -> np.ndarray:
+    """Every real target byte of ``data`` (:func:`next_bytes` or :func:`packed_bytes`), for the baseline."""
+    rows = np.arange(len(data["targets"]))
+    targets = np.asarray(data["targets"][rows])
+    return targets[np.asarray(data["segments"][rows]) > 0] if "segments" in data else targets.ravel()
 
 
 def bits(nats: float) -> float:

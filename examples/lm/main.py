@@ -3,6 +3,7 @@
     python examples/lm/main.py --devices 8                                     # DDP over 8 fake CPU devices
     python examples/lm/main.py --devices 8 --mesh data=4,model=2               # heads and MLP split over model
     python examples/lm/main.py --devices 8 --mesh replica=2,shard=4 --strategy fsdp    # hybrid sharding
+    python examples/lm/main.py --devices 8 --packed --mesh data=2,context=4    # documents of different lengths
     python examples/lm/main.py --devices 8 --checkpoint-dir ckpt --max-steps 200       # stop; run again to resume
 
 The corpus is this Python's standard library (no download). Every evaluation prints validation bits per byte next
@@ -49,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--strategy", choices=["ddp", "zero1", "zero2", "fsdp"], help="over the data axes")
     p.add_argument("--microbatches", type=int, help="a pipeline's micro-batches (else gradient accumulation's)")
+    p.add_argument("--packed", action="store_true", help="rows of documents of different lengths, padded at the end")
     p.add_argument("--attention", choices=["ring", "all_to_all"], help="context parallelism's algorithm")
     p.add_argument("--repeats", type=int, help="a pipeline's layer groups per stage (needs a stage axis)")
     p.add_argument("--width", type=int)

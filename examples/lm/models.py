@@ -55,7 +55,9 @@ def _norm(dtype: Any, name: str) -> nn.LayerNorm:
 class Block(nn.Module):
     """A pre-LayerNorm transformer block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``, causal.
 
-    ``x`` is ``[batch, length, width]``; the result has its shape (the contract of :func:`stack`).
+    ``x`` is ``[batch, length, width]``; the result has its shape (the contract of :func:`stack`). A ``segmented``
+    block reads ``[batch, length, width + 1]``, the last channel each token's document (0 for padding), and attends
+    only within documents; it passes that channel on unchanged.
     """
 
     width: int
@@ -63,9 +65,16 @@ class Block(nn.Module):
     hidden: int  # the MLP's hidden units
     dtype: Any = jnp.float32
     attention: str = "ring"  # context parallelism's algorithm: "ring" or "all_to_all"
+    segmented: bool = False  # packed rows: the segment ids ride in the last channel of x
 
     @nn.compact
     def __call__(self, x):
+        segments = None
+        if self.segmented:
+            # In the activation, not beside it: a pipeline cuts x into micro-batches and passes other per-row arrays
+            # whole (sc.PipelineStack's contract). Small ints are exact in float32 and bfloat16.
+            x, carried = x[..., :-1], x[..., -1:]
+            segments = jnp.round(carried[..., 0]).astype(jnp.int32)
         head_dim = self.width // self.heads
         heads = (self.heads, head_dim)
         y = _norm(self.dtype, "attention_norm")(x)
@@ -74,7 +83,7 @@ class Block(nn.Module):
             Projection(heads, ("embed", "heads", "kv"), dtype=self.dtype, name=n)(y) for n in ("query", "key", "value")
         )
         # Exact over a sequence split over a context axis too (ring or all-to-all); plain attention otherwise.
-        y = sc.context_attention(q, k, v, causal=True, algorithm=self.attention)
+        y = sc.context_attention(q, k, v, causal=True, segment_ids=segments, algorithm=self.attention)
         # Row-parallel: each model device sums over its heads, one all-reduce of the partial sums.
         x = x + Projection((self.width,), ("heads", "kv", "embed"), contract=2, dtype=self.dtype, name="out")(y)
         y = _norm(self.dtype, "mlp_norm")(x)
@@ -85,7 +94,7 @@ class Block(nn.Module):
         y = nn.Dense(
             self.width, kernel_init=_init(("mlp", "embed")), bias_init=_init(("embed",), zeros), dtype=self.dtype
         )(nn.gelu(y))
-        return x + y
+        return x + y if segments is None else jnp.concatenate([x + y, carried], axis=-1)
 
 
 class Projection(nn.Module):
@@ -116,7 +125,10 @@ def stack(block: nn.Module, layers: int, *, name: str | None = None) -> nn.Modul
 
 class Transformer(nn.Module):
     """A decoder-only byte-level language model: ``tokens`` ``int32[batch, length]`` (``length <= max_len``) to
-    next-byte logits ``float32[batch, length, 256]``. ``dtype`` is the computation's; parameters are float32."""
+    next-byte logits ``float32[batch, length, 256]``. ``dtype`` is the computation's; parameters are float32.
+
+    Packed rows pass ``segments`` (each token's document, 0 for padding: attention stays inside a document) and
+    ``positions`` (each token's position in its document); without them every row is one sequence."""
 
     width: int = 128
     layers: int = 4
@@ -127,48 +139,65 @@ class Transformer(nn.Module):
     attention: str = "ring"  # context parallelism's algorithm
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, segments=None, positions=None):
         embed = nn.Embed(
             VOCAB, self.width, embedding_init=_init(("vocab", "embed"), nn.initializers.normal(0.02)), name="embed"
         )
-        positions = self.param(
+        table = self.param(
             "positions", _init(("length", "embed"), nn.initializers.normal(0.02)), (self.max_len, self.width)
         )
-        # Positions count from the first token of the sequence: every window is a sequence of its own.
-        # Each token's global position: with a context axis this device holds other tokens than the first.
-        x = embed(tokens).astype(self.dtype) + positions[sc.context_positions(tokens.shape[1])].astype(self.dtype)
-        block = Block(self.width, self.heads, self.mlp_ratio * self.width, self.dtype, self.attention, parent=None)
+        if positions is None:
+            # Every window is a sequence of its own, counted from its first token; with a context axis this device
+            # holds other tokens than the first, so the positions are the global ones.
+            positions = sc.context_positions(tokens.shape[1])
+        x = embed(tokens).astype(self.dtype) + table[positions].astype(self.dtype)
+        segmented = segments is not None
+        block = Block(
+            self.width, self.heads, self.mlp_ratio * self.width, self.dtype, self.attention, segmented, parent=None
+        )
+        if segmented:
+            x = jnp.concatenate([x, segments[..., None].astype(x.dtype)], axis=-1)
         x = stack(block, self.layers, name="blocks")(x)
+        x = x[..., :-1] if segmented else x
         x = _norm(self.dtype, "final_norm")(x)
         return embed.attend(x).astype(jnp.float32)  # the head is the embedding, transposed
 
 
 def make_loss_fn() -> Callable:
-    """spmdcomm's loss_fn contract: the mean next-byte cross-entropy (nats) over this device's real windows, and
-    the next-byte accuracy. ``batch`` holds ``"inputs"`` and ``"targets"``, ``uint8[windows, length]`` (the
-    targets one byte on): separate leaves, so that a context axis splits both the same way."""
+    """spmdcomm's loss_fn contract, token-weighted: the summed next-byte cross-entropy (nats) over this device's real
+    target bytes and their count, ``sc.weighted``, so that the step trains on the mean over every real byte of the
+    global batch whatever bytes each device, micro-batch or context chunk holds; and the next-byte accuracy, weighted
+    alike. ``batch`` holds ``"inputs"`` and ``"targets"``, ``[windows, length]`` (the targets one byte on): separate
+    leaves, so that a context axis splits both the same way; packed rows add ``"segments"`` and ``"positions"``."""
 
     def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
-        loss, accuracy = _per_window(apply_fn, params, batch)
-        return sc.masked_mean(loss, mask), {"accuracy": sc.masked_mean(accuracy, mask)}
+        loss, right, real = token_sums(apply_fn, params, batch, mask)
+        return sc.weighted(loss, real), {"accuracy": sc.weighted(right, real)}
 
     return loss_fn
 
 
 def make_metric_fn() -> Callable:
-    """Validation loss (nats per byte) and next-byte accuracy over this device's real windows."""
+    """Validation loss (nats per byte) and next-byte accuracy over the real target bytes, token-weighted."""
 
     def metric_fn(params, batch, *, apply_fn, model_state, mask):
-        loss, accuracy = _per_window(apply_fn, params, batch)
-        return {"loss": sc.masked_mean(loss, mask), "accuracy": sc.masked_mean(accuracy, mask)}
+        loss, right, real = token_sums(apply_fn, params, batch, mask)
+        return {"loss": sc.weighted(loss, real), "accuracy": sc.weighted(right, real)}
 
     return metric_fn
 
 
-def _per_window(apply_fn, params, batch) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Each window's mean loss and accuracy over its positions (this device's, with a context axis): every window
-    predicts the same number of bytes, so the mean over windows is the mean over bytes."""
+def token_sums(apply_fn, params, batch, mask) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """The cross-entropy summed over the real target bytes of ``batch``'s real rows (``mask``), the correct
+    next-byte guesses among them, and how many there are: every byte of a plain window, the bytes of a packed
+    row's documents (segment > 0)."""
     inputs, targets = batch["inputs"].astype(jnp.int32), batch["targets"].astype(jnp.int32)
-    logits = apply_fn({"params": params}, inputs)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(-1)
-    return loss, (jnp.argmax(logits, -1) == targets).astype(jnp.float32).mean(-1)
+    segments = batch.get("segments")
+    logits = apply_fn({"params": params}, inputs, segments, batch.get("positions"))
+    real = jnp.broadcast_to(jnp.asarray(mask, bool)[:, None], targets.shape)
+    if segments is not None:
+        real = real & (segments > 0)
+    # Selects, not products: a padded position's value never reaches the sums or their gradients.
+    loss = jnp.where(real, optax.softmax_cross_entropy_with_integer_labels(logits, targets), 0.0)
+    right = real & (jnp.argmax(logits, -1) == targets)
+    return jnp.sum(loss), jnp.sum(right, dtype=jnp.float32), jnp.sum(real, dtype=jnp.float32)

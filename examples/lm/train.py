@@ -5,8 +5,11 @@
 heads and MLP units over ``model``; ``"replica=2,shard=4"``: hybrid sharding), with the config's strategy, AdamW
 with a warm-up cosine schedule, and one ``sc.fit`` call over an ``sc.Loader``. An ``sc.Hook`` computes the
 validation loss every ``eval_every`` steps through ``sc.evaluate``; each evaluation prints validation bits per byte
-next to the unigram baseline's (the training bytes' frequencies). With a ``checkpoint_dir`` a stopped run started
-again resumes at the step of its latest checkpoint, with the data position, the schedule and the random state.
+next to the unigram baseline's (the training bytes' frequencies). The loss is token-weighted (``sc.weighted``): the
+mean over every real byte of the global batch, the same number on every layout; ``packed=True`` cuts every window
+into documents of different lengths padded at the end (``input_pipeline.packed_bytes``). With a ``checkpoint_dir``
+a stopped run started again resumes at the step of its latest checkpoint, with the data position, the schedule and
+the random state.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Config:
     microbatches: int = 1  # a pipeline's micro-batches; without a stage axis, gradient accumulation's
     repeats: int = 1  # a pipeline's layer groups per stage (needs a "stage" axis)
     attention: str = "ring"  # how attention crosses a "context" axis: "ring" or "all_to_all"
+    packed: bool = False  # rows of documents of different lengths, padded at the end (else whole windows)
     width: int = 128
     layers: int = 4
     heads: int = 4
@@ -128,6 +132,24 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
     )
 
 
+def init_params(config: Config) -> Any:
+    """The model's initial parameters (boxed with their logical names), from ``config.seed``."""
+    # One compiled program for the initialisation, as Flax's examples do (eagerly, each initializer compiles).
+    tokens = np.zeros((1, config.seq_len), np.int32)
+    return jax.jit(make_model(config).init)(jax.random.key(config.seed), tokens)["params"]
+
+
+def datasets(config: Config, corpus: input_pipeline.Corpus) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The training and validation datasets (dicts of lazily indexed leaves of ``[rows, seq_len]``): random
+    training windows and fixed validation ones, each cut into documents when ``config.packed``."""
+    windows = input_pipeline.train_windows(corpus.train, config.seq_len, seed=config.seed)
+    val = input_pipeline.eval_windows(corpus.val, config.seq_len, config.eval_windows)
+    if config.packed:
+        # The validation documents do not depend on the seed: every run validates on the same ones.
+        return input_pipeline.packed_bytes(windows, seed=config.seed), input_pipeline.packed_bytes(val, seed=0)
+    return input_pipeline.next_bytes(windows), input_pipeline.next_bytes(val)
+
+
 def build_state(config: Config, mesh: Mesh) -> tuple[sc.TrainState, sc.TrainStep]:
     """The train state on ``mesh`` (the strategy over its data axes, the model's logical names mapped to its
     model axis, a pipeline over a ``"stage"`` axis, a context split over a ``"context"`` axis) and the train step.
@@ -142,8 +164,7 @@ def build_state(config: Config, mesh: Mesh) -> tuple[sc.TrainState, sc.TrainStep
     if config.repeats != 1 and not pipelined:
         raise ValueError(f"--repeats {config.repeats}: repeats are a pipeline's, and the mesh has no 'stage' axis")
     model = make_model(config)
-    # One compiled program for the initialisation, as Flax's examples do (eagerly, each initializer compiles).
-    params = jax.jit(model.init)(jax.random.key(config.seed), np.zeros((1, config.seq_len), np.int32))["params"]
+    params = init_params(config)
     pipeline = sc.Pipeline(config.microbatches, PIPELINE_AXIS, config.repeats) if pipelined else None
     state = sc.TrainState.create(
         params=params,
@@ -168,20 +189,19 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     state, step = build_state(config, mesh)
     eval_step = sc.make_eval_step(make_metric_fn())
     corpus = input_pipeline.load_corpus(config.corpus_bytes)
-    windows = input_pipeline.train_windows(corpus.train, config.seq_len, seed=config.seed)
-    val = input_pipeline.eval_windows(corpus.val, config.seq_len, config.eval_windows)
-    unigram = input_pipeline.unigram_bits_per_byte(corpus.train, val[:, 1:])
+    train_data, val = datasets(config, corpus)
+    unigram = input_pipeline.unigram_bits_per_byte(corpus.train, input_pipeline.real_targets(val))
     n_proc = sc.process_count()
     local_batch = config.batch_size // n_proc
-    sampler = sc.ShardedSampler(
-        len(windows), shard_index=sc.process_index(), num_shards=n_proc, seed=config.seed, drop_remainder=True
-    )
-    val_sampler = sc.ShardedSampler(len(val), shard_index=sc.process_index(), num_shards=n_proc, shuffle=False)
+    shard = dict(shard_index=sc.process_index(), num_shards=n_proc)
+    sampler = sc.ShardedSampler(len(train_data["inputs"]), **shard, seed=config.seed, drop_remainder=True)
+    val_sampler = sc.ShardedSampler(len(val["inputs"]), **shard, shuffle=False)
     start = (sc.latest_checkpoint_step(config.checkpoint_dir) if config.checkpoint_dir else None) or 0
     params = count_parameters(config)
     say(
         f"corpus: {len(corpus.train_files)} files ({corpus.train.size / 1e6:.1f} MB) for training, "
-        f"{len(corpus.val_files)} ({corpus.val.size / 1e6:.1f} MB) for validation, {len(val)} validation windows; "
+        f"{len(corpus.val_files)} ({corpus.val.size / 1e6:.1f} MB) for validation, {len(val['inputs'])} validation "
+        f"{'rows of documents' if config.packed else 'windows'}; "
         f"unigram baseline {unigram:.3f} bits/byte"
     )
     say(
@@ -193,16 +213,14 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         say(f"resuming from {config.checkpoint_dir} at step {start}, restart {sc.restart_count()}")
 
     def validation(state: sc.TrainState) -> dict[str, float]:
-        metrics = sc.evaluate(
-            eval_step, state, sc.take_batches(input_pipeline.next_bytes(val), val_sampler.batches(local_batch))
-        )
+        metrics = sc.evaluate(eval_step, state, sc.take_batches(val, val_sampler.batches(local_batch)))
         return {"val/loss": metrics["loss"], "val/accuracy": metrics["accuracy"]}
 
     rows = EvalRows(unigram, start=start)
     per_epoch = sampler.num_batches(local_batch)
     epochs = math.ceil(config.steps / per_epoch)
     loader = sc.Loader(
-        input_pipeline.next_bytes(windows),
+        train_data,
         sampler,
         batch_size=local_batch,
         epochs=epochs,
@@ -247,6 +265,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         "seconds": seconds,
         "train_seconds": rows.train_seconds,
         "evaluations": rows.rows,
+        "losses": rows.losses,
+        "tokens": rows.tokens,
         "val_bits_per_byte": final["val_bits_per_byte"],
         "unigram_bits_per_byte": unigram,
     }
@@ -261,10 +281,14 @@ class EvalRows:
         self.start = start  # the global step this call of fit starts from
         self.rows: list[dict[str, Any]] = []
         self.train_seconds = 0.0  # the steps' wall time, evaluations left out
+        self.losses: list[float] = []  # every step's training loss (nats per real byte)
+        self.tokens = 0  # the real target bytes trained on
         self._losses: list[float] = []
 
     def add(self, i: int, metrics: dict[str, float]) -> None:
         self._losses.append(metrics["loss"])
+        self.losses.append(metrics["loss"])
+        self.tokens += round(metrics["tokens"])
         self.train_seconds += sum(v for k, v in metrics.items() if k.startswith("time/") and k != "time/hooks")
         if "val/loss" in metrics:
             self.add_evaluation(self.start + i + 1, metrics)

@@ -3,7 +3,8 @@
 Usage: spmdcomm-launch -n 2 --devices-per-process 2 mp_ddp.py OUT_DIR
 Every process starts from DIFFERENT parameters (seed = process index): TrainState.create must
 broadcast process 0's. Each process feeds only its own rows of every global batch, as a DDP data
-loader would.
+loader would. Then a token-weighted loss (sc.weighted) on batches whose real tokens are uneven between the
+processes (process 1's few, one of its devices none), under DDP with 2 accumulation micro-batches and under FSDP.
 """
 
 import sys
@@ -17,7 +18,17 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_models import example_batch, init, local_rows, loss_fn, write_params  # noqa: E402
+from ddp_models import (  # noqa: E402
+    example_batch,
+    init,
+    local_rows,
+    loss_fn,
+    token_batches,
+    token_loss_fn,
+    write_params,
+)
+
+WEIGHTED = {"ddp": 2, "fsdp": 1}  # strategy: accum_steps
 
 
 def main(out_dir: Path) -> None:
@@ -41,6 +52,14 @@ def main(out_dir: Path) -> None:
         sc.assert_replicated(full)
         write_params(out_dir, strategy, full, history)
         print("DDP OK", strategy, flush=True)
+    tokens = [local_rows(b, mesh) for b in token_batches(16, 6, 3)]
+    for strategy, accum in WEIGHTED.items():
+        state = sc.TrainState.create(
+            params=params, apply_fn=apply_fn, tx=optax.adam(1e-2), mesh=mesh, strategy=strategy
+        )
+        state, history = sc.fit(sc.make_train_step(token_loss_fn, accum_steps=accum), state, tokens)
+        write_params(out_dir, f"weighted_{strategy}", state.full_params(), history)
+        print("WEIGHTED OK", strategy, flush=True)
 
 
 if __name__ == "__main__":
