@@ -154,8 +154,8 @@ class SpmdFunction:
         self.host_input = host_input
         functools.update_wrapper(self, fn)
         if "__name__" not in self.__dict__:  # a functools.partial or another callable object has no __name__
-            inner = getattr(fn, "func", None)  # a partial's function
-            self.__name__ = f"partial({inner.__name__})" if hasattr(inner, "__name__") else type(fn).__name__
+            inner = getattr(getattr(fn, "func", None), "__name__", None)  # a partial's function's name
+            self.__name__ = f"partial({inner})" if inner is not None else type(fn).__name__
         # (treedef, mesh) -> the program and the input shardings of the last call: the fast path of __call__
         self._fast = Cache(limit=64)
 
