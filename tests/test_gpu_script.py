@@ -96,7 +96,8 @@ def test_a_failing_or_slow_section_is_recorded_and_the_others_run(gpu, monkeypat
     assert sections["train_step"]["status"] == "timed out" and sections["train_step"]["result"] == {"measured": 2}
     assert sections["memory"]["status"] == "ok" and sections["memory"]["result"] == {"measured": 3}
     assert sections["suite"]["status"] == "ok"
-    assert sum(s["limit_s"] for s in sections.values()) <= 3.0  # each its share of what was left
+    # Each a share of what was left when it started: never the whole budget, and the hang's share ran out.
+    assert all(0 < s["limit_s"] < 3.0 for s in sections.values()), sections
 
     result = {"budget_s": 0.01, "sections": {}}  # no time for any section: each says so, none runs
     gpu.run_sections(["prefetch", "suite"], gpu.TINY, None, result, tmp_path / "gpu.json")
