@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -59,9 +60,9 @@ if str(ROOT) not in sys.path:  # this checkout's spmdcomm, installed or not, bef
 
 from _common import set_cpu_devices, step_caller, time_calls, write_json  # noqa: E402
 
-SECTIONS = ("prefetch", "train_step", "memory", "mfu", "suite")
+SECTIONS = ("prefetch", "train_step", "memory", "mfu", "attention", "suite")
 # Each section's share of the time left when it starts, relative to the sections after it.
-SHARES = {"prefetch": 0.24, "train_step": 0.18, "memory": 0.16, "mfu": 0.14, "suite": 0.28}
+SHARES = {"prefetch": 0.22, "train_step": 0.16, "memory": 0.14, "mfu": 0.13, "attention": 0.1, "suite": 0.25}
 STRATEGIES = ("ddp", "zero1", "fsdp")
 HIDDEN_GOAL, JIT_GOAL = 0.9, 0.97
 MIN_SECTION_S = 5.0  # a section given less is recorded as skipped
@@ -98,6 +99,9 @@ class Size:
     )
     lm_rounds: int = 5
     lm_steps: int = 10
+    # Causal attention of one sequence, 16 heads of 128, at these lengths (the last ones are what rings are for).
+    attention_lengths: tuple[int, ...] = (4096, 16384, 32768)
+    attention_heads: tuple[int, int] = (16, 128)
     suite: tuple[str, ...] = SUITE
     # Sections' time; the imports, JAX's start and the plot come on top, and a section's alarm waits for a compile
     # that is under way: about 8 minutes in all.
@@ -114,6 +118,8 @@ TINY = Size(
     lm={"vocab": 64, "width": 32, "layers": 1, "heads": 2, "seq": 16, "batch": 4},
     lm_rounds=1,
     lm_steps=2,
+    attention_lengths=(32,),
+    attention_heads=(2, 8),
     suite=("tests/test_prefetch_pinned.py", "-k", "only_off_cpu or this_platform"),
     budget_s=150.0,
 )
@@ -588,6 +594,56 @@ def _jit_lm(spec: LMSpec) -> Callable[[int], float]:
     return run
 
 
+# --- attention --------------------------------------------------------------------------------------------
+
+
+def section_attention(size: Size, args: argparse.Namespace, out: dict, deadline: float) -> None:
+    """``out[length]``: milliseconds and compiled temporaries of one causal attention's forward and backward pass on
+    one device, in bf16 where the device has it: ``jax.nn.dot_product_attention`` against ``sc.ring_attention`` and
+    ``sc.all_to_all_attention`` over a one-device axis (the ring degenerate: the kernels' own cost, no hop)."""
+    import jax
+    import jax.numpy as jnp
+
+    import spmdcomm as sc
+
+    dtype = jnp.bfloat16 if jax.devices()[0].platform == "gpu" else jnp.float32
+    mesh = sc.make_mesh({"seq": 1}, devices=jax.devices()[:1])
+    spec = sc.P(None, "seq")
+    variants = {
+        "jax.nn.dot_product_attention": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+        "sc.ring_attention": sc.spmd(
+            lambda q, k, v: sc.ring_attention(q, k, v, "seq", causal=True), in_specs=spec, out_specs=spec, mesh=mesh
+        ),
+        "sc.all_to_all_attention": sc.spmd(
+            lambda q, k, v: sc.all_to_all_attention(q, k, v, "seq", causal=True),
+            in_specs=spec,
+            out_specs=spec,
+            mesh=mesh,
+        ),
+    }
+    heads, dim = size.attention_heads
+    for length in size.attention_lengths:  # shortest first: a timeout keeps the lengths already measured
+        q, k, v = (jax.random.normal(jax.random.key(i), (1, length, heads, dim), dtype) for i in range(3))
+        row: dict = {}
+        for name, attend in variants.items():
+            grad = jax.jit(jax.grad(_summed(attend), argnums=(0, 1, 2)))
+            compiled = grad.lower(q, k, v).compile()
+            call = functools.partial(grad, q, k, v)
+            jax.block_until_ready(call())
+            seconds = min(time_calls(call, size.steps) for _ in range(size.rounds)) / size.steps
+            row[name] = {"ms": 1e3 * seconds, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+        base = row["jax.nn.dot_product_attention"]
+        for entry in row.values():
+            entry["time_vs_jax_nn"] = entry["ms"] / base["ms"]
+            entry["temp_vs_jax_nn"] = entry["temp_bytes"] / max(base["temp_bytes"], 1)
+        out[str(length)] = row
+
+
+def _summed(attend: Callable) -> Callable:
+    """A scalar of ``attend``'s output (float32 sum), to differentiate."""
+    return lambda q, k, v: attend(q, k, v).astype("float32").sum()
+
+
 # --- suite ---------------------------------------------------------------------------------------------------
 
 
@@ -755,6 +811,7 @@ SECTION_FUNCTIONS = {
     "train_step": section_train_step,
     "memory": section_memory,
     "mfu": section_mfu,
+    "attention": section_attention,
     "suite": section_suite,
 }
 

@@ -126,7 +126,7 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path):
     assert (r["device"], r["platform"], r["device_count"], r["tiny"]) == ("cpu", "cpu", 1, True)
     assert r["jax"] and "several GPUs" in r["untested"]
     sections = r["sections"]
-    assert list(sections) == ["prefetch", "train_step", "memory", "mfu", "suite"]
+    assert list(sections) == ["prefetch", "train_step", "memory", "mfu", "attention", "suite"]
     for name, entry in sections.items():
         assert entry["status"] == "ok", (name, entry.get("error"), entry.get("traceback"))
         assert entry["seconds"] > 0 and entry["limit_s"] is None
@@ -152,6 +152,12 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path):
         ("mlp", s) for s in ("ddp", "zero1", "fsdp", "jit")
     ]
     assert all(row["explained_peak_bytes"] > 0 and row["peak_bytes_in_use"] is None for row in memory["rows"])
+
+    attention = sections["attention"]["result"]
+    assert list(attention) == ["32"]
+    for row in attention.values():
+        assert set(row) == {"jax.nn.dot_product_attention", "sc.ring_attention", "sc.all_to_all_attention"}
+        assert all(r["ms"] > 0 and r["temp_bytes"] > 0 and r["time_vs_jax_nn"] > 0 for r in row.values()), row
 
     mfu = sections["mfu"]["result"]
     if (ROOT / "examples" / "lm").exists():  # once it lands: measured, or why not
