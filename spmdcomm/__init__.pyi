@@ -52,10 +52,10 @@ from spmdcomm.data.loader import Loader as Loader
 from spmdcomm.data.prefetch import prefetch_to_device as prefetch_to_device
 
 # data-parallel training
-from spmdcomm.train.strategies import DDP as DDP
-from spmdcomm.train.strategies import ZeRO1 as ZeRO1
-from spmdcomm.train.strategies import ZeRO2 as ZeRO2
-from spmdcomm.train.fsdp import FSDP as FSDP
+from spmdcomm.parallel.data.strategies import DDP as DDP
+from spmdcomm.parallel.data.strategies import ZeRO1 as ZeRO1
+from spmdcomm.parallel.data.strategies import ZeRO2 as ZeRO2
+from spmdcomm.parallel.data.fsdp import FSDP as FSDP
 from spmdcomm.train.state import TrainState as TrainState
 from spmdcomm.train.loop import fit as fit
 from spmdcomm.train.hooks import Hook as Hook
@@ -77,13 +77,13 @@ from spmdcomm.train.checkpoint import save_checkpoint as save_checkpoint
 from spmdcomm.errors import CheckpointDamagedWarning as CheckpointDamagedWarning
 
 # pipeline parallelism
-from spmdcomm.train.pipeline import Pipeline as Pipeline
-from spmdcomm.train.stack import PipelineStack as PipelineStack
+from spmdcomm.parallel.pipeline.pipeline import Pipeline as Pipeline
+from spmdcomm.parallel.pipeline.stack import PipelineStack as PipelineStack
 
 # context parallelism
-from spmdcomm.train.context import ContextParallel as ContextParallel
-from spmdcomm.train.context import context_attention as context_attention
-from spmdcomm.train.context import context_positions as context_positions
+from spmdcomm.parallel.context import ContextParallel as ContextParallel
+from spmdcomm.parallel.context import context_attention as context_attention
+from spmdcomm.parallel.context import context_positions as context_positions
 from spmdcomm.collectives.attention import sequence_positions as sequence_positions
 from spmdcomm.collectives.attention import zigzag_order as zigzag_order
 

@@ -32,6 +32,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("spmdcomm.data",)),
     ("collectives", ("spmdcomm.collectives",)),
     ("reliability", ("spmdcomm.reliability",)),
+    # the parallelisms, each in a folder or module of its own, and the mesh roles they all read
+    ("parallel", ("spmdcomm.parallel",)),
     ("train", ("spmdcomm.train",)),
     ("nnx", ("spmdcomm.nnx",)),
     ("explain", ("spmdcomm.explain",)),
@@ -68,22 +70,22 @@ def test_modules_import_only_from_their_layer_or_below():
         (
             "spmdcomm.runtime.sync",
             "def f():\n    from spmdcomm.train.state import TrainState\n",
-            ["spmdcomm.runtime.sync (layer 1, runtime) imports spmdcomm.train.state (layer 6, train)"],
+            ["spmdcomm.runtime.sync (layer 1, runtime) imports spmdcomm.train.state (layer 7, train)"],
         ),
         (
             "spmdcomm.data.batches",
             "from spmdcomm import train, errors\n",
-            ["spmdcomm.data.batches (layer 3, data) imports spmdcomm.train (layer 6, train)"],
+            ["spmdcomm.data.batches (layer 3, data) imports spmdcomm.train (layer 7, train)"],
         ),
         (
             "spmdcomm.runtime.mesh",
             "from ..explain import report\n",
-            ["spmdcomm.runtime.mesh (layer 1, runtime) imports spmdcomm.explain.report (layer 8, explain)"],
+            ["spmdcomm.runtime.mesh (layer 1, runtime) imports spmdcomm.explain.report (layer 9, explain)"],
         ),
         (
             "spmdcomm.errors",
             "import spmdcomm\n",
-            ["spmdcomm.errors (layer 0, base) imports spmdcomm (layer 9, package)"],
+            ["spmdcomm.errors (layer 0, base) imports spmdcomm (layer 10, package)"],
         ),
     ],
 )

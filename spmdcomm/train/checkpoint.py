@@ -50,11 +50,11 @@ import jax
 import numpy as np
 
 from spmdcomm.errors import CheckpointDamagedWarning, SpmdError, check_not_deleted, describe
+from spmdcomm.parallel.data.strategies import BY_NAME
 from spmdcomm.train._checkpoint_arrays import arrays, stored, targets, unpadded, with_arrays
 from spmdcomm.train._checkpoint_choice import chosen_step, make_room
 from spmdcomm.train._checkpoint_disk import first_line
 from spmdcomm.train.state import TrainState
-from spmdcomm.train.strategies import BY_NAME
 
 __all__ = [
     "save_checkpoint",

@@ -1,5 +1,5 @@
 """The interface every data-parallel strategy implements: the hooks the state, the steps and the checkpoints call,
-so that no generic code asks which strategy it runs. The strategies themselves: :mod:`spmdcomm.train.strategies`."""
+so that no generic code asks which strategy it runs. The strategies: :mod:`spmdcomm.parallel.data.strategies`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm.train._flat import cast
-from spmdcomm.train.layout import TreeLayout
+from spmdcomm.parallel.data._flat import cast
+from spmdcomm.parallel.data.layout import TreeLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Strategy:
           stage: the pipeline's stage axis (None: none); leaves whose model spec names it hold stacked layers.
 
         Returns:
-          The :class:`~spmdcomm.train.layout.TreeLayout` of parameters, gradients and optimizer state: hashable,
+          The :class:`~spmdcomm.parallel.data.layout.TreeLayout` of parameters, gradients and optimizer state: hashable,
           stored in the state.
         """
         return TreeLayout.build(

@@ -36,10 +36,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm.train import _blocks
-from spmdcomm.train._flat import cast
-from spmdcomm.train._specs import dim as _dim
-from spmdcomm.train._specs import manual_spec, mirrored, names, path_key, shard_dim, shard_spec
+from spmdcomm.parallel.data import _blocks
+from spmdcomm.parallel.data._flat import cast
+from spmdcomm.parallel.data._specs import dim as _dim
+from spmdcomm.parallel.data._specs import manual_spec, mirrored, names, path_key, shard_dim, shard_spec
 
 __all__ = ["TreeLayout", "shard_spec", "shard_dim"]
 
