@@ -70,10 +70,10 @@ from spmdcomm.nnx.adapters import nnx_metric_fn as nnx_metric_fn
 from spmdcomm.train.state import optimizer_state_bytes as optimizer_state_bytes
 from spmdcomm.runtime.replicas import assert_replicated as assert_replicated
 from spmdcomm.runtime.replicas import check_replicas_in_sync as check_replicas_in_sync
-from spmdcomm.train.checkpoint import latest_checkpoint_step as latest_checkpoint_step
-from spmdcomm.train.checkpoint import checkpoint_extra as checkpoint_extra
-from spmdcomm.train.checkpoint import restore_checkpoint as restore_checkpoint
-from spmdcomm.train.checkpoint import save_checkpoint as save_checkpoint
+from spmdcomm.checkpoint.checkpoint import latest_checkpoint_step as latest_checkpoint_step
+from spmdcomm.checkpoint.checkpoint import checkpoint_extra as checkpoint_extra
+from spmdcomm.checkpoint.checkpoint import restore_checkpoint as restore_checkpoint
+from spmdcomm.checkpoint.checkpoint import save_checkpoint as save_checkpoint
 from spmdcomm.errors import CheckpointDamagedWarning as CheckpointDamagedWarning
 
 # pipeline parallelism
@@ -148,10 +148,12 @@ from spmdcomm.reliability.metrics import MetricsWriter as MetricsWriter
 from spmdcomm.runtime.debug import set_debug as set_debug
 
 # subpackages
+from spmdcomm import checkpoint as checkpoint
 from spmdcomm import collectives as collectives
 from spmdcomm import data as data
 from spmdcomm import launch as launch
 from spmdcomm import nnx as nnx
+from spmdcomm import parallel as parallel
 from spmdcomm import reliability as reliability
 from spmdcomm import runtime as runtime
 from spmdcomm import train as train

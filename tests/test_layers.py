@@ -34,7 +34,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("reliability", ("spmdcomm.reliability",)),
     # the parallelisms, each in a folder or module of its own, and the mesh roles they all read
     ("parallel", ("spmdcomm.parallel",)),
-    ("train", ("spmdcomm.train",)),
+    # checkpoints beside train: fit saves them, and a checkpoint holds a TrainState
+    ("train", ("spmdcomm.train", "spmdcomm.checkpoint")),
     ("nnx", ("spmdcomm.nnx",)),
     ("explain", ("spmdcomm.explain",)),
     ("package", ("spmdcomm",)),  # spmdcomm/__init__.py: the public names of every layer

@@ -1,5 +1,12 @@
 """Layer 6, training: the train state, strategies (DDP, ZeRO, FSDP), train and eval steps, fit, checkpoints."""
 
+from spmdcomm.checkpoint.checkpoint import (
+    CheckpointDamagedWarning,
+    checkpoint_extra,
+    latest_checkpoint_step,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from spmdcomm.parallel.context import ContextParallel, context_attention, context_positions
 from spmdcomm.parallel.data.layout import TreeLayout
 from spmdcomm.parallel.data.strategies import DDP, FSDP, STRATEGIES, ZeRO1, ZeRO2
@@ -10,13 +17,6 @@ from spmdcomm.parallel.pipeline.stack import PipelineStack
 from spmdcomm.parallel.roles import MeshRoles
 from spmdcomm.train._step import DEFAULT_MAX_IN_FLIGHT
 from spmdcomm.train.batchnorm import SyncBatchNorm
-from spmdcomm.train.checkpoint import (
-    CheckpointDamagedWarning,
-    checkpoint_extra,
-    latest_checkpoint_step,
-    restore_checkpoint,
-    save_checkpoint,
-)
 from spmdcomm.train.eval_step import EvalStep, evaluate, make_eval_step
 from spmdcomm.train.hooks import Hook
 from spmdcomm.train.loop import Preempted, fit

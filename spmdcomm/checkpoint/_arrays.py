@@ -4,11 +4,12 @@ restores onto any strategy and device count."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
-from spmdcomm.train.state import TrainState
+if TYPE_CHECKING:
+    from spmdcomm.train.state import TrainState
 
 __all__ = ["arrays", "targets", "unpadded", "stored", "with_arrays"]
 
