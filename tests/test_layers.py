@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "spmdcomm._cache",
             "spmdcomm._env",
             "spmdcomm._compile_watch",
+            "spmdcomm._moved",
         ),
     ),
     # transport is the bottom of runtime: every module that agrees across processes imports it
