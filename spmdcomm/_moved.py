@@ -22,4 +22,6 @@ def moved(old: str, new: str) -> tuple[list[str], Callable[[str], Any]]:
     def __getattr__(name: str) -> Any:
         return getattr(module, name)
 
-    return list(getattr(module, "__all__", ())), __getattr__
+    # what ``from old import *`` gave: the module's __all__, or else its names without a leading underscore
+    names = getattr(module, "__all__", None) or [name for name in vars(module) if not name.startswith("_")]
+    return list(names), __getattr__
