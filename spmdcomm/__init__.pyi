@@ -52,10 +52,10 @@ from spmdcomm.data.loader import Loader as Loader
 from spmdcomm.data.prefetch import prefetch_to_device as prefetch_to_device
 
 # data-parallel training
-from spmdcomm.train.strategies import DDP as DDP
-from spmdcomm.train.strategies import ZeRO1 as ZeRO1
-from spmdcomm.train.strategies import ZeRO2 as ZeRO2
-from spmdcomm.train.fsdp import FSDP as FSDP
+from spmdcomm.parallel.data.strategies import DDP as DDP
+from spmdcomm.parallel.data.strategies import ZeRO1 as ZeRO1
+from spmdcomm.parallel.data.strategies import ZeRO2 as ZeRO2
+from spmdcomm.parallel.data.fsdp import FSDP as FSDP
 from spmdcomm.train.state import TrainState as TrainState
 from spmdcomm.train.loop import fit as fit
 from spmdcomm.train.hooks import Hook as Hook
@@ -70,20 +70,20 @@ from spmdcomm.nnx.adapters import nnx_metric_fn as nnx_metric_fn
 from spmdcomm.train.state import optimizer_state_bytes as optimizer_state_bytes
 from spmdcomm.runtime.replicas import assert_replicated as assert_replicated
 from spmdcomm.runtime.replicas import check_replicas_in_sync as check_replicas_in_sync
-from spmdcomm.train.checkpoint import latest_checkpoint_step as latest_checkpoint_step
-from spmdcomm.train.checkpoint import checkpoint_extra as checkpoint_extra
-from spmdcomm.train.checkpoint import restore_checkpoint as restore_checkpoint
-from spmdcomm.train.checkpoint import save_checkpoint as save_checkpoint
+from spmdcomm.checkpoint.checkpoint import latest_checkpoint_step as latest_checkpoint_step
+from spmdcomm.checkpoint.checkpoint import checkpoint_extra as checkpoint_extra
+from spmdcomm.checkpoint.checkpoint import restore_checkpoint as restore_checkpoint
+from spmdcomm.checkpoint.checkpoint import save_checkpoint as save_checkpoint
 from spmdcomm.errors import CheckpointDamagedWarning as CheckpointDamagedWarning
 
 # pipeline parallelism
-from spmdcomm.train.pipeline import Pipeline as Pipeline
-from spmdcomm.train.stack import PipelineStack as PipelineStack
+from spmdcomm.parallel.pipeline.pipeline import Pipeline as Pipeline
+from spmdcomm.parallel.pipeline.stack import PipelineStack as PipelineStack
 
 # context parallelism
-from spmdcomm.train.context import ContextParallel as ContextParallel
-from spmdcomm.train.context import context_attention as context_attention
-from spmdcomm.train.context import context_positions as context_positions
+from spmdcomm.parallel.context import ContextParallel as ContextParallel
+from spmdcomm.parallel.context import context_attention as context_attention
+from spmdcomm.parallel.context import context_positions as context_positions
 from spmdcomm.collectives.attention import sequence_positions as sequence_positions
 from spmdcomm.collectives.attention import zigzag_order as zigzag_order
 
@@ -148,10 +148,12 @@ from spmdcomm.reliability.metrics import MetricsWriter as MetricsWriter
 from spmdcomm.runtime.debug import set_debug as set_debug
 
 # subpackages
+from spmdcomm import checkpoint as checkpoint
 from spmdcomm import collectives as collectives
 from spmdcomm import data as data
 from spmdcomm import launch as launch
 from spmdcomm import nnx as nnx
+from spmdcomm import parallel as parallel
 from spmdcomm import reliability as reliability
 from spmdcomm import runtime as runtime
 from spmdcomm import train as train

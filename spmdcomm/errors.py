@@ -77,9 +77,9 @@ class ReplicatedReductionWarning(UserWarning):
 class CheckpointDamagedWarning(UserWarning):
     """A checkpoint was skipped (or replaced) because a file that restoring it needs is missing or unreadable.
 
-    Emitted when :func:`~spmdcomm.train.checkpoint.latest_checkpoint_step`,
-    :func:`~spmdcomm.train.checkpoint.restore_checkpoint` or :func:`~spmdcomm.train.checkpoint.checkpoint_extra`
-    fall back to an older intact checkpoint, and when :func:`~spmdcomm.train.checkpoint.save_checkpoint` replaces a
+    Emitted when :func:`~spmdcomm.checkpoint.latest_checkpoint_step`,
+    :func:`~spmdcomm.checkpoint.restore_checkpoint` or :func:`~spmdcomm.checkpoint.checkpoint_extra`
+    fall back to an older intact checkpoint, and when :func:`~spmdcomm.checkpoint.save_checkpoint` replaces a
     damaged checkpoint of the step it saves (as :func:`spmdcomm.fit` does after resuming from an older one). The
     message names each damaged step, the directory and what is damaged.
     """

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ FRAME_READERS = {
 # Names of JAX primitives that JAX's public API (jax.extend.core.primitives) does not export.
 INTERNAL_PRIMITIVES = frozenset({"pvary", "pcast", "custom_vjp_call_jaxpr", "copy_p"})
 # Modules outside _jax_compat that name such primitives, and why; docs/architecture.md names each.
-PRIMITIVE_NAMERS = {"spmdcomm/train/fsdp.py": "_MOVED, the primitives its jax.checkpoint policy does not keep"}
+PRIMITIVE_NAMERS = {"spmdcomm/parallel/data/fsdp.py": "_MOVED, the primitives its jax.checkpoint policy does not keep"}
 # Exception types defined outside spmdcomm.errors; docs/architecture.md names each.
 ERRORS_ELSEWHERE = {"StuckStepError": "spmdcomm.reliability.watchdog", "Preempted": "spmdcomm.train.loop"}
 
@@ -221,7 +222,7 @@ def _documented_layers() -> dict[str, tuple[str, set[str]]]:
         _, name, package, modules = row
         while re.search(r"\([^()]*\)", modules):
             modules = re.sub(r"\([^()]*\)", "", modules)
-        layers[name] = (package, set(re.findall(r"`(\w+)`", modules)))
+        layers[name] = (package, set(re.findall(r"`([\w.]+)`", modules)))
     return layers
 
 
@@ -232,8 +233,16 @@ def test_the_layer_table_lists_every_module_of_each_layer():
     on_disk = {
         "base": {m.partition(".")[2] for m, p in modules.items() if m.count(".") == 1 and p.name != "__init__.py"}
     }
+    # a layer's modules by their names in its first package; those of another package of the layer (spmdcomm.train's
+    # neighbour spmdcomm.checkpoint) by their names under spmdcomm, the package itself included
     for name, entries in LAYERS[1:-1]:
-        on_disk[name] = {m.removeprefix(entries[0] + ".") for m in modules if m.startswith(entries[0] + ".")}
+        first, *others = entries
+        on_disk[name] = {m.removeprefix(first + ".") for m in modules if m.startswith(first + ".")} | {
+            m.removeprefix("spmdcomm.")
+            for m in modules
+            for other in others
+            if not other.startswith(first + ".") and (m == other or m.startswith(other + "."))
+        }
     assert {name: modules for name, (_, modules) in documented.items()} == on_disk
 
 
@@ -280,3 +289,21 @@ def test_the_module_paths_users_read_are_public():
             if name not in getattr(parent, "__all__", ()):
                 private[path] = f"not in {module}.__all__"
     assert private == {}
+
+
+# Module paths that moved, by old path: each keeps working, with a DeprecationWarning, for one release.
+MOVED = {
+    "spmdcomm.train.strategy": "spmdcomm.parallel.data.strategy",
+    "spmdcomm.train.layout": "spmdcomm.parallel.data.layout",
+    "spmdcomm.train.rng": "spmdcomm.parallel.rng",
+}
+
+
+@pytest.mark.parametrize(("old", "new"), MOVED.items())
+def test_a_moved_module_path_warns_and_gives_the_new_modules_names(old, new):
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+        shim = importlib.import_module(old)
+    module = importlib.import_module(new)
+    names = getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]
+    assert shim.__all__ == list(names) and all(getattr(shim, n) is getattr(module, n) for n in names)

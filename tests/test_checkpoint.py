@@ -23,7 +23,7 @@ import optax
 import pytest
 
 import spmdcomm as sc
-from spmdcomm.train.checkpoint import CheckpointDamagedWarning
+from spmdcomm.checkpoint.checkpoint import CheckpointDamagedWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("resume_job", ROOT / "tests" / "workers" / "resume_job.py")

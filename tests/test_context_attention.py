@@ -22,7 +22,7 @@ import pytest
 import spmdcomm as sc
 from spmdcomm.collectives import _attention_blocks as blocks
 from spmdcomm.errors import AxisError, ShapeError, SpmdError
-from spmdcomm.train.context import ContextParallel, context_split
+from spmdcomm.parallel.context import ContextParallel, context_split
 
 TOL = {"all_to_all": {"rtol": 1e-5, "atol": 1e-5}, "ring": {"rtol": 1e-5, "atol": 2e-5}}
 KERNELS = {"all_to_all": sc.all_to_all_attention, "ring": sc.ring_attention}

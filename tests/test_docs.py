@@ -281,12 +281,12 @@ def test_a_block_that_raises_is_reported_with_the_documents_line(tmp_path):
     ("name", "exists"),
     [
         ("spmdcomm.make_train_step", True),
-        ("spmdcomm.train.strategies.FSDP", True),  # a module that `import spmdcomm` need not have imported
+        ("spmdcomm.parallel.data.strategies.FSDP", True),  # a module that `import spmdcomm` need not have imported
         ("spmdcomm.TrainState.create", True),
         ("spmdcomm.launch", True),
         ("spmdcomm.ddp", False),
         ("spmdcomm.TrainStep.place", False),
-        ("spmdcomm.train.strategies.NoSuchStrategy", False),
+        ("spmdcomm.parallel.data.strategies.NoSuchStrategy", False),
     ],
 )
 def test_names_resolve_in_the_package(name, exists):

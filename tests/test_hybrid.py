@@ -305,7 +305,7 @@ def test_fsdp_param_dtype_casts_leaves_split_only_over_model_axes():
     # param_dtype like every leaf the data axis splits.
     import jax.numpy as jnp
 
-    from spmdcomm.train.strategies import ReduceContext
+    from spmdcomm.parallel.data.strategies import ReduceContext
 
     mesh = sc.make_mesh({"data": 4, "model": 2})
     strategy = sc.FSDP(param_dtype=jnp.bfloat16)

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "spmdcomm._cache",
             "spmdcomm._env",
             "spmdcomm._compile_watch",
+            "spmdcomm._moved",
         ),
     ),
     # transport is the bottom of runtime: every module that agrees across processes imports it
@@ -32,7 +33,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("spmdcomm.data",)),
     ("collectives", ("spmdcomm.collectives",)),
     ("reliability", ("spmdcomm.reliability",)),
-    ("train", ("spmdcomm.train",)),
+    # the parallelisms, each in a folder or module of its own, and the mesh roles they all read
+    ("parallel", ("spmdcomm.parallel",)),
+    # checkpoints beside train: fit saves them, and a checkpoint holds a TrainState
+    ("train", ("spmdcomm.train", "spmdcomm.checkpoint")),
     ("nnx", ("spmdcomm.nnx",)),
     ("explain", ("spmdcomm.explain",)),
     ("package", ("spmdcomm",)),  # spmdcomm/__init__.py: the public names of every layer
@@ -68,22 +72,22 @@ def test_modules_import_only_from_their_layer_or_below():
         (
             "spmdcomm.runtime.sync",
             "def f():\n    from spmdcomm.train.state import TrainState\n",
-            ["spmdcomm.runtime.sync (layer 1, runtime) imports spmdcomm.train.state (layer 6, train)"],
+            ["spmdcomm.runtime.sync (layer 1, runtime) imports spmdcomm.train.state (layer 7, train)"],
         ),
         (
             "spmdcomm.data.batches",
             "from spmdcomm import train, errors\n",
-            ["spmdcomm.data.batches (layer 3, data) imports spmdcomm.train (layer 6, train)"],
+            ["spmdcomm.data.batches (layer 3, data) imports spmdcomm.train (layer 7, train)"],
         ),
         (
             "spmdcomm.runtime.mesh",
             "from ..explain import report\n",
-            ["spmdcomm.runtime.mesh (layer 1, runtime) imports spmdcomm.explain.report (layer 8, explain)"],
+            ["spmdcomm.runtime.mesh (layer 1, runtime) imports spmdcomm.explain.report (layer 9, explain)"],
         ),
         (
             "spmdcomm.errors",
             "import spmdcomm\n",
-            ["spmdcomm.errors (layer 0, base) imports spmdcomm (layer 9, package)"],
+            ["spmdcomm.errors (layer 0, base) imports spmdcomm (layer 10, package)"],
         ),
     ],
 )

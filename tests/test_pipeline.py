@@ -17,9 +17,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdcomm as sc
-from spmdcomm.train import pipeline as pipeline_module
-from spmdcomm.train.pipeline import stage_order
-from spmdcomm.train.schedule import run_stack, schedule_context
+from spmdcomm.parallel.pipeline import pipeline as pipeline_module
+from spmdcomm.parallel.pipeline.pipeline import stage_order
+from spmdcomm.parallel.pipeline.schedule import run_stack, schedule_context
 from tests.ddp_models import assert_trees_close, mesh_of
 
 LAYERS, WIDTH = 8, 16

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import spmdcomm as sc
-from spmdcomm.train.rng import is_per_example_key, per_example_key, stream_key_for_call
+from spmdcomm.parallel.rng import is_per_example_key, per_example_key, stream_key_for_call
 
 GLOBAL = 16
 STEPS = 5

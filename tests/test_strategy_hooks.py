@@ -8,8 +8,8 @@ import optax
 import pytest
 
 import spmdcomm as sc
-from spmdcomm.train.checkpoint import _check_format
-from spmdcomm.train.strategies import BY_NAME, STRATEGIES, resolve_strategy
+from spmdcomm.checkpoint.checkpoint import _check_format
+from spmdcomm.parallel.data.strategies import BY_NAME, STRATEGIES, resolve_strategy
 
 
 def test_names_come_from_the_registry_in_order():

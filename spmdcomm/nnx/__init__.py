@@ -9,7 +9,7 @@ from spmdcomm.nnx.adapters import nnx_loss_fn, nnx_metric_fn
 
 if TYPE_CHECKING:
     from spmdcomm.nnx.batchnorm import SyncBatchNorm
-    from spmdcomm.nnx.stack import PipelineStack
+    from spmdcomm.parallel.pipeline.nnx_stack import PipelineStack
 
 __all__ = ["SyncBatchNorm", "PipelineStack", "nnx_loss_fn", "nnx_metric_fn"]
 
@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = SyncBatchNorm
         return SyncBatchNorm
     if name == "PipelineStack":
-        from spmdcomm.nnx.stack import PipelineStack
+        from spmdcomm.parallel.pipeline.nnx_stack import PipelineStack
 
         globals()[name] = PipelineStack
         return PipelineStack

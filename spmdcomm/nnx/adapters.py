@@ -8,8 +8,8 @@ from typing import Any, cast
 
 import jax.numpy as jnp
 
+from spmdcomm.parallel.rng import is_per_example_key, stream_key_for_call
 from spmdcomm.train._train_body import split_loss_output
-from spmdcomm.train.rng import is_per_example_key, stream_key_for_call
 
 __all__ = ["nnx_loss_fn", "nnx_metric_fn"]
 
@@ -22,7 +22,7 @@ def nnx_loss_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
     :meth:`TrainState.create_nnx`.
 
     RNG streams (``nnx.Rngs``, ``nnx.Dropout(rate, rngs=...)``): for the duration of the call,
-    every stream's key is replaced by :func:`~spmdcomm.train.rng.stream_key_for_call` of its stored key and
+    every stream's key is replaced by :func:`~spmdcomm.parallel.rng.stream_key_for_call` of its stored key and
     the step's ``rng``, so with the default per-device ``rng`` the dropout masks differ between
     devices, micro-batches and steps (like torch DDP's per-rank generators), and with
     ``rng="per_example"`` they depend only on the seed, the step and each example's global index.

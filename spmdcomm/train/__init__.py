@@ -1,27 +1,27 @@
 """Layer 6, training: the train state, strategies (DDP, ZeRO, FSDP), train and eval steps, fit, checkpoints."""
 
-from spmdcomm.train._step import DEFAULT_MAX_IN_FLIGHT
-from spmdcomm.train.batchnorm import SyncBatchNorm
-from spmdcomm.train.checkpoint import (
+from spmdcomm.checkpoint.checkpoint import (
     CheckpointDamagedWarning,
     checkpoint_extra,
     latest_checkpoint_step,
     restore_checkpoint,
     save_checkpoint,
 )
-from spmdcomm.train.context import ContextParallel, context_attention, context_positions
+from spmdcomm.parallel.context import ContextParallel, context_attention, context_positions
+from spmdcomm.parallel.data.layout import TreeLayout
+from spmdcomm.parallel.data.strategies import DDP, FSDP, STRATEGIES, ZeRO1, ZeRO2
+from spmdcomm.parallel.data.strategy import ReduceContext, Strategy
+from spmdcomm.parallel.pipeline.pipeline import Pipeline
+from spmdcomm.parallel.pipeline.schedule import Schedule
+from spmdcomm.parallel.pipeline.stack import PipelineStack
+from spmdcomm.parallel.roles import MeshRoles
+from spmdcomm.train._step import DEFAULT_MAX_IN_FLIGHT
+from spmdcomm.train.batchnorm import SyncBatchNorm
 from spmdcomm.train.eval_step import EvalStep, evaluate, make_eval_step
 from spmdcomm.train.hooks import Hook
-from spmdcomm.train.layout import TreeLayout
 from spmdcomm.train.loop import Preempted, fit
 from spmdcomm.train.memory import StateMemory
-from spmdcomm.train.pipeline import Pipeline
-from spmdcomm.train.roles import MeshRoles
-from spmdcomm.train.schedule import Schedule
-from spmdcomm.train.stack import PipelineStack
 from spmdcomm.train.state import TrainState, optimizer_state_bytes
-from spmdcomm.train.strategies import DDP, FSDP, STRATEGIES, ZeRO1, ZeRO2
-from spmdcomm.train.strategy import ReduceContext, Strategy
 from spmdcomm.train.train_step import TrainStep, make_train_step, masked_mean
 from spmdcomm.train.weighted import Weighted, weighted
 

@@ -22,9 +22,9 @@ from spmdcomm._cache import Cache
 from spmdcomm._jax_compat import collective_axes_in_traceback, vary
 from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError, check_not_deleted, describe
-from spmdcomm.train._logical_rules import step_axis_rules
-from spmdcomm.train.context import context_split
-from spmdcomm.train.schedule import schedule_context
+from spmdcomm.parallel._logical_rules import step_axis_rules
+from spmdcomm.parallel.context import context_split
+from spmdcomm.parallel.pipeline.schedule import schedule_context
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.weighted import Weighted
 

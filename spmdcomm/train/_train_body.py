@@ -18,7 +18,9 @@ from jax.sharding import PartitionSpec as P
 from spmdcomm._jax_compat import vary
 from spmdcomm.data.placement import HostInput
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.train._flat import all_finite
+from spmdcomm.parallel.data._flat import all_finite
+from spmdcomm.parallel.data.strategy import ReduceContext
+from spmdcomm.parallel.rng import is_key_leaf, per_example_key
 from spmdcomm.train._hyperparams import injected_hyperparams
 from spmdcomm.train._step import (
     call_model_fn,
@@ -30,9 +32,7 @@ from spmdcomm.train._step import (
     zero_masked_rows,
 )
 from spmdcomm.train.loss_scale import next_loss_scale
-from spmdcomm.train.rng import is_key_leaf, per_example_key
 from spmdcomm.train.state import TrainState
-from spmdcomm.train.strategy import ReduceContext
 from spmdcomm.train.weighted import Weighted, token_share
 
 
@@ -115,7 +115,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """The optimizer step on the model's tree, in the global view: each leaf is a sharded array and XLA adds the
         reductions a global norm or a per-leaf statistic needs. The optimizer sees every leaf at its own shape:
-        padded leaves are cut to it before and padded again after (see spmdcomm.train.layout)."""
+        padded leaves are cut to it before and padded again after (see spmdcomm.parallel.data.layout)."""
         denom = denominator(total, masked)
         loss_sums = metric_sums["loss"]
         tokens = loss_sums.weight if isinstance(loss_sums, Weighted) else None

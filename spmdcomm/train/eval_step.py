@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from spmdcomm._jax_compat import vary
 from spmdcomm.data.placement import HostInput, check_host_input
 from spmdcomm.errors import SpmdError, describe
+from spmdcomm.parallel.data.strategy import ReduceContext
 from spmdcomm.train._step import (
     DEFAULT_MAX_IN_FLIGHT,
     StepCache,
@@ -31,7 +32,6 @@ from spmdcomm.train._step import (
     zero_masked_rows,
 )
 from spmdcomm.train.state import TrainState
-from spmdcomm.train.strategy import ReduceContext
 from spmdcomm.train.weighted import Weighted
 
 __all__ = ["EvalStep", "evaluate", "make_eval_step"]

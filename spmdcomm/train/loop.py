@@ -13,12 +13,12 @@ from typing import Any
 
 import jax
 
+from spmdcomm.checkpoint.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.reliability.metrics import MetricsWriter
 from spmdcomm.reliability.phases import PhaseTimer
 from spmdcomm.reliability.preemption import PREEMPTED_EXIT_CODE, Preemption
 from spmdcomm.reliability.watchdog import DEFAULT_COMPILE_TIMEOUT, Watchdog
-from spmdcomm.train.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from spmdcomm.train.hooks import Hook, check_hooks, data_epoch, due_hooks, optional_positive, run_hooks
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.train_step import TrainStep

@@ -1,7 +1,7 @@
 """The train state: parameters, optimizer state, model state and RNG, placed on a mesh by a strategy.
 
 The state is the one home of the data-parallel configuration: the mesh, the data axis and the
-:mod:`~spmdcomm.train.strategies` strategy are given once, to :meth:`TrainState.create`, and every step built
+:mod:`~spmdcomm.parallel.data.strategies` strategy are given once, to :meth:`TrainState.create`, and every step built
 with :func:`~spmdcomm.make_train_step` / :func:`~spmdcomm.make_eval_step` reads them from the state it gets.
 """
 
@@ -18,23 +18,23 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm.data import placement
-from spmdcomm.runtime.host_collectives import broadcast_tree
-from spmdcomm.runtime.mesh import default_mesh
-from spmdcomm.train._logical_rules import LogicalRules
-from spmdcomm.train._mesh_axes import (
+from spmdcomm.parallel._logical_rules import LogicalRules
+from spmdcomm.parallel._mesh_axes import (
     check_data_axes,
     data_axes,
     model_partitioning,
     nnx_logical_specs,
 )
-from spmdcomm.train.context import ContextParallel
+from spmdcomm.parallel.context import ContextParallel
+from spmdcomm.parallel.data.strategies import DDP, Strategy, resolve_strategy
+from spmdcomm.parallel.pipeline.pipeline import Pipeline, stack_in_stage_order
+from spmdcomm.parallel.pipeline.schedule import SEQUENTIAL, Schedule
+from spmdcomm.parallel.rng import data_to_keys, keys_to_data, raw_key
+from spmdcomm.parallel.roles import MeshRoles, mesh_roles
+from spmdcomm.runtime.host_collectives import broadcast_tree
+from spmdcomm.runtime.mesh import default_mesh
 from spmdcomm.train.loss_scale import resolve_loss_scale
 from spmdcomm.train.memory import StateMemory, device_bytes
-from spmdcomm.train.pipeline import Pipeline, stack_in_stage_order
-from spmdcomm.train.rng import data_to_keys, keys_to_data, raw_key
-from spmdcomm.train.roles import MeshRoles, mesh_roles
-from spmdcomm.train.schedule import SEQUENTIAL, Schedule
-from spmdcomm.train.strategies import DDP, Strategy, resolve_strategy
 
 __all__ = ["TrainState", "optimizer_state_bytes"]
 
@@ -67,9 +67,9 @@ class TrainState:
         :meth:`create` or from the active ``nn.logical_axis_rules`` context), as a tuple of pairs; ``None`` when
         there were none. The steps trace the model under them, without their data axes.
       pipeline: the :class:`~spmdcomm.Pipeline` that splits the model's stacked layers over the stage axis
-        (``None``: no pipeline); see :mod:`spmdcomm.train.pipeline`.
+        (``None``: no pipeline); see :mod:`spmdcomm.parallel.pipeline.pipeline`.
       context: the :class:`~spmdcomm.ContextParallel` that splits every sequence of the batch over the context axis
-        (``None``: none); see :mod:`spmdcomm.train.context`.
+        (``None``: none); see :mod:`spmdcomm.parallel.context`.
     """
 
     step: jax.Array
@@ -137,7 +137,7 @@ class TrainState:
             them); ``"data"`` by default.
           strategy: ``"ddp"`` (default), ``"zero1"``, ``"zero2"``, ``"fsdp"`` or a
             :class:`~spmdcomm.train.Strategy` object such as ``sc.DDP(bucket_bytes=...)`` (see
-            :mod:`spmdcomm.train.strategies`).
+            :mod:`spmdcomm.parallel.data.strategies`).
           param_specs: a tree like ``params`` of ``PartitionSpec`` over the model axes (``None`` for a leaf not
             split): how each parameter is split over them; NNX sharding metadata, through :meth:`create_nnx`,
             gives the same. ``None`` (default): no model split, or the boxes' specs.

@@ -3,7 +3,7 @@
 N devices (in one process or many) train exactly the model that one device trains on the global
 batch: every device runs ``loss_fn`` on its block of the batch, the gradients are summed over the
 data axis with weights ``real examples on this device / real examples on all devices`` by the state's
-strategy (:mod:`spmdcomm.train.strategies`), and every replica applies the same optax update.
+strategy (:mod:`spmdcomm.parallel.data.strategies`), and every replica applies the same optax update.
 
 The ``loss_fn`` contract (keyword arguments after the first two)::
 
@@ -27,7 +27,7 @@ The ``loss_fn`` contract (keyword arguments after the first two)::
 * ``rng`` depends on ``make_train_step(..., rng=...)``. ``"per_device"`` (default): a raw
   ``uint32[2]`` threefry key, ``fold_in(fold_in(fold_in(state.rng, step), device), micro_batch)``,
   different per step, device and micro-batch (the bits an example sees depend on the device count,
-  as with torch DDP). ``"per_example"``: a typed key (:func:`spmdcomm.train.rng.per_example_key`) whose
+  as with torch DDP). ``"per_example"``: a typed key (:func:`spmdcomm.parallel.rng.per_example_key`) whose
   draws give each example bits that depend only on ``state.rng``, the step and the example's global
   index in the batch, so results do not depend on the device count or ``accum_steps``; every draw
   from it must have the block's examples in dimension 0 (other shapes raise ``ShapeError`` when the
@@ -62,6 +62,7 @@ import numpy as np
 
 from spmdcomm.data.placement import HostInput, check_host_input
 from spmdcomm.errors import SpmdError, describe
+from spmdcomm.parallel.rng import RNG_MODES
 from spmdcomm.train._step import (
     DEFAULT_MAX_IN_FLIGHT,  # re-exported: the public home of the default window
     StepCache,
@@ -72,7 +73,6 @@ from spmdcomm.train._step import (
     place_batch,
 )
 from spmdcomm.train._train_body import StepOptions, compile_train_step
-from spmdcomm.train.rng import RNG_MODES
 from spmdcomm.train.state import TrainState
 
 __all__ = ["TrainStep", "make_train_step", "masked_mean"]
@@ -124,7 +124,7 @@ def make_train_step(
       rng: the key ``loss_fn`` gets. ``"per_device"`` (default): a raw ``uint32[2]`` key that
         differs on every device and micro-batch (like torch DDP's per-rank generators; the bits an
         example sees depend on the device count). ``"per_example"``: a
-        :func:`~spmdcomm.train.rng.per_example_key` whose draws give each example bits that depend only
+        :func:`~spmdcomm.parallel.rng.per_example_key` whose draws give each example bits that depend only
         on the seed, the step and its global index in the batch, so training does not depend on the
         device count or ``accum_steps``; every draw must have the block's examples in dimension 0.
       host_input: what a host (NumPy) batch means with several processes: ``"local"`` (default) this

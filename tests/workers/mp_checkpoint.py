@@ -5,7 +5,7 @@ of a small state (``w`` filled with the step number) into DIR/shared; then each 
 DIR/<process index>, and process 1 deletes ``default/_METADATA`` of checkpoint 2 in its copy, as a process whose
 view of a shared file system differs would see it. Each process then reads its own copy and prints
 ``LATEST <step>``, ``RESTORED <w> <extra>`` (the newest intact checkpoint), ``WARNED <message>`` for each
-:class:`~spmdcomm.train.checkpoint.CheckpointDamagedWarning`, and ``CAUGHT <message>`` for an explicit ``step=2``.
+:class:`~spmdcomm.checkpoint.checkpoint.CheckpointDamagedWarning`, and ``CAUGHT <message>`` for an explicit ``step=2``.
 """
 
 import os
@@ -20,7 +20,7 @@ sc.initialize(timeout=60)
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from spmdcomm.train.checkpoint import CheckpointDamagedWarning  # noqa: E402
+from spmdcomm.checkpoint.checkpoint import CheckpointDamagedWarning  # noqa: E402
 
 root = sys.argv[1]
 pid = sc.process_index()

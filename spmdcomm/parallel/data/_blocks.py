@@ -1,6 +1,6 @@
 """Block arithmetic for leaves split over one mesh axis: padding a leaf to a multiple of the axis size and cutting
 it back, its blocks as rows of one buffer, and the all-gather of a leaf whose derivative reduce-scatters. Used inside
-``shard_map`` by :class:`spmdcomm.train.layout.TreeLayout` (and its padding in the global view)."""
+``shard_map`` by :class:`spmdcomm.parallel.data.layout.TreeLayout` (and its padding in the global view)."""
 
 from __future__ import annotations
 

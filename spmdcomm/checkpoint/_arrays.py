@@ -4,11 +4,12 @@ restores onto any strategy and device count."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
-from spmdcomm.train.state import TrainState
+if TYPE_CHECKING:
+    from spmdcomm.train.state import TrainState
 
 __all__ = ["arrays", "targets", "unpadded", "stored", "with_arrays"]
 
@@ -44,7 +45,7 @@ def targets(state: TrainState) -> dict[str, Any]:
 
 
 def unpadded(state: TrainState) -> TrainState:
-    """``state`` with its padded leaves (see spmdcomm.train.layout) at their own shapes, whole over the data axes,
+    """``state`` with its padded leaves (spmdcomm.parallel.data.layout) at their own shapes, whole over the data axes,
     and a pipeline's stacked layers in canonical order: what a checkpoint holds, so that it restores onto any device
     count, strategy and pipeline layout."""
     layout, mesh = state.layout, state.mesh

@@ -1,5 +1,5 @@
 """A Flax Linen layer stack that runs as a plain scan, or as a pipeline over a stage axis inside the steps of a
-state with a :class:`~spmdcomm.Pipeline` (:mod:`spmdcomm.train.pipeline`)."""
+state with a :class:`~spmdcomm.Pipeline` (:mod:`spmdcomm.parallel.pipeline.pipeline`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import flax.linen as nn
 import jax
 from flax.core import meta
 
-from spmdcomm.train.rng import sub_block_key
-from spmdcomm.train.schedule import run_stack
+from spmdcomm.parallel.pipeline.schedule import run_stack
+from spmdcomm.parallel.rng import sub_block_key
 
 __all__ = ["PipelineStack", "StageStacked", "StageStackedLogical", "Stacked"]
 
@@ -42,7 +42,7 @@ class PipelineStack(nn.Module):
     ``nn.scan`` gives, each layer initialised from its own key. Outside a train or eval step, and in the steps of a
     state without a pipeline, the stack is a ``lax.scan`` over the layers. In the steps of a state created with
     ``pipeline=sc.Pipeline(...)`` on a mesh with the stage axis, each stage holds its share of the layers and the
-    batch flows through the stages in micro-batches (:mod:`spmdcomm.train.pipeline`); the result is the scan's.
+    batch flows through the stages in micro-batches (:mod:`spmdcomm.parallel.pipeline`); the result is the scan's.
     ``block`` must map an array to one of its shape, one example per row of dimension 0, and may use the
     ``"dropout"`` RNG stream, keyed by layer and example (with ``rng="per_example"`` the masks are one device's,
     whatever the stages). Its other collections (BatchNorm's ``batch_stats``) are stacked ``[layers, ...]`` beside

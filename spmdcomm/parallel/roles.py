@@ -9,9 +9,9 @@ import math
 from jax.sharding import Mesh
 
 from spmdcomm.errors import AxisError, SpmdError, describe
-from spmdcomm.train._mesh_axes import check_data_axes, data_axes
-from spmdcomm.train.context import ContextParallel
-from spmdcomm.train.pipeline import Pipeline, check_schedule
+from spmdcomm.parallel._mesh_axes import check_data_axes, data_axes
+from spmdcomm.parallel.context import ContextParallel
+from spmdcomm.parallel.pipeline.pipeline import Pipeline, check_schedule
 
 __all__ = ["MeshRoles", "mesh_roles"]
 

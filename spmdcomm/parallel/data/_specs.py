@@ -1,5 +1,5 @@
 """Which dimension of a leaf a strategy splits over the shard axis, and the specs a ``shard_map`` manual over some
-axes takes: the per-leaf rules :class:`spmdcomm.train.layout.TreeLayout` is built from."""
+axes takes: the per-leaf rules :class:`spmdcomm.parallel.data.layout.TreeLayout` is built from."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm.train import _blocks
+from spmdcomm.parallel.data import _blocks
 
 __all__ = ["shard_dim", "shard_spec", "manual_spec", "dim", "keep", "names", "path_key", "mirrored"]
 

@@ -29,7 +29,7 @@ strategy                      gradients                              parameters 
 ============================  =====================================  ==============  ===============
 
 "Split per leaf" means each leaf is split over the data axis on its first dimension that the axis size divides
-(:func:`spmdcomm.train.layout.shard_spec`); a leaf that no dimension divides is stored padded with zeros on one
+(:func:`spmdcomm.parallel.data.layout.shard_spec`); a leaf that no dimension divides is stored padded with zeros on one
 dimension (as torch FSDP2 pads uneven shards), and only leaves of fewer elements than the axis has devices stay
 replicated. The optimizer runs in the global view (``jax.jit`` over these sharded arrays), on every leaf cut to its
 own shape: optax sees the model's tree with its true shapes, so masks and labels by path or shape, global-norm
@@ -56,10 +56,10 @@ from jax import lax
 from jax.sharding import Mesh
 
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.train._flat import FlatLayout, cast, flat_key
-from spmdcomm.train.fsdp import FSDP
-from spmdcomm.train.layout import TreeLayout
-from spmdcomm.train.strategy import ReduceContext, Strategy, psum_whole
+from spmdcomm.parallel.data._flat import FlatLayout, cast, flat_key
+from spmdcomm.parallel.data.fsdp import FSDP
+from spmdcomm.parallel.data.layout import TreeLayout
+from spmdcomm.parallel.data.strategy import ReduceContext, Strategy, psum_whole
 
 __all__ = ["Strategy", "DDP", "ZeRO1", "ZeRO2", "FSDP", "STRATEGIES"]
 
@@ -172,7 +172,7 @@ STRATEGIES: tuple[str, ...] = tuple(BY_NAME)
 def resolve_strategy(fn: str, strategy: Strategy | str) -> Strategy:
     """The :class:`Strategy` for ``strategy`` (an object, or one of :data:`STRATEGIES`).
 
-    >>> from spmdcomm.train.strategies import resolve_strategy
+    >>> from spmdcomm.parallel.data.strategies import resolve_strategy
     >>> resolve_strategy("TrainState.create", "zero2")
     ZeRO2()
     """

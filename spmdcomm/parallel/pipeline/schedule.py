@@ -134,13 +134,13 @@ def run_stack(
     ``state`` the mutable ones (BatchNorm's running statistics; ``None``: none), always all ``L`` layers in canonical
     order. ``index`` is the layer's canonical index and ``row`` the position of ``h``'s first row relative to ``x``'s
     first row on this device (0 in a scan; in a pipeline the micro-batch may hold another stage's rows): with
-    :func:`spmdcomm.train.rng.sub_block_key` they give every example and layer its own random bits, whatever the
+    :func:`spmdcomm.parallel.rng.sub_block_key` they give every example and layer its own random bits, whatever the
     split.
 
     The active schedule runs the stack (:meth:`Schedule.stack`): a plain ``lax.scan`` over all layers (``remat``:
     each layer rematerialised in the backward pass) outside a step and in a sequential step; in the steps of a state
     with a :class:`~spmdcomm.Pipeline`, ``params`` holds this stage's layers and the stack runs as a pipeline
-    (:mod:`spmdcomm.train.pipeline`), a layer's state updated once per micro-batch, in order, never in a bubble, and
+    (:mod:`spmdcomm.parallel.pipeline`), a layer's state updated once per micro-batch, in order, never in a bubble, and
     whole on every stage device after it.
 
     Returns:

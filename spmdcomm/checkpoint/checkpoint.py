@@ -44,17 +44,19 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
+from spmdcomm.checkpoint._arrays import arrays, stored, targets, unpadded, with_arrays
+from spmdcomm.checkpoint._choice import chosen_step, make_room
+from spmdcomm.checkpoint._disk import first_line
 from spmdcomm.errors import CheckpointDamagedWarning, SpmdError, check_not_deleted, describe
-from spmdcomm.train._checkpoint_arrays import arrays, stored, targets, unpadded, with_arrays
-from spmdcomm.train._checkpoint_choice import chosen_step, make_room
-from spmdcomm.train._checkpoint_disk import first_line
-from spmdcomm.train.state import TrainState
-from spmdcomm.train.strategies import BY_NAME
+from spmdcomm.parallel.data.strategies import BY_NAME
+
+if TYPE_CHECKING:  # fit imports this module: the state's class is imported where a state is checked
+    from spmdcomm.train.state import TrainState
 
 __all__ = [
     "save_checkpoint",
@@ -290,6 +292,8 @@ def _json_dict(fn: str, extra: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _check_state(fn: str, state: Any) -> None:
+    from spmdcomm.train.state import TrainState
+
     if not isinstance(state, TrainState):
         raise SpmdError(
             describe(

@@ -3,8 +3,8 @@ micro-batches flowing through the stages so that every stage works at once.
 
 :class:`Pipeline` is the policy, given once to ``TrainState.create(..., pipeline=...)``: the stage axis, the number
 of micro-batches ``m`` and of layer chunks per stage ``v`` (the circular / interleaved schedule; ``v = 1`` is GPipe).
-It is a :class:`~spmdcomm.train.schedule.Schedule`: a layer stack (:class:`~spmdcomm.PipelineStack`, or
-:func:`~spmdcomm.train.schedule.run_stack` from your own module) runs as a plain scan outside a step, and as a
+It is a :class:`~spmdcomm.parallel.pipeline.schedule.Schedule`: a layer stack (:class:`~spmdcomm.PipelineStack`, or
+:func:`~spmdcomm.parallel.pipeline.schedule.run_stack` from your module) runs as a plain scan outside a step, and as a
 pipeline inside the train and eval steps of a state with a pipeline.
 
 The schedule. The batch is split over the data axes and the stage axis, as over one more data axis: the
@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 
 from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import ShapeError, SpmdError, describe
-from spmdcomm.train.schedule import LayerFn, Schedule, scan_layers
+from spmdcomm.parallel.pipeline.schedule import LayerFn, Schedule, scan_layers
 
 __all__ = ["Pipeline", "stage_order", "stack_in_stage_order", "reorder_layers", "check_schedule"]
 
@@ -48,7 +48,7 @@ __all__ = ["Pipeline", "stage_order", "stack_in_stage_order", "reorder_layers", 
 class Pipeline(Schedule):
     """How a layer stack is split over the stage axis and scheduled (``TrainState.create(..., pipeline=...)``).
 
-    A :class:`~spmdcomm.train.schedule.Schedule`: the step's loop over ``accum_steps`` groups stays sequential, and
+    A :class:`~spmdcomm.parallel.pipeline.Schedule`: the step's loop over ``accum_steps`` groups stays sequential, and
     every layer stack in a group's forward pass runs as a pipeline of ``microbatches`` over the stage axis.
 
     Args:
@@ -125,7 +125,7 @@ class Pipeline(Schedule):
         """Runs a layer stack as this pipeline (module docstring).
 
         Args:
-          layer_fn: one layer, as :func:`~spmdcomm.train.schedule.run_stack` takes it.
+          layer_fn: one layer, as :func:`~spmdcomm.parallel.pipeline.schedule.run_stack` takes it.
           params: this stage's layers (dimension 0), in stored order.
           state: the stack's mutable state, all layers in canonical order.
           x: this device's rows.

@@ -1,6 +1,6 @@
 """Which checkpoint to use, agreed by every process: the newest one every process finds intact (or the one asked
 for), with a warning naming each newer damaged one; and making room for a save over a damaged checkpoint. What
-"intact" means is :mod:`spmdcomm.train._checkpoint_disk`'s."""
+"intact" means is :mod:`spmdcomm.checkpoint._disk`'s."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from spmdcomm.checkpoint._disk import damage
 from spmdcomm.errors import CheckpointDamagedWarning, SpmdError, describe
 from spmdcomm.runtime.process import process_count
 from spmdcomm.runtime.transport import exchange
-from spmdcomm.train._checkpoint_disk import damage
 
 
 def chosen_step(

@@ -1,4 +1,4 @@
-"""The Flax NNX layer stack: the NNX twin of :class:`spmdcomm.PipelineStack` (:mod:`spmdcomm.train.pipeline`)."""
+"""The Flax NNX layer stack: the NNX twin of :class:`spmdcomm.PipelineStack` (:mod:`spmdcomm.parallel.pipeline`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from spmdcomm.train.schedule import run_stack
+from spmdcomm.parallel.pipeline.schedule import run_stack
 
 __all__ = ["PipelineStack"]
 

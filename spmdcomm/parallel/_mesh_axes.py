@@ -14,9 +14,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
+from spmdcomm.parallel._logical_rules import LogicalNames, LogicalRules
+from spmdcomm.parallel.pipeline.stack import Stacked, StageStacked, StageStackedLogical
 from spmdcomm.runtime.mesh import check_mesh_axes
-from spmdcomm.train._logical_rules import LogicalNames, LogicalRules
-from spmdcomm.train.stack import Stacked, StageStacked, StageStackedLogical
 
 __all__ = ["data_axes", "check_data_axes", "model_partitioning", "nnx_logical_specs"]
 

@@ -1,6 +1,6 @@
 """Fully sharded data parallelism: :class:`FSDP`, the strategy that splits the parameters too.
 
-Its place among the strategies, and what they share: :mod:`spmdcomm.train.strategies`.
+Its place among the strategies, and what they share: :mod:`spmdcomm.parallel.data.strategies`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.train.layout import TreeLayout, manual_spec
-from spmdcomm.train.strategy import ReduceContext, Strategy, psum_whole
+from spmdcomm.parallel.data.layout import TreeLayout, manual_spec
+from spmdcomm.parallel.data.strategy import ReduceContext, Strategy, psum_whole
 
 __all__ = ["FSDP"]
 

@@ -1,0 +1,27 @@
+"""Layer 6, parallelisms: what each mesh axis does (``roles``), the random streams that do not depend on how a batch
+is split (``rng``), and one folder or module per parallelism, each registered by its one import line below: data
+(DDP, ZeRO, FSDP, hybrid: the per-leaf layout), pipeline (schedules and layer stacks), context (the sequence split)
+and expert (ready for expert parallelism). ``spmdcomm.train`` builds its state and steps on them."""
+
+from spmdcomm.parallel.context import ContextParallel, context_attention, context_positions
+from spmdcomm.parallel.data import DDP, FSDP, STRATEGIES, ReduceContext, Strategy, TreeLayout, ZeRO1, ZeRO2
+from spmdcomm.parallel.pipeline import Pipeline, PipelineStack, Schedule
+from spmdcomm.parallel.roles import MeshRoles
+
+__all__ = [
+    "MeshRoles",
+    "DDP",
+    "ZeRO1",
+    "ZeRO2",
+    "FSDP",
+    "STRATEGIES",
+    "Strategy",
+    "ReduceContext",
+    "TreeLayout",
+    "Pipeline",
+    "PipelineStack",
+    "Schedule",
+    "ContextParallel",
+    "context_attention",
+    "context_positions",
+]
