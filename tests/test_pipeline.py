@@ -32,13 +32,14 @@ def residual(w, state, h, index, row):
     return h + jnp.tanh(h @ w), state
 
 
-def scanned(weights, x):
-    return run_stack(residual, weights, x, remat=False)[0]
+def scanned(weights, x, layer=residual):
+    return run_stack(layer, weights, x, remat=False)[0]
 
 
 @functools.cache
-def core_program(d, p, m, v):
-    """The pipelined stack on a ``data`` d x ``stage`` p mesh, and its gradient (compiled once per layout)."""
+def core_program(d, p, m, v, layer=residual):
+    """The pipelined stack of ``layer`` on a ``data`` d x ``stage`` p mesh, and its gradient (compiled once per
+    layout)."""
     mesh = jax.make_mesh(
         (d, p), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[: d * p]
     )
@@ -46,7 +47,7 @@ def core_program(d, p, m, v):
 
     def local(weights, x):
         with schedule_context(schedule):
-            return run_stack(residual, weights, x)[0]
+            return run_stack(layer, weights, x)[0]
 
     mapped = jax.shard_map(
         local, mesh=mesh, in_specs=(P("stage"), P(("data", "stage"))), out_specs=P(("data", "stage"))
@@ -70,8 +71,9 @@ def test_the_schedule_equals_a_scan_forward_and_backward(d, p, m, v):
 
 
 def test_nan_in_every_bubble_slot_changes_nothing(monkeypatch):
-    """The loop's buffers start as NaN instead of zeros: bubble ticks compute on zeros and are never written, so the
-    output and the gradient are bitwise those of the zero-filled run (praxis's NaN testing mode)."""
+    """The loop's buffers start as NaN instead of zeros: bubble ticks compute on a real stand-in and are never
+    written, so the output and the gradient are bitwise those of the zero-filled run (praxis's NaN testing mode;
+    tests/test_pipeline_bubbles.py: blocks that are not finite at zero)."""
     rng = np.random.default_rng(1)
     weights = (rng.normal(size=(LAYERS, 6, 6)) / np.sqrt(6)).astype(np.float32)
     x = rng.normal(size=(2 * 4 * 2, 6)).astype(np.float32)
@@ -141,17 +143,24 @@ def test_a_stack_state_without_a_row_per_layer_is_refused():
 # --- the train step against one device -----------------------------------------------------------------------
 
 
+def rms(x):
+    """RMS normalisation with no epsilon: finite on any non-zero row, NaN (value and derivative) at zero."""
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True))
+
+
 class Block(nn.Module):
-    """A pre-LayerNorm residual MLP block; ``model``: its kernels split Megatron-style over ``"model"``."""
+    """A pre-LayerNorm residual MLP block; ``model``: its kernels split Megatron-style over ``"model"``; ``rms``:
+    :func:`rms` in place of the LayerNorm."""
 
     model: bool = False
     dropout: float = 0.0
+    rms: bool = False
 
     @nn.compact
     def __call__(self, x):
         columns = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")) if self.model else None
         rows = nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None)) if self.model else None
-        h = nn.LayerNorm()(x)
+        h = rms(x) if self.rms else nn.LayerNorm()(x)
         h = nn.Dense(2 * WIDTH, **({"kernel_init": columns} if columns else {}))(h)
         h = nn.Dropout(self.dropout, deterministic=self.dropout == 0.0)(nn.gelu(h))
         return x + nn.Dense(WIDTH, **({"kernel_init": rows} if rows else {}))(h)
@@ -160,11 +169,12 @@ class Block(nn.Module):
 class Net(nn.Module):
     model: bool = False
     dropout: float = 0.0
+    rms: bool = False
 
     @nn.compact
     def __call__(self, x):
         h = nn.Dense(WIDTH)(x)
-        h = sc.PipelineStack(Block(self.model, self.dropout), layers=LAYERS)(h)
+        h = sc.PipelineStack(Block(self.model, self.dropout, self.rms), layers=LAYERS)(h)
         return nn.Dense(3)(nn.LayerNorm()(h))
 
 
@@ -199,9 +209,9 @@ def init(model):
 
 
 @functools.cache
-def one_device(real_rows, model=False, dropout=0.0, rng="per_device"):
-    net = Net(model, dropout)
-    state = sc.TrainState.create(params=init(Net(False, dropout)), apply_fn=net.apply, tx=TX, mesh=mesh_of(1))
+def one_device(real_rows, model=False, dropout=0.0, rng="per_device", rms=False):
+    net = Net(model, dropout, rms)
+    state = sc.TrainState.create(params=init(Net(False, dropout, rms)), apply_fn=net.apply, tx=TX, mesh=mesh_of(1))
     data = [{k: v[:real_rows] for k, v in b.items()} for b in batches()]
     state, losses = train(state, data, rng=rng)
     return jax.device_get(state.params), losses
@@ -484,12 +494,13 @@ def test_batchnorm_in_a_stage_equals_one_device_with_one_micro_batch_at_a_time(l
 # --- Flax NNX --------------------------------------------------------------------------------------------------
 
 
-def nnx_net():
+def nnx_net(rms_norm=False):
+    """The NNX twin of ``Net``; ``rms_norm``: :func:`rms` in place of the blocks' LayerNorm."""
     from flax import nnx
 
     class NnxBlock(nnx.Module):
         def __init__(self, rngs):
-            self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+            self.norm = rms if rms_norm else nnx.LayerNorm(WIDTH, rngs=rngs)
             self.up = nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs)
             self.down = nnx.Linear(2 * WIDTH, WIDTH, rngs=rngs)
 
@@ -512,26 +523,34 @@ def nnx_loss(model, batch, *, rng, mask):
     return sc.masked_mean(jnp.sum((model(batch["x"]) - batch["y"]) ** 2, -1), mask)
 
 
+def nnx_train(mesh, strategy="ddp", *, rms_norm=False, **kwargs):
+    """``(state, losses)`` of three steps of :func:`nnx_net` on ``mesh`` (``kwargs``: more of ``create_nnx``'s)."""
+    state = sc.TrainState.create_nnx(nnx_net(rms_norm), tx=TX, mesh=mesh, strategy=strategy, **kwargs)
+    step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss)), []
+    for batch in batches():
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+@functools.cache
+def nnx_one_device(rms_norm=False):
+    state, losses = nnx_train(mesh_of(1), rms_norm=rms_norm)
+    return jax.device_get(state.params), losses
+
+
 @pytest.mark.parametrize(
     "layout, strategy, m, v",
     [pytest.param({"data": 4, "stage": 2}, "fsdp", 2, 2, marks=SLOW), ({"data": 8}, "ddp", 1, 1)],
 )
 def test_nnx_stack_trains_as_one_device(layout, strategy, m, v):
-    def run(mesh, **kwargs):
-        state = sc.TrainState.create_nnx(nnx_net(), tx=TX, mesh=mesh, strategy=strategy, **kwargs)
-        step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss)), []
-        for batch in batches():
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
-        return state, losses
-
-    reference, expected = run(mesh_of(1))
+    reference, expected = nnx_one_device()
     pipeline = sc.Pipeline(microbatches=m, repeats=v) if "stage" in layout else None
-    state, losses = run(sc.make_mesh(layout), pipeline=pipeline)
+    state, losses = nnx_train(sc.make_mesh(layout), strategy, pipeline=pipeline)
     kernel = state.params["stack"]["layers"]["up"]["kernel"]
     assert kernel.sharding.spec[0] == ("stage" if pipeline else None)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
-    assert_trees_close(jax.device_get(state.full_params()), jax.device_get(reference.params), rtol=1e-5, atol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), reference, rtol=1e-5, atol=1e-5)
 
 
 def test_an_nnx_block_with_its_own_rng_streams_is_refused():

@@ -15,8 +15,12 @@ micro-batch ``(t - s) mod m`` (when ``0 <= t - s < v m``), then the activations 
 ``ppermute``). Inputs stream in at stage 0 and outputs stream out of the last stage through buffers that stay split
 over the stage axis (one micro-batch slot moves one stage per tick), so no device ever holds the replica's batch
 and the outputs end where the inputs began. The backward pass is autodiff (the transpose of a ``ppermute`` is the
-inverse ``ppermute``). Bubble ticks compute on zeros and are never written anywhere: a NaN in a bubble's input cannot
-reach the loss or the gradients. With ``remat`` (default) each tick's chunk is rematerialised: the backward pass
+inverse ``ppermute``). A bubble tick (no work item) runs its stage's layers on a stand-in: the real stack input
+in this stage's input buffer at that tick (the slot stage 0 reads, which holds real rows on every stage at every
+tick). Its output and state update are dropped by selects, so the cotangent of all it computed is exactly zero,
+and that zero multiplies derivatives taken on real rows only, never at zeros or in an empty slot (where
+``x / sqrt(mean(x * x))`` or a norm has a NaN derivative, and ``0 * NaN`` is NaN). What a bubble's buffer slot
+holds never reaches anything. With ``remat`` (default) each tick's chunk is rematerialised: the backward pass
 keeps only each tick's stage input (``v m + p - 1`` micro-batch activations per device) and recomputes the layers.
 
 Layer order. The stacked parameters ``[L, ...]`` keep the canonical layer order in checkpoints and
@@ -235,8 +239,8 @@ def reorder_layers(tree: Any, stacked: tuple[bool, ...], stages: int, repeats: i
     return jax.tree.unflatten(treedef, out)
 
 
-#: What the loop's buffers hold before anything is written to them. Bubble ticks read such slots; they compute on
-#: zeros instead and their results are never written, so NaN here must change nothing (tests/test_pipeline.py).
+#: What the loop's buffers hold before anything is written to them. Bubble ticks read such slots; they compute on a
+#: stand-in instead and their results are never written, so NaN here must change nothing (tests/test_pipeline.py).
 _FILL = 0.0
 
 
@@ -283,7 +287,9 @@ def _pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipelin
         else:
             first = io_in[t % q]
         h = jnp.where(s == 0, first, carry)
-        h = jnp.where(valid, h, jnp.zeros_like(h))  # bubbles compute on zeros: nothing of theirs is ever used
+        # A bubble computes on real rows (stage 0's input of this tick), never on zeros or an empty slot: its result
+        # is dropped, so its cotangent is zero, and a zero times a block's derivative at real rows stays zero.
+        h = jnp.where(valid, h, io_in[t % q])
         out, new_state = run(r, i, jax.tree.map(lambda a: a[r] if v > 1 else a[0], layer_state), h)
         # A chunk's state moves on once per real micro-batch, in micro-batch order (a bubble's update is dropped).
         layer_state = jax.tree.map(lambda a, n: a.at[r].set(jnp.where(valid, n, a[r])), layer_state, new_state)
