@@ -250,6 +250,34 @@ def test_train_step_with_a_stage_axis_equals_one_device(layout, axis, strategy, 
     assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "layout, strategy, m, v",
+    [({"stage": 8}, "zero2", 8, 1), pytest.param({"stage": 4, "model": 2}, "fsdp", 4, 2, marks=SLOW)],
+    ids=str,
+)
+def test_a_mesh_without_a_data_axis_runs_the_pipeline_as_one_device(layout, strategy, m, v):
+    """A mesh of stage (and model) axes needs no data axis: the state's mesh gets one of size 1, on the same
+    devices, and a batch placed on the user's mesh runs as it is."""
+    model = "model" in layout
+    expected, expected_losses = one_device(32)
+    mesh = sc.make_mesh(layout)
+    state = sc.TrainState.create(
+        params=init(Net(model)),
+        apply_fn=Net(model).apply,
+        tx=TX,
+        mesh=mesh,
+        strategy=strategy,
+        pipeline=sc.Pipeline(microbatches=m, repeats=v),
+    )
+    assert dict(state.mesh.shape) == {"data": 1, **layout}
+    assert list(state.mesh.devices.flat) == list(mesh.devices.flat)
+    assert str(state.roles).startswith(f"shard data=1, stage stage={layout['stage']}")
+    placed = [jax.device_put(b, jax.sharding.NamedSharding(mesh, P("stage"))) for b in batches()]
+    state, losses = train(state, placed)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
+
+
 @SLOW
 def test_a_non_finite_step_is_skipped_on_every_stage_and_the_loss_scale_is_one_devices():
     """A NaN in one row of step 2's batch makes the gradient of every stage non-finite at once: the step is skipped
@@ -298,6 +326,8 @@ def error_of(layout, *, m=2, v=1, axis="data", params=None, stage_axis="stage"):
         ({"data": 2, "stage": 4}, {"m": 4, "v": 4}, sc.SpmdError, ["8 layers", "v * p = 16", "repeats=4"]),
         ({"data": 8}, {}, sc.AxisError, ["stage axis 'stage'", "{'data': 8}", "sc.Pipeline(axis=...)"]),
         ({"data": 2, "stage": 4}, {"axis": ("data", "stage")}, sc.AxisError, ["'stage'", "not a data axis"]),
+        ({"stage": 8}, {"stage_axis": "pp"}, sc.AxisError, ["{'stage': 8}", "neither the data axis 'data'", "'pp'"]),
+        ({"stage": 8}, {"axis": ("replica", "shard")}, sc.AxisError, ["axis 'replica' is not an axis of the mesh"]),
     ],
 )
 def test_schedules_that_cannot_run_are_refused_before_compiling(layout, kwargs, kind, facts):
