@@ -406,20 +406,24 @@ def test_checkpoints_keep_the_canonical_layer_order_and_restore_onto_any_layout(
         assert_trees_close(jax.device_get(resumed.full_params()), straight, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_explain_shows_the_schedule_and_that_stages_keep_their_layers(strategy):
+@pytest.mark.parametrize("strategy, remat", [("ddp", True), ("fsdp", False)])
+def test_explain_shows_the_schedule_and_that_stages_keep_their_layers(strategy, remat):
     state = sc.TrainState.create(
         params=init(Net()),
         apply_fn=Net().apply,
         tx=TX,
         mesh=sc.make_mesh({"data": 2, "stage": 4}),
         strategy=strategy,
-        pipeline=sc.Pipeline(microbatches=4),
+        pipeline=sc.Pipeline(microbatches=4, remat=remat),
     )
     report = sc.explain(sc.make_train_step(loss_fn), state, batches()[0])
     pipeline = report.pipeline
     assert (pipeline.stages, pipeline.repeats, pipeline.microbatches, pipeline.ticks) == (4, 1, 4, 7)
     assert pipeline.bubble == pytest.approx(3 / 7)
+    # GPipe keeps one item per tick until the backward pass; with remat only the stage input, recomputing once.
+    kept = "stage input" if remat else "every layer's activations"
+    assert (pipeline.in_flight, pipeline.kept, pipeline.recomputed) == (7, kept, int(remat))
+    assert f"kept for the backward pass: {kept} of 7 micro-batches, {int(remat)} forward recomputed" in str(pipeline)
     # 1/p of the stack per device, and 1/(p N) under FSDP (N = 2 data devices).
     assert pipeline.stacked_bytes * 4 * (2 if strategy == "fsdp" else 1) == pipeline.stack_bytes
     assert pipeline.stage_gathers == 0 and report.count("all-gather", over="stage") == 0

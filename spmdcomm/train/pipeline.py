@@ -111,6 +111,23 @@ class Pipeline(Schedule):
         """
         return (stages - 1) / self.ticks(stages)
 
+    def in_flight(self, stages: int) -> int:
+        """How many micro-batches' activations a stage device keeps at once for the backward pass (at its peak).
+
+        Args:
+          stages: ``p``, the size of the stage axis.
+
+        Returns:
+          ``v m + p - 1``: the backward pass is autodiff of the whole loop, so every tick's (bubbles' too) are kept
+          until it starts; with ``remat`` each is the tick's stage input, without it every layer's activations.
+        """
+        return self.ticks(stages)
+
+    @property
+    def recomputed(self) -> int:
+        """How many forward passes of each stage's layers the backward pass runs again: 1 with ``remat``, else 0."""
+        return int(self.remat)
+
     def rows_seen(self, count: jax.Array) -> jax.Array:
         """The real-example count of the rows one micro-batch's gradient on this device depends on.
 
