@@ -252,7 +252,11 @@ def test_train_step_with_a_stage_axis_equals_one_device(layout, axis, strategy, 
 
 @pytest.mark.parametrize(
     "layout, strategy, m, v",
-    [({"stage": 8}, "zero2", 8, 1), pytest.param({"stage": 4, "model": 2}, "fsdp", 4, 2, marks=SLOW)],
+    [
+        ({"stage": 2}, "ddp", 2, 1),
+        pytest.param({"stage": 8}, "zero2", 8, 1, marks=SLOW),
+        pytest.param({"stage": 4, "model": 2}, "fsdp", 4, 2, marks=SLOW),
+    ],
     ids=str,
 )
 def test_a_mesh_without_a_data_axis_runs_the_pipeline_as_one_device(layout, strategy, m, v):
@@ -260,7 +264,7 @@ def test_a_mesh_without_a_data_axis_runs_the_pipeline_as_one_device(layout, stra
     devices, and a batch placed on the user's mesh runs as it is."""
     model = "model" in layout
     expected, expected_losses = one_device(32)
-    mesh = sc.make_mesh(layout)
+    mesh = sc.make_mesh(layout, devices=jax.devices()[: int(np.prod(list(layout.values())))])
     state = sc.TrainState.create(
         params=init(Net(model)),
         apply_fn=Net(model).apply,
