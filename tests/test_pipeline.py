@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdcomm as sc
-from spmdcomm.train import pipeline as pipeline_module
+from spmdcomm.train import gpipe
 from spmdcomm.train.pipeline import stage_order
 from spmdcomm.train.schedule import run_stack, schedule_context
 from tests.ddp_models import assert_trees_close, mesh_of
@@ -80,7 +80,7 @@ def test_nan_in_every_bubble_slot_changes_nothing(monkeypatch):
     order = stage_order(LAYERS, 2, 2)
     results = {}
     for fill in (0.0, np.nan):
-        monkeypatch.setattr(pipeline_module, "_FILL", fill)
+        monkeypatch.setattr(gpipe, "_FILL", fill)
         core_program.cache_clear()
         forward, grad = core_program(2, 2, 4, 2)
         results[str(fill)] = (np.asarray(forward(weights[order], x)), np.asarray(grad(weights[order], x)))
@@ -102,7 +102,7 @@ def test_layer_state_updates_once_per_micro_batch_in_order_and_never_in_a_bubble
     """Each layer's state moves on once per micro-batch, in micro-batch order, as a scan over the micro-batches in
     turn gives (one device with accum_steps=m); bubble ticks (their buffers NaN here) never update it, and every
     stage device ends with the whole state in canonical layer order."""
-    monkeypatch.setattr(pipeline_module, "_FILL", fill)
+    monkeypatch.setattr(gpipe, "_FILL", fill)
     rng = np.random.default_rng(4)
     weights = (rng.normal(size=(LAYERS, 6, 6)) / np.sqrt(6)).astype(np.float32)
     x = rng.normal(size=(m * 2, 6)).astype(np.float32)

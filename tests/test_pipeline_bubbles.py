@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import spmdcomm as sc
-from spmdcomm.train import pipeline as pipeline_module
+from spmdcomm.train import gpipe
 from spmdcomm.train.pipeline import stage_order
 from tests.ddp_models import assert_trees_close
 from tests.test_pipeline import (
@@ -35,7 +35,7 @@ from tests.test_pipeline import (
 
 @pytest.fixture(autouse=True)
 def nan_fill(monkeypatch):
-    monkeypatch.setattr(pipeline_module, "_FILL", np.nan)
+    monkeypatch.setattr(gpipe, "_FILL", np.nan)
 
 
 # --- the schedule against a scan -----------------------------------------------------------------------------

@@ -22,13 +22,14 @@ class PipelineReport:
       stages: ``p``.
       repeats: ``v``, layer chunks per stage.
       microbatches: ``m``.
-      ticks: the schedule's loop length, ``v m + p - 1``.
-      bubble: its idle fraction, ``(p - 1) / (v m + p - 1)``.
-      in_flight: how many micro-batches' activations a stage device keeps at once for the backward pass,
-        ``v m + p - 1`` (one per tick: :meth:`~spmdcomm.Pipeline.in_flight`).
-      kept: what it keeps of each: ``"stage input"`` with ``remat`` (the layers are recomputed from it), else
-        ``"every layer's activations"``.
-      recomputed: forward passes of the stack the backward pass runs again (1 with ``remat``, else 0).
+      ticks: the schedule's loop length (:meth:`~spmdcomm.Pipeline.ticks`: GPipe ``v m + p - 1``, 1F1B
+        ``m + 2p - 2``).
+      bubble: its idle fraction (:meth:`~spmdcomm.Pipeline.bubble`).
+      in_flight: how many micro-batches' activations a stage device keeps at once for the backward pass
+        (:meth:`~spmdcomm.Pipeline.in_flight`: GPipe ``v m + p - 1``, one per tick; 1F1B ``2p - 1``).
+      kept: what it keeps of each: ``"stage input"`` under GPipe with ``remat`` (the layers are recomputed from
+        it), else ``"every layer's activations"``.
+      recomputed: forward passes of the stack the backward pass runs again (1 under GPipe with ``remat``, else 0).
       stacked_bytes: the bytes of the stacked layers' parameters on one device.
       stack_bytes: the bytes of the whole stack (every layer).
       permutes: collective-permutes over the stage axis per step (each counted once, as in the table).
@@ -87,7 +88,7 @@ def pipeline_report(state: TrainState, collectives: tuple[Collective, ...]) -> P
         ticks=pipeline.ticks(stages),
         bubble=pipeline.bubble(stages),
         in_flight=pipeline.in_flight(stages),
-        kept="stage input" if pipeline.remat else "every layer's activations",
+        kept="stage input" if pipeline.recomputed else "every layer's activations",
         recomputed=pipeline.recomputed,
         stacked_bytes=sum(x.addressable_shards[0].data.nbytes for x in stacked),
         stack_bytes=sum(x.nbytes for x in stacked),
