@@ -17,17 +17,22 @@ micro-batches ``[s m/p, (s+1) m/p)``, a part each of its rows). At tick ``t``, o
 - *backward*: micro-batch ``t - 2p + 2 + s`` back through this stage's layers from its residuals; stage 0 hands
   the cotangent of its input to the owner, whose pre piece, run again, takes it back through the embedding.
 
-Stage ``s`` holds a micro-batch's residuals from its forward tick to its backward tick: ``2(p - 1 - s) + 1``
-ticks, so the ring has ``2p - 1`` slots, every layer's activations of one micro-batch each (no rematerialisation).
-A tick with no forward (or backward, or loss) item computes on real rows (a stand-in) and drops its result with a
-zero cotangent, as the GPipe loop's bubbles do. Moves between a stage and an owner are all-reduces over the stage
-axis of one micro-batch's activations (one device sends, the others add zeros), four per tick, beside the two
-``ppermute`` s of the stages; every device runs the pre and post pieces each tick, where only the owner's count.
+The first ``p - 1`` ticks hold no backward item and the last ``p - 1`` no forward item, and run only their own
+half: the loop's work is ``m + p - 1`` ticks of one forward and one backward item, GPipe's, and so is its bubble,
+``(p - 1) / (m + p - 1)``. Stage ``s`` holds a micro-batch's residuals from its forward tick to its backward
+tick, ``2(p - 1 - s) + 1`` ticks, so the ring has ``2p - 1`` slots, every layer's activations of one micro-batch
+each (no rematerialisation; torch's asynchronous 1F1B holds ``p - s``: here a forward and a backward item share
+each tick in lockstep). A tick with no forward (or backward, or loss) item computes on real rows (a stand-in) and
+drops its result with a zero cotangent, as the GPipe loop's bubbles do. Moves between a stage and an owner are
+all-reduces over the stage axis of one micro-batch's activations (one device sends, the others add zeros), four
+per tick, beside the two ``ppermute`` s of the stages; every device runs the pre and post pieces each tick, where
+only the owner's count, and the pre piece again for the embedding's backward pass.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -172,9 +177,10 @@ def _group(
     right = [(i, i + 1) for i in range(p - 1)]
     from_stage = lambda src, v: lax.psum(jnp.where(s == src, v, jnp.zeros_like(v)), axis)
 
-    def tick(carry: Any, t: jax.Array) -> tuple[Any, None]:
+    def tick(carry: Any, t: jax.Array, *, forward_items: bool, backward_items: bool) -> tuple[Any, None]:
         carry_f, carry_b, slots, stack_grads, grads, metrics, count = carry
         # Forward: stage 0 takes micro-batch t from its owner; the others what their left neighbour passed on.
+        # (Traced in every phase for the residuals' structure; unused in the last, and compiled away.)
         x_own, weights, layer_fn = pre(params, t % q)
         item = t - s
         real = (item >= 0) & (item < m)
@@ -182,28 +188,35 @@ def _group(
         h = jnp.where(real, jnp.where(s == 0, x_in, carry_f), x_own)
         out, vjp_fn = forward(weights, layer_fn, h, jnp.clip(item, 0, m - 1), t % q)
         residuals, structure = jax.tree.flatten(vjp_fn)
-        stored = [r for r, k in zip(residuals, _kept(vjp_fn, weights), strict=True) if k]
-        slot = jnp.clip(item, 0, m - 1) % ring
-        slots = [a.at[slot].set(jnp.where(real, r, a[slot])) for a, r in zip(slots, stored, strict=True)]
-        # The loss of the micro-batch leaving the last stage, on its owner; the cotangent goes back.
-        done = t - (p - 1)
-        owner = (done >= 0) & (done < m) & (s == jnp.clip(done, 0, m - 1) // q)
-        h_out = vary(from_stage(p - 1, out), (axis,))  # varying: the cotangent stays this device's
-        part = jnp.clip(done, 0, m - 1) % q
-        value, post_vjp, (c, sums) = jax.vjp(lambda p_, h: post(p_, h, part), params, h_out, has_aux=True)
-        g_post, ct_out = post_vjp(vary(jnp.where(owner, 1.0, 0.0).astype(value.dtype), every))
-        ct_last = lax.psum(jnp.where(owner, ct_out, jnp.zeros_like(ct_out)), axis)
-        metrics = jax.tree.map(lambda a, n: a + jnp.where(owner, n, jnp.zeros_like(n)), metrics, sums)
-        count = count + jnp.where(owner, c, 0.0)
-        # Backward: micro-batch t - 2p + 2 + s, from its residuals (this tick's own where there is none).
+        kept = _kept(vjp_fn, weights)
+        if forward_items:
+            stored = [r for r, k in zip(residuals, kept, strict=True) if k]
+            slot = jnp.clip(item, 0, m - 1) % ring
+            slots = [a.at[slot].set(jnp.where(real, r, a[slot])) for a, r in zip(slots, stored, strict=True)]
+            carry_f = lax.ppermute(out, axis, right)
+        if not backward_items:
+            return (carry_f, carry_b, slots, stack_grads, grads, metrics, count), None
+        ct_last = jnp.zeros_like(out)
+        if forward_items:
+            # The loss of the micro-batch leaving the last stage, on its owner; the cotangent goes back.
+            done = t - (p - 1)
+            owner = (done >= 0) & (done < m) & (s == jnp.clip(done, 0, m - 1) // q)
+            h_out = vary(from_stage(p - 1, out), (axis,))  # varying: the cotangent stays this device's
+            part = jnp.clip(done, 0, m - 1) % q
+            value, post_vjp, (c, sums) = jax.vjp(lambda p_, h: post(p_, h, part), params, h_out, has_aux=True)
+            g_post, ct_out = post_vjp(vary(jnp.where(owner, 1.0, 0.0).astype(value.dtype), every))
+            ct_last = lax.psum(jnp.where(owner, ct_out, jnp.zeros_like(ct_out)), axis)
+            metrics = jax.tree.map(lambda a, n: a + jnp.where(owner, n, jnp.zeros_like(n)), metrics, sums)
+            count = count + jnp.where(owner, c, 0.0)
+            grads = jax.tree.map(jnp.add, grads, g_post)
+        # Backward: micro-batch t - 2p + 2 + s from its residuals. Where there is none, a real micro-batch's
+        # (the slot of micro-batch 0 was written before any backward tick, that of m - 1 before the last phase).
         back = t - 2 * (p - 1) + s
         real_b = (back >= 0) & (back < m)
         it = iter(a[jnp.clip(back, 0, m - 1) % ring] for a in slots)
-        mixed = [
-            jnp.where(real_b, next(it), r) if k else r for r, k in zip(residuals, _kept(vjp_fn, weights), strict=True)
-        ]
         ct = jnp.where(real_b, jnp.where(s == p - 1, ct_last, carry_b), jnp.zeros_like(out))
-        g_stack, ct_in = jax.tree.unflatten(structure, mixed)(ct)
+        vjp_back = jax.tree.unflatten(structure, [next(it) if k else r for r, k in zip(residuals, kept, strict=True)])
+        g_stack, ct_in = vjp_back(ct)
         stack_grads = jax.tree.map(jnp.add, stack_grads, g_stack)
         # Stage 0's input cotangent goes to its owner, back through the layers before the stack.
         first = t - 2 * (p - 1)
@@ -211,13 +224,21 @@ def _group(
         ct_x = from_stage(0, ct_in)
         _, pre_vjp = jax.vjp(lambda p_: pre(p_, jnp.clip(first, 0, m - 1) % q)[0], params)
         (g_pre,) = pre_vjp(jnp.where(mine, ct_x, jnp.zeros_like(ct_x)))
-        grads = jax.tree.map(lambda a, b, c_: a + b + c_, grads, g_post, g_pre)
-        carry_f = lax.ppermute(out, axis, right)
+        grads = jax.tree.map(jnp.add, grads, g_pre)
         carry_b = lax.ppermute(ct_in, axis, left)
         return (carry_f, carry_b, slots, stack_grads, grads, metrics, count), None
 
-    initial = (x0, x0, slots, zeros(weights0), zeros(params), zeros(metric_shapes), jnp.zeros((), jnp.float32))
-    carry, _ = lax.scan(tick, vary(initial, every), jnp.arange(m + 2 * p - 2))
+    # Three phases: the first p - 1 ticks hold only forward items, the last p - 1 only backward items.
+    carry = vary(
+        (x0, x0, slots, zeros(weights0), zeros(params), zeros(metric_shapes), jnp.zeros((), jnp.float32)), every
+    )
+    for start, stop, forward_items, backward_items in [
+        (0, p - 1, True, False),
+        (p - 1, m + p - 1, True, True),
+        (m + p - 1, m + 2 * p - 2, False, True),
+    ]:
+        phase = functools.partial(tick, forward_items=forward_items, backward_items=backward_items)
+        carry, _ = lax.scan(phase, carry, jnp.arange(start, stop))
     _, _, _, stack_grads, grads, metrics, count = carry
     # The stack's gradient, summed over the ticks, goes back to the parameters once (through the pre piece).
     _, to_params = jax.vjp(lambda p_: pre(p_, 0)[1], params)

@@ -125,10 +125,10 @@ class Pipeline(Schedule):
           stages: ``p``, the size of the stage axis.
 
         Returns:
-          GPipe: ``(p - 1) / (v m + p - 1)``. 1F1B: ``(2p - 2) / (m + 2p - 2)``: its ticks pair a forward and a
-          backward item in lockstep on every stage, so each item waits for the other's pipeline to fill.
+          ``(p - 1) / (v m + p - 1)`` (1F1B: ``v = 1``; its first and last ``p - 1`` ticks run only their forward,
+          or backward, half).
         """
-        return (self.ticks(stages) - self.repeats * self.microbatches) / self.ticks(stages)
+        return (stages - 1) / (self.repeats * self.microbatches + stages - 1)
 
     def in_flight(self, stages: int) -> int:
         """How many micro-batches' activations a stage device keeps at once for the backward pass (at its peak).
