@@ -13,7 +13,7 @@ from jax import lax
 
 from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import ShapeError, describe
-from spmdcomm.train.pipeline import Pipeline, check_schedule, reorder_layers
+from spmdcomm.train.pipeline import GROUPS, Pipeline, check_schedule, reorder_layers
 from spmdcomm.train.schedule import LayerFn, scan_layers
 
 __all__ = ["pipelined"]
@@ -50,8 +50,10 @@ def pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline
 
     def chunk(r: jax.Array, i: jax.Array, chunk_state: Any, h: jax.Array) -> tuple[jax.Array, Any]:
         layers = jax.tree.map(lambda a: a[r] if v > 1 else a[0], chunks)
-        # Micro-batch i holds the replica's rows [i mb, (i + 1) mb); this device's rows begin at s q mb.
-        return scan_layers(layer_fn, layers, chunk_state, h, offset=(r * p + s) * k, row=(i - s * q) * mb, remat=False)
+        # Micro-batch i is part i mod q of stage device i // q's rows, which begin (i // q - s) block lengths
+        # (GROUPS of this device's rows) after this device's.
+        row = (i // q - s) * (GROUPS.get() * q * mb) + (i % q) * mb
+        return scan_layers(layer_fn, layers, chunk_state, h, offset=(r * p + s) * k, row=row, remat=False)
 
     run = jax.checkpoint(chunk) if pipeline.remat else chunk
 

@@ -32,6 +32,7 @@ runs on it.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, ClassVar
 
@@ -45,7 +46,12 @@ from spmdcomm.errors import ShapeError, SpmdError, describe
 from spmdcomm.train import one_f_one_b
 from spmdcomm.train.schedule import LayerFn, MicroPieces, MicroStep, Schedule
 
-__all__ = ["Pipeline", "stage_order", "stack_in_stage_order", "reorder_layers", "check_schedule"]
+__all__ = ["Pipeline", "GROUPS", "stage_order", "stack_in_stage_order", "reorder_layers", "check_schedule"]
+
+#: How many of the step's micro-batches (``accum_steps``) a device's block holds one after the other, while the
+#: loop runs them (1 outside it: the eval step): the rows of one that the next stage device holds begin ``GROUPS``
+#: micro-batches' rows after this device's, which the per-example keys of those rows must count.
+GROUPS: contextvars.ContextVar[int] = contextvars.ContextVar("spmdcomm_pipeline_groups", default=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +173,11 @@ class Pipeline(Schedule):
           ``(grad_sum, metric_sums, model_state, count)``, as the sequential schedule's.
         """
         if self.schedule == "gpipe" or pieces is None:
-            return super().loop(step, model_state, micro, axes)
+            token = GROUPS.set(int(micro[1].shape[0]))
+            try:
+                return super().loop(step, model_state, micro, axes)
+            finally:
+                GROUPS.reset(token)
         check_schedule(
             "make_train_step", self, lax.axis_size(self.axis), None, micro[1].shape[1] * lax.axis_size(self.axis)
         )
