@@ -653,11 +653,12 @@ def test_two_processes_with_the_stage_axis_across_them_equal_one_device(launch, 
     out = launch("mp_pipeline.py", tmp_path, timeout=300)
     assert out.stdout.count("PIPELINE OK") == 2  # one per process
     expected, expected_losses = one_device(32)
-    got = np.load(tmp_path / "params_pipeline.npz")
-    for path, x in jax.tree_util.tree_flatten_with_path(expected)[0]:
-        name = jax.tree_util.keystr(path)
-        np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=name)
-    np.testing.assert_allclose(np.load(tmp_path / "losses_pipeline.npy"), expected_losses, rtol=1e-5)
+    for schedule in ("pipeline", "pipeline_1f1b"):  # GPipe, then 1F1B
+        got = np.load(tmp_path / f"params_{schedule}.npz")
+        for path, x in jax.tree_util.tree_flatten_with_path(expected)[0]:
+            name = jax.tree_util.keystr(path)
+            np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=f"{schedule} {name}")
+        np.testing.assert_allclose(np.load(tmp_path / f"losses_{schedule}.npy"), expected_losses, rtol=1e-5)
 
 
 @SLOW

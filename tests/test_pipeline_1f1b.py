@@ -90,6 +90,20 @@ def test_1f1b_nnx_stack_trains_as_one_device():
 
 
 @SLOW
+def test_a_1f1b_checkpoint_resumes_under_gpipe_as_one_device(tmp_path):
+    """The schedule changes nothing of the state: saved after two 1F1B steps, restored under GPipe (another
+    layout), the third step gives one device's parameters."""
+    expected, expected_losses = one_device(32)
+    data = batches()
+    state, losses = train(create({"data": 2, "stage": 4}, "zero1", 4), data[:2])
+    sc.save_checkpoint(tmp_path, state)
+    target = create({"data": 4, "stage": 2}, "fsdp", 2).replace(pipeline=sc.Pipeline(microbatches=2))
+    restored, more = train(sc.restore_checkpoint(tmp_path, target), data[2:])
+    np.testing.assert_allclose(losses + more, expected_losses, rtol=1e-5)
+    assert_trees_close(jax.device_get(restored.full_params()), expected, rtol=1e-5, atol=1e-5)
+
+
+@SLOW
 def test_1f1b_keeps_a_bounded_number_of_micro_batches_and_recomputes_nothing():
     """The compiled step's temporaries: 1F1B's ring of 2p - 1 micro-batches' activations, against GPipe keeping
     every tick's (v m + p - 1) without remat; explain reports the schedule's numbers."""
