@@ -1,5 +1,6 @@
 """Pipeline parallelism: a stack of ``L`` layers split over a ``stage`` mesh axis, ``L / p`` layers per stage, with
-micro-batches flowing through the stages so that every stage works at once.
+micro-batches flowing through the stages so that every stage works at once. Two schedules: GPipe (below; its loop
+is :mod:`spmdcomm.train.gpipe`) and 1F1B (``schedule="1f1b"``, :mod:`spmdcomm.train.one_f_one_b`).
 
 :class:`Pipeline` is the policy, given once to ``TrainState.create(..., pipeline=...)``: the stage axis, the number
 of micro-batches ``m`` and of layer chunks per stage ``v`` (the circular / interleaved schedule; ``v = 1`` is GPipe).

@@ -6,10 +6,10 @@ gradient of one micro-batch) and the way a stack of layers runs inside one micro
 the sequential schedule: gradient accumulation runs the ``accum_steps`` micro-batches one after the other and sums
 their gradients, and a layer stack is a ``lax.scan`` over its layers. :class:`~spmdcomm.Pipeline` keeps that loop
 and runs each stack as a pipeline over the stage axis (GPipe, circular). A schedule that interleaves the forward and
-backward passes of different micro-batches (1F1B: activation memory bounded by the stage count) overrides both
-hooks: ``loop`` runs each micro-batch's pieces with ``jax.vjp`` in its own order, and ``stack`` marks where the
-stages' work begins and ends inside the user's forward pass; the state, the step and the strategies stay as they
-are.
+backward passes of different micro-batches (the pipeline's 1F1B: activation memory bounded by the stage count)
+overrides both hooks: ``loop`` differentiates the micro-batches itself, from the :class:`MicroPieces` the step
+hands it, with ``jax.vjp`` in its own order, and ``stack`` splits the user's forward pass where the stages' work
+begins and ends; the state, the step and the strategies stay as they are.
 
 The train and eval steps make their state's schedule active while they trace the user's function
 (:func:`schedule_context`); outside a step the sequential schedule is.
