@@ -58,6 +58,40 @@ def test_1f1b_train_step_equals_one_device(layout, strategy, m, accum, padded):
     state, losses = train(state, data, accum=accum, pad_to=32 if padded else None)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
+    # The eval step runs the stack's forward loop (GPipe's): one device's metric on the trained parameters.
+    metric = lambda params, batch, *, apply_fn, model_state, mask: {
+        "loss": loss_fn(params, batch, apply_fn=apply_fn, model_state=model_state, rng=jax.random.key(0), mask=mask)
+    }
+    mesh = sc.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    one = sc.TrainState.create(params=expected, apply_fn=Net().apply, tx=TX, mesh=mesh)
+    want = sc.make_eval_step(metric)(one, data[0])["loss"]
+    np.testing.assert_allclose(sc.make_eval_step(metric)(state, data[0])["loss"], want, rtol=1e-5)
+
+
+@SLOW
+def test_1f1b_with_loss_scaling_skips_a_non_finite_step_as_one_device():
+    """Loss scaling weighs each part of a micro-batch by its share of the global batch: a NaN in one row skips
+    the step on every stage, the scale backs off once, and the run is one device's."""
+
+    def run(state):
+        data = batches(steps=3)
+        data[1]["x"][5, 2] = np.nan
+        step, seen = sc.make_train_step(loss_fn), []
+        for batch in data:
+            state, metrics = step(state, batch)
+            seen.append([float(metrics[k]) for k in ("loss", "skipped", "loss_scale")])
+        return jax.device_get(state.full_params()), np.array(seen)
+
+    scale = {"scale": 2.0**15}
+    mesh = sc.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    want, want_seen = run(
+        sc.TrainState.create(params=init(Net()), apply_fn=Net().apply, tx=TX, mesh=mesh, loss_scale=scale)
+    )
+    state = create({"data": 2, "stage": 4}, "zero2", 8)
+    got, seen = run(state.replace(loss_scale=sc.TrainState.create(params={}, tx=TX, loss_scale=scale).loss_scale))
+    assert want_seen[:, 1].tolist() == [0.0, 1.0, 0.0]
+    np.testing.assert_allclose(seen, want_seen, rtol=1e-5)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @SLOW

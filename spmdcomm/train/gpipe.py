@@ -90,7 +90,8 @@ def pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline
         return (io_in, io_out, loop, carry, layer_state), None
 
     initial = (io_in, io_out, loop, carry, layer_state)
-    (_, io_out, _, _, layer_state), _ = lax.scan(tick, initial, jnp.arange(pipeline.ticks(p)))
+    # v m + p - 1 ticks, also for a 1F1B pipeline's eval step (whose own loop is longer).
+    (_, io_out, _, _, layer_state), _ = lax.scan(tick, initial, jnp.arange(v * m + p - 1))
     return io_out.reshape(x.shape), _whole_state(layer_state, local, p, v, axis)
 
 
