@@ -64,8 +64,9 @@ def test_1f1b_train_step_equals_one_device(layout, strategy, m, accum, padded):
     }
     mesh = sc.make_mesh({"data": 1}, devices=jax.devices()[:1])
     one = sc.TrainState.create(params=expected, apply_fn=Net().apply, tx=TX, mesh=mesh)
-    want = sc.make_eval_step(metric)(one, data[0])["loss"]
-    np.testing.assert_allclose(sc.make_eval_step(metric)(state, data[0])["loss"], want, rtol=1e-5)
+    batch = sc.pad_batch(data[0], 32) if padded else data[0]
+    want = sc.make_eval_step(metric)(one, batch)["loss"]
+    np.testing.assert_allclose(sc.make_eval_step(metric)(state, batch)["loss"], want, rtol=1e-5)
 
 
 @SLOW
