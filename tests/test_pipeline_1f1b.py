@@ -41,19 +41,20 @@ def create(layout, strategy, m, *, net=None, axis="data", **kwargs):
 
 
 @pytest.mark.parametrize(
-    "layout, strategy, m, accum, padded",
+    "layout, strategy, m, accum, padded, rms",
     [
-        ({"data": 2, "stage": 2}, "ddp", 4, 1, False),
-        pytest.param({"data": 2, "stage": 4}, "fsdp", 8, 1, True, marks=SLOW),
-        pytest.param({"data": 2, "stage": 2, "model": 2}, "zero1", 2, 1, False, marks=SLOW),
-        pytest.param({"data": 4, "stage": 2}, "zero2", 2, 2, True, marks=SLOW),
-        pytest.param({"stage": 8}, "ddp", 8, 1, False, marks=SLOW),
+        ({"data": 2, "stage": 2}, "ddp", 4, 1, False, False),
+        pytest.param({"data": 2, "stage": 4}, "fsdp", 8, 1, True, False, marks=SLOW),
+        pytest.param({"data": 2, "stage": 2, "model": 2}, "zero1", 2, 1, False, False, marks=SLOW),
+        pytest.param({"data": 4, "stage": 2}, "zero2", 2, 2, True, False, marks=SLOW),
+        # A block not finite at zero (RMS normalisation without epsilon): 1F1B's idle items run on real rows too.
+        pytest.param({"stage": 8}, "ddp", 8, 1, False, True, marks=SLOW),
     ],
     ids=str,
 )
-def test_1f1b_train_step_equals_one_device(layout, strategy, m, accum, padded):
-    expected, expected_losses = one_device(29 if padded else 32)
-    state = create(layout, strategy, m)
+def test_1f1b_train_step_equals_one_device(layout, strategy, m, accum, padded, rms):
+    expected, expected_losses = one_device(29 if padded else 32, rms=rms)
+    state = create(layout, strategy, m, net=Net("model" in layout, rms=rms))
     data = [{k: v[:29] for k, v in b.items()} for b in batches()] if padded else batches()
     state, losses = train(state, data, accum=accum, pad_to=32 if padded else None)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
@@ -63,7 +64,7 @@ def test_1f1b_train_step_equals_one_device(layout, strategy, m, accum, padded):
         "loss": loss_fn(params, batch, apply_fn=apply_fn, model_state=model_state, rng=jax.random.key(0), mask=mask)
     }
     mesh = sc.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    one = sc.TrainState.create(params=expected, apply_fn=Net().apply, tx=TX, mesh=mesh)
+    one = sc.TrainState.create(params=expected, apply_fn=Net(rms=rms).apply, tx=TX, mesh=mesh)
     batch = sc.pad_batch(data[0], 32) if padded else data[0]
     want = sc.make_eval_step(metric)(one, batch)["loss"]
     np.testing.assert_allclose(sc.make_eval_step(metric)(state, batch)["loss"], want, rtol=1e-5)
@@ -102,15 +103,6 @@ def test_1f1b_draws_one_devices_dropout_masks_per_example():
     expected, expected_losses = one_device(32, dropout=0.2, rng="per_example")
     state = create({"data": 2, "stage": 4}, "ddp", 4, net=Net(dropout=0.2))
     state, losses = train(state, batches(), rng="per_example", accum=2)
-    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-    assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
-
-
-@SLOW
-def test_1f1b_trains_a_block_not_finite_at_zero_as_one_device():
-    expected, expected_losses = one_device(32, rms=True)
-    state = create({"data": 2, "stage": 4}, "fsdp", 4, net=Net(rms=True))
-    state, losses = train(state, batches())
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
 
