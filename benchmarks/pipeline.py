@@ -19,15 +19,19 @@ Memory, from the compiled step (``sc.explain(step, state, batch)``: ``.memory``,
   Goals: 1/p = 0.25 with DDP over ``data`` and 1/(p N) = 0.125 with FSDP over ``data`` (GPipe, m = 8, remat;
   FSDP also with ``reshard_after_forward=False``, whose temporaries keep the pipeline's remat); DDP on
   ``data 8`` holds the whole stack;
-- the step's temporaries (its activation peak) for m = 4, 8, 16 with ``remat=True`` and ``remat=False``, next
-  to DDP on ``data 8`` and the hand-written program at m = 8 with and without remat.
+- the step's temporaries (its activation peak) for m = 4, 8, 16, GPipe with ``remat=True`` and ``remat=False``
+  and 1F1B (``schedule="1f1b"``), with the micro-batches each keeps and the forward passes it recomputes
+  (``explain``), next to DDP on ``data 8`` and the hand-written program at m = 8 with and without remat. (XLA's
+  cost analysis counts a loop's body once, not once per trip, so its FLOPs cannot compare the schedules' total
+  work: the recomputation column says it.)
 
 Speed: the variants are interleaved round by round (the order reversed every other round, each of ours next to
 the hand-written program it is compared with), each number is a median over rounds, each ratio the median over
 rounds of that round's ratio; every loop keeps at most 8 steps in flight (``_common.time_calls``):
 
 - ours on ``data 2 x stage 4``: GPipe with m = 4 and m = 8, each with and without remat (ours defaults to
-  ``remat=True``), and the circular schedule with v = 2, m = 8;
+  ``remat=True``), the circular schedule with v = 2, m = 8, and 1F1B with m = 8 (which recomputes nothing: set
+  against the programs without remat);
 - the hand-written GPipe program (:func:`handwritten`) with the same four m / remat settings;
 - DDP of the same model on ``data 8`` (no stage axis: the stack runs as a scan), with each layer rematerialised
   and without (the stack's own default); FSDP on ``data 8``; and DDP on 8 rows (one per device), the part of
@@ -148,23 +152,27 @@ STEP = sc.make_train_step(loss_fn)
 _STATES: dict = {}
 
 
-def new_state(cfg: Config, strategy: str = "ddp", m: int | None = None, v: int = 1, remat: bool = True):
+def new_state(
+    cfg: Config, strategy: str = "ddp", m: int | None = None, v: int = 1, remat: bool = True, schedule: str = "gpipe"
+):
     """Our state of ``strategy`` on ``data 8`` (``m`` None; the stack a scan rematerialising each layer with
-    ``remat``) or with ``sc.Pipeline(m, repeats=v, remat=remat)`` on ``data 2 x stage 4``."""
+    ``remat``) or with ``sc.Pipeline(m, repeats=v, remat=remat, schedule=schedule)`` on ``data 2 x stage 4``."""
     return sc.TrainState.create(
         params=init_params(cfg),
         apply_fn=Net(cfg, remat=remat and m is None).apply,
         tx=TX,
         mesh=sc.make_mesh(FLAT_MESH if m is None else PIPELINE_MESH),
         strategy=strategy,
-        pipeline=None if m is None else sc.Pipeline(microbatches=m, repeats=v, remat=remat),
+        pipeline=None if m is None else sc.Pipeline(microbatches=m, repeats=v, remat=remat, schedule=schedule),
     )
 
 
-def state_for(cfg: Config, strategy: str = "ddp", m: int | None = None, v: int = 1, remat: bool = True):
+def state_for(
+    cfg: Config, strategy: str = "ddp", m: int | None = None, v: int = 1, remat: bool = True, schedule: str = "gpipe"
+):
     """:func:`new_state`, made once and kept, so that the memory tables and the speed loop compile its step once
     (a speed runner takes it: its steps consume it)."""
-    key = (cfg, strategy, m, v, remat)
+    key = (cfg, strategy, m, v, remat, schedule)
     if key not in _STATES:
         _STATES[key] = new_state(*key)
     return _STATES[key]
@@ -327,14 +335,16 @@ def program_runner(step, start):
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """A speed variant: ``kind`` "ours", "handwritten" (both GPipe or circular on ``data 2 x stage 4``), "jit"
-    (:func:`jit_program`, no schedule, on ``data 2 x stage 4``), "ddp" or "fsdp" (on ``data 8``)."""
+    """A speed variant: ``kind`` "ours", "handwritten" (both GPipe or circular on ``data 2 x stage 4``; ours also
+    1F1B, ``schedule="1f1b"``), "jit" (:func:`jit_program`, no schedule, on ``data 2 x stage 4``), "ddp" or "fsdp"
+    (on ``data 8``)."""
 
     kind: str
     m: int = 0
     v: int = 1
     remat: bool = True
     rows: int = 0  # the global batch's first rows only (0: all of them)
+    schedule: str = "gpipe"
 
     @property
     def name(self) -> str:
@@ -343,9 +353,10 @@ class Variant:
         elif self.kind == "jit":
             name = "jit + NamedSharding stage=4"
         else:
-            schedule = "GPipe" if self.v == 1 else f"circular v={self.v}"
+            schedule = "1F1B" if self.schedule == "1f1b" else "GPipe" if self.v == 1 else f"circular v={self.v}"
             name = f"{'ours' if self.kind == 'ours' else 'hand-written'} {schedule} m={self.m}"
-        return name + ("" if self.remat else " no remat") + (f" batch={self.rows}" if self.rows else "")
+        remat = self.remat or self.schedule == "1f1b"  # 1F1B recomputes nothing: no remat to name
+        return name + ("" if remat else " no remat") + (f" batch={self.rows}" if self.rows else "")
 
     @property
     def pipelined(self) -> bool:
@@ -367,7 +378,7 @@ class Variant:
         return Variant(self.kind, 8, 1, self.remat).name if self.pipelined else None
 
     def bubble_factor(self, stages: int) -> float | None:
-        """The bubble formula's step time against a step without one, ``(v m + p - 1) / (v m)``."""
+        """The bubble formula's step time against a step without one, ``(v m + p - 1) / (v m)`` (1F1B's too)."""
         return (self.v * self.m + stages - 1) / (self.v * self.m) if self.pipelined else None
 
     def runner(self, cfg: Config):
@@ -377,7 +388,8 @@ class Variant:
             return program_runner(*jit_program(cfg))
         if self.rows:  # a step of other shapes: a state of its own
             return ours_runner(cfg, new_state(cfg, self.kind, remat=self.remat), self.rows)
-        key = (cfg, "ddp", self.m, self.v, self.remat) if self.kind == "ours" else (cfg, self.kind, None, 1, self.remat)
+        ours = (cfg, "ddp", self.m, self.v, self.remat, self.schedule)
+        key = ours if self.kind == "ours" else (cfg, self.kind, None, 1, self.remat, "gpipe")
         state_for(*key)
         return ours_runner(cfg, _STATES.pop(key))  # its steps consume it
 
@@ -397,6 +409,7 @@ VARIANTS = {
         Variant("ours", 8, 2, True),
         Variant("handwritten", 8, 1, False),
         Variant("ours", 8, 1, False),
+        Variant("ours", 8, 1, False, schedule="1f1b"),  # recomputes nothing: next to the hand-written no remat
     ]
 }
 JIT = Variant("jit").name
@@ -529,23 +542,31 @@ def activation_memory(
     handwritten_: tuple[tuple[int, bool], ...],
     ddp_remats: tuple[bool, ...] = (True, False),
 ) -> list[dict]:
-    """The compiled step's temporaries (its activation peak) per device for each m with and without remat on
-    ``data 2 x stage 4``, then DDP on ``data 8`` (each remat of ``ddp_remats``), the hand-written program (each
-    ``(m, remat)`` of ``handwritten_``) and the ``jax.jit`` program for reference; each set against DDP's with the
-    same remat."""
+    """The compiled step's temporaries (its activation peak) per device for each m, GPipe with and without remat
+    and 1F1B, on ``data 2 x stage 4``, then DDP on ``data 8`` (each remat of ``ddp_remats``), the hand-written
+    program (each ``(m, remat)`` of ``handwritten_``) and the ``jax.jit`` program for reference; each set against
+    DDP's with the same remat."""
     batch = data(cfg)
     rows = []
     for m in microbatches:
-        for remat in (True, False):
-            report = sc.explain(STEP, state_for(cfg, "ddp", m, remat=remat), batch)
+        for variant in (
+            Variant("ours", m),
+            Variant("ours", m, remat=False),
+            Variant("ours", m, 1, False, schedule="1f1b"),
+        ):
+            report = sc.explain(STEP, state_for(cfg, "ddp", m, remat=variant.remat, schedule=variant.schedule), batch)
             pipe = report.pipeline
             rows.append(
                 {
-                    "variant": f"ours GPipe m={m}" + ("" if remat else " no remat"),
+                    "variant": variant.name,
                     "m": m,
-                    "remat": remat,
+                    "remat": variant.remat,
+                    "schedule": variant.schedule,
                     "ticks": pipe.ticks,
                     "bubble": pipe.bubble,
+                    "in_flight": pipe.in_flight,
+                    "kept": pipe.kept,
+                    "recomputed": pipe.recomputed,
                     "permutes": pipe.permutes,
                     "permute_bytes": pipe.permute_bytes,
                     "stage_gathers": pipe.stage_gathers,
@@ -610,14 +631,18 @@ def tables(result: dict) -> str:
     if "activation_memory" in result:
         out += [
             "",
-            "| step (data 2 x stage 4 unless named) | ticks | bubble | temporaries per device (KiB) |"
-            " vs DDP data 8 (same remat) |",
-            "| --- | ---: | ---: | ---: | ---: |",
+            "| step (data 2 x stage 4 unless named) | ticks | bubble | micro-batches kept (what of each) |"
+            " forwards recomputed | temporaries per device (KiB) | vs DDP data 8 (same remat) |",
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
         ]
     for r in result.get("activation_memory", []):
-        ticks = r.get("ticks", "")
+        ticks, recomputed = r.get("ticks", ""), r.get("recomputed", "")
         bubble = f"{r['bubble']:.3f}" if "bubble" in r else ""
-        out.append(f"| {r['variant']} | {ticks} | {bubble} | {r['temp_bytes'] / kib:,.1f} | {r['temp_vs_ddp']:.2f} |")
+        kept = f"{r['in_flight']} ({r['kept']})" if "in_flight" in r else ""
+        out.append(
+            f"| {r['variant']} | {ticks} | {bubble} | {kept} | {recomputed} | {r['temp_bytes'] / kib:,.1f} |"
+            f" {r['temp_vs_ddp']:.2f} |"
+        )
     if "speed" in result:
         out += [
             "",

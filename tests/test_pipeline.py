@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmdcomm as sc
-from spmdcomm.parallel.pipeline import pipeline as pipeline_module
+from spmdcomm.parallel.pipeline import gpipe
 from spmdcomm.parallel.pipeline.pipeline import stage_order
 from spmdcomm.parallel.pipeline.schedule import run_stack, schedule_context
 from tests.ddp_models import assert_trees_close, mesh_of
@@ -32,13 +32,14 @@ def residual(w, state, h, index, row):
     return h + jnp.tanh(h @ w), state
 
 
-def scanned(weights, x):
-    return run_stack(residual, weights, x, remat=False)[0]
+def scanned(weights, x, layer=residual):
+    return run_stack(layer, weights, x, remat=False)[0]
 
 
 @functools.cache
-def core_program(d, p, m, v):
-    """The pipelined stack on a ``data`` d x ``stage`` p mesh, and its gradient (compiled once per layout)."""
+def core_program(d, p, m, v, layer=residual):
+    """The pipelined stack of ``layer`` on a ``data`` d x ``stage`` p mesh, and its gradient (compiled once per
+    layout)."""
     mesh = jax.make_mesh(
         (d, p), ("data", "stage"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[: d * p]
     )
@@ -46,7 +47,7 @@ def core_program(d, p, m, v):
 
     def local(weights, x):
         with schedule_context(schedule):
-            return run_stack(residual, weights, x)[0]
+            return run_stack(layer, weights, x)[0]
 
     mapped = jax.shard_map(
         local, mesh=mesh, in_specs=(P("stage"), P(("data", "stage"))), out_specs=P(("data", "stage"))
@@ -70,15 +71,16 @@ def test_the_schedule_equals_a_scan_forward_and_backward(d, p, m, v):
 
 
 def test_nan_in_every_bubble_slot_changes_nothing(monkeypatch):
-    """The loop's buffers start as NaN instead of zeros: bubble ticks compute on zeros and are never written, so the
-    output and the gradient are bitwise those of the zero-filled run (praxis's NaN testing mode)."""
+    """The loop's buffers start as NaN instead of zeros: bubble ticks compute on a real stand-in and are never
+    written, so the output and the gradient are bitwise those of the zero-filled run (praxis's NaN testing mode;
+    tests/test_pipeline_bubbles.py: blocks that are not finite at zero)."""
     rng = np.random.default_rng(1)
     weights = (rng.normal(size=(LAYERS, 6, 6)) / np.sqrt(6)).astype(np.float32)
     x = rng.normal(size=(2 * 4 * 2, 6)).astype(np.float32)
     order = stage_order(LAYERS, 2, 2)
     results = {}
     for fill in (0.0, np.nan):
-        monkeypatch.setattr(pipeline_module, "_FILL", fill)
+        monkeypatch.setattr(gpipe, "_FILL", fill)
         core_program.cache_clear()
         forward, grad = core_program(2, 2, 4, 2)
         results[str(fill)] = (np.asarray(forward(weights[order], x)), np.asarray(grad(weights[order], x)))
@@ -100,7 +102,7 @@ def test_layer_state_updates_once_per_micro_batch_in_order_and_never_in_a_bubble
     """Each layer's state moves on once per micro-batch, in micro-batch order, as a scan over the micro-batches in
     turn gives (one device with accum_steps=m); bubble ticks (their buffers NaN here) never update it, and every
     stage device ends with the whole state in canonical layer order."""
-    monkeypatch.setattr(pipeline_module, "_FILL", fill)
+    monkeypatch.setattr(gpipe, "_FILL", fill)
     rng = np.random.default_rng(4)
     weights = (rng.normal(size=(LAYERS, 6, 6)) / np.sqrt(6)).astype(np.float32)
     x = rng.normal(size=(m * 2, 6)).astype(np.float32)
@@ -141,17 +143,24 @@ def test_a_stack_state_without_a_row_per_layer_is_refused():
 # --- the train step against one device -----------------------------------------------------------------------
 
 
+def rms(x):
+    """RMS normalisation with no epsilon: finite on any non-zero row, NaN (value and derivative) at zero."""
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True))
+
+
 class Block(nn.Module):
-    """A pre-LayerNorm residual MLP block; ``model``: its kernels split Megatron-style over ``"model"``."""
+    """A pre-LayerNorm residual MLP block; ``model``: its kernels split Megatron-style over ``"model"``; ``rms``:
+    :func:`rms` in place of the LayerNorm."""
 
     model: bool = False
     dropout: float = 0.0
+    rms: bool = False
 
     @nn.compact
     def __call__(self, x):
         columns = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")) if self.model else None
         rows = nn.with_partitioning(nn.initializers.lecun_normal(), ("model", None)) if self.model else None
-        h = nn.LayerNorm()(x)
+        h = rms(x) if self.rms else nn.LayerNorm()(x)
         h = nn.Dense(2 * WIDTH, **({"kernel_init": columns} if columns else {}))(h)
         h = nn.Dropout(self.dropout, deterministic=self.dropout == 0.0)(nn.gelu(h))
         return x + nn.Dense(WIDTH, **({"kernel_init": rows} if rows else {}))(h)
@@ -160,11 +169,12 @@ class Block(nn.Module):
 class Net(nn.Module):
     model: bool = False
     dropout: float = 0.0
+    rms: bool = False
 
     @nn.compact
     def __call__(self, x):
         h = nn.Dense(WIDTH)(x)
-        h = sc.PipelineStack(Block(self.model, self.dropout), layers=LAYERS)(h)
+        h = sc.PipelineStack(Block(self.model, self.dropout, self.rms), layers=LAYERS)(h)
         return nn.Dense(3)(nn.LayerNorm()(h))
 
 
@@ -199,9 +209,9 @@ def init(model):
 
 
 @functools.cache
-def one_device(real_rows, model=False, dropout=0.0, rng="per_device"):
-    net = Net(model, dropout)
-    state = sc.TrainState.create(params=init(Net(False, dropout)), apply_fn=net.apply, tx=TX, mesh=mesh_of(1))
+def one_device(real_rows, model=False, dropout=0.0, rng="per_device", rms=False):
+    net = Net(model, dropout, rms)
+    state = sc.TrainState.create(params=init(Net(False, dropout, rms)), apply_fn=net.apply, tx=TX, mesh=mesh_of(1))
     data = [{k: v[:real_rows] for k, v in b.items()} for b in batches()]
     state, losses = train(state, data, rng=rng)
     return jax.device_get(state.params), losses
@@ -236,6 +246,38 @@ def test_train_step_with_a_stage_axis_equals_one_device(layout, axis, strategy, 
     data = [{k: v[:29] for k, v in b.items()} for b in batches()] if padded else batches()
     pad_to = 32 if padded else None
     state, losses = train(state, data, accum=accum, pad_to=pad_to)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "layout, strategy, m, v",
+    [
+        ({"stage": 2}, "ddp", 2, 1),
+        pytest.param({"stage": 8}, "zero2", 8, 1, marks=SLOW),
+        pytest.param({"stage": 4, "model": 2}, "fsdp", 4, 2, marks=SLOW),
+    ],
+    ids=str,
+)
+def test_a_mesh_without_a_data_axis_runs_the_pipeline_as_one_device(layout, strategy, m, v):
+    """A mesh of stage (and model) axes needs no data axis: the state's mesh gets one of size 1, on the same
+    devices, and a batch placed on the user's mesh runs as it is."""
+    model = "model" in layout
+    expected, expected_losses = one_device(32)
+    mesh = sc.make_mesh(layout, devices=jax.devices()[: int(np.prod(list(layout.values())))])
+    state = sc.TrainState.create(
+        params=init(Net(model)),
+        apply_fn=Net(model).apply,
+        tx=TX,
+        mesh=mesh,
+        strategy=strategy,
+        pipeline=sc.Pipeline(microbatches=m, repeats=v),
+    )
+    assert dict(state.mesh.shape) == {"data": 1, **layout}
+    assert list(state.mesh.devices.flat) == list(mesh.devices.flat)
+    assert str(state.roles).startswith(f"shard data=1, stage stage={layout['stage']}")
+    placed = [jax.device_put(b, jax.sharding.NamedSharding(mesh, P("stage"))) for b in batches()]
+    state, losses = train(state, placed)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
 
@@ -288,6 +330,8 @@ def error_of(layout, *, m=2, v=1, axis="data", params=None, stage_axis="stage"):
         ({"data": 2, "stage": 4}, {"m": 4, "v": 4}, sc.SpmdError, ["8 layers", "v * p = 16", "repeats=4"]),
         ({"data": 8}, {}, sc.AxisError, ["stage axis 'stage'", "{'data': 8}", "sc.Pipeline(axis=...)"]),
         ({"data": 2, "stage": 4}, {"axis": ("data", "stage")}, sc.AxisError, ["'stage'", "not a data axis"]),
+        ({"stage": 8}, {"stage_axis": "pp"}, sc.AxisError, ["{'stage': 8}", "neither the data axis 'data'", "'pp'"]),
+        ({"stage": 8}, {"axis": ("replica", "shard")}, sc.AxisError, ["axis 'replica' is not an axis of the mesh"]),
     ],
 )
 def test_schedules_that_cannot_run_are_refused_before_compiling(layout, kwargs, kind, facts):
@@ -321,9 +365,11 @@ def test_a_batch_that_does_not_split_into_microbatches_is_refused():
 
 
 @pytest.mark.slow
-def test_per_example_dropout_draws_one_devices_masks():
+@pytest.mark.parametrize("accum", [1, 2])
+def test_per_example_dropout_draws_one_devices_masks(accum):
     """Dropout keyed by example and layer (rng="per_example"): the same masks as one device, whatever the stages,
-    micro-batches and chunks."""
+    micro-batches, chunks and accumulation (a stage device's rows of one accumulated micro-batch are not next to
+    its neighbour's)."""
     expected, expected_losses = one_device(32, dropout=0.2, rng="per_example")
     net = Net(dropout=0.2)
     state = sc.TrainState.create(
@@ -334,7 +380,7 @@ def test_per_example_dropout_draws_one_devices_masks():
         axis=("data", "other"),
         pipeline=sc.Pipeline(microbatches=4, repeats=2),
     )
-    state, losses = train(state, batches(), rng="per_example")
+    state, losses = train(state, batches(), rng="per_example", accum=accum)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
 
@@ -366,20 +412,24 @@ def test_checkpoints_keep_the_canonical_layer_order_and_restore_onto_any_layout(
         assert_trees_close(jax.device_get(resumed.full_params()), straight, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_explain_shows_the_schedule_and_that_stages_keep_their_layers(strategy):
+@pytest.mark.parametrize("strategy, remat", [("ddp", True), ("fsdp", False)])
+def test_explain_shows_the_schedule_and_that_stages_keep_their_layers(strategy, remat):
     state = sc.TrainState.create(
         params=init(Net()),
         apply_fn=Net().apply,
         tx=TX,
         mesh=sc.make_mesh({"data": 2, "stage": 4}),
         strategy=strategy,
-        pipeline=sc.Pipeline(microbatches=4),
+        pipeline=sc.Pipeline(microbatches=4, remat=remat),
     )
     report = sc.explain(sc.make_train_step(loss_fn), state, batches()[0])
     pipeline = report.pipeline
     assert (pipeline.stages, pipeline.repeats, pipeline.microbatches, pipeline.ticks) == (4, 1, 4, 7)
     assert pipeline.bubble == pytest.approx(3 / 7)
+    # GPipe keeps one item per tick until the backward pass; with remat only the stage input, recomputing once.
+    kept = "stage input" if remat else "every layer's activations"
+    assert (pipeline.in_flight, pipeline.kept, pipeline.recomputed) == (7, kept, int(remat))
+    assert f"kept for the backward pass: {kept} of 7 micro-batches, {int(remat)} forward recomputed" in str(pipeline)
     # 1/p of the stack per device, and 1/(p N) under FSDP (N = 2 data devices).
     assert pipeline.stacked_bytes * 4 * (2 if strategy == "fsdp" else 1) == pipeline.stack_bytes
     assert pipeline.stage_gathers == 0 and report.count("all-gather", over="stage") == 0
@@ -484,12 +534,13 @@ def test_batchnorm_in_a_stage_equals_one_device_with_one_micro_batch_at_a_time(l
 # --- Flax NNX --------------------------------------------------------------------------------------------------
 
 
-def nnx_net():
+def nnx_net(rms_norm=False):
+    """The NNX twin of ``Net``; ``rms_norm``: :func:`rms` in place of the blocks' LayerNorm."""
     from flax import nnx
 
     class NnxBlock(nnx.Module):
         def __init__(self, rngs):
-            self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+            self.norm = rms if rms_norm else nnx.LayerNorm(WIDTH, rngs=rngs)
             self.up = nnx.Linear(WIDTH, 2 * WIDTH, rngs=rngs)
             self.down = nnx.Linear(2 * WIDTH, WIDTH, rngs=rngs)
 
@@ -512,26 +563,34 @@ def nnx_loss(model, batch, *, rng, mask):
     return sc.masked_mean(jnp.sum((model(batch["x"]) - batch["y"]) ** 2, -1), mask)
 
 
+def nnx_train(mesh, strategy="ddp", *, rms_norm=False, **kwargs):
+    """``(state, losses)`` of three steps of :func:`nnx_net` on ``mesh`` (``kwargs``: more of ``create_nnx``'s)."""
+    state = sc.TrainState.create_nnx(nnx_net(rms_norm), tx=TX, mesh=mesh, strategy=strategy, **kwargs)
+    step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss)), []
+    for batch in batches():
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+@functools.cache
+def nnx_one_device(rms_norm=False):
+    state, losses = nnx_train(mesh_of(1), rms_norm=rms_norm)
+    return jax.device_get(state.params), losses
+
+
 @pytest.mark.parametrize(
     "layout, strategy, m, v",
     [pytest.param({"data": 4, "stage": 2}, "fsdp", 2, 2, marks=SLOW), ({"data": 8}, "ddp", 1, 1)],
 )
 def test_nnx_stack_trains_as_one_device(layout, strategy, m, v):
-    def run(mesh, **kwargs):
-        state = sc.TrainState.create_nnx(nnx_net(), tx=TX, mesh=mesh, strategy=strategy, **kwargs)
-        step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss)), []
-        for batch in batches():
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
-        return state, losses
-
-    reference, expected = run(mesh_of(1))
+    reference, expected = nnx_one_device()
     pipeline = sc.Pipeline(microbatches=m, repeats=v) if "stage" in layout else None
-    state, losses = run(sc.make_mesh(layout), pipeline=pipeline)
+    state, losses = nnx_train(sc.make_mesh(layout), strategy, pipeline=pipeline)
     kernel = state.params["stack"]["layers"]["up"]["kernel"]
     assert kernel.sharding.spec[0] == ("stage" if pipeline else None)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
-    assert_trees_close(jax.device_get(state.full_params()), jax.device_get(reference.params), rtol=1e-5, atol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), reference, rtol=1e-5, atol=1e-5)
 
 
 def test_an_nnx_block_with_its_own_rng_streams_is_refused():
@@ -594,11 +653,12 @@ def test_two_processes_with_the_stage_axis_across_them_equal_one_device(launch, 
     out = launch("mp_pipeline.py", tmp_path, timeout=300)
     assert out.stdout.count("PIPELINE OK") == 2  # one per process
     expected, expected_losses = one_device(32)
-    got = np.load(tmp_path / "params_pipeline.npz")
-    for path, x in jax.tree_util.tree_flatten_with_path(expected)[0]:
-        name = jax.tree_util.keystr(path)
-        np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=name)
-    np.testing.assert_allclose(np.load(tmp_path / "losses_pipeline.npy"), expected_losses, rtol=1e-5)
+    for schedule in ("pipeline", "pipeline_1f1b"):  # GPipe, then 1F1B
+        got = np.load(tmp_path / f"params_{schedule}.npz")
+        for path, x in jax.tree_util.tree_flatten_with_path(expected)[0]:
+            name = jax.tree_util.keystr(path)
+            np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=f"{schedule} {name}")
+        np.testing.assert_allclose(np.load(tmp_path / f"losses_{schedule}.npy"), expected_losses, rtol=1e-5)
 
 
 @SLOW

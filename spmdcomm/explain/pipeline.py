@@ -22,8 +22,14 @@ class PipelineReport:
       stages: ``p``.
       repeats: ``v``, layer chunks per stage.
       microbatches: ``m``.
-      ticks: the schedule's loop length, ``v m + p - 1``.
-      bubble: its idle fraction, ``(p - 1) / (v m + p - 1)``.
+      ticks: the schedule's loop length (:meth:`~spmdcomm.Pipeline.ticks`: GPipe ``v m + p - 1``, 1F1B
+        ``m + 2p - 2``).
+      bubble: its idle fraction (:meth:`~spmdcomm.Pipeline.bubble`).
+      in_flight: how many micro-batches' activations a stage device keeps at once for the backward pass
+        (:meth:`~spmdcomm.Pipeline.in_flight`: GPipe ``v m + p - 1``, one per tick; 1F1B ``2p - 1``).
+      kept: what it keeps of each: ``"stage input"`` under GPipe with ``remat`` (the layers are recomputed from
+        it), else ``"every layer's activations"``.
+      recomputed: forward passes of the stack the backward pass runs again (1 under GPipe with ``remat``, else 0).
       stacked_bytes: the bytes of the stacked layers' parameters on one device.
       stack_bytes: the bytes of the whole stack (every layer).
       permutes: collective-permutes over the stage axis per step (each counted once, as in the table).
@@ -40,6 +46,9 @@ class PipelineReport:
     microbatches: int
     ticks: int
     bubble: float
+    in_flight: int
+    kept: str
+    recomputed: int
     stacked_bytes: int
     stack_bytes: int
     permutes: int
@@ -49,9 +58,10 @@ class PipelineReport:
     def __str__(self) -> str:
         line = (
             f"pipeline over {self.axis!r}: p={self.stages}, v={self.repeats}, m={self.microbatches}: {self.ticks} "
-            f"ticks, bubble {self.bubble:.3f}; stacked parameters per device {_format_bytes(self.stacked_bytes)} of "
-            f"{_format_bytes(self.stack_bytes)}; collective-permutes over {self.axis!r}: {self.permutes} "
-            f"({_format_bytes(self.permute_bytes)})"
+            f"ticks, bubble {self.bubble:.3f}; kept for the backward pass: {self.kept} of {self.in_flight} "
+            f"micro-batches, {self.recomputed} forward recomputed; stacked parameters per device "
+            f"{_format_bytes(self.stacked_bytes)} of {_format_bytes(self.stack_bytes)}; collective-permutes over "
+            f"{self.axis!r}: {self.permutes} ({_format_bytes(self.permute_bytes)})"
         )
         if self.stage_gathers:
             line += f"; WARNING: {self.stage_gathers} all-gather(s) over {self.axis!r} (stage layers gathered?)"
@@ -77,6 +87,9 @@ def pipeline_report(state: TrainState, collectives: tuple[Collective, ...]) -> P
         microbatches=pipeline.microbatches,
         ticks=pipeline.ticks(stages),
         bubble=pipeline.bubble(stages),
+        in_flight=pipeline.in_flight(stages),
+        kept="stage input" if pipeline.recomputed else "every layer's activations",
+        recomputed=pipeline.recomputed,
         stacked_bytes=sum(x.addressable_shards[0].data.nbytes for x in stacked),
         stack_bytes=sum(x.nbytes for x in stacked),
         permutes=sum(c.count for c in permutes),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 from jax.sharding import Mesh
 
 from spmdcomm.errors import AxisError, SpmdError, describe
@@ -13,7 +14,7 @@ from spmdcomm.parallel._mesh_axes import check_data_axes, data_axes
 from spmdcomm.parallel.context import ContextParallel
 from spmdcomm.parallel.pipeline.pipeline import Pipeline, check_schedule
 
-__all__ = ["MeshRoles", "mesh_roles"]
+__all__ = ["MeshRoles", "mesh_roles", "with_data_axis"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,3 +122,24 @@ def mesh_roles(
             )
     model = tuple(a for a in mesh.axis_names if a not in data and a not in (stage, seq))
     return MeshRoles(data, stage, model, tuple((a, int(n)) for a, n in mesh.shape.items()), seq)
+
+
+def with_data_axis(fn: str, mesh: Mesh, axis: object, pipeline: object) -> Mesh:
+    """``mesh``, or, when it lacks the data axis ``axis`` (one name) and has ``pipeline``'s stage axis, ``mesh``
+    with ``axis`` in front at size 1: a mesh of stage (and model) axes runs its pipeline with one data replica,
+    through the same step as any layout. Raises :class:`~spmdcomm.errors.AxisError` when the mesh has neither;
+    any other mesh is returned as it is, for :func:`mesh_roles` to check."""
+    if not isinstance(axis, str) or axis in mesh.axis_names or not isinstance(pipeline, Pipeline):
+        return mesh
+    if pipeline.axis not in mesh.axis_names:
+        raise AxisError(
+            describe(
+                fn,
+                f"the mesh {dict(mesh.shape)} has neither the data axis {axis!r} nor the pipeline's stage axis "
+                f"{pipeline.axis!r}.",
+                fix=f"name the mesh's stage axis with sc.Pipeline(axis=...) (and its data axis with axis=...), or "
+                f"make the mesh e.g. sc.make_mesh({{{pipeline.axis!r}: -1}}).",
+            )
+        )
+    kind = mesh.axis_types[mesh.axis_names.index(pipeline.axis)]
+    return Mesh(mesh.devices[np.newaxis], (axis, *mesh.axis_names), axis_types=(kind, *mesh.axis_types))

@@ -20,6 +20,7 @@ from spmdcomm.data.placement import HostInput
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.data._flat import all_finite
 from spmdcomm.parallel.data.strategy import ReduceContext
+from spmdcomm.parallel.pipeline.schedule import MicroPieces
 from spmdcomm.parallel.rng import is_key_leaf, per_example_key
 from spmdcomm.train._hyperparams import injected_hyperparams
 from spmdcomm.train._step import (
@@ -205,25 +206,34 @@ def _accumulate(
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     extra = {"step": state.step} if _takes_keyword(o.loss_fn, "step") else {}
 
-    def call(fn: Callable[..., Any], p: Any, model_state: Any, batch: Any, m: jax.Array, j: Any, share: Any) -> Any:
-        c = jnp.sum(m, dtype=jnp.float32)
-        kwargs = dict(apply_fn=state.apply_fn, model_state=model_state, rng=micro_rng(j), mask=m, **extra)
-        return c, fn(p, batch, count=c, weight=weight(c), share=share, **kwargs)
+    def call(
+        fn: Callable[..., Any], p: Any, model_state: Any, batch: Any, m: jax.Array, j: Any, share: Any, part: Any = 0
+    ) -> Any:
+        c = jnp.sum(m, dtype=jnp.float32)  # a part (of `parts`) of micro-batch j: an unmasked mean weighs 1 / parts
+        kwargs = dict(apply_fn=state.apply_fn, model_state=model_state, rng=micro_rng(j, part), mask=m, **extra)
+        return c, fn(p, batch, count=c, weight=weight(c) if masked else weight(c) / parts, share=share, **kwargs)
 
+    parts = schedule.parts(mask.shape[0] // k)
     share = token_share(state, micro, lambda b, m, j: call(loss_fn, params, state.model_state, b, m, j, 1.0))
+
+    def metric_sums(c: jax.Array, loss: Any, aux: dict[str, Any]) -> dict[str, Any]:
+        # Masked, a block without real examples may give a NaN mean: its weight is zero, and so is
+        # its contribution. Unmasked, every block has the same count: plain sums, divided once by
+        # the number of blocks after the reduction. A token-weighted value carries its own weight.
+        if parts > 1 and isinstance(loss, Weighted):  # its share is of the whole micro-batch's weight
+            fix = "use a per-row mean loss, or schedule='gpipe'."
+            raise SpmdError(describe("make_train_step", f"a token-weighted loss with {schedule!r}.", fix=fix))
+        weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v / parts)
+        return {
+            name: summable(v) if isinstance(v, Weighted) else weigh(v.astype(sum_dtype(v.dtype)))
+            for name, v in {"loss": loss, **aux}.items()
+        }
 
     def one(model_state: Any, batch: Any, m: jax.Array, j: Any) -> tuple[Any, ...]:
         c, ((_, (loss, aux)), grads) = call(grad_fn, params, model_state, batch, m, j, share)
         new_model_state = aux.pop("model_state", model_state)
         _check_same_tree(model_state, new_model_state)
-        # Masked, a block without real examples may give a NaN mean: its weight is zero, and so is
-        # its contribution. Unmasked, every block has the same count: plain sums, divided once by
-        # the number of blocks after the reduction. A token-weighted value carries its own weight.
-        weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v)
-        metrics = {
-            name: summable(v) if isinstance(v, Weighted) else weigh(v.astype(sum_dtype(v.dtype)))
-            for name, v in {"loss": loss, **aux}.items()
-        }
+        metrics = metric_sums(c, loss, aux)
         if masked and strategy.local_grads:
             # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN: a
             # gradient is kept when any row it depends on is real (the schedule says which rows those are). The
@@ -232,20 +242,32 @@ def _accumulate(
             grads = jax.tree.map(lambda g: jnp.where(seen > 0, g, jnp.zeros_like(g)), grads)
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 
-    return schedule.loop(one, vary(state.model_state, state.roles.manual), micro, axis)
+    pieces = MicroPieces(
+        params=params,
+        loss=lambda p, batch, m, j, part: call(loss_fn, p, state.model_state, batch, m, j, share, part),
+        metrics=metric_sums,
+        grads=lambda grads: strategy.micro_grads(ctx, layout, grads),
+    )
+    return schedule.loop(one, vary(state.model_state, state.roles.manual), micro, axis, pieces=pieces)
 
 
-def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[[Any], jax.Array]:
-    """The ``rng`` of micro-batch ``j`` (``rows`` examples) on this device."""
+def _micro_rng(o: StepOptions, state: TrainState, rows: int) -> Callable[..., jax.Array]:
+    """``f(j, part=0)``: the ``rng`` of micro-batch ``j`` (``rows`` examples) on this device, or of its part
+    ``part`` of the schedule's ``parts(rows)`` equal parts."""
     step_rng = jax.random.fold_in(state.rng, state.step)
     device = lax.axis_index(state.roles.batch)  # row-major over the batch axes, as the batch is split
+    parts = state.schedule.parts(rows)
     if o.rng == "per_example":
         # Device d's block holds global rows [d * k * rows, (d + 1) * k * rows); micro-batch j of it
-        # starts j * rows further. Every device shares step_rng: only the row offset differs.
+        # starts j * rows further, its part i another i * rows / parts. Every device shares step_rng: only the
+        # row offset differs.
         first = device * (o.accum_steps * rows)
-        return lambda j: per_example_key(step_rng, offset=first + j * rows, rows=rows)
+        size = rows // parts
+        return lambda j, part=0: per_example_key(step_rng, offset=first + j * rows + part * size, rows=size)
     device_rng = jax.random.fold_in(step_rng, device)
-    return lambda j: jax.random.fold_in(device_rng, j)
+    if parts == 1:
+        return lambda j, part=0: jax.random.fold_in(device_rng, j)
+    return lambda j, part=0: jax.random.fold_in(jax.random.fold_in(device_rng, j), part)
 
 
 def _loss_weight(state: TrainState, mask: jax.Array, masked: bool, k: int) -> Callable[[jax.Array], Any]:

@@ -30,7 +30,7 @@ from spmdcomm.parallel.data.strategies import DDP, Strategy, resolve_strategy
 from spmdcomm.parallel.pipeline.pipeline import Pipeline, stack_in_stage_order
 from spmdcomm.parallel.pipeline.schedule import SEQUENTIAL, Schedule
 from spmdcomm.parallel.rng import data_to_keys, keys_to_data, raw_key
-from spmdcomm.parallel.roles import MeshRoles, mesh_roles
+from spmdcomm.parallel.roles import MeshRoles, mesh_roles, with_data_axis
 from spmdcomm.runtime.host_collectives import broadcast_tree
 from spmdcomm.runtime.mesh import default_mesh
 from spmdcomm.train.loss_scale import resolve_loss_scale
@@ -134,7 +134,9 @@ class TrainState:
           rng: an int seed, a key, or ``None`` (seed 0).
           mesh: the mesh to place the state on; ``None`` (default): every device on one ``"data"`` axis.
           axis: the mesh axis the batch is split over, or a tuple of mesh axes (the batch is split over all of
-            them); ``"data"`` by default.
+            them); ``"data"`` by default. With a ``pipeline`` the mesh need not have it (``{"stage": 8}``,
+            ``{"stage": 4, "model": 2}``): the state's :attr:`mesh` is then ``mesh`` with ``axis`` in front at
+            size 1, on the same devices.
           strategy: ``"ddp"`` (default), ``"zero1"``, ``"zero2"``, ``"fsdp"`` or a
             :class:`~spmdcomm.train.Strategy` object such as ``sc.DDP(bucket_bytes=...)`` (see
             :mod:`spmdcomm.parallel.data.strategies`).
@@ -187,7 +189,7 @@ class TrainState:
           >>> s.params["w"].sharding.spec
           P(None, 'model')
         """
-        mesh = default_mesh() if mesh is None else mesh
+        mesh = with_data_axis("TrainState.create", default_mesh() if mesh is None else mesh, axis, pipeline)
         axis = check_data_axes("TrainState.create", mesh, axis)
         roles = mesh_roles("TrainState.create", mesh, axis, pipeline, context)
         strategy = resolve_strategy("TrainState.create", strategy)

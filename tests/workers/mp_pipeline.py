@@ -3,8 +3,8 @@ process s) and whose data axis stays inside each process.
 
 Usage: spmdcomm-launch -n 2 --devices-per-process 2 mp_pipeline.py OUT_DIR
 Trains tests/test_pipeline.py's model (8 stacked blocks) 3 steps under FSDP with a GPipe schedule of 4
-micro-batches, every process passing the global batch (host_input="global"); process 0 writes the parameters
-(in canonical layer order) and the losses.
+micro-batches, then with the 1F1B schedule, every process passing the global batch (host_input="global");
+process 0 writes the parameters (in canonical layer order) and the losses of each.
 """
 
 import sys
@@ -25,20 +25,21 @@ def main(out_dir: Path) -> None:
     mesh = sc.make_mesh({"stage": 2, "data": 2})
     rows = [{d.process_index for d in row} for row in mesh.devices]
     assert rows == [{0}, {1}], rows  # one stage per process: the activations cross processes
-    state = sc.TrainState.create(
-        params=init(Net()),
-        apply_fn=Net().apply,
-        tx=TX,
-        mesh=mesh,
-        strategy="fsdp",
-        pipeline=sc.Pipeline(microbatches=4),
-    )
     step = sc.make_train_step(loss_fn, host_input="global")
-    report = sc.explain(step, state, batches()[0])
-    assert report.pipeline.stage_gathers == 0 and report.pipeline.permutes > 0, report
-    state, history = sc.fit(step, state, batches())
-    full = jax.jit(lambda p: p, out_shardings=sc.replicated_sharding(mesh=mesh))(state.full_params())
-    write_params(out_dir, "pipeline", full, history)
+    for name, schedule in [("pipeline", "gpipe"), ("pipeline_1f1b", "1f1b")]:
+        state = sc.TrainState.create(
+            params=init(Net()),
+            apply_fn=Net().apply,
+            tx=TX,
+            mesh=mesh,
+            strategy="fsdp",
+            pipeline=sc.Pipeline(microbatches=4, schedule=schedule),
+        )
+        report = sc.explain(step, state, batches()[0])
+        assert report.pipeline.stage_gathers == 0 and report.pipeline.permutes > 0, report
+        state, history = sc.fit(step, state, batches())
+        full = jax.jit(lambda p: p, out_shardings=sc.replicated_sharding(mesh=mesh))(state.full_params())
+        write_params(out_dir, name, full, history)
     print("PIPELINE OK", flush=True)
 
 

@@ -1,5 +1,7 @@
 """Pipeline parallelism: a stack of ``L`` layers split over a ``stage`` mesh axis, ``L / p`` layers per stage, with
-micro-batches flowing through the stages so that every stage works at once.
+micro-batches flowing through the stages so that every stage works at once. Two schedules: GPipe (below; its loop
+is :mod:`spmdcomm.parallel.pipeline.gpipe`) and 1F1B (``schedule="1f1b"``,
+:mod:`spmdcomm.parallel.pipeline.one_f_one_b`).
 
 :class:`Pipeline` is the policy, given once to ``TrainState.create(..., pipeline=...)``: the stage axis, the number
 of micro-batches ``m`` and of layer chunks per stage ``v`` (the circular / interleaved schedule; ``v = 1`` is GPipe).
@@ -15,8 +17,12 @@ micro-batch ``(t - s) mod m`` (when ``0 <= t - s < v m``), then the activations 
 ``ppermute``). Inputs stream in at stage 0 and outputs stream out of the last stage through buffers that stay split
 over the stage axis (one micro-batch slot moves one stage per tick), so no device ever holds the replica's batch
 and the outputs end where the inputs began. The backward pass is autodiff (the transpose of a ``ppermute`` is the
-inverse ``ppermute``). Bubble ticks compute on zeros and are never written anywhere: a NaN in a bubble's input cannot
-reach the loss or the gradients. With ``remat`` (default) each tick's chunk is rematerialised: the backward pass
+inverse ``ppermute``). A bubble tick (no work item) runs its stage's layers on a stand-in: the real stack input
+in this stage's input buffer at that tick (the slot stage 0 reads, which holds real rows on every stage at every
+tick). Its output and state update are dropped by selects, so the cotangent of all it computed is exactly zero,
+and that zero multiplies derivatives taken on real rows only, never at zeros or in an empty slot (where
+``x / sqrt(mean(x * x))`` or a norm has a NaN derivative, and ``0 * NaN`` is NaN). What a bubble's buffer slot
+holds never reaches anything. With ``remat`` (default) each tick's chunk is rematerialised: the backward pass
 keeps only each tick's stage input (``v m + p - 1`` micro-batch activations per device) and recomputes the layers.
 
 Layer order. The stacked parameters ``[L, ...]`` keep the canonical layer order in checkpoints and
@@ -28,6 +34,7 @@ runs on it.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, ClassVar
 
@@ -37,11 +44,16 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import ShapeError, SpmdError, describe
-from spmdcomm.parallel.pipeline.schedule import LayerFn, Schedule, scan_layers
+from spmdcomm.parallel.pipeline import one_f_one_b
+from spmdcomm.parallel.pipeline.schedule import LayerFn, MicroPieces, MicroStep, Schedule
 
-__all__ = ["Pipeline", "stage_order", "stack_in_stage_order", "reorder_layers", "check_schedule"]
+__all__ = ["Pipeline", "GROUPS", "stage_order", "stack_in_stage_order", "reorder_layers", "check_schedule"]
+
+#: How many of the step's micro-batches (``accum_steps``) a device's block holds one after the other, while the
+#: loop runs them (1 outside it: the eval step): the rows of one that the next stage device holds begin ``GROUPS``
+#: micro-batches' rows after this device's, which the per-example keys of those rows must count.
+GROUPS: contextvars.ContextVar[int] = contextvars.ContextVar("spmdcomm_pipeline_groups", default=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,20 +69,26 @@ class Pipeline(Schedule):
       axis: the mesh axis the layers are split over (``"stage"``).
       repeats: ``v``, layer chunks per stage (the circular / interleaved schedule: ``v`` times the point-to-point
         traffic for a ``v`` times smaller bubble); ``1`` is GPipe. ``L`` must be a multiple of ``v p``.
-      remat: rematerialise each tick's layers in the backward pass, keeping only the stage input of each tick.
+      remat: rematerialise each tick's layers in the backward pass, keeping only the stage input of each tick
+        (GPipe; 1F1B keeps every layer's activations of at most ``2p - 1`` micro-batches and recomputes none).
+      schedule: ``"gpipe"`` (the forward loop, differentiated by autodiff) or ``"1f1b"`` (each micro-batch's
+        backward pass right after its forward pass: :mod:`spmdcomm.parallel.pipeline.one_f_one_b`; ``repeats=1``,
+        no model state, a per-row mean loss).
 
     Raises:
-      SpmdError: for a non-positive ``microbatches`` or ``repeats``, or an ``axis`` that is not a string.
+      SpmdError: for a non-positive ``microbatches`` or ``repeats``, an ``axis`` that is not a string, or an
+        unknown ``schedule`` (or ``"1f1b"`` with ``repeats > 1``).
 
     Examples:
       >>> sc.Pipeline(microbatches=8, repeats=2)
-      Pipeline(microbatches=8, axis='stage', repeats=2, remat=True)
+      Pipeline(microbatches=8, axis='stage', repeats=2, remat=True, schedule='gpipe')
     """
 
     microbatches: int
     axis: str = "stage"
     repeats: int = 1
     remat: bool = True
+    schedule: str = "gpipe"
 
     #: The schedule rematerialises each tick itself (FSDP's policy, which keeps every computed value, would undo it).
     strategy_remat: ClassVar[bool] = False
@@ -84,6 +102,15 @@ class Pipeline(Schedule):
                 )
         if not isinstance(self.axis, str):
             raise SpmdError(describe("Pipeline", f"axis={self.axis!r} is not a mesh axis name.", fix='axis="stage"'))
+        if self.schedule not in ("gpipe", "1f1b") or (self.schedule == "1f1b" and self.repeats > 1):
+            raise SpmdError(
+                describe(
+                    "Pipeline",
+                    f"schedule={self.schedule!r} with repeats={self.repeats}: the schedules are 'gpipe' (any repeats) "
+                    "and '1f1b' (repeats=1; interleaved 1F1B is not built yet).",
+                    fix="pass schedule='gpipe', or schedule='1f1b' with repeats=1.",
+                )
+            )
 
     def ticks(self, stages: int) -> int:
         """The length of the schedule's loop.
@@ -92,8 +119,11 @@ class Pipeline(Schedule):
           stages: ``p``, the size of the stage axis.
 
         Returns:
-          ``v m + p - 1`` ticks.
+          GPipe: ``v m + p - 1`` forward ticks (and as many backward). 1F1B: ``m + 2p - 2`` ticks of one forward
+          and one backward item each.
         """
+        if self.schedule == "1f1b":
+            return self.microbatches + 2 * stages - 2
         return self.repeats * self.microbatches + stages - 1
 
     def bubble(self, stages: int) -> float:
@@ -103,9 +133,68 @@ class Pipeline(Schedule):
           stages: ``p``, the size of the stage axis.
 
         Returns:
-          ``(p - 1) / (v m + p - 1)``.
+          ``(p - 1) / (v m + p - 1)`` (1F1B: ``v = 1``; its first and last ``p - 1`` ticks run only their forward,
+          or backward, half).
         """
-        return (stages - 1) / self.ticks(stages)
+        return (stages - 1) / (self.repeats * self.microbatches + stages - 1)
+
+    def in_flight(self, stages: int) -> int:
+        """How many micro-batches' activations a stage device keeps at once for the backward pass (at its peak).
+
+        Args:
+          stages: ``p``, the size of the stage axis.
+
+        Returns:
+          GPipe: ``v m + p - 1``: the backward pass is autodiff of the whole loop, so every tick's (bubbles' too)
+          are kept until it starts; with ``remat`` each is the tick's stage input, without it every layer's
+          activations. 1F1B: ``2p - 1``, every layer's activations (stage ``s`` holds ``2(p - 1 - s) + 1``).
+        """
+        return 2 * stages - 1 if self.schedule == "1f1b" else self.ticks(stages)
+
+    @property
+    def recomputed(self) -> int:
+        """How many forward passes of each stage's layers the backward pass runs again (GPipe with remat: 1)."""
+        return int(self.remat and self.schedule == "gpipe")
+
+    def loop(
+        self, step: MicroStep, model_state: Any, micro: Any, axes: tuple[str, ...], *, pieces: MicroPieces | None = None
+    ) -> tuple[Any, ...]:
+        """Runs the step's micro-batches, each as one pipeline.
+
+        GPipe runs them in order, each one's layer stacks as pipelines; 1F1B runs each as one 1F1B pipeline of
+        ``pieces`` (:mod:`spmdcomm.parallel.pipeline.one_f_one_b`).
+
+        Args:
+          step: the gradient of one micro-batch.
+          model_state: the model state before the first micro-batch.
+          micro: ``(batch, mask)``, every leaf with the micro-batches on dimension 0.
+          axes: the manual axes the sums vary over.
+          pieces: the micro-batch's pieces (1F1B differentiates them itself).
+
+        Returns:
+          ``(grad_sum, metric_sums, model_state, count)``, as the sequential schedule's.
+        """
+        if self.schedule == "gpipe" or pieces is None:
+            token = GROUPS.set(int(micro[1].shape[0]))
+            try:
+                return super().loop(step, model_state, micro, axes)
+            finally:
+                GROUPS.reset(token)
+        check_schedule(
+            "make_train_step", self, lax.axis_size(self.axis), None, micro[1].shape[1] * lax.axis_size(self.axis)
+        )
+        return one_f_one_b.loop(self, pieces, model_state, micro, axes)
+
+    def parts(self, rows: int) -> int:
+        """Into how many parts the loop cuts a device's micro-batch of ``rows`` rows.
+
+        Args:
+          rows: the rows of one of the step's micro-batches on this device.
+
+        Returns:
+          1F1B: ``m / p``, this device's micro-batches of the pipeline; GPipe: 1 (the stack cuts the rows itself).
+        """
+        return self.microbatches // lax.axis_size(self.axis) if self.schedule == "1f1b" else 1
 
     def rows_seen(self, count: jax.Array) -> jax.Array:
         """The real-example count of the rows one micro-batch's gradient on this device depends on.
@@ -134,7 +223,13 @@ class Pipeline(Schedule):
         Returns:
           ``(h, new_state)``: the stack's output for this device's rows and the whole updated state.
         """
-        return _pipelined(layer_fn, params, state, x, self)
+        if self.schedule == "1f1b":
+            piece = one_f_one_b.stack_piece(layer_fn, params, state, x)
+            if piece is not None:
+                return piece
+        from spmdcomm.parallel.pipeline import gpipe  # imported when a stack runs: gpipe imports this module's checks
+
+        return gpipe.pipelined(layer_fn, params, state, x, self)
 
     def reorder(self, tree: Any, stacked: tuple[bool, ...], mesh: Mesh, *, to_stage: bool) -> Any:
         """Puts the stacked leaves of ``tree`` in the order a state on ``mesh`` stores them, or back.
@@ -233,99 +328,3 @@ def reorder_layers(tree: Any, stacked: tuple[bool, ...], stages: int, repeats: i
             x = jnp.take(x, jnp.asarray(order if to_stage else np.argsort(order)), axis=0)
         out.append(x)
     return jax.tree.unflatten(treedef, out)
-
-
-#: What the loop's buffers hold before anything is written to them. Bubble ticks read such slots; they compute on
-#: zeros instead and their results are never written, so NaN here must change nothing (tests/test_pipeline.py).
-_FILL = 0.0
-
-
-def _pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline: Pipeline) -> tuple[jax.Array, Any]:
-    axis, m, v = pipeline.axis, pipeline.microbatches, pipeline.repeats
-    p = lax.axis_size(axis)
-    s = lax.axis_index(axis)
-    local = jax.tree.leaves(params)[0].shape[0]
-    check_schedule("PipelineStack", pipeline, p, local * p, x.shape[0] * p)
-    k, q = local // v, m // p
-    mb = x.shape[0] // q
-    chunks = jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), params)
-    # Every buffer the loop carries varies over the same manual axes as the activations (shard_map's typing).
-    axes = tuple(sorted(set(varying_axes(x)) | {axis}))
-    zeros = lambda shape: vary(jnp.full(shape, _FILL, x.dtype), axes)
-    io_in = x.reshape((q, mb) + x.shape[1:])
-    io_out = zeros(io_in.shape)
-    loop = zeros((m, mb) + x.shape[1:]) if v > 1 else None
-    carry = zeros((mb,) + x.shape[1:])
-    # The state is whole (all L layers, canonical order) on every device: this stage's layers, as its chunks.
-    own = _stage_rows(state, local, p, v, s)
-    layer_state = vary(jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), own), axes)
-    left = [(i, (i - 1) % p) for i in range(p)]
-    right = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
-
-    def chunk(r: jax.Array, i: jax.Array, chunk_state: Any, h: jax.Array) -> tuple[jax.Array, Any]:
-        layers = jax.tree.map(lambda a: a[r] if v > 1 else a[0], chunks)
-        # Micro-batch i holds the replica's rows [i mb, (i + 1) mb); this device's rows begin at s q mb.
-        return scan_layers(layer_fn, layers, chunk_state, h, offset=(r * p + s) * k, row=(i - s * q) * mb, remat=False)
-
-    run = jax.checkpoint(chunk) if pipeline.remat else chunk
-
-    def tick(carried: Any, t: jax.Array) -> tuple[Any, None]:
-        io_in, io_out, loop, carry, layer_state = carried
-        w = t - s  # the work item of this stage: micro-batch w mod m of chunk w // m
-        valid = (w >= 0) & (w < v * m)
-        r, i = jnp.clip(w, 0, v * m - 1) // m, jnp.clip(w, 0, v * m - 1) % m
-        if v > 1:
-            # Stage 0 keeps what the last stage finished of an earlier chunk until its micro-batch's turn.
-            back = t - p
-            keep = (s == 0) & (back >= 0) & (back < (v - 1) * m)
-            loop = loop.at[back % m].set(jnp.where(keep, carry, loop[back % m]))
-            first = jnp.where(t < m, io_in[t % q], loop[i])
-        else:
-            first = io_in[t % q]
-        h = jnp.where(s == 0, first, carry)
-        h = jnp.where(valid, h, jnp.zeros_like(h))  # bubbles compute on zeros: nothing of theirs is ever used
-        out, new_state = run(r, i, jax.tree.map(lambda a: a[r] if v > 1 else a[0], layer_state), h)
-        # A chunk's state moves on once per real micro-batch, in micro-batch order (a bubble's update is dropped).
-        layer_state = jax.tree.map(lambda a, n: a.at[r].set(jnp.where(valid, n, a[r])), layer_state, new_state)
-        # The slot stage 0 read moves one stage back, bringing the next micro-batches to stage 0 in turn.
-        io_in = io_in.at[t % q].set(lax.ppermute(io_in[t % q], axis, left))
-        # The output slot moves one stage back before the last stage writes a finished micro-batch into it, so
-        # that micro-batch j ends on stage j // (m / p), where its rows began.
-        u = t - (p - 1) - (v - 1) * m
-        slot = u % q
-        moved = lax.ppermute(io_out[slot], axis, left)
-        done = (s == p - 1) & valid & (r == v - 1)
-        io_out = io_out.at[slot].set(jnp.where(done, out, moved))
-        carry = lax.ppermute(out, axis, right)
-        return (io_in, io_out, loop, carry, layer_state), None
-
-    initial = (io_in, io_out, loop, carry, layer_state)
-    (_, io_out, _, _, layer_state), _ = lax.scan(tick, initial, jnp.arange(pipeline.ticks(p)))
-    return io_out.reshape(x.shape), _whole_state(layer_state, local, p, v, axis)
-
-
-def _stage_rows(state: Any, local: int, stages: int, repeats: int, stage: jax.Array) -> Any:
-    """The rows of ``state`` (whole, canonical layer order) that stage ``stage`` holds, in its stored order."""
-    for a in jax.tree.leaves(state):
-        if a.shape[0] != local * stages:
-            raise ShapeError(
-                describe(
-                    "PipelineStack",
-                    f"a state leaf of the stack has {a.shape[0]} layers on dimension 0, the parameters "
-                    f"{local * stages}.",
-                    fix="keep the stack's mutable state (BatchNorm's statistics) whole: one row per layer.",
-                )
-            )
-    stored = reorder_layers(state, _every_leaf(state), stages, repeats, to_stage=True)
-    return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, stage * local, local), stored)
-
-
-def _whole_state(layer_state: Any, local: int, stages: int, repeats: int, axis: str) -> Any:
-    """Every stage's updated rows gathered over the stage axis (small: statistics) and put back in canonical order,
-    so each device holds the whole state, as the step stores it."""
-    gathered = jax.tree.map(lambda a: lax.all_gather(a.reshape((local,) + a.shape[2:]), axis, tiled=True), layer_state)
-    return reorder_layers(gathered, _every_leaf(gathered), stages, repeats, to_stage=False)
-
-
-def _every_leaf(tree: Any) -> tuple[bool, ...]:
-    return (True,) * len(jax.tree.leaves(tree))

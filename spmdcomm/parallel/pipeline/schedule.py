@@ -6,10 +6,10 @@ gradient of one micro-batch) and the way a stack of layers runs inside one micro
 the sequential schedule: gradient accumulation runs the ``accum_steps`` micro-batches one after the other and sums
 their gradients, and a layer stack is a ``lax.scan`` over its layers. :class:`~spmdcomm.Pipeline` keeps that loop
 and runs each stack as a pipeline over the stage axis (GPipe, circular). A schedule that interleaves the forward and
-backward passes of different micro-batches (1F1B: activation memory bounded by the stage count) overrides both
-hooks: ``loop`` runs each micro-batch's pieces with ``jax.vjp`` in its own order, and ``stack`` marks where the
-stages' work begins and ends inside the user's forward pass; the state, the step and the strategies stay as they
-are.
+backward passes of different micro-batches (the pipeline's 1F1B: activation memory bounded by the stage count)
+overrides both hooks: ``loop`` differentiates the micro-batches itself, from the :class:`MicroPieces` the step
+hands it, with ``jax.vjp`` in its own order, and ``stack`` splits the user's forward pass where the stages' work
+begins and ends; the state, the step and the strategies stay as they are.
 
 The train and eval steps make their state's schedule active while they trace the user's function
 (:func:`schedule_context`); outside a step the sequential schedule is.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -28,11 +29,40 @@ from jax import lax
 
 from spmdcomm._jax_compat import vary
 
-__all__ = ["Schedule", "MicroStep", "LayerFn", "SEQUENTIAL", "run_stack", "active_schedule", "schedule_context"]
+__all__ = [
+    "Schedule",
+    "MicroStep",
+    "MicroPieces",
+    "LayerFn",
+    "SEQUENTIAL",
+    "run_stack",
+    "active_schedule",
+    "schedule_context",
+]
 
 #: ``step(model_state, batch, mask, j) -> (grads, metrics, model_state, count)``: micro-batch ``j``'s gradient (in
 #: the strategy's accumulated form), its metric sums, the model state after it and its real-example count.
 MicroStep = Callable[[Any, Any, Any, Any], tuple[Any, Any, Any, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroPieces:
+    """What a schedule that differentiates a micro-batch in pieces of its own (1F1B) needs besides the step.
+
+    Attributes:
+      params: the parameters the step differentiates (typed varying over the data axes).
+      loss: ``loss(params, batch, mask, j, part) -> (count, (value, (loss, aux)))``: the differentiable value of
+        part ``part`` (of :meth:`Schedule.parts`) of micro-batch ``j``, its real-example count, and the user's loss
+        and aux.
+      metrics: ``metrics(count, loss, aux) -> metric sums`` of one part, as the step sums them.
+      grads: the strategy's form of a gradient sum (what ``step`` returns its gradient in).
+    """
+
+    params: Any
+    loss: Callable[..., Any]
+    metrics: Callable[..., Any]
+    grads: Callable[[Any], Any]
+
 
 #: ``layer_fn(layer_params, layer_state, h, index, row) -> (h, layer_state)``: one layer of a stack.
 LayerFn = Callable[[Any, Any, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
@@ -47,7 +77,9 @@ class Schedule:
     #: outer policy would override it.
     strategy_remat: ClassVar[bool] = True
 
-    def loop(self, step: MicroStep, model_state: Any, micro: Any, axes: tuple[str, ...]) -> tuple[Any, ...]:
+    def loop(
+        self, step: MicroStep, model_state: Any, micro: Any, axes: tuple[str, ...], *, pieces: MicroPieces | None = None
+    ) -> tuple[Any, ...]:
         """Runs ``step`` over the micro-batches in order, the model state threaded through.
 
         Args:
@@ -55,6 +87,7 @@ class Schedule:
           model_state: the model state before the first micro-batch.
           micro: ``(batch, mask)``, every leaf with the micro-batches on dimension 0.
           axes: the manual axes the sums vary over (the loop's carry is typed so).
+          pieces: the micro-batch's pieces, for a schedule that differentiates them itself (unused here).
 
         Returns:
           ``(grad_sum, metric_sums, model_state, count)``: sums over the micro-batches, the last model state.
@@ -75,6 +108,11 @@ class Schedule:
         rest = jax.tree.map(lambda x: x[1:], micro)
         carry, _ = lax.scan(body, vary(first, axes), (rest, jnp.arange(1, count)))
         return carry
+
+    def parts(self, rows: int) -> int:
+        """Into how many equal parts the schedule's loop cuts a micro-batch of ``rows`` rows, each differentiated
+        through :attr:`MicroPieces.loss` (1: the micro-batch is one piece, through ``step``)."""
+        return 1
 
     def rows_seen(self, count: jax.Array) -> jax.Array:
         """The real-example count of the rows one micro-batch's gradient on this device depends on.

@@ -1,0 +1,134 @@
+"""Bubbles change nothing, whatever the block computes: blocks whose value or derivative is not finite at zero
+(RMS normalisation without epsilon, a norm, a log) with NaN in every buffer slot a bubble reads train exactly as on
+one device, under GPipe and the circular schedule, Linen and NNX, every strategy.
+
+Every test here traces its programs with NaN as the buffers' fill (``nan_fill``); their models and layer functions
+are used nowhere else, so no program traced with another fill is reused."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spmdcomm as sc
+from spmdcomm.parallel.pipeline import gpipe
+from spmdcomm.parallel.pipeline.pipeline import stage_order
+from tests.ddp_models import assert_trees_close
+from tests.test_pipeline import (
+    LAYERS,
+    SLOW,
+    TX,
+    Net,
+    batches,
+    core_program,
+    init,
+    nnx_one_device,
+    nnx_train,
+    one_device,
+    rms,
+    scanned,
+    train,
+)
+
+
+@pytest.fixture(autouse=True)
+def nan_fill(monkeypatch):
+    monkeypatch.setattr(gpipe, "_FILL", np.nan)
+
+
+# --- the schedule against a scan -----------------------------------------------------------------------------
+
+
+def rms_layer(w, state, h, index, row):
+    """NaN at zero, value and derivative."""
+    return h + rms(h @ w), state
+
+
+def norm_layer(w, state, h, index, row):
+    """Zero at zero, but ``jnp.linalg.norm``'s derivative there is NaN."""
+    return h + 0.3 * jnp.linalg.norm(h, axis=-1, keepdims=True) * jnp.tanh(h @ w), state
+
+
+def log_layer(w, state, h, index, row):
+    """Minus infinity at zero, its derivative NaN."""
+    return h + 0.1 * jnp.log(jnp.mean(h * h, axis=-1, keepdims=True)) + jnp.tanh(h @ w), state
+
+
+LAYER_FNS = {"rms": rms_layer, "norm": norm_layer, "log": log_layer}
+
+
+@pytest.mark.parametrize(
+    "name, d, p, m, v",
+    [
+        ("rms", 2, 2, 4, 2),
+        pytest.param("norm", 1, 4, 4, 1, marks=SLOW),
+        pytest.param("log", 2, 4, 4, 1, marks=SLOW),
+        pytest.param("log", 1, 4, 8, 2, marks=SLOW),
+        pytest.param("rms", 1, 8, 8, 1, marks=SLOW),
+        pytest.param("norm", 4, 2, 2, 2, marks=SLOW),
+    ],
+)
+def test_a_block_not_finite_at_zero_pipelines_as_a_scan_forward_and_backward(name, d, p, m, v):
+    layer = LAYER_FNS[name]
+    rng = np.random.default_rng(5)
+    weights = (rng.normal(size=(LAYERS, 6, 6)) / np.sqrt(6)).astype(np.float32)
+    x = rng.normal(size=(d * m * 2, 6)).astype(np.float32)
+    at_zero = jax.value_and_grad(lambda w, h: jnp.sum(layer(w, {}, h, 0, 0)[0]), argnums=(0, 1))
+    value, grads = at_zero(weights[0], np.zeros((2, 6), np.float32))
+    assert not all(np.isfinite(a).all() for a in (value, *grads))  # what a bubble computing on zeros would meet
+    order = stage_order(LAYERS, p, v)
+    forward, grad = core_program(d, p, m, v, layer)
+    np.testing.assert_allclose(forward(weights[order], x), scanned(weights, x, layer), rtol=1e-5, atol=1e-5)
+    expected = jax.grad(lambda w: jnp.sum(scanned(w, x, layer) ** 2))(weights)
+    got = np.asarray(grad(weights[order], x))[np.argsort(order)]
+    assert np.isfinite(expected).all()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+# --- the train step against one device -----------------------------------------------------------------------
+
+
+@SLOW
+@pytest.mark.parametrize(
+    "layout, strategy, m, v",
+    [
+        ({"data": 4, "stage": 2}, "ddp", 2, 1),
+        ({"data": 2, "stage": 4}, "zero1", 4, 2),
+        ({"data": 2, "stage": 2}, "zero2", 4, 1),
+        ({"data": 2, "stage": 2, "model": 2}, "fsdp", 2, 2),
+    ],
+    ids=str,
+)
+def test_a_block_without_epsilon_trains_as_one_device(layout, strategy, m, v):
+    """The issue's block: RMS normalisation with no epsilon, NaN at zero; one device trains it, and so must every
+    layout (its first step used to make the stacked kernels NaN)."""
+    model = "model" in layout
+    expected, expected_losses = one_device(32, rms=True)
+    net = Net(model, rms=True)
+    state = sc.TrainState.create(
+        params=init(net),
+        apply_fn=net.apply,
+        tx=TX,
+        mesh=sc.make_mesh(layout, devices=jax.devices()[: int(np.prod(list(layout.values())))]),
+        strategy=strategy,
+        pipeline=sc.Pipeline(microbatches=m, repeats=v),
+    )
+    state, losses = train(state, batches())
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
+
+
+@SLOW
+@pytest.mark.parametrize(
+    "layout, strategy, m, v",
+    [({"data": 2, "stage": 4}, "zero2", 4, 1), ({"data": 4, "stage": 2}, "fsdp", 4, 2)],
+    ids=str,
+)
+def test_an_nnx_block_without_epsilon_trains_as_one_device(layout, strategy, m, v):
+    reference, expected = nnx_one_device(rms_norm=True)
+    pipeline = sc.Pipeline(microbatches=m, repeats=v)
+    state, losses = nnx_train(sc.make_mesh(layout), strategy, rms_norm=True, pipeline=pipeline)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert_trees_close(jax.device_get(state.full_params()), reference, rtol=1e-5, atol=1e-5)
