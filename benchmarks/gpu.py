@@ -656,7 +656,9 @@ def section_suite(size: Size, args: argparse.Namespace, out: dict, deadline: flo
     cmd += ["--timeout", "120", *size.suite]
     out["command"] = shlex.join(["python", *cmd[1:]])
     out["jax_platform"] = jax.devices()[0].platform
-    text, out["returncode"] = _run_status(cmd, deadline - 5, cwd=ROOT)
+    # The outcomes are read from -v's lines: options the caller's environment adds (-q) must not change them.
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    text, out["returncode"] = _run_status(cmd, deadline - 5, cwd=ROOT, env=env)
     outcomes = re.findall(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", text, re.M)
     out["counts"] = {k: sum(1 for _, o in outcomes if o == k) for k in sorted({o for _, o in outcomes})}
     out["failed"] = [t for t, o in outcomes if o in ("FAILED", "ERROR")][:40]
@@ -700,11 +702,13 @@ def _run_parallel(cmds: list[list[str]], deadline: float, parallel: int) -> list
     return out
 
 
-def _run_status(cmd: list[str], deadline: float, cwd: Path | None = None) -> tuple[str, int | None]:
+def _run_status(
+    cmd: list[str], deadline: float, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[str, int | None]:
     """``cmd``'s stdout and stderr together, and its exit status (None: stopped at ``deadline``). The process gets
     a session of its own, so that stopping it stops everything it started, and nothing else."""
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
         try:
             code: int | None = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
