@@ -41,31 +41,24 @@ def pytest_xdist_auto_num_workers(config):
     return count if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else count + 1
 
 
-# The test files that take longest (seconds of one worker, 3 workers on 2 cores beside 2 busy processes: .ci/loaded),
-# run first: --dist loadfile hands files to the workers in collection order, so short files left for the end fill
-# the workers as they finish instead of one long file running alone. The order only changes when a test runs, never
-# what it checks.
+# The test files that take longest (seconds of one worker, 2 cores, 3 workers), run first: --dist loadfile hands
+# files to the workers in collection order, so short files left for the end fill the workers as they finish
+# instead of one long file running alone. The order only changes when a test runs, never what it checks.
 LONGEST_FIRST = (
-    "test_docs.py",  # 372 s
-    "test_pipeline.py",  # 316 s
-    "test_pipeline_1f1b.py",  # 186 s
-    "test_lm_example.py",  # 140 s
-    "test_weighted_loss.py",  # 126 s
-    "test_hybrid.py",  # 123 s
-    "test_tree_sharding.py",  # 116 s
-    "test_context_parallel.py",  # 111 s
-    "test_autodiff.py",  # 102 s
-    "test_sharded.py",  # 97 s
-    "test_example.py",  # 93 s
-    "test_batchnorm.py",  # 91 s
-    "test_pipeline_bubbles.py",  # 90 s
-    "test_logical_partitioning.py",  # 80 s
-    "test_recovery.py",  # 79 s
-    "test_gpu_script.py",  # 76 s
-    "test_context_attention.py",  # 75 s
-    "test_ddp.py",  # 71 s
-    "test_rng.py",  # 71 s
-    "test_uneven_sharding.py",  # 57 s
+    "test_docs.py",  # 210 s
+    "test_hybrid.py",  # 180 s
+    "test_recovery.py",  # 117 s
+    "test_tree_sharding.py",  # 105 s
+    "test_example.py",  # 99 s
+    "test_autodiff.py",  # 95 s
+    "test_sharded.py",  # 87 s
+    "test_batchnorm.py",  # 84 s
+    "test_resnet_example.py",  # 78 s
+    "test_rng.py",  # 67 s
+    "test_ddp_equivalence.py",  # 53 s
+    "test_ddp.py",  # 50 s
+    "test_multiprocess.py",  # 49 s
+    "test_resume_splits.py",  # 44 s
 )
 
 
