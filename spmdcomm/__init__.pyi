@@ -67,7 +67,7 @@ from spmdcomm.train.weighted import weighted as weighted
 from spmdcomm.train.batchnorm import SyncBatchNorm as SyncBatchNorm
 from spmdcomm.nnx.adapters import nnx_loss_fn as nnx_loss_fn
 from spmdcomm.nnx.adapters import nnx_metric_fn as nnx_metric_fn
-from spmdcomm.train.state import optimizer_state_bytes as optimizer_state_bytes
+from spmdcomm.train.memory import optimizer_state_bytes as optimizer_state_bytes
 from spmdcomm.runtime.replicas import assert_replicated as assert_replicated
 from spmdcomm.runtime.replicas import check_replicas_in_sync as check_replicas_in_sync
 from spmdcomm.checkpoint.checkpoint import latest_checkpoint_step as latest_checkpoint_step

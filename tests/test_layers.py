@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "spmdcomm._env",
             "spmdcomm._compile_watch",
             "spmdcomm._moved",
+            "spmdcomm._format",
         ),
     ),
     # transport is the bottom of runtime: every module that agrees across processes imports it

@@ -81,9 +81,10 @@ def _reordered(state: TrainState) -> bool:
 
 
 def _layers(state: TrainState, tree: Any, which: str, *, to_stage: bool) -> Any:
-    if state.pipeline is None:
+    pipeline = state.pipeline
+    if pipeline is None:
         return tree
-    return state.pipeline.reorder(tree, state.layout.stage_stacked(which), state.mesh, to_stage=to_stage)
+    return pipeline.reorder(tree, state.layout.stacked_over(pipeline.axis, which), state.mesh, to_stage=to_stage)
 
 
 def with_arrays(state: TrainState, arrays: dict[str, Any]) -> TrainState:

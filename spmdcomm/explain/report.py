@@ -27,12 +27,13 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from spmdcomm._format import format_bytes as _format_bytes
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.explain.format import format_bytes as _format_bytes
 from spmdcomm.explain.hlo import COLLECTIVE_KINDS, Collective
 from spmdcomm.explain.hlo import inventory as _inventory
 from spmdcomm.explain.hlo import parse_module as _parse_module
-from spmdcomm.explain.pipeline import PipelineReport, pipeline_report
+from spmdcomm.parallel.pipeline.report import PipelineReport
+from spmdcomm.parallel.registry import registered
 from spmdcomm.train.memory import StateMemory
 from spmdcomm.train.state import TrainState
 
@@ -100,6 +101,8 @@ def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> 
     if mesh is None:
         mesh = _mesh_of(fn, compiled, devices)
     collectives = tuple(_inventory(module, mesh))
+    state = args[0] if args and isinstance(args[0], TrainState) else None
+    sections = () if state is None else _sections(state, collectives)
     return Explanation(
         name=_name_of(fn, module.name),
         devices=devices,
@@ -107,8 +110,9 @@ def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> 
         collectives=collectives,
         memory=_memory(compiled),
         hlo=text,
-        state=args[0].memory() if args and isinstance(args[0], TrainState) else None,
-        pipeline=pipeline_report(args[0], collectives) if args and isinstance(args[0], TrainState) else None,
+        state=None if state is None else state.memory(),
+        pipeline=next((s for s in sections if isinstance(s, PipelineReport)), None),
+        sections=sections,
     )
 
 
@@ -166,6 +170,8 @@ class Explanation:
         (:meth:`TrainState.memory <spmdcomm.TrainState.memory>`: parameters, optimizer state, padding); else None.
       pipeline: for a step of a state with a :class:`~spmdcomm.Pipeline`, its schedule and what moves over the
         stage axis (:class:`PipelineReport`); else None.
+      sections: for a train or eval step, the section of each parallelism its state runs that reports one (the
+        :attr:`pipeline` among them), in registration order; else empty.
     """
 
     name: str
@@ -176,6 +182,7 @@ class Explanation:
     hlo: str = dataclasses.field(repr=False)
     state: StateMemory | None = None
     pipeline: PipelineReport | None = None
+    sections: tuple[Any, ...] = ()
 
     def count(self, kind: str | None = None, *, over: str | None = None) -> int:
         """How many collectives of ``kind`` the program holds, per call.
@@ -260,8 +267,7 @@ class Explanation:
             ("total", m.total_bytes),
         ]
         lines.append("memory per device: " + ", ".join(f"{k} {_format_bytes(v)}" for k, v in parts))
-        if self.pipeline is not None:
-            lines.append(str(self.pipeline))
+        lines += [str(section) for section in self.sections]
         if self.state is not None:
             st = self.state
             lines.append(
@@ -384,3 +390,10 @@ def _format_groups(c: Collective) -> str:
     else:
         text = ",".join("{" + ",".join(map(str, g)) + "}" for g in c.replica_groups)
     return text if len(text) <= 32 else text[:29] + "..."
+
+
+def _sections(state: TrainState, collectives: tuple[Collective, ...]) -> tuple[Any, ...]:
+    """The explain section of each parallelism ``state`` runs (its registry entry's ``explain``) that has one."""
+    configs = state.configs()
+    hooks = [p.explain for p in registered() if p.keyword in configs and p.explain is not None]
+    return tuple(s for s in (hook(state, collectives) for hook in hooks) if s is not None)

@@ -32,10 +32,11 @@ class LogicalNames:
 
 
 def step_axis_rules(rules: Any, axes: tuple[str, ...]) -> Any:
-    """A context manager that makes ``rules`` (``None``: the active ``nn.logical_axis_rules`` context) with their
-    data axes dropped the active Flax rules while the step traces the model: inside the step the data axes are
-    manual, and each device's block of the batch is already its data split, so a ``nn.with_logical_constraint``
-    keeps only its model axes (JAX refuses a sharding constraint naming a manual axis)."""
+    """A context manager that makes ``rules`` (``None``: the active ``nn.logical_axis_rules`` context) with the
+    manual ``axes`` dropped the active Flax rules while the step traces the model: inside the step the data axes (and
+    each parallelism's axis) are manual, and each device's block of the batch is already its split, so a
+    ``nn.with_logical_constraint`` keeps only its model axes (JAX refuses a sharding constraint naming a manual
+    axis)."""
     import contextlib
 
     from flax.core import spmd
@@ -84,6 +85,11 @@ class LogicalRules:
         else:
             self.rules = self._check(given, "logical_axis_rules")
             self.where = f"logical_axis_rules={list(self.rules)}"
+
+    def add(self, pairs: tuple[tuple[str, str], ...]) -> None:
+        """Puts ``pairs`` after the rules in force (a parallelism's logical name and its axis: a rule given for the
+        same name comes first, and wins)."""
+        self.rules += pairs
 
     def _check(self, rules: Any, what: str) -> tuple[tuple[str, Any], ...]:
         def target_ok(t: Any) -> bool:

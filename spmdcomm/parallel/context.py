@@ -37,8 +37,16 @@ from spmdcomm.collectives.attention import (
     zigzag_order,
 )
 from spmdcomm.errors import ShapeError, SpmdError, describe
+from spmdcomm.parallel.registry import Parallelism
 
-__all__ = ["ContextParallel", "context_attention", "context_positions", "active_context", "context_split"]
+__all__ = [
+    "ContextParallel",
+    "context_attention",
+    "context_positions",
+    "active_context",
+    "context_split",
+    "PARALLELISM",
+]
 
 Layout = Literal["zigzag", "contiguous"]
 
@@ -212,3 +220,16 @@ def context_attention(
 
 #: ``context_attention``'s algorithms: the collective each runs over the context axis.
 ALGORITHMS = {"ring": ring_attention, "all_to_all": all_to_all_attention}
+
+
+#: Context parallelism's entry of the registry (:mod:`spmdcomm.parallel.registry`): its axis splits the tokens of
+#: every row, in :meth:`ContextParallel.order`; attention reads the split the steps install.
+PARALLELISM = Parallelism(
+    role="context",
+    keyword="context",
+    config=ContextParallel,
+    axis_words="the context axis",
+    example="sc.ContextParallel()",
+    rows=False,
+    step_context=lambda context, roles: context_split(context),
+)

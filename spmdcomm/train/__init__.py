@@ -20,8 +20,8 @@ from spmdcomm.train.batchnorm import SyncBatchNorm
 from spmdcomm.train.eval_step import EvalStep, evaluate, make_eval_step
 from spmdcomm.train.hooks import Hook
 from spmdcomm.train.loop import Preempted, fit
-from spmdcomm.train.memory import StateMemory
-from spmdcomm.train.state import TrainState, optimizer_state_bytes
+from spmdcomm.train.memory import StateMemory, optimizer_state_bytes
+from spmdcomm.train.state import TrainState
 from spmdcomm.train.train_step import TrainStep, make_train_step, masked_mean
 from spmdcomm.train.weighted import Weighted, weighted
 

@@ -7,6 +7,7 @@ Private to the package; the public step objects are in :mod:`spmdcomm.train.trai
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -23,8 +24,8 @@ from spmdcomm._jax_compat import collective_axes_in_traceback, vary
 from spmdcomm.data import placement
 from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError, check_not_deleted, describe
 from spmdcomm.parallel._logical_rules import step_axis_rules
-from spmdcomm.parallel.context import context_split
-from spmdcomm.parallel.pipeline.schedule import schedule_context
+from spmdcomm.parallel.registry import registered
+from spmdcomm.parallel.roles import active
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.weighted import Weighted
 
@@ -194,25 +195,28 @@ def compile_global_step(
 
 
 def _local(body: Callable[..., Any], state: TrainState, out_specs: Any) -> Callable[..., Any]:
-    """``body(state, data, mask)`` per device: ``shard_map`` manual over the data axes, the stage axis and the
-    context axis (partial-manual when the mesh has model axes). With a context axis, dimension 1 (the tokens) of
-    every data leaf of two or more dimensions is put in the context layout's order and split over that axis (the
-    rows arrive split over the batch axes and whole over the context axis, so each device keeps its own tokens)."""
-    rows, context = P(state.roles.batch), state.context
+    """``body(state, data, mask)`` per device: ``shard_map`` manual over the batch axes and the token axes
+    (partial-manual when the mesh has model axes). With a parallelism that splits tokens (the context axis),
+    dimension 1 (the tokens) of every data leaf of two or more dimensions is put in its config's order and split
+    over its axis (the rows arrive split over the batch axes and whole over that axis, so each device keeps its own
+    tokens)."""
+    roles, rows = state.roles, P(state.roles.batch)
+    # One parallelism at most splits the tokens (mesh_roles checks): dimension 1 has one order.
+    split_tokens = next((config for entry, config in active(state.configs()) if not entry.rows), None)
 
     def split(state: TrainState, data: Any, mask: Any) -> Any:
         specs = jax.tree.map(lambda _: rows, data)
-        if context is not None:
-            size, tokens = int(state.mesh.shape[context.axis]), lambda x: np.ndim(x) >= 2
-            order = lambda x: jnp.take(x, context.order(x.shape[1], size), axis=1) if tokens(x) else x
+        if split_tokens is not None:
+            size, tokens = roles.size((split_tokens.axis,)), lambda x: np.ndim(x) >= 2
+            order = lambda x: jnp.take(x, split_tokens.order(x.shape[1], size), axis=1) if tokens(x) else x
             data = jax.tree.map(order, data)
-            specs = jax.tree.map(lambda x: P(state.roles.batch, context.axis) if tokens(x) else rows, data)
+            specs = jax.tree.map(lambda x: P(roles.batch, split_tokens.axis) if tokens(x) else rows, data)
         return jax.shard_map(
             body,
             mesh=state.mesh,
             in_specs=(state.manual_specs(), specs, rows),
             out_specs=out_specs,
-            axis_names=set(state.roles.manual),
+            axis_names=set(roles.manual),
             check_vma=True,
         )(state, data, mask)
 
@@ -227,7 +231,7 @@ def place_batch(
         fn,
         batch,
         mesh=state.mesh,
-        axis=state.roles.batch if state.pipeline else state.axis,
+        axis=state.roles.batch if state.roles.batch != state.data_axes else state.axis,
         multiple_of=multiple_of,
         multiple_name="accum_steps",
         host_input=host_input,
@@ -238,14 +242,15 @@ def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., 
     """``model_fn(*args, **kwargs)`` (the user's ``loss_fn`` or ``metric_fn``), with a collective over an axis the
     step does not run over (e.g. Flax ``BatchNorm(axis_name="batch")`` under a state on ``"data"``) reported as an
     :class:`~spmdcomm.errors.AxisError` naming both, instead of JAX's bare error from inside the model. The
-    state's logical axis rules (or the active ``nn.logical_axis_rules`` context) are in force, without their data
-    axes, so that the model's ``nn.with_logical_constraint`` calls constrain only the model axes."""
+    state's logical axis rules (or the active ``nn.logical_axis_rules`` context) are in force, without the axes the
+    step maps by hand, so that the model's ``nn.with_logical_constraint`` calls constrain only the model axes; and
+    every registered parallelism's context is (with its config, or ``None`` when the state has none)."""
+    roles, configs = state.roles, state.configs()
     try:
-        with (
-            step_axis_rules(state.logical_axis_rules, state.data_axes),
-            schedule_context(state.schedule),
-            context_split(state.context),
-        ):
+        with contextlib.ExitStack() as contexts:
+            contexts.enter_context(step_axis_rules(state.logical_axis_rules, roles.manual))
+            for entry in registered():
+                contexts.enter_context(entry.enter(configs.get(entry.keyword), roles))
             return model_fn(*args, **kwargs)
     except (AssertionError, NameError) as e:
         bound = state.data_axes

@@ -158,7 +158,7 @@ def compile_train_step(o: StepOptions, state: TrainState) -> jax.stages.Wrapped:
             model_state=keep(new_model_state, state.model_state),
         )
         metrics = {k: v.mean() if isinstance(v, Weighted) else v / denom for k, v in metric_sums.items()}
-        metrics["examples"] = total / _context_size(state)  # every context device counted its rows
+        metrics["examples"] = total / state.roles.size(state.roles.tokens)  # every token device counted its rows
         if tokens is not None:
             metrics["tokens"] = tokens  # every context device weighed its own tokens
         if finite is not None:
@@ -372,10 +372,6 @@ def _check_same_tree(old: Any, new: Any) -> None:
                 fix="return the updated model state with the same structure (or leave 'model_state' out of aux).",
             )
         )
-
-
-def _context_size(state: TrainState) -> int:
-    return int(state.mesh.shape[state.context.axis]) if state.context is not None else 1
 
 
 def _float_leaves(tree: Any) -> Any:

@@ -240,8 +240,8 @@ class EvalStep:
             weigh = lambda v: jnp.where(count > 0, count * v.astype(sum_dtype(v.dtype)), 0.0)
             sums = {k: summable(v) if isinstance(v, Weighted) else weigh(v) for k, v in metrics.items()}
             total, sums = lax.psum(vary((count, sums), state.roles.manual), state.roles.manual)
-            # Every device of the context axis counted its rows (holding other tokens of them).
-            examples = total / state.roles.size((state.context.axis,)) if state.context is not None else total
+            # Every device of a token axis (the context axis) counted its rows (holding other tokens of them).
+            examples = total / state.roles.size(state.roles.tokens)
             means = {k: v.mean() if isinstance(v, Weighted) else v / jnp.maximum(total, 1.0) for k, v in sums.items()}
             weights = {k: v.weight for k, v in sums.items() if isinstance(v, Weighted)}
             tokens = {"tokens": weights["loss"]} if "loss" in weights else {}

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["StateMemory", "device_bytes"]
+__all__ = ["StateMemory", "optimizer_state_bytes", "device_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,3 +40,23 @@ def device_bytes(tree: Any) -> int:
         for shard in leaf.addressable_shards:
             per_device[shard.device] += shard.data.nbytes
     return max(per_device.values(), default=0)
+
+
+def optimizer_state_bytes(state: Any) -> int:
+    """Bytes of ``state.opt_state`` held on one device (the largest, when devices differ).
+
+    Only this process's devices are counted.
+
+    Args:
+      state: the train state.
+
+    Returns:
+      The bytes of the optimizer state's shards on the device that holds the most (0 for an empty state).
+
+    Examples:
+      >>> import optax
+      >>> s = sc.TrainState.create(params={"w": np.zeros(1000, np.float32)}, tx=optax.adam(1e-3))
+      >>> sc.optimizer_state_bytes(s)  # two float32 moments of 1000 entries, and an int32 count
+      8004
+    """
+    return device_bytes(state.opt_state)

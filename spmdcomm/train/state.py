@@ -27,16 +27,16 @@ from spmdcomm.parallel._mesh_axes import (
 )
 from spmdcomm.parallel.context import ContextParallel
 from spmdcomm.parallel.data.strategies import DDP, Strategy, resolve_strategy
-from spmdcomm.parallel.pipeline.pipeline import Pipeline, stack_in_stage_order
+from spmdcomm.parallel.pipeline.pipeline import Pipeline
 from spmdcomm.parallel.pipeline.schedule import SEQUENTIAL, Schedule
 from spmdcomm.parallel.rng import data_to_keys, keys_to_data, raw_key
-from spmdcomm.parallel.roles import MeshRoles, mesh_roles, with_data_axis
+from spmdcomm.parallel.roles import MeshRoles, active, by_keyword, mesh_roles, parallel_configs, with_data_axis
 from spmdcomm.runtime.host_collectives import broadcast_tree
 from spmdcomm.runtime.mesh import default_mesh
 from spmdcomm.train.loss_scale import resolve_loss_scale
 from spmdcomm.train.memory import StateMemory, device_bytes
 
-__all__ = ["TrainState", "optimizer_state_bytes"]
+__all__ = ["TrainState"]
 
 
 @flax.struct.dataclass
@@ -70,6 +70,8 @@ class TrainState:
         (``None``: no pipeline); see :mod:`spmdcomm.parallel.pipeline.pipeline`.
       context: the :class:`~spmdcomm.ContextParallel` that splits every sequence of the batch over the context axis
         (``None``: none); see :mod:`spmdcomm.parallel.context`.
+      parallel: the configs of the other parallelisms the state runs (:mod:`spmdcomm.parallel.registry`), in
+        registration order (``()``: none).
     """
 
     step: jax.Array
@@ -87,6 +89,7 @@ class TrainState:
     logical_axis_rules: Any = flax.struct.field(pytree_node=False, default=None)
     pipeline: Pipeline | None = flax.struct.field(pytree_node=False, default=None)
     context: ContextParallel | None = flax.struct.field(pytree_node=False, default=None)
+    parallel: tuple[Any, ...] = flax.struct.field(pytree_node=False, default=())
 
     if TYPE_CHECKING:  # flax.struct.dataclass adds it when the class is built; declared for type checkers
 
@@ -110,6 +113,7 @@ class TrainState:
         pipeline: Pipeline | None = None,
         context: ContextParallel | None = None,
         missing_logical_rules: Literal["warn", "error"] = "warn",
+        **parallelisms: Any,
     ) -> TrainState:
         """Builds the state and places it on ``mesh`` as ``strategy`` says (default: replicated, DDP).
 
@@ -161,6 +165,9 @@ class TrainState:
             or more dimensions over the context axis inside the steps; the model's attention goes through
             ``sc.context_attention``. ``None`` (default): none.
           missing_logical_rules: ``"warn"`` (default, as above) or ``"error"``: a logical name with no rule raises.
+          **parallelisms: the config of any other registered parallelism, by its keyword
+            (:mod:`spmdcomm.parallel.registry`); one whose axis name is on the mesh runs without it, with its
+            default config. Its logical axis name, if it has one, is mapped to its axis after the rules above.
 
         Returns:
           The new :class:`TrainState` at step 0, every leaf placed as the strategy's layout says.
@@ -172,7 +179,8 @@ class TrainState:
           ShapeError: when a parameter spec has more entries than its leaf has dimensions, or splits a dimension
             its axes do not divide.
           SpmdError: for an unknown ``strategy``, an unusable ``loss_scale``, ``param_specs`` whose structure
-            is not ``params``'s (or that come with boxed ``params``), or rules that are not (name, axes) pairs.
+            is not ``params``'s (or that come with boxed ``params``), rules that are not (name, axes) pairs, a
+            keyword no parallelism registered or a parallelism's config of the wrong type.
           ProcessMismatchError: when a process passed another tree structure, shapes or dtypes (it is named).
           BarrierTimeoutError: when a process does not reach the check within the sync timeout (it is named).
 
@@ -189,27 +197,29 @@ class TrainState:
           >>> s.params["w"].sharding.spec
           P(None, 'model')
         """
-        mesh = with_data_axis("TrainState.create", default_mesh() if mesh is None else mesh, axis, pipeline)
-        axis = check_data_axes("TrainState.create", mesh, axis)
-        roles = mesh_roles("TrainState.create", mesh, axis, pipeline, context)
-        strategy = resolve_strategy("TrainState.create", strategy)
-        rules = LogicalRules("TrainState.create", logical_axis_rules, missing=missing_logical_rules)
-        params, model_specs = model_partitioning(
-            "TrainState.create", params, param_specs, mesh, roles.data, rules, stage=roles.stage
-        )
+        fn = "TrainState.create"
+        mesh = default_mesh() if mesh is None else mesh
+        configs = parallel_configs(fn, mesh, {"pipeline": pipeline, "context": context, **parallelisms})
+        mesh = with_data_axis(fn, mesh, axis, configs)
+        axis = check_data_axes(fn, mesh, axis)
+        roles = mesh_roles(fn, mesh, axis, configs)
+        strategy = resolve_strategy(fn, strategy)
+        rules = LogicalRules(fn, logical_axis_rules, missing=missing_logical_rules)
+        rules.add(tuple((entry.logical, config.axis) for entry, config in active(configs) if entry.logical))
+        params, model_specs = model_partitioning(fn, params, param_specs, mesh, roles.data, rules, stage=roles.stage)
         model_state = {} if model_state is None else model_state
         rng = raw_key(rng)
-        loss_scale = resolve_loss_scale("TrainState.create", loss_scale)
+        loss_scale = resolve_loss_scale(fn, loss_scale)
         # Typed key leaves (Flax NNX RngKey) cross the host as their uint32 key data: NumPy and the
         # multi-process broadcast only move plain arrays.
         host, key_impls = keys_to_data((params, model_state, rng, loss_scale))
-        host = broadcast_tree("TrainState.create", host)
-        params, model_state, rng, loss_scale = data_to_keys(
-            placement.place("TrainState.create", host, NamedSharding(mesh, P()), host_input="global"), key_impls
-        )
-        layout = strategy.layout(params, tx, mesh, roles.data, model_specs, stage=roles.stage)
-        if pipeline is not None:
-            params = stack_in_stage_order("TrainState.create", params, layout, pipeline)
+        host = broadcast_tree(fn, host)
+        placed = placement.place(fn, host, NamedSharding(mesh, P()), host_input="global")
+        params, model_state, rng, loss_scale = data_to_keys(placed, key_impls)
+        layout = strategy.layout(params, tx, mesh, roles.data, model_specs, stacked=roles.stacked)
+        for entry, config in active(configs):
+            if entry.prepare is not None:
+                params = entry.prepare(fn, config, params, layout)
         # The optimizer state is tx.init of the model's own tree; leaves that no dimension divides are stored padded.
         opt_state = jax.jit(
             lambda p: layout.stored(tx.init(p), "opt", mesh), out_shardings=layout.shardings(mesh, "opt")
@@ -231,8 +241,9 @@ class TrainState:
             strategy=strategy,
             layout=layout,
             logical_axis_rules=rules.rules or None,
-            pipeline=pipeline,
-            context=context,
+            pipeline=configs.pop("pipeline", None),
+            context=configs.pop("context", None),
+            parallel=tuple(configs.values()),
         )
 
     @classmethod
@@ -283,8 +294,16 @@ class TrainState:
 
     @property
     def roles(self) -> MeshRoles:
-        """What each mesh axis does: data axes (replicate, shard), the pipeline's stage axis, model axes."""
-        return mesh_roles("TrainState", self.mesh, self.axis, self.pipeline, self.context)
+        """What each mesh axis does: data axes (replicate, shard), each parallelism's axis, model axes."""
+        return mesh_roles("TrainState", self.mesh, self.axis, self.configs())
+
+    def configs(self) -> dict[str, Any]:
+        """The config of each parallelism the state runs, by its ``TrainState.create`` keyword.
+
+        Returns:
+          ``{keyword: config}``, in registration order, e.g. ``{"pipeline": sc.Pipeline(microbatches=4)}``.
+        """
+        return by_keyword((self.pipeline, self.context, *self.parallel))
 
     @property
     def schedule(self) -> Schedule:
@@ -344,12 +363,13 @@ class TrainState:
         if self.pipeline is None or self.pipeline.repeats == 1:
             return full
         # Stored in the circular schedule's stage order: back to the canonical layer order.
-        reorder = lambda p: self.pipeline.reorder(p, self.layout.stage_stacked("params"), self.mesh, to_stage=False)
+        pipeline, stacked = self.pipeline, self.layout.stacked_over(self.pipeline.axis, "params")
+        reorder = lambda p: pipeline.reorder(p, stacked, self.mesh, to_stage=False)
         return jax.jit(reorder, out_shardings=jax.tree.map(lambda x: x.sharding, full))(full)
 
     @property
     def model_axes(self) -> tuple[str, ...]:
-        """The mesh axes that are neither data axes nor the stage axis (the model's own)."""
+        """The mesh axes that are neither data axes nor a parallelism's axis (the model's own)."""
         return self.roles.model
 
     def memory(self) -> StateMemory:
@@ -378,23 +398,3 @@ class TrainState:
     def _with_specs(self, params: Any, opt_state: Any) -> TrainState:
         # Everything but the parameters and the optimizer state is replicated.
         return self.replace(step=P(), params=params, opt_state=opt_state, model_state=P(), rng=P(), loss_scale=P())
-
-
-def optimizer_state_bytes(state: TrainState) -> int:
-    """Bytes of ``state.opt_state`` held on one device (the largest, when devices differ).
-
-    Only this process's devices are counted.
-
-    Args:
-      state: the train state.
-
-    Returns:
-      The bytes of the optimizer state's shards on the device that holds the most (0 for an empty state).
-
-    Examples:
-      >>> import optax
-      >>> s = sc.TrainState.create(params={"w": np.zeros(1000, np.float32)}, tx=optax.adam(1e-3))
-      >>> sc.optimizer_state_bytes(s)  # two float32 moments of 1000 entries, and an int32 count
-      8004
-    """
-    return device_bytes(state.opt_state)

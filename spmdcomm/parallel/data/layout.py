@@ -63,7 +63,7 @@ class TreeLayout:
     opt_shapes: tuple[tuple[int, ...], ...] = ()
     opt_dtypes: tuple[str, ...] = ()
     bucket_bytes: int | None = None
-    stage: str | None = None
+    stacked: tuple[str, ...] = ()
     mesh_axes: tuple[str, ...] = ()
     mesh_sizes: tuple[int, ...] = ()
 
@@ -76,13 +76,14 @@ class TreeLayout:
         axes: tuple[str, ...],
         *,
         model_specs: tuple[P, ...] | None = None,
-        stage: str | None = None,
+        stacked: tuple[str, ...] = (),
         shard_params: bool,
         shard_grads: bool,
         bucket_bytes: int | None = None,
     ) -> TreeLayout:
-        """``model_specs``: each parameter leaf's spec over the model axes and the ``stage`` axis (None: none),
-        checked already."""
+        """``model_specs``: each parameter leaf's spec over the model axes and the ``stacked`` axes (None: none),
+        checked already; ``stacked``: the axes whose parallelism owns the leaves split over them on dimension 0 (a
+        pipeline's stage axis: each device holds its block of the layers)."""
         n = int(mesh.shape[axes[-1]])
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         shapes = tuple(tuple(np.shape(x)) for _, x in flat)
@@ -95,7 +96,7 @@ class TreeLayout:
         # the parameter's shape) is laid out as that parameter's gradient; any other leaf (factored statistics,
         # counts, hyperparameters) is split by its own shape over the shard axis, and replicated over model axes.
         # A leaf of a stacked parameter's statistics (Adafactor's factored moments of [L, a, b]: [L, a]) keeps the
-        # layers on dimension 0, split over the stage axis as the parameter's.
+        # layers on dimension 0, split over the stacked axis as the parameter's.
         by_path = {path_key(path): i for i, (path, _) in enumerate(flat)}
         opt_specs = []
         for path, leaf in opt_flat:
@@ -104,11 +105,11 @@ class TreeLayout:
                 opt_specs.append(grads[i])
                 continue
             owner = mirrored(by_path, path, None, shapes)
-            stacked = P()
-            if stage and owner is not None and names(model[owner], 0) == stage:
+            own = P()
+            if owner is not None and names(model[owner], 0) in stacked:
                 if np.ndim(leaf) and np.shape(leaf)[0] == shapes[owner][0]:
-                    stacked = P(stage)
-            opt_specs.append(shard_spec(np.shape(leaf), axes[-1], n, stacked) if shard_grads else stacked)
+                    own = P(names(model[owner], 0))
+            opt_specs.append(shard_spec(np.shape(leaf), axes[-1], n, own) if shard_grads else own)
         return cls(
             axes=tuple(axes),
             size=n,
@@ -122,7 +123,7 @@ class TreeLayout:
             opt_shapes=tuple(tuple(np.shape(x)) for _, x in opt_flat),
             opt_dtypes=tuple(jnp.dtype(x.dtype).name for _, x in opt_flat),
             bucket_bytes=bucket_bytes,
-            stage=stage,
+            stacked=tuple(stacked),
             mesh_axes=tuple(mesh.axis_names),
             mesh_sizes=tuple(int(mesh.shape[a]) for a in mesh.axis_names),
         )
@@ -139,20 +140,20 @@ class TreeLayout:
 
     def manual_specs(self, which: str) -> Any:
         """The specs of ``"params"``, ``"grads"`` or ``"opt"`` over the manual axes only (the data axes and the
-        stage axis): a ``shard_map`` that is manual over them and leaves the model axes to XLA takes these (a
+        stacked axes): a ``shard_map`` that is manual over them and leaves the model axes to XLA takes these (a
         tree)."""
         specs, treedef = self._specs(which)
         return jax.tree.unflatten(treedef, [manual_spec(s, self.manual_axes) for s in specs])
 
     @property
     def manual_axes(self) -> tuple[str, ...]:
-        """The axes the steps map by hand: the data axes, then the stage axis (if any)."""
-        return self.axes + ((self.stage,) if self.stage else ())
+        """The axes the steps map by hand that split leaves: the data axes, then the stacked axes."""
+        return self.axes + self.stacked
 
-    def stage_stacked(self, which: str) -> tuple[bool, ...]:
-        """For each leaf of ``"params"``, ``"grads"`` or ``"opt"``: whether it holds stacked layers split over the
-        stage axis (dimension 0)."""
-        return tuple(bool(self.stage) and names(s, 0) == self.stage for s in self._specs(which)[0])
+    def stacked_over(self, axis: str, which: str) -> tuple[bool, ...]:
+        """For each leaf of ``"params"``, ``"grads"`` or ``"opt"``: whether it is split over ``axis`` on dimension 0
+        (a pipeline's stacked layers over the stage axis)."""
+        return tuple(axis in self.stacked and names(s, 0) == axis for s in self._specs(which)[0])
 
     @property
     def param_specs(self) -> Any:
@@ -312,12 +313,12 @@ class TreeLayout:
         return jax.tree.unflatten(treedef, out)
 
     def _local(self, i: int) -> tuple[int, ...]:
-        """Parameter leaf ``i``'s shape inside the steps' ``shard_map``: a stacked leaf holds this stage's layers."""
-        shape = self.shapes[i]
-        if not self.stage or names(self.param_leaf_specs[i], 0) != self.stage:
+        """Parameter leaf ``i``'s shape inside the steps' ``shard_map``: a stacked leaf holds this device's block of
+        dimension 0 (a stage's layers)."""
+        shape, axis = self.shapes[i], names(self.param_leaf_specs[i], 0)
+        if axis not in self.stacked:
             return shape
-        stages = dict(zip(self.mesh_axes, self.mesh_sizes, strict=True))[self.stage]
-        return (shape[0] // stages,) + shape[1:]
+        return (shape[0] // dict(zip(self.mesh_axes, self.mesh_sizes, strict=True))[axis],) + shape[1:]
 
     def _stored(self, shape: tuple[int, ...], spec: P) -> tuple[int, ...]:
         dim = self._dim(spec)
@@ -332,13 +333,14 @@ class TreeLayout:
         assert dim is not None  # _by_dtype picks only the leaves the shard axis splits
         return dim
 
-    def _by_dtype(self, specs: tuple[P, ...]) -> dict[tuple[str, bool], list[int]]:
-        """The indices of the leaves of ``specs`` that the shard axis splits, by dtype and by whether they hold a
-        pipeline's stacked layers (which differ per stage: one buffer cannot hold both kinds)."""
-        buckets: dict[tuple[str, bool], list[int]] = collections.defaultdict(list)
+    def _by_dtype(self, specs: tuple[P, ...]) -> dict[tuple[str, Any], list[int]]:
+        """The indices of the leaves of ``specs`` that the shard axis splits, by dtype and by the stacked axis that
+        splits them (a pipeline's stacked layers differ per stage: one buffer cannot hold both kinds)."""
+        buckets: dict[tuple[str, Any], list[int]] = collections.defaultdict(list)
         for i, spec in enumerate(specs):
             if self._dim(spec) is not None:
-                buckets[self.dtypes[i], bool(self.stage) and names(spec, 0) == self.stage].append(i)
+                own = names(spec, 0)
+                buckets[self.dtypes[i], own if own in self.stacked else None].append(i)
         return buckets
 
 

@@ -44,7 +44,7 @@ class Strategy:
         axes: tuple[str, ...],
         model_specs: tuple[P, ...] | None = None,
         *,
-        stage: str | None = None,
+        stacked: tuple[str, ...] = (),
     ) -> TreeLayout:
         """The per-leaf specs for ``params`` on ``mesh`` over the data ``axes`` (and each leaf's model spec).
 
@@ -55,7 +55,8 @@ class Strategy:
           axes: the data axes (a tuple of mesh axis names) the batch is split over.
           model_specs: each parameter leaf's ``PartitionSpec`` over the model axes, in the tree's leaf order;
             ``None`` when no leaf is split over a model axis.
-          stage: the pipeline's stage axis (None: none); leaves whose model spec names it hold stacked layers.
+          stacked: the axes whose parallelism owns the leaves split over them on dimension 0 (a pipeline's stage
+            axis: those leaves hold stacked layers).
 
         Returns:
           The :class:`~spmdcomm.parallel.data.layout.TreeLayout` of parameters, gradients and optimizer state: hashable,
@@ -67,7 +68,7 @@ class Strategy:
             mesh,
             axes,
             model_specs=model_specs,
-            stage=stage,
+            stacked=stacked,
             shard_params=self.shards_params,
             shard_grads=self.shards_optimizer,
             bucket_bytes=self.flat_bucket_bytes(mesh),

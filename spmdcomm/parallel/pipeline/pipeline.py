@@ -46,9 +46,19 @@ from jax.sharding import Mesh
 
 from spmdcomm.errors import ShapeError, SpmdError, describe
 from spmdcomm.parallel.pipeline import one_f_one_b
-from spmdcomm.parallel.pipeline.schedule import LayerFn, MicroPieces, MicroStep, Schedule
+from spmdcomm.parallel.pipeline.report import pipeline_report
+from spmdcomm.parallel.pipeline.schedule import LayerFn, MicroPieces, MicroStep, Schedule, schedule_context
+from spmdcomm.parallel.registry import Parallelism
 
-__all__ = ["Pipeline", "GROUPS", "stage_order", "stack_in_stage_order", "reorder_layers", "check_schedule"]
+__all__ = [
+    "Pipeline",
+    "PARALLELISM",
+    "GROUPS",
+    "stage_order",
+    "stack_in_stage_order",
+    "reorder_layers",
+    "check_schedule",
+]
 
 #: How many of the step's micro-batches (``accum_steps``) a device's block holds one after the other, while the
 #: loop runs them (1 outside it: the eval step): the rows of one that the next stage device holds begin ``GROUPS``
@@ -299,7 +309,7 @@ def stack_in_stage_order(fn: str, params: Any, layout: Any, pipeline: Pipeline) 
     (its layers a multiple of ``v p``) and, with ``v > 1``, its layers put in :func:`stage_order`. Raises
     :class:`SpmdError` when no leaf is split over the stage axis."""
     p = dict(zip(layout.mesh_axes, layout.mesh_sizes, strict=True))[pipeline.axis]
-    stacked = layout.stage_stacked("params")
+    stacked = layout.stacked_over(pipeline.axis, "params")
     if not any(stacked):
         raise SpmdError(
             describe(
@@ -328,3 +338,19 @@ def reorder_layers(tree: Any, stacked: tuple[bool, ...], stages: int, repeats: i
             x = jnp.take(x, jnp.asarray(order if to_stage else np.argsort(order)), axis=0)
         out.append(x)
     return jax.tree.unflatten(treedef, out)
+
+
+#: The pipeline's entry of the registry (:mod:`spmdcomm.parallel.registry`): its stage axis splits the rows and
+#: owns the stacked layers; the steps run layer stacks as its schedule says.
+PARALLELISM = Parallelism(
+    role="stage",
+    keyword="pipeline",
+    config=Pipeline,
+    axis_words="the pipeline's stage axis",
+    example="sc.Pipeline(microbatches=...)",
+    stacks=True,
+    check=lambda fn, pipeline, mesh: check_schedule(fn, pipeline, int(mesh.shape[pipeline.axis]), None, None),
+    prepare=lambda fn, pipeline, params, layout: stack_in_stage_order(fn, params, layout, pipeline),
+    step_context=lambda pipeline, roles: schedule_context(pipeline),
+    explain=pipeline_report,
+)

@@ -1,14 +1,14 @@
-"""What :func:`~spmdcomm.explain` adds for a pipelined step: the schedule, and what crosses the stage axis."""
+"""The pipeline's section of :func:`~spmdcomm.explain` (its registry entry's ``explain``): the schedule, and what
+crosses the stage axis, read from the state and the compiled step's collectives."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 
-from spmdcomm.explain.format import format_bytes as _format_bytes
-from spmdcomm.explain.hlo import Collective
-from spmdcomm.train.state import TrainState
+from spmdcomm._format import format_bytes as _format_bytes
 
 __all__ = ["PipelineReport", "pipeline_report"]
 
@@ -68,15 +68,15 @@ class PipelineReport:
         return line
 
 
-def pipeline_report(state: TrainState, collectives: tuple[Collective, ...]) -> PipelineReport | None:
-    """The :class:`PipelineReport` of a step of ``state`` whose compiled program holds ``collectives`` (None
-    without a pipeline)."""
+def pipeline_report(state: Any, collectives: tuple[Any, ...]) -> PipelineReport | None:
+    """The :class:`PipelineReport` of a step of ``state`` (a ``TrainState``) whose compiled program holds
+    ``collectives`` (``spmdcomm.explain``'s ``Collective`` s); None without a pipeline."""
     pipeline = state.pipeline
     if pipeline is None:
         return None
     stages = int(state.mesh.shape[pipeline.axis])
     leaves = jax.tree.leaves(state.params)
-    stacked = [x for x, flag in zip(leaves, state.layout.stage_stacked("params"), strict=True) if flag]
+    stacked = [x for x, flag in zip(leaves, state.layout.stacked_over(pipeline.axis, "params"), strict=True) if flag]
     over = [c for c in collectives if c.axes is not None and pipeline.axis in c.axes]
     permutes = [c for c in over if c.kind == "collective-permute"]
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state.model_state))

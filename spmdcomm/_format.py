@@ -1,4 +1,4 @@
-"""How :mod:`spmdcomm.explain` writes sizes."""
+"""How reports write sizes (:mod:`spmdcomm.explain`, a parallelism's section of it)."""
 
 from __future__ import annotations
 
