@@ -394,6 +394,6 @@ def _format_groups(c: Collective) -> str:
 
 def _sections(state: TrainState, collectives: tuple[Collective, ...]) -> tuple[Any, ...]:
     """The explain section of each parallelism ``state`` runs (its registry entry's ``explain``) that has one."""
-    configs = state.configs()
+    configs = state.configs
     hooks = [p.explain for p in registered() if p.keyword in configs and p.explain is not None]
     return tuple(s for s in (hook(state, collectives) for hook in hooks) if s is not None)

@@ -9,7 +9,7 @@ from typing import Any, cast
 import jax.numpy as jnp
 
 from spmdcomm.parallel.rng import is_per_example_key, stream_key_for_call
-from spmdcomm.train._train_body import split_loss_output
+from spmdcomm.train._model_call import split_loss_output
 
 __all__ = ["nnx_loss_fn", "nnx_metric_fn"]
 

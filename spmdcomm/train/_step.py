@@ -7,7 +7,6 @@ Private to the package; the public step objects are in :mod:`spmdcomm.train.trai
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -20,11 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from spmdcomm import _compile_watch
 from spmdcomm._cache import Cache
-from spmdcomm._jax_compat import collective_axes_in_traceback, vary
 from spmdcomm.data import placement
-from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError, check_not_deleted, describe
-from spmdcomm.parallel._logical_rules import step_axis_rules
-from spmdcomm.parallel.registry import registered
+from spmdcomm.errors import BackendError, ShapeError, SpmdError, check_not_deleted, describe
 from spmdcomm.parallel.roles import active
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.weighted import Weighted
@@ -202,7 +198,7 @@ def _local(body: Callable[..., Any], state: TrainState, out_specs: Any) -> Calla
     tokens)."""
     roles, rows = state.roles, P(state.roles.batch)
     # One parallelism at most splits the tokens (mesh_roles checks): dimension 1 has one order.
-    split_tokens = next((config for entry, config in active(state.configs()) if not entry.rows), None)
+    split_tokens = next((config for entry, config in active(state.configs) if not entry.rows), None)
 
     def split(state: TrainState, data: Any, mask: Any) -> Any:
         specs = jax.tree.map(lambda _: rows, data)
@@ -236,37 +232,6 @@ def place_batch(
         multiple_name="accum_steps",
         host_input=host_input,
     )
-
-
-def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``model_fn(*args, **kwargs)`` (the user's ``loss_fn`` or ``metric_fn``), with a collective over an axis the
-    step does not run over (e.g. Flax ``BatchNorm(axis_name="batch")`` under a state on ``"data"``) reported as an
-    :class:`~spmdcomm.errors.AxisError` naming both, instead of JAX's bare error from inside the model. The
-    state's logical axis rules (or the active ``nn.logical_axis_rules`` context) are in force, without the axes the
-    step maps by hand, so that the model's ``nn.with_logical_constraint`` calls constrain only the model axes; and
-    every registered parallelism's context is (with its config, or ``None`` when the state has none)."""
-    roles, configs = state.roles, state.configs()
-    try:
-        with contextlib.ExitStack() as contexts:
-            contexts.enter_context(step_axis_rules(state.logical_axis_rules, roles.manual))
-            for entry in registered():
-                contexts.enter_context(entry.enter(configs.get(entry.keyword), roles))
-            return model_fn(*args, **kwargs)
-    except (AssertionError, NameError) as e:
-        bound = state.data_axes
-        asked = collective_axes_in_traceback(e.__traceback__)
-        missing = [a for a in asked if a not in bound]
-        if not missing:
-            raise
-        raise AxisError(
-            describe(
-                fn,
-                f"{who} runs a collective over axis {missing[0]!r} (e.g. a BatchNorm's axis_name), but the step "
-                f"runs over the data axes {bound} of the state's mesh {dict(state.mesh.shape)}.",
-                fix=f"build the model with axis_name={state.axis!r}, or create the state on a mesh with that axis: "
-                f"sc.TrainState.create(..., mesh=sc.make_mesh({{{missing[0]!r}: n}}), axis={missing[0]!r}).",
-            )
-        ) from e
 
 
 def check_in_flight(fn: str, k: int) -> int:
@@ -314,13 +279,6 @@ def summable(v: Weighted) -> Weighted:
     a block without weight adds exactly nothing (its total may be NaN)."""
     total = v.total.astype(sum_dtype(v.total.dtype))
     return Weighted(jnp.where(v.weight > 0, total, jnp.zeros_like(total)), v.weight.astype(total.dtype))
-
-
-def full_mask(data: Any, axes: tuple[str, ...]) -> jax.Array:
-    """An all-True mask of the block's length, typed varying over the batch axes ``axes`` as a MaskedBatch's mask is:
-    a constant would be replicated, and ``sc.psum(jnp.sum(mask), "data")`` inside ``loss_fn`` (the global row count)
-    would then warn that it multiplies a replicated value by the axis size, although that product is what is meant."""
-    return vary(jnp.ones((jax.tree.leaves(data)[0].shape[0],), dtype=bool), axes)
 
 
 def zero_masked_rows(data: Any, mask: jax.Array) -> Any:

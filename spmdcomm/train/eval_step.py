@@ -15,17 +15,17 @@ from spmdcomm._jax_compat import vary
 from spmdcomm.data.placement import HostInput, check_host_input
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.data.strategy import ReduceContext
+from spmdcomm.train._micro import full_mask
+from spmdcomm.train._model_call import call_model_fn
 from spmdcomm.train._step import (
     DEFAULT_MAX_IN_FLIGHT,
     StepCache,
     Window,
-    call_model_fn,
     check_in_flight,
     check_scalars,
     check_step_backend,
     compile_local_step,
     dispatch,
-    full_mask,
     place_batch,
     sum_dtype,
     summable,

@@ -295,14 +295,12 @@ class TrainState:
     @property
     def roles(self) -> MeshRoles:
         """What each mesh axis does: data axes (replicate, shard), each parallelism's axis, model axes."""
-        return mesh_roles("TrainState", self.mesh, self.axis, self.configs())
+        return mesh_roles("TrainState", self.mesh, self.axis, self.configs)
 
+    @property
     def configs(self) -> dict[str, Any]:
-        """The config of each parallelism the state runs, by its ``TrainState.create`` keyword.
-
-        Returns:
-          ``{keyword: config}``, in registration order, e.g. ``{"pipeline": sc.Pipeline(microbatches=4)}``.
-        """
+        """The config of each parallelism the state runs, by its ``TrainState.create`` keyword, in registration
+        order (``{"pipeline": sc.Pipeline(microbatches=4)}``)."""
         return by_keyword((self.pipeline, self.context, *self.parallel))
 
     @property

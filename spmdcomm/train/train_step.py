@@ -63,6 +63,7 @@ import numpy as np
 from spmdcomm.data.placement import HostInput, check_host_input
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.rng import RNG_MODES
+from spmdcomm.train._micro import StepOptions
 from spmdcomm.train._step import (
     DEFAULT_MAX_IN_FLIGHT,  # re-exported: the public home of the default window
     StepCache,
@@ -72,7 +73,7 @@ from spmdcomm.train._step import (
     dispatch,
     place_batch,
 )
-from spmdcomm.train._train_body import StepOptions, compile_train_step
+from spmdcomm.train._train_body import compile_train_step
 from spmdcomm.train.state import TrainState
 
 __all__ = ["TrainStep", "make_train_step", "masked_mean"]

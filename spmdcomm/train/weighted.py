@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from spmdcomm._jax_compat import vary
 from spmdcomm.errors import ShapeError, describe
 from spmdcomm.train.state import TrainState
 
@@ -112,7 +111,30 @@ def weighted(total: Any, weight: Any) -> Weighted:
     return Weighted(total, weight.astype(jnp.promote_types(total.dtype, jnp.float32)))
 
 
-def token_share(state: TrainState, micro: Any, forward: Callable[..., Any]) -> Any:
+def loss_weight(
+    state: TrainState, mask: jax.Array, masked: bool, k: int, global_sum: Callable[[jax.Array], jax.Array]
+) -> Callable[[jax.Array], Any]:
+    """``f(count) -> weight``: what a micro-batch's mean loss is multiplied by before differentiating, given its
+    real-example ``count`` (``mask`` is this device's block of the step's mask, ``k`` micro-batches of it, one block
+    per device of the batch axes; ``global_sum`` sums a value over every device of the step's manual axes).
+
+    Without loss scaling: the count when the batch is masked (the sum over devices is then divided by the total
+    count), else 1 (divided by the number of blocks). With loss scaling the weight is the micro-batch's share of the
+    global batch (count / global count, or 1 / blocks), so the backward pass runs on the values one device's
+    ``scale * global mean`` gives each example: float16 overflows, skipped steps and scales are one device's
+    whatever the mask and device count (weighing by the count alone overflowed up to count times sooner)."""
+    if state.loss_scale is None:
+        return (lambda c: c) if masked else (lambda c: 1.0)
+    if not masked:
+        return lambda c: 1.0 / (state.roles.blocks * k)
+    # The mask is per row: the same on every context device, and summed over them too.
+    total = jnp.maximum(global_sum(jnp.sum(mask, dtype=jnp.float32)), 1.0)
+    return lambda c: c / total
+
+
+def token_share(
+    state: TrainState, micro: Any, forward: Callable[..., Any], global_sum: Callable[[jax.Array], jax.Array]
+) -> Any:
     """What a token-weighted loss's total is multiplied by before differentiating: 1 (the gradients are divided by
     the global weight once, after the reduction) unless the loss is scaled.
 
@@ -120,7 +142,8 @@ def token_share(state: TrainState, micro: Any, forward: Callable[..., Any]) -> A
     mean`` (float16 overflows and skipped steps are that program's), so the share is 1 / the global weight, known
     before any backward pass: a forward-only pass over the micro-batches reads each one's weight first. XLA drops
     whatever that pass computes that the weight does not need (the whole model, when the weight depends on the batch
-    alone). ``forward(batch, mask, j)`` returns ``(count, (value, (loss, aux)))`` for micro-batch ``j``."""
+    alone). ``forward(batch, mask, j)`` returns ``(count, (value, (loss, aux)))`` for micro-batch ``j``;
+    ``global_sum`` sums a value over every device of the step's manual axes."""
     if state.loss_scale is None:
         return 1.0
     first = jax.tree.map(lambda x: x[0], micro)
@@ -129,5 +152,5 @@ def token_share(state: TrainState, micro: Any, forward: Callable[..., Any]) -> A
         return 1.0
     k = jax.tree.leaves(micro)[0].shape[0]
     weights = lax.map(lambda xs: forward(*xs[0], xs[1])[1][1][0].weight, (micro, jnp.arange(k)))
-    total = lax.psum(vary(jnp.sum(weights), state.roles.manual), state.roles.manual)
+    total = global_sum(jnp.sum(weights))
     return 1.0 / jnp.where(total > 0, total, 1.0)
