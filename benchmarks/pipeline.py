@@ -503,7 +503,8 @@ def stack_memory(cfg: Config, m: int, *, remat: bool = True, compiled: bool = Tr
         # (DDP on data 8 with the same remat: the same state as the speed loop's.)
         state = state_for(cfg, strategy, m if pipelined else None, remat=remat)
         if pipelined:
-            flags = state.layout.stage_stacked("params") + state.layout.stage_stacked("opt")
+            axis = state.pipeline.axis
+            flags = state.layout.stacked_over(axis, "params") + state.layout.stacked_over(axis, "opt")
         else:  # no stage axis: the stack is the "stack" subtree of the parameters and of Adam's moments
             flags = [any(getattr(k, "key", None) == "stack" for k in path) for path, _ in _paths(state)]
         every = jax.tree.leaves(state.params) + jax.tree.leaves(state.opt_state)

@@ -1,4 +1,5 @@
-"""Expert parallelism: its place, empty for now. It lands as the other parallelisms did: its modules here (what it is,
-its Linen and NNX layers, its step hooks), and one import line in ``spmdcomm/parallel/__init__.py``."""
+"""Expert parallelism: its place, empty for now. It lands as a registry entry (``spmdcomm.parallel.registry``): its
+config, checks, step context and explain section, its Linen and NNX layers (at most three files here), and one
+``register(...)`` line in ``spmdcomm/parallel/__init__.py`` (docs/architecture.md, "How to add a parallelism")."""
 
 __all__: list[str] = []
