@@ -299,8 +299,9 @@ class TrainState:
 
     @property
     def configs(self) -> dict[str, Any]:
-        """The config of each parallelism the state runs, by its ``TrainState.create`` keyword, in registration
-        order (``{"pipeline": sc.Pipeline(microbatches=4)}``)."""
+        """The config of each parallelism the state runs, by its ``TrainState.create`` keyword.
+
+        In registration order: ``{"pipeline": sc.Pipeline(microbatches=4)}`` for a pipelined state."""
         return by_keyword((self.pipeline, self.context, *self.parallel))
 
     @property
