@@ -45,7 +45,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from spmdcomm.errors import ShapeError, SpmdError, describe
-from spmdcomm.parallel.pipeline import one_f_one_b
+from spmdcomm.parallel.pipeline import one_f_one_b, tables
 from spmdcomm.parallel.pipeline.schedule import LayerFn, MicroPieces, MicroStep, Schedule
 
 __all__ = ["Pipeline", "GROUPS", "stage_order", "stack_in_stage_order", "reorder_layers", "check_schedule"]
@@ -102,13 +102,13 @@ class Pipeline(Schedule):
                 )
         if not isinstance(self.axis, str):
             raise SpmdError(describe("Pipeline", f"axis={self.axis!r} is not a mesh axis name.", fix='axis="stage"'))
-        if self.schedule not in ("gpipe", "1f1b") or (self.schedule == "1f1b" and self.repeats > 1):
+        if self.schedule != "gpipe" and self.schedule not in tables.SCHEDULES:
+            names = ", ".join(repr(n) for n in ("gpipe", *tables.SCHEDULES))
             raise SpmdError(
                 describe(
                     "Pipeline",
-                    f"schedule={self.schedule!r} with repeats={self.repeats}: the schedules are 'gpipe' (any repeats) "
-                    "and '1f1b' (repeats=1; interleaved 1F1B is not built yet).",
-                    fix="pass schedule='gpipe', or schedule='1f1b' with repeats=1.",
+                    f"schedule={self.schedule!r} is not a schedule: the schedules are {names} (each with any repeats).",
+                    fix="pass schedule='gpipe', '1f1b' (with repeats=v: interleaved 1F1B) or 'zb-h1'.",
                 )
             )
 
@@ -119,12 +119,13 @@ class Pipeline(Schedule):
           stages: ``p``, the size of the stage axis.
 
         Returns:
-          GPipe: ``v m + p - 1`` forward ticks (and as many backward). 1F1B: ``m + 2p - 2`` ticks of one forward
-          and one backward item each.
+          GPipe: ``v m + p - 1`` forward ticks (and as many backward). The tables' schedules: the table's units
+          (one action of one chunk per stage each; :mod:`spmdcomm.parallel.pipeline.tables`), 1F1B
+          ``3 (v m + p - 1)``.
         """
-        if self.schedule == "1f1b":
-            return self.microbatches + 2 * stages - 2
-        return self.repeats * self.microbatches + stages - 1
+        if self.schedule == "gpipe":
+            return self.repeats * self.microbatches + stages - 1
+        return self.table(stages).units
 
     def bubble(self, stages: int) -> float:
         """The idle fraction of the schedule's loop (the bubble).
@@ -133,13 +134,16 @@ class Pipeline(Schedule):
           stages: ``p``, the size of the stage axis.
 
         Returns:
-          ``(p - 1) / (v m + p - 1)`` (1F1B: ``v = 1``; its first and last ``p - 1`` ticks run only their forward,
-          or backward, half).
+          GPipe and 1F1B (interleaved too): ``(p - 1) / (v m + p - 1)``; ZB-H1: its table's, with a forward, an
+          input gradient and a weight gradient of a chunk taking one unit each (at ``m = p`` a third of 1F1B's).
         """
-        return (stages - 1) / (self.repeats * self.microbatches + stages - 1)
+        if self.schedule == "gpipe":
+            return (stages - 1) / (self.repeats * self.microbatches + stages - 1)
+        return self.table(stages).bubble
 
     def in_flight(self, stages: int) -> int:
-        """How many micro-batches' activations a stage device keeps at once for the backward pass (at its peak).
+        """How many micro-batch chunks' activations a stage device keeps at once for the backward pass (at its
+        peak; a chunk is ``1 / v`` of the stage's layers).
 
         Args:
           stages: ``p``, the size of the stage axis.
@@ -147,14 +151,23 @@ class Pipeline(Schedule):
         Returns:
           GPipe: ``v m + p - 1``: the backward pass is autodiff of the whole loop, so every tick's (bubbles' too)
           are kept until it starts; with ``remat`` each is the tick's stage input, without it every layer's
-          activations. 1F1B: ``2p - 1``, every layer's activations (stage ``s`` holds ``2(p - 1 - s) + 1``).
+          activations. The tables' schedules: ``v p``, every layer's activations (``p`` micro-batches' worth;
+          1F1B's stage ``s`` keeps ``v p - s``).
         """
-        return 2 * stages - 1 if self.schedule == "1f1b" else self.ticks(stages)
+        if self.schedule == "gpipe":
+            return self.ticks(stages)
+        return self.table(stages).in_flight
 
     @property
     def recomputed(self) -> int:
         """How many forward passes of each stage's layers the backward pass runs again (GPipe with remat: 1)."""
         return int(self.remat and self.schedule == "gpipe")
+
+    def table(self, stages: int) -> tables.Table:
+        """The schedule's table on ``stages`` stages (:mod:`spmdcomm.parallel.pipeline.tables`; not for GPipe,
+        whose loop is autodiff's)."""
+        check_schedule("Pipeline", self, stages, None, None)
+        return tables.table(self.schedule, stages=stages, microbatches=self.microbatches, repeats=self.repeats)
 
     def loop(
         self, step: MicroStep, model_state: Any, micro: Any, axes: tuple[str, ...], *, pieces: MicroPieces | None = None
@@ -194,7 +207,7 @@ class Pipeline(Schedule):
         Returns:
           1F1B: ``m / p``, this device's micro-batches of the pipeline; GPipe: 1 (the stack cuts the rows itself).
         """
-        return self.microbatches // lax.axis_size(self.axis) if self.schedule == "1f1b" else 1
+        return 1 if self.schedule == "gpipe" else self.microbatches // lax.axis_size(self.axis)
 
     def rows_seen(self, count: jax.Array) -> jax.Array:
         """The real-example count of the rows one micro-batch's gradient on this device depends on.
@@ -223,7 +236,7 @@ class Pipeline(Schedule):
         Returns:
           ``(h, new_state)``: the stack's output for this device's rows and the whole updated state.
         """
-        if self.schedule == "1f1b":
+        if self.schedule != "gpipe":
             piece = one_f_one_b.stack_piece(layer_fn, params, state, x)
             if piece is not None:
                 return piece
