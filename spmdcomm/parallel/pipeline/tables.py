@@ -99,7 +99,7 @@ class Table:
         """The idle fraction of the stages' units (a ``B`` counts its two units)."""
         op = self.columns["op"]
         busy = np.count_nonzero(op != IDLE) + np.count_nonzero(op == B)
-        return 1.0 - busy / op.size
+        return float(1.0 - busy / op.size)
 
     @functools.cached_property
     def _peaks(self) -> list[int]:
