@@ -1,33 +1,35 @@
-"""The 1F1B schedule (``sc.Pipeline(..., schedule="1f1b")``; PipeDream-flush, torch's ``Schedule1F1B``): a
-micro-batch's backward pass through the stages starts at the tick its forward pass leaves the last stage, so a
-stage keeps the activations of a bounded number of micro-batches, whatever ``m``, and recomputes none of them.
+"""The schedules that run each micro-batch's backward pass while others go forward: 1F1B (``schedule="1f1b"``;
+PipeDream-flush, torch's ``Schedule1F1B``), interleaved 1F1B (``"1f1b"`` with ``repeats=v``, torch's
+``ScheduleInterleaved1F1B``) and ZB-H1 (``"zb-h1"``, Qi et al. 2023, torch's ``ScheduleInterleavedZeroBubble``). A
+stage keeps a bounded number of micro-batches' activations, whatever ``m``, and recomputes none of them.
 
-The step's loop hands this schedule the pieces of a micro-batch
+What each stage runs when is a table (:mod:`spmdcomm.parallel.pipeline.tables`), computed in NumPy before tracing;
+this module's loop runs any table. The step's loop hands it the pieces of a micro-batch
 (:class:`~spmdcomm.parallel.pipeline.schedule.MicroPieces`): the user's loss on a part of the device's rows. The
 stack splits it: run in the *pre* piece, the stack hands over its input and its parameters (what follows it is
 unused); run in the *post* piece, it returns the output the pipeline computed. The layers outside the stack
-(embedding, head, loss) run on the rows' own device, as in GPipe.
+(embedding, head, loss) run on the rows' own device, as in GPipe. Device ``s`` of a data replica owns micro-batches
+``[s m/p, (s+1) m/p)``, a part each of its rows.
 
-One loop of ``m + 2p - 2`` ticks over a data replica's ``m`` micro-batches (device ``s`` of the replica owns
-micro-batches ``[s m/p, (s+1) m/p)``, a part each of its rows). At tick ``t``, on every stage ``s`` at once:
+One loop over the table's units. At each unit every stage runs its action on one chunk of its layers (a
+``lax.switch``: a stage without one computes nothing):
 
-- *forward*: micro-batch ``t - s`` through this stage's layers (``jax.vjp``; its residuals, but the parameters,
-  go to slot ``(t - s) mod (2p - 1)`` of a ring buffer); stage 0 takes micro-batch ``t`` from its owner's pre piece;
-- *loss*: the micro-batch leaving the last stage (``t - p + 1``) goes to its owner, whose post piece gives the loss
-  and the cotangent of the stack's output, which goes back to the last stage;
-- *backward*: micro-batch ``t - 2p + 2 + s`` back through this stage's layers from its residuals; stage 0 hands
-  the cotangent of its input to the owner, whose pre piece, run again, takes it back through the embedding.
+- ``F``: the chunk's forward pass, one ``jax.vjp`` per layer; the residuals (every layer's activations, but the
+  parameters) go to the ring slot the table names. Stage 0's chunk 0 takes its input from the rows' device (its
+  pre piece); other inputs come from the inbox of activations the left neighbour sent;
+- ``B``: the chunk's backward pass from its residuals and the cotangent in the inbox the right neighbour (or the
+  loss) filled: the cotangent of its input, sent left, and its weight gradient;
+- ``I`` and ``W`` (ZB-H1): the same split in two, each layer's ``vjp`` run twice on the same residuals: the input
+  gradient, keeping the cotangent of each layer's output, and later the weight gradient from those (each layer's
+  weight gradient recomputes the cotangents inside that layer, between its weights and its output).
 
-The first ``p - 1`` ticks hold no backward item and the last ``p - 1`` no forward item, and run only their own
-half: the loop's work is ``m + p - 1`` ticks of one forward and one backward item, GPipe's, and so is its bubble,
-``(p - 1) / (m + p - 1)``. Stage ``s`` holds a micro-batch's residuals from its forward tick to its backward
-tick, ``2(p - 1 - s) + 1`` ticks, so the ring has ``2p - 1`` slots, every layer's activations of one micro-batch
-each (no rematerialisation; torch's asynchronous 1F1B holds ``p - s``: here a forward and a backward item share
-each tick in lockstep). A tick with no forward (or backward, or loss) item computes on real rows (a stand-in) and
-drops its result with a zero cotangent, as the GPipe loop's bubbles do. Moves between a stage and an owner are
-all-reduces over the stage axis of one micro-batch's activations (one device sends, the others add zeros), four
-per tick, beside the two ``ppermute`` s of the stages; every device runs the pre and post pieces each tick, where
-only the owner's count, and the pre piece again for the embedding's backward pass.
+The output of every action moves one stage right and one stage left (two ``ppermute`` s; cyclic with ``v > 1``:
+the last stage's chunk ``r`` feeds stage 0's chunk ``r + 1``); the receivers' inbox slots are in the table. Three
+events are the same on every device (a ``lax.cond`` on the table): stage 0 takes a micro-batch from its device;
+the last stage's chunk ``v - 1`` finished one, whose device's post piece gives the loss and the cotangent; stage 0
+finished a backward pass, whose cotangent goes through its device's pre piece. Moves between a stage and the rows'
+device are all-reduces over the stage axis of one micro-batch's activations (one device sends, the others add
+zeros), and every device runs the pre and post pieces at those units (only the rows' device's count).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def stack_piece(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array) -> tup
         raise SpmdError(
             describe(
                 "PipelineStack",
-                "a stack with mutable state (BatchNorm's statistics) under schedule='1f1b'.",
+                "a stack with mutable state (BatchNorm's statistics) under a schedule other than 'gpipe'.",
                 fix="use sc.Pipeline(..., schedule='gpipe') for a stack with state.",
             )
         )
@@ -77,14 +79,14 @@ def stack_piece(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array) -> tup
 
 
 def loop(pipeline: Pipeline, pieces: MicroPieces, model_state: Any, micro: Any, axes: tuple[str, ...]) -> Any:
-    """The step's loop under 1F1B (module docstring): each group of ``micro`` (the step's ``accum_steps``) as one
-    1F1B pipeline. Returns ``(grad_sum, metric_sums, model_state, count)``, as
+    """The step's loop under a table's schedule (module docstring): each group of ``micro`` (the step's
+    ``accum_steps``) as one pipeline. Returns ``(grad_sum, metric_sums, model_state, count)``, as
     :meth:`~spmdcomm.parallel.pipeline.schedule.Schedule.loop`."""
     if jax.tree.leaves(model_state):
         raise SpmdError(
             describe(
                 "make_train_step",
-                "a model with mutable state (BatchNorm's statistics) under schedule='1f1b'.",
+                f"a model with mutable state (BatchNorm's statistics) under schedule={pipeline.schedule!r}.",
                 fix="use sc.Pipeline(..., schedule='gpipe').",
             )
         )

@@ -1,6 +1,7 @@
 """Pipeline parallelism: a stack of ``L`` layers split over a ``stage`` mesh axis, ``L / p`` layers per stage, with
-micro-batches flowing through the stages so that every stage works at once. Two schedules: GPipe (below; its loop
-is :mod:`spmdcomm.parallel.pipeline.gpipe`) and 1F1B (``schedule="1f1b"``,
+micro-batches flowing through the stages so that every stage works at once. The schedules: GPipe (below; its loop
+is :mod:`spmdcomm.parallel.pipeline.gpipe`), and 1F1B, interleaved 1F1B and ZB-H1 (``schedule="1f1b"`` or
+``"zb-h1"``: tables, :mod:`spmdcomm.parallel.pipeline.tables`, run by
 :mod:`spmdcomm.parallel.pipeline.one_f_one_b`).
 
 :class:`Pipeline` is the policy, given once to ``TrainState.create(..., pipeline=...)``: the stage axis, the number
@@ -65,19 +66,22 @@ class Pipeline(Schedule):
 
     Args:
       microbatches: ``m``, the micro-batches each data replica's rows are cut into; a multiple of the stage count
-        ``p`` (and at least ``p``). The bubble is ``(p - 1) / (v m + p - 1)`` of the step.
+        ``p`` (and at least ``p``). The bubble is ``(p - 1) / (v m + p - 1)`` of the step (ZB-H1: less).
       axis: the mesh axis the layers are split over (``"stage"``).
       repeats: ``v``, layer chunks per stage (the circular / interleaved schedule: ``v`` times the point-to-point
-        traffic for a ``v`` times smaller bubble); ``1`` is GPipe. ``L`` must be a multiple of ``v p``.
-      remat: rematerialise each tick's layers in the backward pass, keeping only the stage input of each tick
-        (GPipe; 1F1B keeps every layer's activations of at most ``2p - 1`` micro-batches and recomputes none).
-      schedule: ``"gpipe"`` (the forward loop, differentiated by autodiff) or ``"1f1b"`` (each micro-batch's
-        backward pass right after its forward pass: :mod:`spmdcomm.parallel.pipeline.one_f_one_b`; ``repeats=1``,
-        no model state, a per-row mean loss).
+        traffic for a ``v`` times smaller bubble). ``L`` must be a multiple of ``v p``.
+      remat: GPipe: rematerialise each tick's layers in the backward pass, keeping only the stage input of each
+        tick. The other schedules keep every layer's activations of at most ``p`` micro-batches (``v p`` chunks)
+        and recompute none; they ignore it.
+      schedule: ``"gpipe"`` (the forward loop, differentiated by autodiff); ``"1f1b"`` (each micro-batch's
+        backward pass as soon as its forward pass leaves the last stage, torch's ``Schedule1F1B``; with
+        ``repeats=v`` torch's ``ScheduleInterleaved1F1B``, also named ``"interleaved_1f1b"``); ``"zb-h1"`` (1F1B
+        with the backward pass split into input and weight gradients, the weight gradients filling the bubble,
+        torch's ``ScheduleInterleavedZeroBubble``). The last two: no model state, a per-row mean loss.
 
     Raises:
       SpmdError: for a non-positive ``microbatches`` or ``repeats``, an ``axis`` that is not a string, or an
-        unknown ``schedule`` (or ``"1f1b"`` with ``repeats > 1``).
+        unknown ``schedule``.
 
     Examples:
       >>> sc.Pipeline(microbatches=8, repeats=2)
