@@ -146,8 +146,9 @@ class Pipeline(Schedule):
         return self.table(stages).bubble
 
     def in_flight(self, stages: int) -> int:
-        """How many micro-batch chunks' activations a stage device keeps at once for the backward pass (at its
-        peak; a chunk is ``1 / v`` of the stage's layers).
+        """How many micro-batch chunks' activations (``1 / v`` of the stage's layers each) a stage keeps at once.
+
+        At the peak, for the backward pass.
 
         Args:
           stages: ``p``, the size of the stage axis.
@@ -168,8 +169,19 @@ class Pipeline(Schedule):
         return int(self.remat and self.schedule == "gpipe")
 
     def table(self, stages: int) -> tables.Table:
-        """The schedule's table on ``stages`` stages (:mod:`spmdcomm.parallel.pipeline.tables`; not for GPipe,
-        whose loop is autodiff's)."""
+        """The schedule's table of actions (:mod:`spmdcomm.parallel.pipeline.tables`).
+
+        Args:
+          stages: ``p``, the size of the stage axis.
+
+        Returns:
+          The table of ``"1f1b"`` or ``"zb-h1"`` for ``p``, ``m`` and ``v`` (GPipe's loop is autodiff's: no table).
+
+        Raises:
+          SpmdError: for ``m`` not a multiple of ``p``, or a schedule without a table (``"gpipe"``).
+        """
+        if self.schedule == "gpipe":
+            raise SpmdError(describe("Pipeline.table", "schedule='gpipe' has no table.", fix="use Pipeline.ticks."))
         check_schedule("Pipeline", self, stages, None, None)
         return tables.table(self.schedule, stages=stages, microbatches=self.microbatches, repeats=self.repeats)
 
