@@ -19,19 +19,20 @@ Memory, from the compiled step (``sc.explain(step, state, batch)``: ``.memory``,
   Goals: 1/p = 0.25 with DDP over ``data`` and 1/(p N) = 0.125 with FSDP over ``data`` (GPipe, m = 8, remat;
   FSDP also with ``reshard_after_forward=False``, whose temporaries keep the pipeline's remat); DDP on
   ``data 8`` holds the whole stack;
-- the step's temporaries (its activation peak) for m = 4, 8, 16, GPipe with ``remat=True`` and ``remat=False``
-  and 1F1B (``schedule="1f1b"``), with the micro-batches each keeps and the forward passes it recomputes
-  (``explain``), next to DDP on ``data 8`` and the hand-written program at m = 8 with and without remat. (XLA's
-  cost analysis counts a loop's body once, not once per trip, so its FLOPs cannot compare the schedules' total
-  work: the recomputation column says it.)
+- the step's temporaries (its activation peak) for m = 4, 8, 16, GPipe with ``remat=True`` and ``remat=False``,
+  1F1B and ZB-H1 (and interleaved 1F1B, v = 2, at m = 8), with the micro-batch chunks each keeps and the forward
+  passes it recomputes (``explain``), next to DDP on ``data 8`` and the hand-written program at m = 8 with and
+  without remat; and each step's matmul FLOPs per device (:func:`step_flops`: XLA's cost analysis counts a loop's
+  body once, so the FLOPs are read from the HLO, each loop body times its trip count, each branch of a table
+  schedule by its share of the units).
 
 Speed: the variants are interleaved round by round (the order reversed every other round, each of ours next to
 the hand-written program it is compared with), each number is a median over rounds, each ratio the median over
 rounds of that round's ratio; every loop keeps at most 8 steps in flight (``_common.time_calls``):
 
 - ours on ``data 2 x stage 4``: GPipe with m = 4 and m = 8, each with and without remat (ours defaults to
-  ``remat=True``), the circular schedule with v = 2, m = 8, and 1F1B with m = 8 (which recomputes nothing: set
-  against the programs without remat);
+  ``remat=True``), the circular schedule with v = 2, m = 8, and 1F1B, interleaved 1F1B (v = 2) and ZB-H1 with
+  m = 8 (which recompute nothing: set against the programs without remat);
 - the hand-written GPipe program (:func:`handwritten`) with the same four m / remat settings;
 - DDP of the same model on ``data 8`` (no stage axis: the stack runs as a scan), with each layer rematerialised
   and without (the stack's own default); FSDP on ``data 8``; and DDP on 8 rows (one per device), the part of
