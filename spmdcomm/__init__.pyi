@@ -88,6 +88,9 @@ from spmdcomm.parallel.context import context_positions as context_positions
 from spmdcomm.collectives.attention import sequence_positions as sequence_positions
 from spmdcomm.collectives.attention import zigzag_order as zigzag_order
 
+# expert parallelism
+from spmdcomm.parallel.expert.layer import MoE as MoE
+
 # what a compiled step communicates and holds
 from spmdcomm.explain.report import explain as explain
 
