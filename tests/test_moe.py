@@ -11,10 +11,12 @@ Every case compiles one small program.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh
 
 import spmdcomm as sc
@@ -154,3 +156,246 @@ def test_ragged_all_to_all_rejects_bad_input_before_tracing_lax(kwargs, error, f
     assert "spmdcomm.ragged_all_to_all" in str(caught.value)
     for fact in facts:
         assert fact in str(caught.value)
+
+
+# ---- the MoE layers ----------------------------------------------------------------------------------------------
+
+E, D, HIDDEN, TOKENS = 8, 8, 16, 8  # experts, features, expert hidden units, tokens per device
+
+
+class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        hidden = nn.gelu(nn.Dense(HIDDEN, name="up")(x))
+        return nn.Dense(D, name="down")(hidden)
+
+
+class NnxMlp(nnx.Module):
+    def __init__(self, rngs):
+        self.up, self.down = nnx.Linear(D, HIDDEN, rngs=rngs), nnx.Linear(HIDDEN, D, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.gelu(self.up(x)))
+
+
+# name: (mesh axes {name: size}, token axes, k, routing, capacity factor, router bias: None, "one" (every token's
+# first choice is expert 0) or "two" (every token chooses among experts 0 and 1, six experts get nothing)).
+MOE_CASES = {
+    "dropless-k2": ({"expert": 4}, ("expert",), 2, "softmax_topk", None, None),
+    "dropless-k1-topk-softmax": ({"expert": 4}, ("expert",), 1, "topk_softmax", None, None),
+    "dropless-all-to-one-expert": ({"expert": 4}, ("expert",), 1, "softmax_topk", None, "one"),
+    "dropless-empty-experts-k2": ({"expert": 2}, ("expert",), 2, "topk_softmax", None, "two"),
+    "capacity-k2": ({"expert": 4}, ("expert",), 2, "softmax_topk", 1.0, None),
+    "capacity-all-to-one-expert": ({"expert": 4}, ("expert",), 2, "softmax_topk", 1.25, "one"),
+    "capacity-data-and-expert-axes": ({"data": 2, "expert": 2}, ("data", "expert"), 1, "softmax_topk", 0.5, None),
+    "dropless-8-devices": ({"expert": 8}, ("expert",), 2, "softmax_topk", None, None),
+}
+
+
+def moe_inputs(devices: int, bias: str | None):
+    rng = np.random.default_rng(devices)
+    x = rng.standard_normal((devices * TOKENS, D)).astype(np.float32)
+    layer = sc.MoE(Mlp(), experts=E, k=1)
+    params = jax.tree.map(np.asarray, layer.init(jax.random.key(0), x[:1])["params"])
+    params["router"] = rng.standard_normal((D, E)).astype(np.float32)
+    if bias is not None:  # feature 0 is a constant 1 that votes for expert 0 (and 1)
+        x[:, 0] = 1.0
+        params["router"][0] = -40.0 if bias == "two" else 0.0
+        params["router"][0, : 2 if bias == "two" else 1] = 20.0
+    return x, params
+
+
+def numpy_kept(experts: np.ndarray, capacity: int | None) -> np.ndarray:
+    """The capacity rule, literally: first choices of all tokens in order, then second choices."""
+    kept = np.ones(experts.shape, bool)
+    if capacity is None:
+        return kept
+    filled = np.zeros(E, int)
+    for r in range(experts.shape[1]):
+        for t in range(experts.shape[0]):
+            j = experts[t, r]
+            kept[t, r] = filled[j] < capacity
+            filled[j] += kept[t, r]
+    return kept
+
+
+def routed(logits, *, k, routing):
+    probs = jax.nn.softmax(logits)
+    if routing == "softmax_topk":
+        weights, experts = jax.lax.top_k(probs, k)
+    else:
+        top, experts = jax.lax.top_k(logits, k)
+        weights = jax.nn.softmax(top)
+    return probs, weights, experts
+
+
+def dense_reference(params, x, kept, *, k, routing):
+    """One device running every expert on every token of the global batch, then the top-k combine; its losses."""
+    n = x.shape[0]
+    logits = x @ params["router"]
+    probs, weights, experts = routed(logits, k=k, routing=routing)
+    every = jax.vmap(lambda p: Mlp().apply({"params": p}, x))(params["experts"])  # [E, N, D]
+    picked = every[experts, jnp.arange(n)[:, None]]  # [N, k, D]
+    y = jnp.einsum("tk,tkd->td", weights * kept, picked)
+    counts = jnp.sum(jax.nn.one_hot(experts, E), axis=(0, 1))
+    balance = E * jnp.sum(counts / (n * k) * probs.mean(0))
+    z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    return y, balance, z
+
+
+def sharded_moe(axes, token_axes, **options):
+    mesh = sc.make_mesh(axes, devices=jax.devices()[: int(np.prod(list(axes.values())))])
+    layer = sc.MoE(Mlp(), experts=E, axis_name="expert", token_axes=token_axes, **options)
+
+    def body(params, x):
+        y, state = layer.apply({"params": params}, x, mutable=["moe"])
+        return y, {name: value[0] for name, value in state["moe"].items()}
+
+    specs = {"router": jax.P(), "experts": jax.P("expert")}
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, jax.P(token_axes)), out_specs=(jax.P(token_axes), jax.P()))
+    return mesh, mapped
+
+
+SLOW_CASES = {"dropless-8-devices", "capacity-all-to-one-expert"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in MOE_CASES])
+def test_moe_with_split_experts_equals_one_device_running_every_expert(case):
+    axes, token_axes, k, routing, capacity_factor, bias = MOE_CASES[case]
+    x, params = moe_inputs(int(np.prod(list(axes.values()))), bias)
+    options = {"k": k, "routing": routing, "capacity_factor": capacity_factor}
+    mesh, mapped = sharded_moe(axes, token_axes, **options)
+    placed = jax.device_put(x, jax.NamedSharding(mesh, jax.P(token_axes)))
+    cot = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
+
+    def loss(params, forward):
+        y, balance, z = forward(params)
+        return jnp.sum(y * cot) + 0.3 * balance + 0.1 * z
+
+    def sharded(params):
+        y, stats = mapped(params, placed)
+        return y, stats["load_balancing_loss"], stats["router_z_loss"]
+
+    @jax.jit
+    def run(params):
+        return sharded(params), mapped(params, placed)[1], jax.grad(loss)(params, sharded)
+
+    (y, balance, z), stats, grads = run(params)
+    experts = np.asarray(jax.jit(lambda p: routed(x @ p["router"], k=k, routing=routing)[2])(params))
+    n = x.shape[0]
+    capacity = None if capacity_factor is None else max(1, min(n, int(np.ceil(capacity_factor * n * k / E))))
+    kept = numpy_kept(experts, capacity)
+    counts, dropped = np.bincount(experts.reshape(-1), minlength=E), 1.0 - kept.mean()
+
+    @jax.jit
+    def reference(params):
+        forward = lambda p: dense_reference(p, x, kept, k=k, routing=routing)
+        return forward(params), jax.grad(loss)(params, forward)
+
+    (want_y, want_balance, want_z), want_grads = reference(params)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose([balance, z], [want_balance, want_z], rtol=1e-5)
+    np.testing.assert_array_equal(stats["expert_counts"], counts)
+    np.testing.assert_allclose(stats["dropped_fraction"], dropped, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads, want_grads)
+    if capacity_factor is not None:
+        assert dropped > 0  # the case exercises the rule
+    if bias == "two":
+        assert (counts[2:] == 0).all()
+
+
+def test_nnx_moe_with_split_experts_equals_the_linen_layer_on_one_device():
+    """The NNX layer, its experts split over 4 devices, equals the Linen layer with the same parameters on one
+    device (forward, gradients of every parameter, the sown stats), with a capacity."""
+    x, _ = moe_inputs(4, None)
+    model = sc.nnx.MoE(NnxMlp, experts=E, features=D, k=2, capacity_factor=1.0, axis_name="expert", rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    mesh = sc.make_mesh({"expert": 4}, devices=jax.devices()[:4])
+    stacked = lambda v: jax.P("expert") if v.get_metadata().get("expert_stacked") else jax.P()
+    specs = jax.tree.map(stacked, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    def body(state, x):
+        y, found = nnx.capture(lambda layer, x: layer(x), nnx.Intermediate)(nnx.merge(graphdef, state), x)
+        return y, {name: v.get_value()[0] for name, v in found.items()}
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, jax.P("expert")), out_specs=(jax.P("expert"), jax.P()))
+    cot = np.random.default_rng(2).standard_normal(x.shape).astype(np.float32)
+    y, stats, grads = jax.jit(lambda s: (*mapped(s, x), jax.grad(lambda s: jnp.sum(mapped(s, x)[0] * cot))(s)))(state)
+
+    # The same parameters in the Linen layer's tree, run on one device.
+    experts = {
+        name: {"kernel": state["experts"][name]["kernel"][...], "bias": state["experts"][name]["bias"][...]}
+        for name in ("up", "down")
+    }
+    params = {"router": state["router"][...], "experts": experts}
+    linen = sc.MoE(Mlp(), experts=E, k=2, capacity_factor=1.0)
+
+    @jax.jit
+    def reference(params):
+        want, sown = linen.apply({"params": params}, x, mutable=["moe"])
+        return want, sown, jax.grad(lambda p: jnp.sum(linen.apply({"params": p}, x) * cot))(params)
+
+    want, sown, want_grads = reference(params)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    for name, value in sown["moe"].items():
+        np.testing.assert_allclose(stats[name], value[0], rtol=1e-5)
+    assert stats["dropped_fraction"] > 0
+    np.testing.assert_allclose(grads["router"][...], want_grads["router"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        grads["experts"]["up"]["kernel"][...], want_grads["experts"]["up"]["kernel"], rtol=1e-4, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        grads["experts"]["down"]["bias"][...], want_grads["experts"]["down"]["bias"], rtol=1e-4, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "facts"),
+    [
+        ({"k": 9}, SpmdError, ["k=9 experts per token with experts=8", "[1, 8]"]),
+        ({"k": 0}, SpmdError, ["k=0"]),
+        ({"capacity_factor": 0.0}, SpmdError, ["capacity_factor=0.0 is not positive", "None for the dropless"]),
+        ({"capacity_factor": -1.0}, SpmdError, ["capacity_factor=-1.0"]),
+        ({"routing": "sigmoid"}, SpmdError, ["routing='sigmoid'", "softmax_topk"]),
+    ],
+)
+def test_bad_router_options_raise_at_setup_in_both_layers(options, error, facts):
+    with pytest.raises(error) as linen:
+        sc.MoE(Mlp(), experts=E, **options).init(jax.random.key(0), np.ones((2, D), np.float32))
+    with pytest.raises(error) as nnx_error:
+        sc.nnx.MoE(NnxMlp, experts=E, features=D, **options, rngs=nnx.Rngs(0))
+    for caught, fn in ((linen, "spmdcomm.MoE"), (nnx_error, "spmdcomm.nnx.MoE")):
+        assert str(caught.value).startswith(fn + ":")
+        for fact in facts:
+            assert fact in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("split", "token_axes", "error", "facts"),
+    [
+        (jax.P(), None, ShapeError, ["hold 8 experts on each of the 4 devices of expert axis 'expert' (32 in all)"]),
+        (jax.P("expert"), ("data",), SpmdError, ["token_axes=('data',) leaves out the expert axis 'expert'"]),
+    ],
+)
+def test_experts_that_are_not_split_over_the_axis_raise_while_tracing(split, token_axes, error, facts):
+    layer = sc.MoE(Mlp(), experts=E, k=1, axis_name="expert", token_axes=token_axes)
+    params = jax.eval_shape(layer.init, jax.random.key(0), jnp.ones((2, D)))["params"]
+    mapped = jax.shard_map(
+        lambda params, x: layer.apply({"params": params}, x),
+        mesh=axis_mesh(4, "expert"),
+        in_specs=({"router": jax.P(), "experts": split}, jax.P("expert")),
+        out_specs=jax.P("expert"),
+    )
+    with pytest.raises(error) as caught:
+        jax.eval_shape(mapped, params, jax.ShapeDtypeStruct((8, D), jnp.float32))
+    for fact in facts:
+        assert fact in str(caught.value)
+
+
+def test_experts_that_do_not_divide_by_the_axis_size_raise_while_tracing():
+    def body(x):
+        return sc.parallel.expert.moe(x, x[:, :6], lambda buf: buf, experts=6, k=1, axis_name="expert")[0]
+
+    mapped = jax.shard_map(body, mesh=axis_mesh(4, "expert"), in_specs=jax.P("expert"), out_specs=jax.P("expert"))
+    with pytest.raises(ShapeError, match="experts=6 do not divide by the 4 devices of expert axis 'expert'"):
+        jax.eval_shape(mapped, jax.ShapeDtypeStruct((8, D), jnp.float32))

@@ -107,7 +107,7 @@ def moe(
             )
         )
     local = experts // n
-    tokens = x.shape[0]
+    x, tokens = jnp.asarray(x), x.shape[0]
     r = route(logits, k, routing=routing)
     slots = assignment_slots(r.experts, experts, token_axes=axes, axis_name=axis_name)
     group_tokens = n * tokens
@@ -205,6 +205,7 @@ class MoE(nn.Module):
           ``[..., d_out]``, in ``x``'s dtype.
         """
         check_routing("MoE", experts=self.experts, k=self.k, routing=self.routing, capacity_factor=self.capacity_factor)
+        x = jnp.asarray(x)
         lead, h = x.shape[:-1], x.reshape(-1, x.shape[-1])
         router = self.param("router", self.router_init, (x.shape[-1], self.experts), jnp.float32)
         expert = self.expert.clone(parent=None)
@@ -214,8 +215,13 @@ class MoE(nn.Module):
             self.param("experts", lambda _: created)
         # Read without Flax's shape check: inside a mapping this device holds E / n of the experts.
         params = meta.unbox(self.get_variable("params", "experts"))
-        run = lambda buf: jax.vmap(lambda p, rows: expert.apply({"params": p}, rows))(params, buf)
+
+        def run(buf: jax.Array) -> jax.Array:
+            out: jax.Array = jax.vmap(lambda p, rows: expert.apply({"params": p}, rows))(params, buf)
+            return out
+
         axis = None if self.is_initializing() else self.axis_name
+        _check_held(jax.tree.leaves(params)[0].shape[0], self.experts, axis)
         y, stats = moe(
             h,
             h.astype(jnp.float32) @ router,
@@ -231,6 +237,22 @@ class MoE(nn.Module):
         for field, value in stats._asdict().items():
             self.sow(MOE_COLLECTION, field, value)
         return y.reshape(*lead, y.shape[-1])
+
+
+def _check_held(held: int, experts: int, axis: str | None) -> None:
+    """:class:`ShapeError` unless this device holds ``experts / n`` of the stacked experts."""
+    n = 1 if axis is None else lax.axis_size(axis)
+    if held * n != experts:
+        where = "on one device" if axis is None else f"on each of the {n} devices of expert axis {axis!r}"
+        raise ShapeError(
+            describe(
+                "MoE",
+                f"the stacked expert parameters hold {held} experts {where} ({held * n} in all), but "
+                f"experts={experts}.",
+                fix="split dimension 0 of every 'experts' leaf over the expert axis (P(axis_name)), and pass the "
+                "parameters of a layer with the same number of experts.",
+            )
+        )
 
 
 def _token_axes(axis_name: str | None, token_axes: tuple[str, ...] | None) -> tuple[str, ...]:

@@ -24,10 +24,11 @@ class MoE(nnx.Module):
     ``nnx.vmap`` (each from its own keys), so every ``nnx.Param`` of ``self.experts`` has the experts on dimension 0,
     marked with ``expert_stacked`` metadata. With ``axis_name``, call it inside ``spmd``/``jax.shard_map`` with
     dimension 0 of those parameters split over that axis and the tokens split too: the result equals one device on
-    the global batch. Each call sows its :class:`~spmdcomm.parallel.expert.MoEStats` fields as ``nnx.Intermediate``
-    values named ``load_balancing_loss``, ``router_z_loss``, ``expert_counts`` and ``dropped_fraction``; read them
-    with ``nnx.pop(model, nnx.Intermediate)`` after the call. An expert must map ``[rows, features]`` to
-    ``[rows, d_out]`` row by row and hold no RNG streams or other mutable state.
+    the global batch. Under ``nnx.capture(nnx.Intermediate)``, each call sows its
+    :class:`~spmdcomm.parallel.expert.MoEStats` fields as ``nnx.Intermediate`` values named
+    ``load_balancing_loss``, ``router_z_loss``, ``expert_counts`` and ``dropped_fraction`` (one entry per call):
+    ``y, found = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(model, x)``. An expert must map
+    ``[rows, features]`` to ``[rows, d_out]`` row by row and hold no RNG streams or other mutable state.
 
     Args:
       make_expert: ``make_expert(rngs) -> nnx.Module``, called once under ``nnx.vmap``.
@@ -89,6 +90,7 @@ class MoE(nnx.Module):
         Returns:
           ``[..., d_out]``, in ``x``'s dtype.
         """
+        x = jnp.asarray(x)
         lead, h = x.shape[:-1], x.reshape(-1, x.shape[-1])
         graphdef, state = nnx.split(self.experts)
         run = lambda buf: jax.vmap(lambda s, rows: nnx.merge(graphdef, s)(rows))(state, buf)
@@ -104,8 +106,10 @@ class MoE(nnx.Module):
             token_axes=self.token_axes,
             implementation=self.implementation,
         )
-        for field, value in stats._asdict().items():
-            self.sow(nnx.Intermediate, field, value)
+        # Only under nnx.capture, which collects them: a sow outside it stores them on the module (deprecated).
+        if hasattr(self, "__captures__"):
+            for field, value in stats._asdict().items():
+                self.sow(nnx.Intermediate, field, value)
         return y.reshape(*lead, y.shape[-1])
 
 
