@@ -12,7 +12,7 @@ every expert saw every token; a grouped matmul over only the received rows is a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import flax.linen as nn
 import jax
@@ -215,11 +215,7 @@ class MoE(nn.Module):
             self.param("experts", lambda _: created)
         # Read without Flax's shape check: inside a mapping this device holds E / n of the experts.
         params = meta.unbox(self.get_variable("params", "experts"))
-
-        def run(buf: jax.Array) -> jax.Array:
-            out: jax.Array = jax.vmap(lambda p, rows: expert.apply({"params": p}, rows))(params, buf)
-            return out
-
+        run = lambda buf: jax.vmap(lambda p, rows: cast(jax.Array, expert.apply({"params": p}, rows)))(params, buf)
         axis = None if self.is_initializing() else self.axis_name
         _check_held(jax.tree.leaves(params)[0].shape[0], self.experts, axis)
         y, stats = moe(
