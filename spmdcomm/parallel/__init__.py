@@ -1,10 +1,11 @@
 """Layer 6, parallelisms: what each mesh axis does (``roles``), the random streams that do not depend on how a batch
 is split (``rng``), and one folder or module per parallelism, each registered by its one import line below: data
 (DDP, ZeRO, FSDP, hybrid: the per-leaf layout), pipeline (schedules and layer stacks), context (the sequence split)
-and expert (ready for expert parallelism). ``spmdcomm.train`` builds its state and steps on them."""
+and expert (mixture-of-experts layers over an expert axis). ``spmdcomm.train`` builds its state and steps on them."""
 
 from spmdcomm.parallel.context import ContextParallel, context_attention, context_positions
 from spmdcomm.parallel.data import DDP, FSDP, STRATEGIES, ReduceContext, Strategy, TreeLayout, ZeRO1, ZeRO2
+from spmdcomm.parallel.expert import MoE
 from spmdcomm.parallel.pipeline import Pipeline, PipelineStack, Schedule
 from spmdcomm.parallel.roles import MeshRoles
 
@@ -24,4 +25,5 @@ __all__ = [
     "ContextParallel",
     "context_attention",
     "context_positions",
+    "MoE",
 ]
