@@ -19,19 +19,20 @@ Memory, from the compiled step (``sc.explain(step, state, batch)``: ``.memory``,
   Goals: 1/p = 0.25 with DDP over ``data`` and 1/(p N) = 0.125 with FSDP over ``data`` (GPipe, m = 8, remat;
   FSDP also with ``reshard_after_forward=False``, whose temporaries keep the pipeline's remat); DDP on
   ``data 8`` holds the whole stack;
-- the step's temporaries (its activation peak) for m = 4, 8, 16, GPipe with ``remat=True`` and ``remat=False``
-  and 1F1B (``schedule="1f1b"``), with the micro-batches each keeps and the forward passes it recomputes
-  (``explain``), next to DDP on ``data 8`` and the hand-written program at m = 8 with and without remat. (XLA's
-  cost analysis counts a loop's body once, not once per trip, so its FLOPs cannot compare the schedules' total
-  work: the recomputation column says it.)
+- the step's temporaries (its activation peak) for m = 4, 8, 16, GPipe with ``remat=True`` and ``remat=False``,
+  1F1B and ZB-H1 (and interleaved 1F1B, v = 2, at m = 8), with the micro-batch chunks each keeps and the forward
+  passes it recomputes (``explain``), next to DDP on ``data 8`` and the hand-written program at m = 8 with and
+  without remat; and each step's matmul FLOPs per device (:func:`step_flops`: XLA's cost analysis counts a loop's
+  body once, so the FLOPs are read from the HLO, each loop body times its trip count, each branch of a table
+  schedule by its share of the units).
 
 Speed: the variants are interleaved round by round (the order reversed every other round, each of ours next to
 the hand-written program it is compared with), each number is a median over rounds, each ratio the median over
 rounds of that round's ratio; every loop keeps at most 8 steps in flight (``_common.time_calls``):
 
 - ours on ``data 2 x stage 4``: GPipe with m = 4 and m = 8, each with and without remat (ours defaults to
-  ``remat=True``), the circular schedule with v = 2, m = 8, and 1F1B with m = 8 (which recomputes nothing: set
-  against the programs without remat);
+  ``remat=True``), the circular schedule with v = 2, m = 8, and 1F1B, interleaved 1F1B (v = 2) and ZB-H1 with
+  m = 8 (which recompute nothing: set against the programs without remat);
 - the hand-written GPipe program (:func:`handwritten`) with the same four m / remat settings;
 - DDP of the same model on ``data 8`` (no stage axis: the stack runs as a scan), with each layer rematerialised
   and without (the stack's own default); FSDP on ``data 8``; and DDP on 8 rows (one per device), the part of
@@ -60,6 +61,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import re
 import time
 from pathlib import Path
 
@@ -353,9 +355,12 @@ class Variant:
         elif self.kind == "jit":
             name = "jit + NamedSharding stage=4"
         else:
-            schedule = "1F1B" if self.schedule == "1f1b" else "GPipe" if self.v == 1 else f"circular v={self.v}"
+            schedule = {"1f1b": "1F1B", "zb-h1": "ZB-H1"}.get(self.schedule, "GPipe")
+            if self.v > 1:
+                schedule = f"interleaved {schedule}" if self.schedule != "gpipe" else "circular"
+                schedule += f" v={self.v}"
             name = f"{'ours' if self.kind == 'ours' else 'hand-written'} {schedule} m={self.m}"
-        remat = self.remat or self.schedule == "1f1b"  # 1F1B recomputes nothing: no remat to name
+        remat = self.remat or self.schedule != "gpipe"  # the tables' schedules recompute nothing: no remat to name
         return name + ("" if remat else " no remat") + (f" batch={self.rows}" if self.rows else "")
 
     @property
@@ -409,7 +414,10 @@ VARIANTS = {
         Variant("ours", 8, 2, True),
         Variant("handwritten", 8, 1, False),
         Variant("ours", 8, 1, False),
-        Variant("ours", 8, 1, False, schedule="1f1b"),  # recomputes nothing: next to the hand-written no remat
+        # The tables' schedules recompute nothing: next to the hand-written program without remat.
+        Variant("ours", 8, 1, False, schedule="1f1b"),
+        Variant("ours", 8, 2, False, schedule="1f1b"),
+        Variant("ours", 8, 1, False, schedule="zb-h1"),
     ]
 }
 JIT = Variant("jit").name
@@ -554,8 +562,11 @@ def activation_memory(
             Variant("ours", m),
             Variant("ours", m, remat=False),
             Variant("ours", m, 1, False, schedule="1f1b"),
+            Variant("ours", m, 1, False, schedule="zb-h1"),
+            *([Variant("ours", m, 2, False, schedule="1f1b")] if m == 8 else []),
         ):
-            report = sc.explain(STEP, state_for(cfg, "ddp", m, remat=variant.remat, schedule=variant.schedule), batch)
+            state = state_for(cfg, "ddp", m, variant.v, remat=variant.remat, schedule=variant.schedule)
+            report = sc.explain(STEP, state, batch)
             pipe = report.pipeline
             rows.append(
                 {
@@ -573,6 +584,7 @@ def activation_memory(
                     "stage_gathers": pipe.stage_gathers,
                     "argument_bytes": report.memory.argument_bytes,
                     "temp_bytes": report.memory.temp_bytes,
+                    "flops": schedule_flops(report, state.pipeline, PIPELINE_MESH["stage"]),
                 }
             )
     for remat in ddp_remats:
@@ -583,11 +595,13 @@ def activation_memory(
                 "remat": remat,
                 "argument_bytes": report.memory.argument_bytes,
                 "temp_bytes": report.memory.temp_bytes,
+                "flops": schedule_flops(report, None, PIPELINE_MESH["stage"]),
             }
         )
     programs = [(Variant("handwritten", m, 1, remat), handwritten(cfg, m, remat)) for m, remat in handwritten_]
     for variant, (step, start) in [*programs, (Variant("jit"), jit_program(cfg))]:
-        analysis = step.lower(*start()).compile().memory_analysis()
+        compiled = step.lower(*start()).compile()
+        analysis = compiled.memory_analysis()
         rows.append(
             {
                 "variant": variant.name,
@@ -595,12 +609,84 @@ def activation_memory(
                 "remat": variant.remat,
                 "argument_bytes": int(analysis.argument_size_in_bytes),
                 "temp_bytes": int(analysis.temp_size_in_bytes),
+                "flops": step_flops(compiled.as_text(), [], 0.0),
             }
         )
     ddp_temp = {r["remat"]: r["temp_bytes"] for r in rows if r["variant"].startswith("ddp")}
     for row in rows:
         row["temp_vs_ddp"] = row["temp_bytes"] / ddp_temp.get(row["remat"], ddp_temp[True])
     return rows
+
+
+# --- work per step ----------------------------------------------------------------------------------------
+
+_HEADER = re.compile(r"^(?:ENTRY )?%(\S+) \((.*)\) -> .*\{$")
+_PARAM = re.compile(r"([\w.-]+): \w+\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (?:\w+\[([\d,]*)\]\S*|\(.*?\)) ([\w-]+)\((.*?)\)(.*)$")
+
+
+def step_flops(hlo: str, switch: list[float], event: float) -> float:
+    """The matmul FLOPs one device runs per step, read from the optimised HLO ``hlo``: ``2 * rows * columns *
+    contracted`` per ``dot``, each ``while`` body counted its known trip count times (XLA's cost analysis counts a
+    loop body once), each ``conditional`` branch weighted by the share of the loop's units it runs: a table
+    schedule's action switch (3 or 4 branches) by ``switch`` (idle, F, B or idle, F, I, W: the table's counts per
+    stage over its units, the same on every stage), its events (2 branches: input, loss, back) by ``event`` (m
+    of the units)."""
+    shapes: dict[str, list[int]] = {}
+    bodies: dict[str, list[tuple[str, list[int], str, str, str]]] = {}
+    current = None
+    for line in hlo.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(1)
+            bodies[current] = []
+            for name, dims in _PARAM.findall(header.group(2)):
+                shapes[f"{current}/{name}"] = [int(d) for d in dims.split(",") if d]
+            continue
+        found = _INSTRUCTION.match(line)
+        if current is None or not found:
+            continue
+        name, dims, op, operands, attributes = found.groups()
+        shapes[f"{current}/{name}"] = [int(d) for d in (dims or "").split(",") if d]
+        bodies[current].append((name, shapes[f"{current}/{name}"], op, operands, attributes))
+
+    @functools.cache
+    def flops(computation: str) -> float:
+        total = 0.0
+        for _, out, op, operands, attributes in bodies.get(computation, []):
+            if op == "dot":
+                lhs = shapes[f"{computation}/{operands.split(',')[0].strip().lstrip('%')}"]
+                contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attributes).group(1)
+                total += 2.0 * float(np.prod(out)) * float(np.prod([lhs[int(d)] for d in contracted.split(",") if d]))
+            elif op == "while":
+                body = re.search(r"body=%([\w.-]+)", attributes).group(1)
+                trips = re.search(r'known_trip_count":\{"n":"(\d+)"', attributes)
+                if trips is None:
+                    raise ValueError(f"a while loop without a known trip count: {body}")
+                total += int(trips.group(1)) * flops(body)
+            elif op == "conditional":
+                branches = re.findall(r"%([\w.-]+)", re.search(r"branch_computations=\{([^}]*)\}", attributes).group(1))
+                weights = [1 - event, event] if len(branches) == 2 else switch
+                total += sum(w * flops(b) for w, b in zip(weights, branches, strict=True))
+            else:
+                for called in re.findall(r"(?:calls|to_apply)=%([\w.-]+)", attributes):
+                    total += flops(called)
+        return total
+
+    entry = next(line for line in hlo.splitlines() if line.startswith("ENTRY"))
+    return flops(_HEADER.match(entry).group(1))
+
+
+def schedule_flops(report, pipeline: sc.Pipeline | None, stages: int) -> float:
+    """:func:`step_flops` of an explained step, the weights from ``pipeline``'s table (None or GPipe: no
+    conditionals expected)."""
+    if pipeline is None or pipeline.schedule == "gpipe":
+        return step_flops(report.hlo, [], 0.0)
+    table = pipeline.table(stages)
+    op = table.columns["op"][:, 0]
+    counts = [np.count_nonzero(op == a) for a in (0, 1, 2, 3, 4)]
+    switch = [counts[0], counts[1], counts[2]] if table.kind == "1f1b" else [counts[0], counts[1], counts[3], counts[4]]
+    return step_flops(report.hlo, [c / table.units for c in switch], pipeline.microbatches / table.units)
 
 
 # --- report --------------------------------------------------------------------------------------------------
@@ -632,17 +718,21 @@ def tables(result: dict) -> str:
     if "activation_memory" in result:
         out += [
             "",
-            "| step (data 2 x stage 4 unless named) | ticks | bubble | micro-batches kept (what of each) |"
-            " forwards recomputed | temporaries per device (KiB) | vs DDP data 8 (same remat) |",
-            "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
+            "| step (data 2 x stage 4 unless named) | ticks / units | bubble | micro-batch chunks kept (what of each) |"
+            " forwards recomputed | temporaries per device (KiB) | vs DDP data 8 (same remat) |"
+            " matmul GFLOPs per device per step | vs GPipe with remat (same m) |",
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
-    for r in result.get("activation_memory", []):
+    rows = result.get("activation_memory", [])
+    remat_flops = {r["m"]: r["flops"] for r in rows if r.get("schedule") == "gpipe" and r["remat"]}
+    for r in rows:
         ticks, recomputed = r.get("ticks", ""), r.get("recomputed", "")
         bubble = f"{r['bubble']:.3f}" if "bubble" in r else ""
         kept = f"{r['in_flight']} ({r['kept']})" if "in_flight" in r else ""
+        versus = f"{r['flops'] / remat_flops[r['m']]:.2f}" if r.get("m") in remat_flops else ""
         out.append(
             f"| {r['variant']} | {ticks} | {bubble} | {kept} | {recomputed} | {r['temp_bytes'] / kib:,.1f} |"
-            f" {r['temp_vs_ddp']:.2f} |"
+            f" {r['temp_vs_ddp']:.2f} | {r['flops'] / 1e9:.2f} | {versus} |"
         )
     if "speed" in result:
         out += [

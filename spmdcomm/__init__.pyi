@@ -33,6 +33,7 @@ from spmdcomm.collectives.reductions import pmax as pmax
 from spmdcomm.collectives.reductions import pmean as pmean
 from spmdcomm.collectives.reductions import pmin as pmin
 from spmdcomm.collectives.reductions import psum as psum
+from spmdcomm.collectives.ragged import ragged_all_to_all as ragged_all_to_all
 from spmdcomm.collectives.rooted import reduce as reduce
 from spmdcomm.collectives.exchanges import reduce_scatter as reduce_scatter
 from spmdcomm.collectives.attention import ring_attention as ring_attention
@@ -86,6 +87,9 @@ from spmdcomm.parallel.context import context_attention as context_attention
 from spmdcomm.parallel.context import context_positions as context_positions
 from spmdcomm.collectives.attention import sequence_positions as sequence_positions
 from spmdcomm.collectives.attention import zigzag_order as zigzag_order
+
+# expert parallelism
+from spmdcomm.parallel.expert.layer import MoE as MoE
 
 # what a compiled step communicates and holds
 from spmdcomm.explain.report import explain as explain

@@ -435,7 +435,7 @@ def test_explain_shows_the_schedule_and_that_stages_keep_their_layers(strategy, 
     assert pipeline.stage_gathers == 0 and report.count("all-gather", over="stage") == 0
     permutes = [c for c in report.collectives if c.kind == "collective-permute"]
     assert permutes and all(c.axes == ("stage",) and c.where == "while" for c in permutes)
-    assert pipeline.permutes == sum(c.count for c in permutes) and "pipeline over 'stage': p=4" in report.table()
+    assert pipeline.permutes == sum(c.count for c in permutes) and "pipeline over 'stage', gpipe: p=4" in report.table()
     if strategy == "fsdp":  # the stage's layers are gathered once per step, outside the schedule's loop
         assert all(c.where == "entry" for c in report.collectives if c.kind == "all-gather")
 

@@ -1,6 +1,7 @@
-"""The 1F1B schedule (``sc.Pipeline(..., schedule="1f1b")``): the train step equals one device, as GPipe's does,
-under every strategy and layout; a stage keeps at most ``2p - 1`` micro-batches' activations whatever ``m``; what
-it does not run is refused with a clear error. The models and references are tests/test_pipeline.py's."""
+"""The table schedules (``sc.Pipeline(..., schedule="1f1b" | "zb-h1", repeats=v)``: 1F1B, interleaved 1F1B, ZB-H1):
+the tables keep at most ``v p`` micro-batch chunks per stage and respect every dependency; the train step equals
+one device, as GPipe's does, under every strategy and layout; what they do not run is refused with a clear error.
+The models and references are tests/test_pipeline.py's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import optax
 import pytest
 
 import spmdcomm as sc
+from spmdcomm.parallel.pipeline import tables
 from tests.ddp_models import assert_trees_close
 from tests.test_pipeline import (
     SLOW,
@@ -27,7 +29,7 @@ from tests.test_pipeline import (
 )
 
 
-def create(layout, strategy, m, *, net=None, axis="data", **kwargs):
+def create(layout, strategy, m, *, net=None, axis="data", schedule="1f1b", **kwargs):
     net = Net("model" in layout) if net is None else net
     return sc.TrainState.create(
         params=init(net),
@@ -36,25 +38,26 @@ def create(layout, strategy, m, *, net=None, axis="data", **kwargs):
         mesh=sc.make_mesh(layout, devices=jax.devices()[: int(np.prod(list(layout.values())))]),
         axis=axis,
         strategy=strategy,
-        pipeline=sc.Pipeline(microbatches=m, schedule="1f1b", **kwargs),
+        pipeline=sc.Pipeline(microbatches=m, schedule=schedule, **kwargs),
     )
 
 
 @pytest.mark.parametrize(
-    "layout, strategy, m, accum, padded, rms",
+    "schedule, v, layout, strategy, m, accum, padded, rms",
     [
-        ({"data": 2, "stage": 2}, "ddp", 4, 1, False, False),
-        pytest.param({"data": 2, "stage": 4}, "fsdp", 8, 1, True, False, marks=SLOW),
-        pytest.param({"data": 2, "stage": 2, "model": 2}, "zero1", 2, 1, False, False, marks=SLOW),
-        pytest.param({"data": 4, "stage": 2}, "zero2", 2, 2, True, False, marks=SLOW),
-        # A block not finite at zero (RMS normalisation without epsilon): 1F1B's idle items run on real rows too.
-        pytest.param({"stage": 8}, "ddp", 8, 1, False, True, marks=SLOW),
+        ("1f1b", 1, {"data": 2, "stage": 2}, "ddp", 4, 1, False, False),
+        ("zb-h1", 2, {"data": 2, "stage": 2}, "ddp", 2, 1, False, False),
+        pytest.param("zb-h1", 1, {"data": 2, "stage": 4}, "fsdp", 8, 1, True, False, marks=SLOW),
+        pytest.param("1f1b", 2, {"data": 2, "stage": 2, "model": 2}, "zero1", 2, 1, False, False, marks=SLOW),
+        pytest.param("1f1b", 2, {"data": 4, "stage": 2}, "zero2", 4, 2, True, False, marks=SLOW),
+        # A block not finite at zero (RMS normalisation without epsilon): idle stages compute nothing.
+        pytest.param("zb-h1", 1, {"stage": 8}, "ddp", 8, 1, False, True, marks=SLOW),
     ],
     ids=str,
 )
-def test_1f1b_train_step_equals_one_device(layout, strategy, m, accum, padded, rms):
+def test_train_step_equals_one_device(schedule, v, layout, strategy, m, accum, padded, rms):
     expected, expected_losses = one_device(29 if padded else 32, rms=rms)
-    state = create(layout, strategy, m, net=Net("model" in layout, rms=rms))
+    state = create(layout, strategy, m, net=Net("model" in layout, rms=rms), schedule=schedule, repeats=v)
     data = [{k: v[:29] for k, v in b.items()} for b in batches()] if padded else batches()
     state, losses = train(state, data, accum=accum, pad_to=32 if padded else None)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
@@ -98,19 +101,19 @@ def test_1f1b_with_loss_scaling_skips_a_non_finite_step_as_one_device():
 
 @SLOW
 def test_1f1b_draws_one_devices_dropout_masks_per_example():
-    """Dropout keyed by example and layer: a stage running another device's micro-batch draws that micro-batch's
-    bits, with accumulation too."""
+    """Dropout keyed by example and layer: a stage running another device's micro-batch (of another chunk, with
+    interleaving) draws that micro-batch's bits, with accumulation too."""
     expected, expected_losses = one_device(32, dropout=0.2, rng="per_example")
-    state = create({"data": 2, "stage": 4}, "ddp", 4, net=Net(dropout=0.2))
+    state = create({"data": 2, "stage": 2}, "ddp", 2, net=Net(dropout=0.2), schedule="zb-h1", repeats=2)
     state, losses = train(state, batches(), rng="per_example", accum=2)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
 
 
 @SLOW
-def test_1f1b_nnx_stack_trains_as_one_device():
+def test_interleaved_1f1b_nnx_stack_trains_as_one_device():
     reference, expected = nnx_one_device()
-    pipeline = sc.Pipeline(microbatches=4, schedule="1f1b")
+    pipeline = sc.Pipeline(microbatches=4, schedule="1f1b", repeats=2)
     state, losses = nnx_train(sc.make_mesh({"data": 2, "stage": 4}), "zero2", pipeline=pipeline)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), reference, rtol=1e-5, atol=1e-5)
@@ -130,38 +133,99 @@ def test_a_1f1b_checkpoint_resumes_under_gpipe_as_one_device(tmp_path):
     assert_trees_close(jax.device_get(restored.full_params()), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("p, m, v", [(2, 2, 1), (4, 8, 1), (4, 16, 1), (2, 4, 2), (4, 8, 2), (8, 16, 2)])
+def test_tables_keep_v_p_chunks_and_respect_every_dependency(kind, p, m, v):
+    """Replays a table: every stage runs each chunk of each micro-batch forward and backward once, after what it
+    needs has arrived (a neighbour's output of an earlier unit, or the loss); the inbox and ring slots it reads hold
+    what it needs; at most v p chunks are in flight per stage. 1F1B's bubble is GPipe's, (p - 1) / (v m + p - 1),
+    in 3 (v m + p - 1) units; ZB-H1's is smaller, a third of it at m = p."""
+    t = tables.table(kind, stages=p, microbatches=m, repeats=v)
+    c, e = t.columns, t.events
+    done, ring, inbox_f, inbox_b, grads = {}, {}, {}, {}, {}
+    backward = tables.B if kind == "1f1b" else tables.I
+    for u in range(t.units):
+        sent = []
+        for s in range(p):
+            op, r, j = (int(c[name][u, s]) for name in ("op", "chunk", "item"))
+            if op == tables.IDLE:
+                continue
+            if op == tables.F:
+                if s == 0 and r == 0:
+                    assert e["input"][u] == j and c["inbox"][u, s] == -1
+                else:
+                    assert inbox_f.pop((s, int(c["inbox"][u, s]))) == (j, r)
+                ring[(s, int(c["res"][u, s]))] = (j, r)
+                if s == p - 1 and r == v - 1:
+                    assert e["loss"][u] == j
+                    inbox_b[(s, int(c["recv_loss"][u, s]))] = (j, r)
+                else:
+                    sent.append(((s + 1, r) if s < p - 1 else (0, r + 1), "f", j))
+            elif op == backward:
+                assert inbox_b.pop((s, int(c["inbox"][u, s]))) == (j, r)
+                assert ring[(s, int(c["res"][u, s]))] == (j, r)
+                if op == tables.B:
+                    del ring[(s, int(c["res"][u, s]))]
+                else:
+                    grads[(s, int(c["grad"][u, s]))] = (j, r)
+                if s == 0 and r == 0:
+                    assert e["back"][u] == j
+                else:
+                    sent.append(((s - 1, r) if s > 0 else (p - 1, r - 1), "b", j))
+            else:
+                assert op == tables.W and kind == "zb-h1"
+                assert ring.pop((s, int(c["res"][u, s]))) == (j, r) == grads.pop((s, int(c["grad"][u, s])))
+            assert (s, j, r, op) not in done
+            done[(s, j, r, op)] = u
+        for (to, chunk), way, j in sent:  # lands at the end of the unit, for the next
+            inbox = inbox_f if way == "f" else inbox_b
+            slot = (to, int(c["recv_f" if way == "f" else "recv_b"][u, to]))
+            assert slot not in inbox
+            inbox[slot] = (j, chunk)
+        for s in range(p):
+            assert sum(1 for stage, _ in ring if stage == s) <= v * p
+    assert not ring and not inbox_f and not inbox_b and not grads
+    assert len(done) == p * m * v * (2 if kind == "1f1b" else 3)
+    assert t.in_flight == v * p and max(t.slots["res"], *t.in_flight_per_stage) == v * p
+    gpipe = (p - 1) / (v * m + p - 1)
+    if kind == "1f1b":
+        assert t.units == 3 * (v * m + p - 1) and t.bubble == pytest.approx(gpipe)
+        assert t.in_flight_per_stage == [v * p - s for s in range(p)]
+    else:
+        assert t.bubble < gpipe
+        if m == p and v == 1:
+            assert t.bubble == pytest.approx((p - 1) / (3 * m + p - 1))  # idle p - 1 units, 1F1B's 3 (p - 1)
+
+
 @SLOW
-def test_1f1b_keeps_a_bounded_number_of_micro_batches_and_recomputes_nothing():
-    """The compiled step's temporaries: 1F1B's ring of 2p - 1 micro-batches' activations, against GPipe keeping
-    every tick's (v m + p - 1) without remat; explain reports the schedule's numbers."""
+def test_the_table_schedules_keep_p_micro_batches_and_recompute_nothing():
+    """The compiled step's temporaries: 1F1B's ring of p micro-batches' activations (v p chunks interleaved),
+    against GPipe keeping every tick's (v m + p - 1) without remat; explain reports each schedule's numbers."""
     batch = {k: np.concatenate([v] * 8) for k, v in batches()[0].items()}
     step = sc.make_train_step(loss_fn)
     layout = {"data": 2, "stage": 2}
-    reports = {
-        name: sc.explain(step, state, batch)
-        for name, state in [
-            ("1f1b", create(layout, "ddp", 16)),
-            ("gpipe", create(layout, "ddp", 16, net=Net()).replace(pipeline=sc.Pipeline(microbatches=16, remat=False))),
-        ]
+    states = {
+        "1f1b": create(layout, "ddp", 16),
+        "zb-h1": create(layout, "ddp", 16, schedule="zb-h1"),
+        "gpipe": create(layout, "ddp", 16).replace(pipeline=sc.Pipeline(microbatches=16, remat=False)),
     }
-    pipeline = reports["1f1b"].pipeline
-    assert (pipeline.ticks, pipeline.in_flight, pipeline.kept, pipeline.recomputed) == (
-        18,
-        3,
+    reports = {name: sc.explain(step, state, batch) for name, state in states.items()}
+    got = {name: r.pipeline for name, r in reports.items()}
+    assert (got["1f1b"].ticks, got["1f1b"].in_flight, got["1f1b"].kept, got["1f1b"].recomputed) == (
+        51,
+        2,
         "every layer's activations",
         0,
     )
-    assert pipeline.bubble == pytest.approx(1 / 17)
-    assert reports["gpipe"].pipeline.in_flight == 17
-    assert reports["1f1b"].memory.temp_bytes * 2 < reports["gpipe"].memory.temp_bytes, {
-        k: r.memory.temp_bytes for k, r in reports.items()
-    }
+    assert got["1f1b"].bubble == pytest.approx(1 / 17) == got["gpipe"].bubble
+    assert got["zb-h1"].in_flight == 2 and got["zb-h1"].bubble < got["1f1b"].bubble
+    assert got["gpipe"].in_flight == 17
+    temp = {k: r.memory.temp_bytes for k, r in reports.items()}
+    assert temp["1f1b"] * 2.5 < temp["gpipe"] and temp["zb-h1"] < 1.1 * temp["1f1b"], temp
 
 
-def test_what_1f1b_does_not_run_is_refused():
-    with pytest.raises(sc.SpmdError, match=r"schedule='1f1b' with repeats=2.*interleaved 1F1B is not built yet"):
-        sc.Pipeline(microbatches=4, repeats=2, schedule="1f1b")
-    with pytest.raises(sc.SpmdError, match=r"schedule='zb'"):
+def test_what_the_table_schedules_do_not_run_is_refused():
+    with pytest.raises(sc.SpmdError, match=r"schedule='zb' is not a schedule.*'gpipe', '1f1b', 'interleaved_1f1b'"):
         sc.Pipeline(microbatches=4, schedule="zb")
     variables = jax.jit(NormNet().init)(jax.random.key(0), np.zeros((2, 5), np.float32))
     state = sc.TrainState.create(
@@ -170,7 +234,7 @@ def test_what_1f1b_does_not_run_is_refused():
         apply_fn=NormNet().apply,
         tx=optax.sgd(0.1),
         mesh=sc.make_mesh({"data": 2, "stage": 2}, devices=jax.devices()[:4]),
-        pipeline=sc.Pipeline(microbatches=2, schedule="1f1b"),
+        pipeline=sc.Pipeline(microbatches=2, schedule="zb-h1"),
     )
-    with pytest.raises(sc.SpmdError, match=r"mutable state \(BatchNorm's statistics\) under schedule='1f1b'"):
+    with pytest.raises(sc.SpmdError, match=r"mutable state \(BatchNorm's statistics\) under schedule='zb-h1'"):
         sc.make_train_step(norm_loss)(state, batches(rows=16)[0])

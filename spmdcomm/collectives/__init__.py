@@ -9,12 +9,14 @@ Every function validates its input before calling ``jax.lax``: an unknown axis, 
 not divide, a ``root`` out of range, an unknown op, a non-array leaf or a bad permutation raise an
 :class:`~spmdcomm.errors.SpmdError` subclass naming the function, the leaf path, the axis and the sizes.
 
-The collectives live in five modules, all re-exported here:
+The collectives live in six modules, all re-exported here:
 
 - :mod:`spmdcomm.collectives.reductions`: every device receives the reduction over the axis (``psum``,
   ``pmean``, ``pmax``, ``pmin``, ``all_reduce``), and the axis queries (``axis_index``, ``axis_size``);
 - :mod:`spmdcomm.collectives.exchanges`: blocks regrouped along a dimension (``all_gather``,
   ``reduce_scatter``, ``all_to_all``);
+- :mod:`spmdcomm.collectives.ragged`: a different number of rows to each device (``ragged_all_to_all``), as
+  mixture-of-experts layers send tokens to their experts;
 - :mod:`spmdcomm.collectives.rooted`: one device sends or receives (``broadcast``, ``reduce``, ``gather``,
   ``scatter``), built from data movement so that they run on every backend and deliver values exactly;
 - :mod:`spmdcomm.collectives.p2p`: point-to-point sends and the prefix scan built on them (``permute``,
@@ -48,6 +50,7 @@ from spmdcomm._ops import REDUCE_OPS, SCAN_OPS
 from spmdcomm.collectives.attention import all_to_all_attention, ring_attention, sequence_positions, zigzag_order
 from spmdcomm.collectives.exchanges import all_gather, all_to_all, reduce_scatter
 from spmdcomm.collectives.p2p import permute, scan, shift
+from spmdcomm.collectives.ragged import RAGGED_NATIVE_PLATFORMS, ragged_all_to_all
 from spmdcomm.collectives.reductions import (
     RS_AG_MIN_BYTES,
     all_reduce,
@@ -70,6 +73,7 @@ __all__ = [
     "all_gather",
     "reduce_scatter",
     "all_to_all",
+    "ragged_all_to_all",
     "broadcast",
     "reduce",
     "gather",
@@ -87,6 +91,7 @@ __all__ = [
     "SCAN_OPS",
     "RS_AG_MIN_BYTES",
     "BROADCAST_SPLIT_MIN_BYTES",
+    "RAGGED_NATIVE_PLATFORMS",
     "SpmdFunction",
     "spmd",
 ]

@@ -2,7 +2,8 @@
 
 With ``n`` the size of the axis, ``all_gather`` makes dimension ``dim`` ``n`` times larger, ``reduce_scatter``
 makes it ``n`` times smaller, and ``all_to_all`` makes ``split_dim`` ``n`` times smaller and ``concat_dim`` ``n``
-times larger. See :mod:`spmdcomm.collectives` for what they share (axes, validation, derivatives).
+times larger (:mod:`spmdcomm.collectives.ragged` sends a different number of rows to each device). See
+:mod:`spmdcomm.collectives` for what they share (axes, validation, derivatives).
 """
 
 from __future__ import annotations

@@ -1,5 +1,27 @@
-"""Expert parallelism: its place, empty for now. It lands as a registry entry (``spmdcomm.parallel.registry``): its
-config, checks, step context and explain section, its Linen and NNX layers (at most three files here), and one
-``register(...)`` line in ``spmdcomm/parallel/__init__.py`` (docs/architecture.md, "How to add a parallelism")."""
+"""Expert parallelism: mixture-of-experts layers with their experts split over a mesh axis, exact to one device. The
+router and its losses as pure functions (``routing``), the dispatch, expert compute and combine over an axis and the
+Linen layer (``layer``), and the Flax NNX layer (``nnx``, loaded by ``sc.nnx.MoE`` on first use, so that
+``flax.nnx`` loads only when it is used). The tokens move with :func:`spmdcomm.ragged_all_to_all`."""
 
-__all__: list[str] = []
+from spmdcomm.parallel.expert.layer import MOE_COLLECTION, MoE, MoEStats, moe
+from spmdcomm.parallel.expert.routing import (
+    ROUTINGS,
+    assignment_slots,
+    expert_capacity,
+    load_balancing_loss,
+    route,
+    router_z_loss,
+)
+
+__all__ = [
+    "MoE",
+    "MoEStats",
+    "moe",
+    "MOE_COLLECTION",
+    "ROUTINGS",
+    "route",
+    "expert_capacity",
+    "assignment_slots",
+    "load_balancing_loss",
+    "router_z_loss",
+]

@@ -1,6 +1,7 @@
 """Pipeline parallelism: a stack of ``L`` layers split over a ``stage`` mesh axis, ``L / p`` layers per stage, with
-micro-batches flowing through the stages so that every stage works at once. Two schedules: GPipe (below; its loop
-is :mod:`spmdcomm.parallel.pipeline.gpipe`) and 1F1B (``schedule="1f1b"``,
+micro-batches flowing through the stages so that every stage works at once. The schedules: GPipe (below; its loop
+is :mod:`spmdcomm.parallel.pipeline.gpipe`), and 1F1B, interleaved 1F1B and ZB-H1 (``schedule="1f1b"`` or
+``"zb-h1"``: tables, :mod:`spmdcomm.parallel.pipeline.tables`, run by
 :mod:`spmdcomm.parallel.pipeline.one_f_one_b`).
 
 :class:`Pipeline` is the policy, given once to ``TrainState.create(..., pipeline=...)``: the stage axis, the number
@@ -45,7 +46,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from spmdcomm.errors import ShapeError, SpmdError, describe
-from spmdcomm.parallel.pipeline import one_f_one_b
+from spmdcomm.parallel.pipeline import one_f_one_b, tables
 from spmdcomm.parallel.pipeline.report import pipeline_report
 from spmdcomm.parallel.pipeline.schedule import LayerFn, MicroPieces, MicroStep, Schedule, schedule_context
 from spmdcomm.parallel.registry import Parallelism
@@ -75,19 +76,22 @@ class Pipeline(Schedule):
 
     Args:
       microbatches: ``m``, the micro-batches each data replica's rows are cut into; a multiple of the stage count
-        ``p`` (and at least ``p``). The bubble is ``(p - 1) / (v m + p - 1)`` of the step.
+        ``p`` (and at least ``p``). The bubble is ``(p - 1) / (v m + p - 1)`` of the step (ZB-H1: less).
       axis: the mesh axis the layers are split over (``"stage"``).
       repeats: ``v``, layer chunks per stage (the circular / interleaved schedule: ``v`` times the point-to-point
-        traffic for a ``v`` times smaller bubble); ``1`` is GPipe. ``L`` must be a multiple of ``v p``.
-      remat: rematerialise each tick's layers in the backward pass, keeping only the stage input of each tick
-        (GPipe; 1F1B keeps every layer's activations of at most ``2p - 1`` micro-batches and recomputes none).
-      schedule: ``"gpipe"`` (the forward loop, differentiated by autodiff) or ``"1f1b"`` (each micro-batch's
-        backward pass right after its forward pass: :mod:`spmdcomm.parallel.pipeline.one_f_one_b`; ``repeats=1``,
-        no model state, a per-row mean loss).
+        traffic for a ``v`` times smaller bubble). ``L`` must be a multiple of ``v p``.
+      remat: GPipe: rematerialise each tick's layers in the backward pass, keeping only the stage input of each
+        tick. The other schedules keep every layer's activations of at most ``p`` micro-batches (``v p`` chunks)
+        and recompute none; they ignore it.
+      schedule: ``"gpipe"`` (the forward loop, differentiated by autodiff); ``"1f1b"`` (each micro-batch's
+        backward pass as soon as its forward pass leaves the last stage, torch's ``Schedule1F1B``; with
+        ``repeats=v`` torch's ``ScheduleInterleaved1F1B``, also named ``"interleaved_1f1b"``); ``"zb-h1"`` (1F1B
+        with the backward pass split into input and weight gradients, the weight gradients filling the bubble,
+        torch's ``ScheduleInterleavedZeroBubble``). The last two: no model state, a per-row mean loss.
 
     Raises:
       SpmdError: for a non-positive ``microbatches`` or ``repeats``, an ``axis`` that is not a string, or an
-        unknown ``schedule`` (or ``"1f1b"`` with ``repeats > 1``).
+        unknown ``schedule``.
 
     Examples:
       >>> sc.Pipeline(microbatches=8, repeats=2)
@@ -112,13 +116,13 @@ class Pipeline(Schedule):
                 )
         if not isinstance(self.axis, str):
             raise SpmdError(describe("Pipeline", f"axis={self.axis!r} is not a mesh axis name.", fix='axis="stage"'))
-        if self.schedule not in ("gpipe", "1f1b") or (self.schedule == "1f1b" and self.repeats > 1):
+        if self.schedule != "gpipe" and self.schedule not in tables.SCHEDULES:
+            names = ", ".join(repr(n) for n in ("gpipe", *tables.SCHEDULES))
             raise SpmdError(
                 describe(
                     "Pipeline",
-                    f"schedule={self.schedule!r} with repeats={self.repeats}: the schedules are 'gpipe' (any repeats) "
-                    "and '1f1b' (repeats=1; interleaved 1F1B is not built yet).",
-                    fix="pass schedule='gpipe', or schedule='1f1b' with repeats=1.",
+                    f"schedule={self.schedule!r} is not a schedule: the schedules are {names} (each with any repeats).",
+                    fix="pass schedule='gpipe', '1f1b' (with repeats=v: interleaved 1F1B) or 'zb-h1'.",
                 )
             )
 
@@ -129,12 +133,13 @@ class Pipeline(Schedule):
           stages: ``p``, the size of the stage axis.
 
         Returns:
-          GPipe: ``v m + p - 1`` forward ticks (and as many backward). 1F1B: ``m + 2p - 2`` ticks of one forward
-          and one backward item each.
+          GPipe: ``v m + p - 1`` forward ticks (and as many backward). The tables' schedules: the table's units
+          (one action of one chunk per stage each; :mod:`spmdcomm.parallel.pipeline.tables`), 1F1B
+          ``3 (v m + p - 1)``.
         """
-        if self.schedule == "1f1b":
-            return self.microbatches + 2 * stages - 2
-        return self.repeats * self.microbatches + stages - 1
+        if self.schedule == "gpipe":
+            return self.repeats * self.microbatches + stages - 1
+        return self.table(stages).units
 
     def bubble(self, stages: int) -> float:
         """The idle fraction of the schedule's loop (the bubble).
@@ -143,13 +148,17 @@ class Pipeline(Schedule):
           stages: ``p``, the size of the stage axis.
 
         Returns:
-          ``(p - 1) / (v m + p - 1)`` (1F1B: ``v = 1``; its first and last ``p - 1`` ticks run only their forward,
-          or backward, half).
+          GPipe and 1F1B (interleaved too): ``(p - 1) / (v m + p - 1)``; ZB-H1: its table's, with a forward, an
+          input gradient and a weight gradient of a chunk taking one unit each (at ``m = p`` a third of 1F1B's).
         """
-        return (stages - 1) / (self.repeats * self.microbatches + stages - 1)
+        if self.schedule == "gpipe":
+            return (stages - 1) / (self.repeats * self.microbatches + stages - 1)
+        return self.table(stages).bubble
 
     def in_flight(self, stages: int) -> int:
-        """How many micro-batches' activations a stage device keeps at once for the backward pass (at its peak).
+        """How many micro-batch chunks' activations (``1 / v`` of the stage's layers each) a stage keeps at once.
+
+        At the peak, for the backward pass.
 
         Args:
           stages: ``p``, the size of the stage axis.
@@ -157,14 +166,34 @@ class Pipeline(Schedule):
         Returns:
           GPipe: ``v m + p - 1``: the backward pass is autodiff of the whole loop, so every tick's (bubbles' too)
           are kept until it starts; with ``remat`` each is the tick's stage input, without it every layer's
-          activations. 1F1B: ``2p - 1``, every layer's activations (stage ``s`` holds ``2(p - 1 - s) + 1``).
+          activations. The tables' schedules: ``v p``, every layer's activations (``p`` micro-batches' worth;
+          1F1B's stage ``s`` keeps ``v p - s``).
         """
-        return 2 * stages - 1 if self.schedule == "1f1b" else self.ticks(stages)
+        if self.schedule == "gpipe":
+            return self.ticks(stages)
+        return self.table(stages).in_flight
 
     @property
     def recomputed(self) -> int:
         """How many forward passes of each stage's layers the backward pass runs again (GPipe with remat: 1)."""
         return int(self.remat and self.schedule == "gpipe")
+
+    def table(self, stages: int) -> tables.Table:
+        """The schedule's table of actions (:mod:`spmdcomm.parallel.pipeline.tables`).
+
+        Args:
+          stages: ``p``, the size of the stage axis.
+
+        Returns:
+          The table of ``"1f1b"`` or ``"zb-h1"`` for ``p``, ``m`` and ``v`` (GPipe's loop is autodiff's: no table).
+
+        Raises:
+          SpmdError: for ``m`` not a multiple of ``p``, or a schedule without a table (``"gpipe"``).
+        """
+        if self.schedule == "gpipe":
+            raise SpmdError(describe("Pipeline.table", "schedule='gpipe' has no table.", fix="use Pipeline.ticks."))
+        check_schedule("Pipeline", self, stages, None, None)
+        return tables.table(self.schedule, stages=stages, microbatches=self.microbatches, repeats=self.repeats)
 
     def loop(
         self, step: MicroStep, model_state: Any, micro: Any, axes: tuple[str, ...], *, pieces: MicroPieces | None = None
@@ -204,7 +233,7 @@ class Pipeline(Schedule):
         Returns:
           1F1B: ``m / p``, this device's micro-batches of the pipeline; GPipe: 1 (the stack cuts the rows itself).
         """
-        return self.microbatches // lax.axis_size(self.axis) if self.schedule == "1f1b" else 1
+        return 1 if self.schedule == "gpipe" else self.microbatches // lax.axis_size(self.axis)
 
     def rows_seen(self, count: jax.Array) -> jax.Array:
         """The real-example count of the rows one micro-batch's gradient on this device depends on.
@@ -233,7 +262,7 @@ class Pipeline(Schedule):
         Returns:
           ``(h, new_state)``: the stack's output for this device's rows and the whole updated state.
         """
-        if self.schedule == "1f1b":
+        if self.schedule != "gpipe":
             piece = one_f_one_b.stack_piece(layer_fn, params, state, x)
             if piece is not None:
                 return piece

@@ -19,17 +19,22 @@ class PipelineReport:
 
     Attributes:
       axis: the stage axis.
+      schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zb-h1"`` (:class:`~spmdcomm.Pipeline`).
       stages: ``p``.
       repeats: ``v``, layer chunks per stage.
       microbatches: ``m``.
-      ticks: the schedule's loop length (:meth:`~spmdcomm.Pipeline.ticks`: GPipe ``v m + p - 1``, 1F1B
-        ``m + 2p - 2``).
-      bubble: its idle fraction (:meth:`~spmdcomm.Pipeline.bubble`).
-      in_flight: how many micro-batches' activations a stage device keeps at once for the backward pass
-        (:meth:`~spmdcomm.Pipeline.in_flight`: GPipe ``v m + p - 1``, one per tick; 1F1B ``2p - 1``).
+      ticks: the schedule's loop length (:meth:`~spmdcomm.Pipeline.ticks`: GPipe ``v m + p - 1`` ticks, the
+        table schedules their units, one action of one chunk each: 1F1B ``3 (v m + p - 1)``).
+      bubble: its idle fraction (:meth:`~spmdcomm.Pipeline.bubble`: GPipe and 1F1B ``(p - 1) / (v m + p - 1)``,
+        ZB-H1 less).
+      in_flight: how many micro-batch chunks' activations (``1 / v`` of a stage's layers each) a stage device keeps
+        at once for the backward pass (:meth:`~spmdcomm.Pipeline.in_flight`: GPipe ``v m + p - 1``, one per tick;
+        1F1B and ZB-H1 ``v p``).
       kept: what it keeps of each: ``"stage input"`` under GPipe with ``remat`` (the layers are recomputed from
-        it), else ``"every layer's activations"``.
-      recomputed: forward passes of the stack the backward pass runs again (1 under GPipe with ``remat``, else 0).
+        it), else ``"every layer's activations"`` (ZB-H1: and each layer's output cotangent between its input and
+        weight gradients).
+      recomputed: forward passes of the stack the backward pass runs again (1 under GPipe with ``remat``, else 0;
+        ZB-H1's weight gradient recomputes the cotangents inside each layer, which this does not count).
       stacked_bytes: the bytes of the stacked layers' parameters on one device.
       stack_bytes: the bytes of the whole stack (every layer).
       permutes: collective-permutes over the stage axis per step (each counted once, as in the table).
@@ -41,6 +46,7 @@ class PipelineReport:
     """
 
     axis: str
+    schedule: str
     stages: int
     repeats: int
     microbatches: int
@@ -57,9 +63,10 @@ class PipelineReport:
 
     def __str__(self) -> str:
         line = (
-            f"pipeline over {self.axis!r}: p={self.stages}, v={self.repeats}, m={self.microbatches}: {self.ticks} "
-            f"ticks, bubble {self.bubble:.3f}; kept for the backward pass: {self.kept} of {self.in_flight} "
-            f"micro-batches, {self.recomputed} forward recomputed; stacked parameters per device "
+            f"pipeline over {self.axis!r}, {self.schedule}: p={self.stages}, v={self.repeats}, m={self.microbatches}: "
+            f"{self.ticks} {'ticks' if self.schedule == 'gpipe' else 'units'}, bubble {self.bubble:.3f}; kept for the "
+            f"backward pass: {self.kept} of {self.in_flight} micro-batch{'es' if self.repeats == 1 else ' chunks'}, "
+            f"{self.recomputed} forward recomputed; stacked parameters per device "
             f"{_format_bytes(self.stacked_bytes)} of {_format_bytes(self.stack_bytes)}; collective-permutes over "
             f"{self.axis!r}: {self.permutes} ({_format_bytes(self.permute_bytes)})"
         )
@@ -80,15 +87,19 @@ def pipeline_report(state: Any, collectives: tuple[Any, ...]) -> PipelineReport 
     over = [c for c in collectives if c.axes is not None and pipeline.axis in c.axes]
     permutes = [c for c in over if c.kind == "collective-permute"]
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state.model_state))
+    kept = "stage input" if pipeline.recomputed else "every layer's activations"
+    if pipeline.schedule == "zb-h1":
+        kept += " and output cotangents"
     return PipelineReport(
         axis=pipeline.axis,
+        schedule=pipeline.schedule,
         stages=stages,
         repeats=pipeline.repeats,
         microbatches=pipeline.microbatches,
         ticks=pipeline.ticks(stages),
         bubble=pipeline.bubble(stages),
         in_flight=pipeline.in_flight(stages),
-        kept="stage input" if pipeline.recomputed else "every layer's activations",
+        kept=kept,
         recomputed=pipeline.recomputed,
         stacked_bytes=sum(x.addressable_shards[0].data.nbytes for x in stacked),
         stack_bytes=sum(x.nbytes for x in stacked),

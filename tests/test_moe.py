@@ -1,0 +1,430 @@
+"""Expert parallelism: ``sc.ragged_all_to_all`` and the mixture-of-experts layers (``sc.MoE``, ``sc.nnx.MoE``).
+
+The collective equals a NumPy reference on 2, 4 and 8 devices (uneven sizes, zero-row sends, a receive bound that
+truncates), values and the vector-Jacobian product, under ``jax.jit``; the bookkeeping of the native collective (not
+available on CPU) is checked against the semantics JAX documents for ``jax.lax.ragged_all_to_all``, and the native
+program is lowered (forward and gradient). The layers with their experts split over an axis equal one device
+running every expert on the global batch, forward and gradients, dropless and with a capacity, for routings that
+leave experts empty or send every token to one expert, k = 1 and 2; their losses and metrics are the global batch's.
+Every case compiles one small program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import spmdcomm as sc
+import spmdcomm.collectives.ragged as ragged
+from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError
+
+ROWS = 6  # rows each device holds in the collective's cases
+
+
+def axis_mesh(n: int, name: str = "x") -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), (name,))
+
+
+def numpy_ragged(xs: list[np.ndarray], sizes: np.ndarray, out_rows: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """What each device receives, from the definition: device i's rows grouped by destination, device j's chunks
+    packed in source order, cut at ``out_rows``."""
+    n = len(xs)
+    outs, recv = [], np.zeros((n, n), np.int64)
+    for j in range(n):
+        got = []
+        for i in range(n):
+            s = np.maximum(sizes[i], 0)
+            start = min(int(s[:j].sum()), len(xs[i]))
+            chunk = xs[i][start : min(start + int(s[j]), len(xs[i]))]
+            room = out_rows - sum(len(c) for c in got)
+            got.append(chunk[: max(room, 0)])
+            recv[j, i] = len(got[-1])
+        packed = np.concatenate(got) if got else np.zeros((0,) + xs[0].shape[1:])
+        out = np.zeros((out_rows,) + xs[0].shape[1:], xs[0].dtype)
+        out[: len(packed)] = packed
+        outs.append(out)
+    return outs, recv
+
+
+# (devices, per-device send sizes, out_rows): uneven, zero-row sends, everything to one device, negative counts,
+# counts past the rows held, and receive bounds that cut the last sources.
+RAGGED_CASES = {
+    "2-uneven": (2, [[1, 5], [0, 3]], None),
+    "2-cut": (2, [[4, 2], [6, 0]], 7),
+    "4-zero-rows": (4, [[0, 2, 0, 4], [1, 1, 1, 1], [0, 0, 0, 0], [6, 0, 0, 0]], None),
+    "4-all-to-one": (4, [[0, 0, 6, 0], [0, 0, 6, 0], [0, 0, 6, 0], [0, 0, 6, 0]], 24),
+    "4-past-rows-negative": (4, [[3, 9, 0, 0], [-2, 2, 2, 2], [2, 2, 2, 2], [0, 0, 0, 1]], 5),
+    "8-uneven": (8, [[(i * 3 + j) % 3 - (j == 7) for j in range(8)] for i in range(8)], None),
+    "8-cut": (8, [[(i + j) % 2 * 2 for j in range(8)] for i in range(8)], 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RAGGED_CASES))
+def test_ragged_all_to_all_equals_numpy_values_and_vjp(case):
+    n, sizes, out_rows = RAGGED_CASES[case]
+    sizes = np.array(sizes, np.int32)
+    bound = out_rows or n * ROWS
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n * ROWS, 3)).astype(np.float32)
+    tag = np.arange(n * ROWS, dtype=np.int32)  # a second leaf: ints move with the same sizes
+    cot = rng.standard_normal((n * bound, 3)).astype(np.float32)
+
+    def body(x, tag, s, cot):
+        (out, moved), recv = sc.ragged_all_to_all((x, tag), s, "x", out_rows=out_rows, implementation="padded")
+        _, vjp = jax.vjp(lambda x: sc.ragged_all_to_all(x, s, "x", out_rows=out_rows)[0], x)
+        return out, moved, recv, vjp(cot)[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=axis_mesh(n), in_specs=jax.P("x"), out_specs=jax.P("x")))
+    out, moved, recv, grad = (np.asarray(a) for a in f(x, tag, sizes.reshape(-1), cot))
+    xs, tags = np.split(x, n), np.split(tag, n)
+    want, want_recv = numpy_ragged(xs, sizes, bound)
+    want_tags, _ = numpy_ragged(tags, sizes, bound)
+    np.testing.assert_array_equal(out, np.concatenate(want))
+    np.testing.assert_array_equal(moved, np.concatenate(want_tags))
+    np.testing.assert_array_equal(recv, want_recv.reshape(-1))
+    # The transpose: each received row's cotangent goes back to the row it came from (found by its tag).
+    want_grad = np.zeros_like(x)
+    for j, (rows, got) in enumerate(zip(np.split(np.concatenate(want_tags), n), np.split(cot, n), strict=True)):
+        for r in range(int(want_recv[j].sum())):
+            want_grad[rows[r]] += got[r]
+    np.testing.assert_array_equal(grad, want_grad)
+
+
+@pytest.mark.parametrize("case", ["4-zero-rows", "4-past-rows-negative", "8-cut"])
+def test_the_native_bookkeeping_follows_jax_ragged_all_to_all_semantics(case):
+    """The offsets and sizes passed to ``jax.lax.ragged_all_to_all``, run through the pseudocode of its
+    docstring in NumPy, deliver what the padded implementation delivers."""
+    n, sizes, out_rows = RAGGED_CASES[case]
+    sizes = np.array(sizes, np.int32)
+    bound = out_rows or n * ROWS
+
+    def body(s):
+        return tuple(a[None] for a in ragged._plan(s, "x", ROWS, bound))
+
+    f = jax.jit(jax.shard_map(body, mesh=axis_mesh(n), in_specs=jax.P("x"), out_specs=jax.P("x")))
+    send, recv, in_off, out_off = (np.asarray(a) for a in f(sizes.reshape(-1)))
+    xs = [np.arange(ROWS) + 100 * i for i in range(n)]
+    results = [np.zeros(bound, np.int64) for _ in range(n)]
+    for j in range(n):  # receiver j, as the docstring's RECEIVE loop: output_offsets all-to-all'd
+        for i in range(n):
+            at = out_off[i, j]
+            results[j][at : at + recv[j, i]] = xs[i][in_off[i, j] : in_off[i, j] + send[i, j]]
+            assert send[i, j] == recv[j, i]
+    want, _ = numpy_ragged(xs, sizes, bound)
+    np.testing.assert_array_equal(np.stack(results), np.stack(want))
+
+
+def test_the_native_program_lowers_forward_and_backward(monkeypatch):
+    monkeypatch.setattr(ragged, "RAGGED_NATIVE_PLATFORMS", frozenset({"cpu"}))  # lowered only: XLA:CPU has no kernel
+
+    def body(x, s):
+        return sc.ragged_all_to_all(x, s, "x", out_rows=12, implementation="native")[0]
+
+    f = jax.shard_map(body, mesh=axis_mesh(4), in_specs=jax.P("x"), out_specs=jax.P("x"))
+    x, s = jnp.ones((16, 3)), jnp.ones((16,), jnp.int32)
+    assert "ragged_all_to_all" in jax.jit(f).lower(x, s).as_text()
+    assert "ragged_all_to_all" in jax.jit(jax.grad(lambda x: (f(x, s) ** 2).sum())).lower(x).as_text()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "facts"),
+    [
+        ({"s": np.ones(3, np.int32)}, ShapeError, ["send_sizes has shape (3,)", "shape (4,)"]),
+        ({"s": np.ones(4, np.float32)}, ShapeError, ["dtype float32", "one integer per device"]),
+        ({"out_rows": 0}, SpmdError, ["out_rows=0 is not a positive integer"]),
+        ({"implementation": "fast"}, SpmdError, ["implementation='fast'", "'padded'"]),
+        ({"implementation": "native"}, BackendError, ["platform 'cpu'", "implementation='auto' or 'padded'"]),
+        ({"axis": "y"}, AxisError, ["unknown axis name 'y'"]),
+        ({"x": (np.ones((4, 2)), np.ones(3))}, ShapeError, ["different numbers of rows", "[0]': 4", "[1]': 3"]),
+        ({"x": np.float32(1)}, ShapeError, ["0-d"]),
+    ],
+)
+def test_ragged_all_to_all_rejects_bad_input_before_tracing_lax(kwargs, error, facts):
+    args = {"x": np.ones((4, 2)), "s": np.ones(4, np.int32), "axis": "x"} | kwargs
+    x, s, axis = args.pop("x"), args.pop("s"), args.pop("axis")
+
+    def body(_):
+        return sc.ragged_all_to_all(x, s, axis, **args)[1]
+
+    with pytest.raises(error) as caught:
+        jax.shard_map(body, mesh=axis_mesh(4), in_specs=jax.P("x"), out_specs=jax.P("x"))(np.zeros(4))
+    assert "spmdcomm.ragged_all_to_all" in str(caught.value)
+    for fact in facts:
+        assert fact in str(caught.value)
+
+
+# ---- the MoE layers ----------------------------------------------------------------------------------------------
+
+E, D, HIDDEN, TOKENS = 8, 8, 16, 8  # experts, features, expert hidden units, tokens per device
+
+
+class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        hidden = nn.gelu(nn.Dense(HIDDEN, name="up")(x))
+        return nn.Dense(D, name="down")(hidden)
+
+
+class NnxMlp(nnx.Module):
+    def __init__(self, rngs):
+        self.up, self.down = nnx.Linear(D, HIDDEN, rngs=rngs), nnx.Linear(HIDDEN, D, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.gelu(self.up(x)))
+
+
+# name: (mesh axes {name: size}, token axes, k, routing, capacity factor, router bias: None, "one" (every token's
+# first choice is expert 0) or "two" (every token chooses among experts 0 and 1, six experts get nothing)).
+MOE_CASES = {
+    "dropless-k2": ({"expert": 4}, ("expert",), 2, "softmax_topk", None, None),
+    "dropless-k1-topk-softmax": ({"expert": 4}, ("expert",), 1, "topk_softmax", None, None),
+    "dropless-all-to-one-expert": ({"expert": 4}, ("expert",), 1, "softmax_topk", None, "one"),
+    "dropless-empty-experts-k2": ({"expert": 2}, ("expert",), 2, "topk_softmax", None, "two"),
+    "capacity-k2": ({"expert": 4}, ("expert",), 2, "softmax_topk", 1.0, None),
+    "capacity-all-to-one-expert": ({"expert": 4}, ("expert",), 2, "softmax_topk", 1.25, "one"),
+    "capacity-data-and-expert-axes": ({"data": 2, "expert": 2}, ("data", "expert"), 1, "softmax_topk", 0.5, None),
+    "dropless-8-devices": ({"expert": 8}, ("expert",), 2, "softmax_topk", None, None),
+}
+
+
+def moe_inputs(devices: int, bias: str | None):
+    rng = np.random.default_rng(devices)
+    x = rng.standard_normal((devices * TOKENS, D)).astype(np.float32)
+    layer = sc.MoE(Mlp(), experts=E, k=1)
+    params = jax.tree.map(np.asarray, layer.init(jax.random.key(0), x[:1])["params"])
+    params["router"] = rng.standard_normal((D, E)).astype(np.float32)
+    if bias is not None:  # feature 0 is a constant 1 that votes for expert 0 (and 1)
+        x[:, 0] = 1.0
+        params["router"][0] = -40.0 if bias == "two" else 0.0
+        params["router"][0, : 2 if bias == "two" else 1] = 20.0
+    return x, params
+
+
+def numpy_kept(experts: np.ndarray, capacity: int | None) -> np.ndarray:
+    """The capacity rule, literally: first choices of all tokens in order, then second choices."""
+    kept = np.ones(experts.shape, bool)
+    if capacity is None:
+        return kept
+    filled = np.zeros(E, int)
+    for r in range(experts.shape[1]):
+        for t in range(experts.shape[0]):
+            j = experts[t, r]
+            kept[t, r] = filled[j] < capacity
+            filled[j] += kept[t, r]
+    return kept
+
+
+def routed(logits, *, k, routing):
+    probs = jax.nn.softmax(logits)
+    if routing == "softmax_topk":
+        weights, experts = jax.lax.top_k(probs, k)
+    else:
+        top, experts = jax.lax.top_k(logits, k)
+        weights = jax.nn.softmax(top)
+    return probs, weights, experts
+
+
+def dense_reference(params, x, kept, *, k, routing):
+    """One device running every expert on every token of the global batch, then the top-k combine; its losses."""
+    n = x.shape[0]
+    logits = x @ params["router"]
+    probs, weights, experts = routed(logits, k=k, routing=routing)
+    every = jax.vmap(lambda p: Mlp().apply({"params": p}, x))(params["experts"])  # [E, N, D]
+    picked = every[experts, jnp.arange(n)[:, None]]  # [N, k, D]
+    y = jnp.einsum("tk,tkd->td", weights * kept, picked)
+    counts = jnp.sum(jax.nn.one_hot(experts, E), axis=(0, 1))
+    balance = E * jnp.sum(counts / (n * k) * probs.mean(0))
+    z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    return y, balance, z
+
+
+def sharded_moe(axes, token_axes, **options):
+    mesh = sc.make_mesh(axes, devices=jax.devices()[: int(np.prod(list(axes.values())))])
+    layer = sc.MoE(Mlp(), experts=E, axis_name="expert", token_axes=token_axes, **options)
+
+    def body(params, x):
+        y, state = layer.apply({"params": params}, x, mutable=["moe"])
+        return y, {name: value[0] for name, value in state["moe"].items()}
+
+    specs = {"router": jax.P(), "experts": jax.P("expert")}
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, jax.P(token_axes)), out_specs=(jax.P(token_axes), jax.P()))
+    return mesh, mapped
+
+
+SLOW_CASES = {"dropless-8-devices", "capacity-all-to-one-expert"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in MOE_CASES])
+def test_moe_with_split_experts_equals_one_device_running_every_expert(case):
+    axes, token_axes, k, routing, capacity_factor, bias = MOE_CASES[case]
+    x, params = moe_inputs(int(np.prod(list(axes.values()))), bias)
+    options = {"k": k, "routing": routing, "capacity_factor": capacity_factor}
+    mesh, mapped = sharded_moe(axes, token_axes, **options)
+    placed = jax.device_put(x, jax.NamedSharding(mesh, jax.P(token_axes)))
+    cot = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
+
+    def loss(params, forward):
+        y, balance, z = forward(params)
+        return jnp.sum(y * cot) + 0.3 * balance + 0.1 * z
+
+    def sharded(params):
+        y, stats = mapped(params, placed)
+        return y, stats["load_balancing_loss"], stats["router_z_loss"]
+
+    @jax.jit
+    def run(params):
+        return sharded(params), mapped(params, placed)[1], jax.grad(loss)(params, sharded)
+
+    (y, balance, z), stats, grads = run(params)
+    experts = np.asarray(jax.jit(lambda p: routed(x @ p["router"], k=k, routing=routing)[2])(params))
+    n = x.shape[0]
+    capacity = None if capacity_factor is None else max(1, min(n, int(np.ceil(capacity_factor * n * k / E))))
+    kept = numpy_kept(experts, capacity)
+    counts, dropped = np.bincount(experts.reshape(-1), minlength=E), 1.0 - kept.mean()
+
+    @jax.jit
+    def reference(params):
+        forward = lambda p: dense_reference(p, x, kept, k=k, routing=routing)
+        return forward(params), jax.grad(loss)(params, forward)
+
+    (want_y, want_balance, want_z), want_grads = reference(params)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose([balance, z], [want_balance, want_z], rtol=1e-5)
+    np.testing.assert_array_equal(stats["expert_counts"], counts)
+    np.testing.assert_allclose(stats["dropped_fraction"], dropped, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads, want_grads)
+    if capacity_factor is not None:
+        assert dropped > 0  # the case exercises the rule
+    if bias == "two":
+        assert (counts[2:] == 0).all()
+
+
+def test_nnx_moe_with_split_experts_equals_the_linen_layer_on_one_device():
+    """The NNX layer, its experts split over 4 devices, equals the Linen layer with the same parameters on one
+    device (forward, gradients of every parameter, the sown stats), with a capacity."""
+    x, _ = moe_inputs(4, None)
+    model = sc.nnx.MoE(NnxMlp, experts=E, features=D, k=2, capacity_factor=1.0, axis_name="expert", rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    mesh = sc.make_mesh({"expert": 4}, devices=jax.devices()[:4])
+    stacked = lambda v: jax.P("expert") if v.get_metadata().get("expert_stacked") else jax.P()
+    specs = jax.tree.map(stacked, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    def body(state, x):
+        y, found = nnx.capture(lambda layer, x: layer(x), nnx.Intermediate)(nnx.merge(graphdef, state), x)
+        return y, {name: v.get_value()[0] for name, v in found.items()}
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, jax.P("expert")), out_specs=(jax.P("expert"), jax.P()))
+    cot = np.random.default_rng(2).standard_normal(x.shape).astype(np.float32)
+    y, stats, grads = jax.jit(lambda s: (*mapped(s, x), jax.grad(lambda s: jnp.sum(mapped(s, x)[0] * cot))(s)))(state)
+
+    # The same parameters in the Linen layer's tree, run on one device.
+    experts = {
+        name: {"kernel": state["experts"][name]["kernel"][...], "bias": state["experts"][name]["bias"][...]}
+        for name in ("up", "down")
+    }
+    params = {"router": state["router"][...], "experts": experts}
+    linen = sc.MoE(Mlp(), experts=E, k=2, capacity_factor=1.0)
+
+    @jax.jit
+    def reference(params):
+        want, sown = linen.apply({"params": params}, x, mutable=["moe"])
+        return want, sown, jax.grad(lambda p: jnp.sum(linen.apply({"params": p}, x) * cot))(params)
+
+    want, sown, want_grads = reference(params)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    for name, value in sown["moe"].items():
+        np.testing.assert_allclose(stats[name], value[0], rtol=1e-5)
+    assert stats["dropped_fraction"] > 0
+    np.testing.assert_allclose(grads["router"][...], want_grads["router"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        grads["experts"]["up"]["kernel"][...], want_grads["experts"]["up"]["kernel"], rtol=1e-4, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        grads["experts"]["down"]["bias"][...], want_grads["experts"]["down"]["bias"], rtol=1e-4, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "facts"),
+    [
+        ({"k": 9}, SpmdError, ["k=9 experts per token with experts=8", "[1, 8]"]),
+        ({"k": 0}, SpmdError, ["k=0"]),
+        ({"capacity_factor": 0.0}, SpmdError, ["capacity_factor=0.0 is not positive", "None for the dropless"]),
+        ({"capacity_factor": -1.0}, SpmdError, ["capacity_factor=-1.0"]),
+        ({"routing": "sigmoid"}, SpmdError, ["routing='sigmoid'", "softmax_topk"]),
+    ],
+)
+def test_bad_router_options_raise_at_setup_in_both_layers(options, error, facts):
+    with pytest.raises(error) as linen:
+        sc.MoE(Mlp(), experts=E, **options).init(jax.random.key(0), np.ones((2, D), np.float32))
+    with pytest.raises(error) as nnx_error:
+        sc.nnx.MoE(NnxMlp, experts=E, features=D, **options, rngs=nnx.Rngs(0))
+    for caught, fn in ((linen, "spmdcomm.MoE"), (nnx_error, "spmdcomm.nnx.MoE")):
+        assert str(caught.value).startswith(fn + ":")
+        for fact in facts:
+            assert fact in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("split", "token_axes", "error", "facts"),
+    [
+        (jax.P(), None, ShapeError, ["hold 8 experts on each of the 4 devices of expert axis 'expert' (32 in all)"]),
+        (jax.P("expert"), ("data",), SpmdError, ["token_axes=('data',) leaves out the expert axis 'expert'"]),
+    ],
+)
+def test_experts_that_are_not_split_over_the_axis_raise_while_tracing(split, token_axes, error, facts):
+    layer = sc.MoE(Mlp(), experts=E, k=1, axis_name="expert", token_axes=token_axes)
+    params = jax.eval_shape(layer.init, jax.random.key(0), jnp.ones((2, D)))["params"]
+    mapped = jax.shard_map(
+        lambda params, x: layer.apply({"params": params}, x),
+        mesh=axis_mesh(4, "expert"),
+        in_specs=({"router": jax.P(), "experts": split}, jax.P("expert")),
+        out_specs=jax.P("expert"),
+    )
+    with pytest.raises(error) as caught:
+        jax.eval_shape(mapped, params, jax.ShapeDtypeStruct((8, D), jnp.float32))
+    for fact in facts:
+        assert fact in str(caught.value)
+
+
+def test_experts_that_do_not_divide_by_the_axis_size_raise_while_tracing():
+    def body(x):
+        return sc.parallel.expert.moe(x, x[:, :6], lambda buf: buf, experts=6, k=1, axis_name="expert")[0]
+
+    mapped = jax.shard_map(body, mesh=axis_mesh(4, "expert"), in_specs=jax.P("expert"), out_specs=jax.P("expert"))
+    with pytest.raises(ShapeError, match="experts=6 do not divide by the 4 devices of expert axis 'expert'"):
+        jax.eval_shape(mapped, jax.ShapeDtypeStruct((8, D), jnp.float32))
+
+
+@pytest.mark.slow
+def test_the_moe_benchmark_runs_and_every_variant_matches_the_one_device_layer(tmp_path):
+    """benchmarks/moe.py at its smoke setting: every variant runs, equals the one-device layer, and the split
+    variants hold 1/8 of the expert parameters per device."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = tmp_path / "moe.json"
+    subprocess.run(
+        [sys.executable, "moe.py", "--smoke", "--json", str(out)],
+        cwd=root / "benchmarks",
+        env=env,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    result = json.loads(out.read_text())
+    rows = {row["variant"]: row for row in result["rows"]}
+    assert set(rows) == {"ours dropless", "ours capacity 1.25", "gshard einsum capacity 1.25", "all-gather experts"}
+    assert all(row["max_abs_diff_to_one_device"] < 1e-5 and row["tokens_per_s"] > 0 for row in rows.values())
+    assert rows["ours dropless"]["collective_bytes"]["all-to-all"] > 0
+    assert result["expert_param_bytes"]["per_device"] * 8 == result["expert_param_bytes"]["all"]
