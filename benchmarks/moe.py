@@ -119,7 +119,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.devices * args.tokens, args.width)).astype(np.float32)
     cot = rng.standard_normal(x.shape).astype(np.float32)
-    params = sc.MoE(Mlp(args.width, args.hidden), experts=args.experts, k=K).init(jax.random.key(0), x[:1])["params"]
+    layer = sc.MoE(Mlp(args.width, args.hidden), experts=args.experts, k=K)
+    params = nn.unbox(layer.init(jax.random.key(0), x[:1])["params"])  # the arrays, without the logical names
     placed = {
         "router": jax.device_put(params["router"], NamedSharding(mesh, jax.P())),
         "experts": jax.device_put(params["experts"], NamedSharding(mesh, jax.P("expert"))),

@@ -90,6 +90,7 @@ from spmdcomm.collectives.attention import zigzag_order as zigzag_order
 
 # expert parallelism
 from spmdcomm.parallel.expert.layer import MoE as MoE
+from spmdcomm.parallel.expert.layer import ExpertParallel as ExpertParallel
 
 # what a compiled step communicates and holds
 from spmdcomm.explain.report import explain as explain

@@ -317,7 +317,7 @@ def test_nnx_moe_with_split_experts_equals_the_linen_layer_on_one_device():
     model = sc.nnx.MoE(NnxMlp, experts=E, features=D, k=2, capacity_factor=1.0, axis_name="expert", rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     mesh = sc.make_mesh({"expert": 4}, devices=jax.devices()[:4])
-    stacked = lambda v: jax.P("expert") if v.get_metadata().get("expert_stacked") else jax.P()
+    stacked = lambda v: jax.P("expert") if (v.get_metadata().get("out_sharding") or (None,))[0] == "expert" else jax.P()
     specs = jax.tree.map(stacked, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
     def body(state, x):

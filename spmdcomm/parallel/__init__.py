@@ -5,10 +5,10 @@ layers over an expert axis). The parallelisms that give a mesh axis a role of it
 (``registry``), each registered by its one line below; the order of the lines is the order of their axes among the
 batch axes. ``spmdcomm.train`` builds its state and steps on them."""
 
-from spmdcomm.parallel import context
+from spmdcomm.parallel import context, expert
 from spmdcomm.parallel.context import ContextParallel, context_attention, context_positions
 from spmdcomm.parallel.data import DDP, FSDP, STRATEGIES, ReduceContext, Strategy, TreeLayout, ZeRO1, ZeRO2
-from spmdcomm.parallel.expert import MoE
+from spmdcomm.parallel.expert import ExpertParallel, MoE
 from spmdcomm.parallel.pipeline import Pipeline, PipelineStack, Schedule
 from spmdcomm.parallel.pipeline import pipeline as pipeline_schedules
 from spmdcomm.parallel.registry import register
@@ -16,6 +16,7 @@ from spmdcomm.parallel.roles import MeshRoles
 
 register(pipeline_schedules.PARALLELISM)
 register(context.PARALLELISM)
+register(expert.layer.PARALLELISM)
 
 __all__ = [
     "MeshRoles",
@@ -33,5 +34,6 @@ __all__ = [
     "ContextParallel",
     "context_attention",
     "context_positions",
+    "ExpertParallel",
     "MoE",
 ]

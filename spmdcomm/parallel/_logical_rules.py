@@ -75,6 +75,7 @@ class LogicalRules:
             )
         self.fn, self.missing = fn, missing
         self.unruled: list[tuple[str, str]] = []  # (parameter, logical name) left whole for want of a rule
+        self.whole: tuple[str, ...] = ()
         if given is None:
             self.rules = self._check(nn.get_logical_axis_rules(), "the active nn.logical_axis_rules context")
             self.where = (
@@ -86,10 +87,12 @@ class LogicalRules:
             self.rules = self._check(given, "logical_axis_rules")
             self.where = f"logical_axis_rules={list(self.rules)}"
 
-    def add(self, pairs: tuple[tuple[str, str], ...]) -> None:
+    def add(self, pairs: tuple[tuple[str, str], ...], *, whole: tuple[str, ...] = ()) -> None:
         """Puts ``pairs`` after the rules in force (a parallelism's logical name and its axis: a rule given for the
-        same name comes first, and wins)."""
+        same name comes first, and wins); a name of ``whole`` (a registered parallelism's that the state does not
+        run) keeps its dimension whole without a rule or a warning."""
         self.rules += pairs
+        self.whole = tuple(whole)
 
     def _check(self, rules: Any, what: str) -> tuple[tuple[str, Any], ...]:
         def target_ok(t: Any) -> bool:
@@ -134,9 +137,9 @@ class LogicalRules:
                     fix="give each dimension its own logical name.",
                 )
             )
-        ruled, unruled = {r[0] for r in rules}, set()
+        ruled, unruled = {r[0] for r in rules}, {n for n in self.whole if n not in {r[0] for r in rules}}
         for i, n in enumerate(names):
-            if isinstance(n, str) and n not in ruled and (logical.strict or n not in mesh.axis_names):
+            if isinstance(n, str) and n not in ruled | unruled and (logical.strict or n not in mesh.axis_names):
                 if self.missing == "warn":
                     unruled.add(n)
                     self.unruled.append((f"params{leaf}", n))

@@ -1,20 +1,25 @@
 """Expert parallelism: mixture-of-experts layers with their experts split over a mesh axis, exact to one device. The
-router and its losses as pure functions (``routing``), the dispatch, expert compute and combine over an axis and the
-Linen layer (``layer``), and the Flax NNX layer (``nnx``, loaded by ``sc.nnx.MoE`` on first use, so that
-``flax.nnx`` loads only when it is used). The tokens move with :func:`spmdcomm.ragged_all_to_all`."""
+router, its losses and the dispatch, expert compute and combine over an axis as pure functions (``routing``), the
+Linen layer and the ``expert`` mesh role (``layer``: ``ExpertParallel``, its registry entry), and the Flax NNX layer
+(``nnx``, loaded by ``sc.nnx.MoE`` on first use, so that ``flax.nnx`` loads only when it is used). The tokens move
+with :func:`spmdcomm.ragged_all_to_all`."""
 
-from spmdcomm.parallel.expert.layer import MOE_COLLECTION, MoE, MoEStats, moe
+from spmdcomm.parallel.expert.layer import MOE_COLLECTION, ExpertParallel, ExpertReport, MoE
 from spmdcomm.parallel.expert.routing import (
     ROUTINGS,
+    MoEStats,
     assignment_slots,
     expert_capacity,
     load_balancing_loss,
+    moe,
     route,
     router_z_loss,
 )
 
 __all__ = [
     "MoE",
+    "ExpertParallel",
+    "ExpertReport",
     "MoEStats",
     "moe",
     "MOE_COLLECTION",

@@ -1,17 +1,16 @@
-"""The mixture-of-experts layer: dispatch to the devices that hold each expert, each device running its local experts
-on the tokens it received, and the weighted combine (:func:`moe`), and its Flax Linen module (:class:`MoE`).
-
-How the tokens move, per device of an expert axis of size ``n`` holding ``E / n`` experts and ``T`` tokens: the
-``T * k`` assignments are sorted by destination device and sent with one :func:`~spmdcomm.ragged_all_to_all` (with
-their expert and slot), written into a buffer ``[E / n, B, d]``, run through the local experts, and sent back with a
-second one. ``B`` is the capacity with a ``capacity_factor``, and ``n * T`` (every token of the expert axis) in the
-dropless layer: a static shape that holds any routing, at the cost of computing ``E * T`` rows per device, as if
-every expert saw every token; a grouped matmul over only the received rows is a follow-up.
+"""The Flax Linen mixture-of-experts layer (:class:`MoE`) and the ``expert`` mesh role: :class:`ExpertParallel`, the
+context the steps install for MoE layers (:func:`expert_split`), the section of ``sc.explain`` and the registry entry
+(:data:`PARALLELISM`). In the steps of a state on a mesh with an ``expert`` axis, the stacked experts (logical name
+``"expert"`` on dimension 0) are split over that axis, the batch's rows too (as over a data axis), and every MoE layer
+takes its axis and the axes that split the tokens from the step: the result equals one device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, cast
 
 import flax.linen as nn
@@ -20,135 +19,122 @@ import jax.numpy as jnp
 from flax.core import meta
 from jax import lax
 
-from spmdcomm.collectives.ragged import RaggedImplementation, ragged_all_to_all
-from spmdcomm.errors import ShapeError, SpmdError, describe
-from spmdcomm.parallel.expert.routing import (
-    RoutingName,
-    _psum,
-    _size,
-    assignment_slots,
-    check_routing,
-    expert_capacity,
-    load_balancing_loss,
-    route,
-    router_z_loss,
-)
+from spmdcomm._format import format_bytes
+from spmdcomm.collectives.ragged import RAGGED_NATIVE_PLATFORMS, RaggedImplementation
+from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
+from spmdcomm.parallel.expert.routing import MoEStats, RoutingName, check_routing, moe
+from spmdcomm.parallel.registry import Parallelism
 
-__all__ = ["MoE", "MoEStats", "moe", "MOE_COLLECTION"]
+__all__ = [
+    "MoE",
+    "MoEStats",
+    "moe",
+    "MOE_COLLECTION",
+    "ExpertParallel",
+    "ExpertReport",
+    "expert_split",
+    "step_split",
+    "expert_report",
+    "PARALLELISM",
+]
 
 MOE_COLLECTION = "moe"  # the Flax collection MoE layers sow their losses and metrics into
+EXPERT = "expert"  # the logical name of the stacked experts' dimension 0 (the state maps it to the expert axis)
 
 
-class MoEStats(NamedTuple):
-    """What a MoE layer reports, each over the global batch and the same on every device: the Switch/GShard
-    ``load_balancing_loss``, the ``router_z_loss``, ``expert_counts`` ``[E]`` (assignments per expert before any
-    drop) and the ``dropped_fraction`` of the ``N * k`` assignments (0 in the dropless layer)."""
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Which mesh axis the experts of every MoE layer are split over (``TrainState.create(..., expert=...)``; a mesh
+    axis named ``"expert"`` turns it on without one).
 
-    load_balancing_loss: jax.Array
-    router_z_loss: jax.Array
-    expert_counts: jax.Array
-    dropped_fraction: jax.Array
-
-
-def moe(
-    x: jax.Array,
-    logits: jax.Array,
-    apply_experts: Callable[[jax.Array], jax.Array],
-    *,
-    experts: int,
-    k: int,
-    routing: RoutingName = "softmax_topk",
-    capacity_factor: float | None = None,
-    axis_name: str | None = None,
-    token_axes: tuple[str, ...] | None = None,
-    implementation: RaggedImplementation = "auto",
-) -> tuple[jax.Array, MoEStats]:
-    """``sum_r weight[t, r] * expert_{e[t, r]}(x[t])`` for this device's tokens, the experts split over ``axis_name``.
-
-    On one device (``axis_name=None``) every expert is local. Inside ``spmd``/``jax.shard_map`` over an expert axis
-    of size ``n``, each device holds experts ``[i * E / n, (i + 1) * E / n)`` and its own tokens, and the result
-    equals one device running the layer on the global batch (the devices' tokens in order), forward and gradients.
-    With a ``capacity_factor``, each expert takes at most :func:`~spmdcomm.parallel.expert.routing.expert_capacity`
-    assignments of the global batch, first choices before second ones, then in token order; a dropped assignment
-    adds nothing, so a token that loses all its experts gives zeros (the caller's residual passes it on).
+    In the steps of such a state, dimension 0 of every leaf a MoE layer stacks its experts on (logical name
+    ``"expert"``) is split over ``axis``, each device holding ``E / e`` experts, and the batch's rows are split over
+    it too, as over one more data axis (so no device computes the dense parts twice); every MoE layer takes the axis
+    and the axes that split the tokens from the step (no ``axis_name=``), and the result equals one device.
 
     Args:
-      x: ``[T, d]`` tokens of this device.
-      logits: ``[T, E]`` router logits of those tokens.
-      apply_experts: maps a buffer ``[E / n, B, d]`` to ``[E / n, B, d_out]``, local expert ``l`` on row block
-        ``l``, each row on its own (rows that hold no token are discarded).
-      experts: ``E``, over all devices.
-      k: experts per token.
-      routing: ``"softmax_topk"`` or ``"topk_softmax"`` (:func:`~spmdcomm.parallel.expert.routing.route`).
-      capacity_factor: ``None`` (dropless, default) or the factor of the capacity rule.
-      axis_name: the mesh axis the experts are split over, or ``None``.
-      token_axes: every axis that splits the tokens, in the global batch's order (default: ``axis_name`` alone);
-        the losses, counts and the capacity rule are over all of them.
-      implementation: of the two all-to-alls (:func:`~spmdcomm.ragged_all_to_all`).
-
-    Returns:
-      ``(y [T, d_out], stats)``: the combined expert outputs in float32 math, cast to ``x``'s dtype, and the
-      :class:`MoEStats`.
+      axis: the mesh axis (``"expert"``).
 
     Raises:
-      SpmdError: for ``k`` outside ``[1, E]``, an unknown routing, a capacity factor that is not positive, or
-        ``token_axes`` without ``axis_name``.
-      ShapeError: when ``E`` does not divide by the size of ``axis_name``.
+      SpmdError: for an axis that is not a string.
+
+    Examples:
+      >>> sc.ExpertParallel()
+      ExpertParallel(axis='expert')
     """
-    check_routing("moe", experts=experts, k=k, routing=routing, capacity_factor=capacity_factor)
-    axes = _token_axes(axis_name, token_axes)
-    n = lax.axis_size(axis_name) if axis_name is not None else 1
-    if experts % n:
-        raise ShapeError(
+
+    axis: str = "expert"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis, str):
+            raise SpmdError(describe("ExpertParallel", f"axis={self.axis!r} is not a mesh axis name.", fix='"expert"'))
+
+
+class Split(NamedTuple):
+    """What a step tells its MoE layers: the expert ``axis`` (None: every expert local), the ``token_axes`` (every
+    axis the step maps by hand), those that split every sequence (``sequence``), and the pipeline's stage axis."""
+
+    axis: str | None
+    token_axes: tuple[str, ...]
+    sequence: tuple[str, ...]
+    stage: str | None
+
+
+_ACTIVE: contextvars.ContextVar[Split | None] = contextvars.ContextVar("spmdcomm_expert", default=None)
+
+
+@contextlib.contextmanager
+def expert_split(config: ExpertParallel | None, roles: Any) -> Iterator[None]:
+    """Within the block (the steps enter it around the model call), MoE layers run over ``config``'s axis (every
+    expert local for ``None``) with their statistics and capacity over ``roles.manual``, the global batch."""
+    split = Split(None if config is None else config.axis, tuple(roles.manual), tuple(roles.tokens), roles.stage)
+    token = _ACTIVE.set(split)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def step_split(
+    fn: str, axis_name: str | None, token_axes: tuple[str, ...] | None, capacity_factor: float | None
+) -> tuple[str | None, tuple[str, ...] | None]:
+    """``(axis_name, token_axes)`` a layer runs with: its own outside a step; inside a step, the step's (a layer's
+    own must then be unset or the same). Raises :class:`~spmdcomm.errors.AxisError` for a layer's axes that differ
+    from the step's and :class:`~spmdcomm.errors.SpmdError` for what the steps cannot run exactly yet."""
+    split = _ACTIVE.get()
+    if split is None:
+        return axis_name, token_axes
+    if split.stage is not None:
+        raise SpmdError(
             describe(
-                "moe",
-                f"experts={experts} do not divide by the {n} devices of expert axis {axis_name!r}.",
-                fix=f"use a multiple of {n} experts, or an expert axis whose size divides {experts}.",
+                fn,
+                f"a MoE layer in a step with a pipeline (stage axis {split.stage!r}) is not supported yet: its "
+                "statistics and capacity would mix micro-batches of different stages.",
+                fix="train the MoE model without pipeline=..., over data, expert, context and model axes.",
             )
         )
-    local = experts // n
-    x, tokens = jnp.asarray(x), x.shape[0]
-    r = route(logits, k, routing=routing)
-    slots = assignment_slots(r.experts, experts, token_axes=axes, axis_name=axis_name)
-    group_tokens = n * tokens
-    if capacity_factor is None:
-        kept = jnp.ones_like(r.experts, dtype=bool)
-        buffer = group_tokens
-    else:
-        capacity = expert_capacity(tokens * _size(axes), experts, k, capacity_factor)
-        kept = slots.global_slot < capacity
-        buffer = min(capacity, group_tokens)  # a kept assignment's group slot is at most its global slot
-    # Sorted by destination device; dropped assignments last, never sent.
-    dest = jnp.where(kept, r.experts // local, n).reshape(-1)
-    order = jnp.argsort(dest, stable=True)
-    send_sizes = jnp.sum(jax.nn.one_hot(dest, n + 1, dtype=jnp.int32)[:, :n], axis=0)
-    rows = x[order // k]
-    where = jnp.stack([(r.experts % local).reshape(-1), slots.group_slot.reshape(-1)], axis=-1)[order]
-    bound = min(n * tokens * k, local * buffer)
-    if axis_name is None:
-        (got, got_where), recv_sizes = (rows, where), send_sizes
-    else:
-        (got, got_where), recv_sizes = ragged_all_to_all(
-            (rows, where), send_sizes, axis_name, out_rows=bound, implementation=implementation
+    mine: list[tuple[str, Any, Any]] = [("axis_name", axis_name, split.axis)] if axis_name is not None else []
+    mine += [("token_axes", tuple(token_axes), split.token_axes)] if token_axes is not None else []
+    for name, value, want in mine:
+        if value != want:
+            raise AxisError(
+                describe(
+                    fn,
+                    f"{name}={value!r}, but the step runs its MoE layers with {name}={want!r} (its expert axis and "
+                    "the axes it splits the batch over).",
+                    fix=f"leave {name} unset: inside a train or eval step the layer takes it from the step.",
+                )
+            )
+    if capacity_factor is not None and split.sequence:
+        raise SpmdError(
+            describe(
+                fn,
+                f"capacity_factor={capacity_factor!r} in a step that splits every sequence over {split.sequence}: "
+                "the capacity rule drops in the global batch's token order, which that split does not keep.",
+                fix="use the dropless layer (capacity_factor=None) with a context axis.",
+            )
         )
-    valid = jnp.arange(got.shape[0]) < jnp.sum(recv_sizes)
-    expert_of, slot_of = jnp.where(valid, got_where[:, 0], local), got_where[:, 1]  # row `local`: out of range
-    held = jnp.zeros((local, buffer) + x.shape[1:], x.dtype).at[expert_of, slot_of].set(got, mode="drop")
-    done = apply_experts(held)
-    back = jnp.where(valid[:, None], done.at[expert_of, slot_of].get(mode="fill", fill_value=0), 0)
-    if axis_name is not None:
-        back, _ = ragged_all_to_all(back, recv_sizes, axis_name, out_rows=tokens * k, implementation=implementation)
-    per_assignment = back[jnp.argsort(order)].reshape(tokens, k, -1)
-    gate = jnp.where(kept, r.weights, 0.0)
-    y = jnp.einsum("tk,tkd->td", gate, per_assignment.astype(jnp.float32)).astype(x.dtype)
-    dropped = _psum(jnp.sum(~kept), axes) / (tokens * _size(axes) * k)
-    stats = MoEStats(
-        load_balancing_loss(r.probs, slots.counts, k, token_axes=axes),
-        router_z_loss(r.logits, token_axes=axes),
-        slots.counts,
-        dropped.astype(jnp.float32),
-    )
-    return y, stats
+    return split.axis, split.token_axes
 
 
 class MoE(nn.Module):
@@ -157,12 +143,15 @@ class MoE(nn.Module):
     ``y[t] = sum_r w[t, r] * expert_{e[t, r]}(x[t])`` over the last dimension of ``x`` (the tokens are every other
     position). The router is a ``[d, E]`` kernel (parameter ``"router"``, float32 math); the experts' parameters are
     stacked ``[E, ...]`` under ``"experts"`` (PipelineStack's convention: dimension 0 the experts), each initialised
-    from its own key. With ``axis_name``, call it inside ``spmd``/``jax.shard_map`` with dimension 0 of every
-    ``"experts"`` leaf split over that axis (``P(axis_name)``) and the tokens split too: the result equals the layer on
-    one device on the global batch (:func:`moe`). Initialise it outside (it then runs as one device, every expert
-    local). Each call sows its :class:`MoEStats` into the ``"moe"`` collection (``MOE_COLLECTION``); a loss function
-    reads them with ``y, state = model.apply(variables, x, mutable=["moe"])`` and adds, for example,
-    ``0.01 * sum(jax.tree.leaves(state["moe"]["load_balancing_loss"]))`` (one entry per layer and call).
+    from its own key and boxed with the logical name ``"expert"`` on dimension 0 (then the expert's own logical
+    names, if any). In the steps of a state with an expert axis (:class:`ExpertParallel`) the layer takes its axes
+    from the step and the state splits those leaves over the axis. Elsewhere, with ``axis_name``, call it inside
+    ``spmd``/``jax.shard_map`` with dimension 0 of every ``"experts"`` leaf split over that axis (``P(axis_name)``)
+    and the tokens split too: the result equals the layer on one device on the global batch (:func:`moe`).
+    Initialise it outside (it then runs as one device, every expert local). Each call sows its :class:`MoEStats`
+    into the ``"moe"`` collection (``MOE_COLLECTION``); a loss function reads them with ``y, state =
+    model.apply(variables, x, mutable=["moe"])`` and adds, for example, 0.01 times the sum of every
+    ``load_balancing_loss`` under ``state["moe"]`` (one entry per layer and call, under the layer's path).
 
     Attributes:
       expert: the expert, an unbound Flax module mapping ``[rows, d]`` to ``[rows, d_out]`` row by row.
@@ -212,11 +201,13 @@ class MoE(nn.Module):
         if not self.has_variable("params", "experts"):
             keys = jax.random.split(self.make_rng("params"), self.experts)
             created = jax.vmap(lambda key: expert.init(key, h[:1])["params"])(keys)
-            self.param("experts", lambda _: created)
+            self.param("experts", lambda _: stacked_boxes("MoE", created))
         # Read without Flax's shape check: inside a mapping this device holds E / n of the experts.
         params = meta.unbox(self.get_variable("params", "experts"))
         run = lambda buf: jax.vmap(lambda p, rows: cast(jax.Array, expert.apply({"params": p}, rows)))(params, buf)
-        axis = None if self.is_initializing() else self.axis_name
+        axis, tokens = None, None
+        if not self.is_initializing():
+            axis, tokens = step_split("MoE", self.axis_name, self.token_axes, self.capacity_factor)
         _check_held(jax.tree.leaves(params)[0].shape[0], self.experts, axis)
         y, stats = moe(
             h,
@@ -227,12 +218,113 @@ class MoE(nn.Module):
             routing=self.routing,
             capacity_factor=self.capacity_factor,
             axis_name=axis,
-            token_axes=None if axis is None else self.token_axes,
+            token_axes=tokens,
             implementation=self.implementation,
         )
         for field, value in stats._asdict().items():
             self.sow(MOE_COLLECTION, field, value)
         return y.reshape(*lead, y.shape[-1])
+
+
+def stacked_boxes(fn: str, created: Any) -> Any:
+    """The stacked experts' leaves ``[E, ...]`` boxed with the logical name ``"expert"`` on dimension 0 (which the
+    state maps to its expert axis, or keeps whole without one), after the expert's own logical names."""
+
+    def box(leaf: Any) -> Any:
+        if isinstance(leaf, nn.LogicallyPartitioned):
+            return leaf.replace(names=(EXPERT, *leaf.names))
+        if isinstance(leaf, meta.AxisMetadata):
+            raise SpmdError(
+                describe(
+                    fn,
+                    f"an expert parameter is boxed with {type(leaf).__name__} (mesh axes {getattr(leaf, 'names', '?')}"
+                    "); the stacked experts take logical names only.",
+                    fix="give the expert's parameters logical names (nn.with_logical_partitioning(init, ('embed', "
+                    "'mlp'))) and map them with logical_axis_rules, e.g. [('mlp', 'model'), ('embed', None)].",
+                )
+            )
+        return nn.LogicallyPartitioned(leaf, (EXPERT,) + (None,) * (leaf.ndim - 1))
+
+    return jax.tree.map(box, created, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertReport:
+    """A step's expert parallelism (a section of ``sc.explain``): its MoE layers and what crosses the expert axis.
+
+    Attributes:
+      axis: the expert axis; ``size``: its devices ``e``.
+      layers: ``(path, experts, bytes per device, bytes)`` of each MoE layer's stacked experts: ``1 / e`` of them
+        per device, ``1 / (e N)`` under FSDP over ``N`` devices.
+      all_to_alls: all-to-alls over the axis per step (forward and backward, every layer), and ``all_to_all_bytes``
+        their message bytes per device.
+      padded: the platform has no native ragged all-to-all: each one sends every device its bound of rows, whatever
+        the routing (the native collective sends the routed rows only).
+    """
+
+    axis: str
+    size: int
+    layers: tuple[tuple[str, int, int, int], ...]
+    all_to_alls: int
+    all_to_all_bytes: int
+    padded: bool
+
+    def __str__(self) -> str:
+        layers = len(self.layers)
+        kind = "padded (no native ragged all-to-all here: full bounds sent)" if self.padded else "ragged"
+        lines = [
+            f"experts over {self.axis!r} ({self.size} devices): {layers} MoE layer{'s' * (layers != 1)}; all-to-alls "
+            f"over {self.axis!r}: {self.all_to_alls} ({format_bytes(self.all_to_all_bytes)} per device), {kind}"
+        ]
+        lines += [
+            f"  {path}: {experts} experts, {experts * mine // max(whole, 1)} per device, parameters "
+            f"{format_bytes(mine)} of {format_bytes(whole)} per device"
+            for path, experts, mine, whole in self.layers
+        ]
+        return "\n".join(lines)
+
+
+def expert_report(state: Any, collectives: tuple[Any, ...]) -> ExpertReport | None:
+    """The :class:`ExpertReport` of a step of ``state`` (a ``TrainState``) whose compiled program holds
+    ``collectives``; None without an expert axis."""
+    config = state.configs.get("expert")
+    if config is None:
+        return None
+    flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    layers: dict[str, list[int]] = {}
+    for (path, x), flag in zip(flat, state.layout.stacked_over(config.axis, "params"), strict=True):
+        if flag:
+            keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+            owner = len(keys) - keys[::-1].index("experts") if "experts" in keys else len(keys)
+            entry = layers.setdefault(jax.tree_util.keystr(path[:owner]), [int(x.shape[0]), 0, 0])
+            entry[1] += x.addressable_shards[0].data.nbytes
+            entry[2] += x.nbytes
+    moves = [c for c in collectives if c.kind == "all-to-all" and c.axes is not None and config.axis in c.axes]
+    return ExpertReport(
+        axis=config.axis,
+        size=int(state.mesh.shape[config.axis]),
+        layers=tuple((f"params{p}", e, mine, whole) for p, (e, mine, whole) in layers.items()),
+        all_to_alls=sum(c.count for c in moves),
+        all_to_all_bytes=sum(c.total_bytes for c in moves),
+        padded=state.mesh.devices.flat[0].platform not in RAGGED_NATIVE_PLATFORMS,
+    )
+
+
+#: Expert parallelism's entry of the registry (:mod:`spmdcomm.parallel.registry`): a mesh axis named ``"expert"``
+#: (or ``expert=ExpertParallel(axis=...)``) splits the batch's rows as a data axis and owns the stacked experts,
+#: placed there by their logical name; the MoE layers read the axes from the context the steps install.
+PARALLELISM = Parallelism(
+    role="expert",
+    keyword="expert",
+    config=ExpertParallel,
+    axis_words="the expert axis",
+    example="sc.ExpertParallel()",
+    by_name="expert",
+    stacks=True,
+    logical=EXPERT,
+    step_context=expert_split,
+    explain=expert_report,
+)
 
 
 def _check_held(held: int, experts: int, axis: str | None) -> None:
@@ -249,18 +341,3 @@ def _check_held(held: int, experts: int, axis: str | None) -> None:
                 "parameters of a layer with the same number of experts.",
             )
         )
-
-
-def _token_axes(axis_name: str | None, token_axes: tuple[str, ...] | None) -> tuple[str, ...]:
-    if token_axes is None:
-        return () if axis_name is None else (axis_name,)
-    axes = tuple(token_axes)
-    if axis_name is not None and axis_name not in axes:
-        raise SpmdError(
-            describe(
-                "moe",
-                f"token_axes={axes} leaves out the expert axis {axis_name!r}: its devices hold different tokens.",
-                fix=f"list every axis that splits the tokens, {axis_name!r} included, in the global batch's order.",
-            )
-        )
-    return axes

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdcomm.collectives.ragged import RaggedImplementation
-from spmdcomm.parallel.expert.layer import moe
-from spmdcomm.parallel.expert.routing import RoutingName, check_routing
+from spmdcomm.parallel.expert.layer import EXPERT, step_split
+from spmdcomm.parallel.expert.routing import RoutingName, check_routing, moe
 
 __all__ = ["MoE"]
 
@@ -22,9 +22,11 @@ class MoE(nnx.Module):
     ``y[t] = sum_r w[t, r] * expert_{e[t, r]}(x[t])`` over the last dimension of ``x``, as :class:`spmdcomm.MoE`.
     The router is ``self.router``, an ``nnx.Param`` ``[features, E]`` (float32 math); the experts are created under
     ``nnx.vmap`` (each from its own keys), so every ``nnx.Param`` of ``self.experts`` has the experts on dimension 0,
-    marked with ``expert_stacked`` metadata. With ``axis_name``, call it inside ``spmd``/``jax.shard_map`` with
-    dimension 0 of those parameters split over that axis and the tokens split too: the result equals one device on
-    the global batch. Under ``nnx.capture(nnx.Intermediate)``, each call sows its
+    named ``"expert"`` in its ``out_sharding`` metadata (before the expert's own names). In the steps of a
+    ``TrainState.create_nnx`` state with an expert axis (:class:`~spmdcomm.ExpertParallel`) the layer takes its axes
+    from the step. Elsewhere, with ``axis_name``, call it inside ``spmd``/``jax.shard_map`` with dimension 0 of
+    those parameters split over that axis and the tokens split too: the result equals one device on the global
+    batch. Under ``nnx.capture(nnx.Intermediate)``, each call sows its
     :class:`~spmdcomm.parallel.expert.MoEStats` fields as ``nnx.Intermediate`` values named
     ``load_balancing_loss``, ``router_z_loss``, ``expert_counts`` and ``dropped_fraction`` (one entry per call):
     ``y, found = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(model, x)``. An expert must map
@@ -79,7 +81,9 @@ class MoE(nnx.Module):
         self.experts = create(rngs)
         for _, variable in nnx.iter_graph(self.experts):
             if isinstance(variable, nnx.Param):
-                variable.set_metadata(expert_stacked=True)
+                # Dimension 0 named for the state's rule to the expert axis, before the expert's own names.
+                own = variable.get_metadata().get("out_sharding") or (None,) * (variable[...].ndim - 1)
+                variable.set_metadata(out_sharding=(EXPERT, *own))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Routes every position of ``x`` (features last) to its experts and returns their weighted outputs.
@@ -94,6 +98,7 @@ class MoE(nnx.Module):
         lead, h = x.shape[:-1], x.reshape(-1, x.shape[-1])
         graphdef, state = nnx.split(self.experts)
         run = lambda buf: jax.vmap(lambda s, rows: nnx.merge(graphdef, s)(rows))(state, buf)
+        axis, tokens = step_split("nnx.MoE", self.axis_name, self.token_axes, self.capacity_factor)
         y, stats = moe(
             h,
             h.astype(jnp.float32) @ self.router[...],
@@ -102,8 +107,8 @@ class MoE(nnx.Module):
             k=self.k,
             routing=self.routing,
             capacity_factor=self.capacity_factor,
-            axis_name=self.axis_name,
-            token_axes=self.token_axes,
+            axis_name=axis,
+            token_axes=tokens,
             implementation=self.implementation,
         )
         # Only under nnx.capture, which collects them: a sow outside it stores them on the module (deprecated).

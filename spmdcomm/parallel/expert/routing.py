@@ -1,14 +1,23 @@
-"""The router of a mixture-of-experts layer, as pure functions: top-k routing, where each assignment goes in the global
-order (the capacity rule), and the losses and counts over the global batch.
+"""A mixture of experts as pure functions: the router, where each assignment goes in the global order (the capacity
+rule), the losses and counts over the global batch, and the dispatch, expert compute and combine (:func:`moe`).
 
 Every function that needs the whole batch takes ``token_axes``, the mesh axes that split the tokens (empty on one
 device), and reduces over them with collectives, so its result is the one device's answer on the global batch. The
 global batch is the devices' tokens in row-major device order over ``token_axes``, each device's in its own order.
+
+How :func:`moe` moves the tokens, per device of an expert axis of size ``n`` holding ``E / n`` experts and ``T``
+tokens: the ``T * k`` assignments are sorted by destination device and sent with one
+:func:`~spmdcomm.ragged_all_to_all` (with their expert and slot), written into a buffer ``[E / n, B, d]``, run through
+the local experts, and sent back with a second one. ``B`` is the capacity with a ``capacity_factor``, and ``n * T``
+(every token of the expert axis) in the dropless layer: a static shape that holds any routing, at the cost of
+computing ``E * T`` rows per device, as if every expert saw every token; a grouped matmul over only the received rows
+is a follow-up.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import jax
@@ -16,10 +25,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from spmdcomm.collectives.exchanges import all_gather
-from spmdcomm.errors import SpmdError, describe
+from spmdcomm.collectives.ragged import RaggedImplementation, ragged_all_to_all
+from spmdcomm.errors import ShapeError, SpmdError, describe
 
 __all__ = [
     "ROUTINGS",
+    "MoEStats",
+    "moe",
     "Routing",
     "Slots",
     "route",
@@ -54,6 +66,17 @@ class Slots(NamedTuple):
     global_slot: jax.Array
     group_slot: jax.Array
     counts: jax.Array
+
+
+class MoEStats(NamedTuple):
+    """What a MoE layer reports, each over the global batch and the same on every device: the Switch/GShard
+    ``load_balancing_loss``, the ``router_z_loss``, ``expert_counts`` ``[E]`` (assignments per expert before any
+    drop) and the ``dropped_fraction`` of the ``N * k`` assignments (0 in the dropless layer)."""
+
+    load_balancing_loss: jax.Array
+    router_z_loss: jax.Array
+    expert_counts: jax.Array
+    dropped_fraction: jax.Array
 
 
 def route(logits: jax.Array, k: int, *, routing: RoutingName = "softmax_topk") -> Routing:
@@ -183,6 +206,107 @@ def check_routing(fn: str, *, experts: int, k: int, routing: str, capacity_facto
         )
 
 
+def moe(
+    x: jax.Array,
+    logits: jax.Array,
+    apply_experts: Callable[[jax.Array], jax.Array],
+    *,
+    experts: int,
+    k: int,
+    routing: RoutingName = "softmax_topk",
+    capacity_factor: float | None = None,
+    axis_name: str | None = None,
+    token_axes: tuple[str, ...] | None = None,
+    implementation: RaggedImplementation = "auto",
+) -> tuple[jax.Array, MoEStats]:
+    """``sum_r weight[t, r] * expert_{e[t, r]}(x[t])`` for this device's tokens, the experts split over ``axis_name``.
+
+    On one device (``axis_name=None``) every expert is local. Inside ``spmd``/``jax.shard_map`` over an expert axis
+    of size ``n``, each device holds experts ``[i * E / n, (i + 1) * E / n)`` and its own tokens, and the result
+    equals one device running the layer on the global batch (the devices' tokens in order), forward and gradients.
+    With a ``capacity_factor``, each expert takes at most :func:`~spmdcomm.parallel.expert.routing.expert_capacity`
+    assignments of the global batch, first choices before second ones, then in token order; a dropped assignment
+    adds nothing, so a token that loses all its experts gives zeros (the caller's residual passes it on).
+
+    Args:
+      x: ``[T, d]`` tokens of this device.
+      logits: ``[T, E]`` router logits of those tokens.
+      apply_experts: maps a buffer ``[E / n, B, d]`` to ``[E / n, B, d_out]``, local expert ``l`` on row block
+        ``l``, each row on its own (rows that hold no token are discarded).
+      experts: ``E``, over all devices.
+      k: experts per token.
+      routing: ``"softmax_topk"`` or ``"topk_softmax"`` (:func:`~spmdcomm.parallel.expert.routing.route`).
+      capacity_factor: ``None`` (dropless, default) or the factor of the capacity rule.
+      axis_name: the mesh axis the experts are split over, or ``None``.
+      token_axes: every axis that splits the tokens, in the global batch's order (default: ``axis_name`` alone);
+        the losses, counts and the capacity rule are over all of them.
+      implementation: of the two all-to-alls (:func:`~spmdcomm.ragged_all_to_all`).
+
+    Returns:
+      ``(y [T, d_out], stats)``: the combined expert outputs in float32 math, cast to ``x``'s dtype, and the
+      :class:`MoEStats`.
+
+    Raises:
+      SpmdError: for ``k`` outside ``[1, E]``, an unknown routing, a capacity factor that is not positive, or
+        ``token_axes`` without ``axis_name``.
+      ShapeError: when ``E`` does not divide by the size of ``axis_name``.
+    """
+    check_routing("moe", experts=experts, k=k, routing=routing, capacity_factor=capacity_factor)
+    axes = _token_axes(axis_name, token_axes)
+    n = lax.axis_size(axis_name) if axis_name is not None else 1
+    if experts % n:
+        raise ShapeError(
+            describe(
+                "moe",
+                f"experts={experts} do not divide by the {n} devices of expert axis {axis_name!r}.",
+                fix=f"use a multiple of {n} experts, or an expert axis whose size divides {experts}.",
+            )
+        )
+    local = experts // n
+    x, tokens = jnp.asarray(x), x.shape[0]
+    r = route(logits, k, routing=routing)
+    slots = assignment_slots(r.experts, experts, token_axes=axes, axis_name=axis_name)
+    group_tokens = n * tokens
+    if capacity_factor is None:
+        kept = jnp.ones_like(r.experts, dtype=bool)
+        buffer = group_tokens
+    else:
+        capacity = expert_capacity(tokens * _size(axes), experts, k, capacity_factor)
+        kept = slots.global_slot < capacity
+        buffer = min(capacity, group_tokens)  # a kept assignment's group slot is at most its global slot
+    # Sorted by destination device; dropped assignments last, never sent.
+    dest = jnp.where(kept, r.experts // local, n).reshape(-1)
+    order = jnp.argsort(dest, stable=True)
+    send_sizes = jnp.sum(jax.nn.one_hot(dest, n + 1, dtype=jnp.int32)[:, :n], axis=0)
+    rows = x[order // k]
+    where = jnp.stack([(r.experts % local).reshape(-1), slots.group_slot.reshape(-1)], axis=-1)[order]
+    bound = min(n * tokens * k, local * buffer)
+    if axis_name is None:
+        (got, got_where), recv_sizes = (rows, where), send_sizes
+    else:
+        (got, got_where), recv_sizes = ragged_all_to_all(
+            (rows, where), send_sizes, axis_name, out_rows=bound, implementation=implementation
+        )
+    valid = jnp.arange(got.shape[0]) < jnp.sum(recv_sizes)
+    expert_of, slot_of = jnp.where(valid, got_where[:, 0], local), got_where[:, 1]  # row `local`: out of range
+    held = jnp.zeros((local, buffer) + x.shape[1:], x.dtype).at[expert_of, slot_of].set(got, mode="drop")
+    done = apply_experts(held)
+    back = jnp.where(valid[:, None], done.at[expert_of, slot_of].get(mode="fill", fill_value=0), 0)
+    if axis_name is not None:
+        back, _ = ragged_all_to_all(back, recv_sizes, axis_name, out_rows=tokens * k, implementation=implementation)
+    per_assignment = back[jnp.argsort(order)].reshape(tokens, k, -1)
+    gate = jnp.where(kept, r.weights, 0.0)
+    y = jnp.einsum("tk,tkd->td", gate, per_assignment.astype(jnp.float32)).astype(x.dtype)
+    dropped = _psum(jnp.sum(~kept), axes) / (tokens * _size(axes) * k)
+    stats = MoEStats(
+        load_balancing_loss(r.probs, slots.counts, k, token_axes=axes),
+        router_z_loss(r.logits, token_axes=axes),
+        slots.counts,
+        dropped.astype(jnp.float32),
+    )
+    return y, stats
+
+
 def _earlier(local: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
     """``(before [k, E], totals [E])``: the assignments that precede this device's choice-``r`` assignments to each
     expert (every earlier choice of every device, then choice ``r`` of the earlier devices), and each expert's
@@ -206,3 +330,18 @@ def _size(axes: tuple[str, ...]) -> int:
 
 def _psum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return lax.psum(x, axes) if axes else x
+
+
+def _token_axes(axis_name: str | None, token_axes: tuple[str, ...] | None) -> tuple[str, ...]:
+    if token_axes is None:
+        return () if axis_name is None else (axis_name,)
+    axes = tuple(token_axes)
+    if axis_name is not None and axis_name not in axes:
+        raise SpmdError(
+            describe(
+                "moe",
+                f"token_axes={axes} leaves out the expert axis {axis_name!r}: its devices hold different tokens.",
+                fix=f"list every axis that splits the tokens, {axis_name!r} included, in the global batch's order.",
+            )
+        )
+    return axes
