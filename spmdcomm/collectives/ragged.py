@@ -203,7 +203,9 @@ def _padded(
     got = lax.all_to_all(sent, axis, 0, 0, tiled=True)  # chunk i from device i
     row = jnp.arange(bound)
     ends = jnp.cumsum(recv)
-    source = jnp.minimum(jnp.searchsorted(ends, row, side="right"), n - 1)
+    # searchsorted(ends, row, side="right"), counted by hand: jnp.searchsorted fails to trace in a shard_map that
+    # leaves an axis to XLA (jax 0.10.2: an AssertionError on the manual axis type).
+    source = jnp.minimum(jnp.sum(ends[None, :] <= row[:, None], axis=1), n - 1)
     offset = jnp.clip(row - (ends - recv)[source], 0, chunk - 1)
     packed = got[source, offset]
     return jnp.where(_rows_mask(row < ends[-1], packed), packed, zero)

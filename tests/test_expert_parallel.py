@@ -1,0 +1,261 @@
+"""The ``expert`` mesh role (``sc.ExpertParallel``, spmdcomm/parallel/expert/layer.py): a train step of a model with
+MoE layers on a mesh with an ``expert`` axis equals one device running every expert on the global batch, and the
+same model on a plain ``data`` mesh does too.
+
+One model (a dense layer, a MoE with k = 2 and a capacity that drops assignments, a dense head; the loss adds the
+load-balancing loss) under DDP and FSDP on ``data 2 x expert 4``, on ``data 2 x expert 2 x model 2`` with each
+expert's hidden units over ``model``, and on ``data 8``; the NNX layer on ``data 2 x expert 4``. Each state is
+checked for where its expert leaves live, and the step for its new parameters, loss and the global load-balancing
+loss against ``jax.value_and_grad`` on one device. Checkpoints keep the experts in their canonical order and restore
+onto another expert-axis size or none. The errors come before anything compiles. Each program compiles once.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import spmdcomm as sc
+from spmdcomm.errors import AxisError, ShapeError, SpmdError
+from tests.ddp_models import assert_trees_close
+
+E, D, HIDDEN, ROWS, TOKENS, FEATURES = 8, 8, 16, 16, 4, 6
+CAPACITY, BALANCE, LR = 1.0, 0.1, 0.1
+RULES = {"model": [("embed", None), ("mlp", "model")], None: [("embed", None), ("mlp", None)]}
+
+
+class Mlp(nn.Module):
+    """An expert whose hidden units carry the logical name "mlp" (split over "model" by the rules that say so)."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        up = nn.Dense(HIDDEN, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")), name="up")
+        down = nn.Dense(D, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")), name="down")
+        return down(nn.gelu(up(x)))
+
+
+class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(D)(x)
+        h = h + sc.MoE(Mlp(), experts=E, k=2, capacity_factor=CAPACITY)(h)
+        return nn.Dense(1)(h)
+
+
+MODEL = Model()
+
+
+def batch():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((ROWS, TOKENS, FEATURES)).astype(np.float32)
+    return {"x": x, "y": rng.standard_normal((ROWS, TOKENS, 1)).astype(np.float32)}
+
+
+def balance_loss(moe_state):
+    return sum(jax.tree.leaves(moe_state["MoE_0"]["load_balancing_loss"]))
+
+
+def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
+    out, found = apply_fn({"params": params}, batch["x"], mutable=["moe"])
+    balance = balance_loss(found["moe"])
+    return jnp.mean((out - batch["y"]) ** 2) + BALANCE * balance, {"balance": balance}
+
+
+@pytest.fixture(scope="module")
+def initial():
+    return MODEL.init(jax.random.key(0), batch()["x"][:1])["params"]
+
+
+@pytest.fixture(scope="module")
+def reference(initial):
+    """One device: every expert local, the global batch, one SGD step."""
+    plain, data = nn.unbox(initial), batch()
+
+    def loss(p):
+        out, found = MODEL.apply({"params": p}, data["x"], mutable=["moe"])
+        balance = balance_loss(found["moe"])
+        return jnp.mean((out - data["y"]) ** 2) + BALANCE * balance, balance
+
+    (value, balance), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(plain)
+    return jax.tree.map(lambda p, g: p - LR * g, plain, grads), float(value), float(balance)
+
+
+# name: (mesh, strategy, rules)
+CASES = {
+    "ddp-data2-expert4": ({"data": 2, "expert": 4}, "ddp", None),
+    "fsdp-data2-expert4": ({"data": 2, "expert": 4}, "fsdp", None),
+    "ddp-data2-expert2-model2": ({"data": 2, "expert": 2, "model": 2}, "ddp", "model"),
+    "ddp-data8": ({"data": 8}, "ddp", None),
+}
+# The spec of the stacked "up" kernel [E, d, hidden] in each case.
+UP_SPECS = {
+    "ddp-data2-expert4": jax.P("expert", None, None),
+    "fsdp-data2-expert4": jax.P("expert", "data", None),
+    "ddp-data2-expert2-model2": jax.P("expert", None, "model"),
+    "ddp-data8": jax.P(None, None, None),
+}
+_TRAINED: dict[str, tuple] = {}
+
+
+def trained(case, initial):
+    if case not in _TRAINED:
+        mesh, strategy, rules = CASES[case]
+        state = sc.TrainState.create(
+            params=initial,
+            tx=optax.sgd(LR),
+            apply_fn=MODEL.apply,
+            mesh=sc.make_mesh(mesh),
+            strategy=strategy,
+            logical_axis_rules=RULES[rules],
+        )
+        step = sc.make_train_step(loss_fn, donate=False)
+        _TRAINED[case] = (state, step, *step(state, batch()))
+    return _TRAINED[case]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_step_equals_one_device_and_the_experts_live_on_the_expert_axis(case, initial, reference):
+    state, _, new, metrics = trained(case, initial)
+    mesh = CASES[case][0]
+    assert state.roles.axis("expert") == ("expert" if "expert" in mesh else None)
+    assert state.roles.batch == tuple(a for a in ("data", "expert") if a in mesh)
+    assert new.params["MoE_0"]["experts"]["up"]["kernel"].sharding.spec == UP_SPECS[case]
+    assert new.params["MoE_0"]["router"].sharding.spec in (jax.P(), jax.P("data"), jax.P(None, "data"))
+    want, loss, balance = reference
+    assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [loss, balance], rtol=1e-5)
+
+
+def test_explain_lists_the_moe_layers_all_to_alls_and_expert_bytes_per_device(initial):
+    for case, share in (("ddp-data2-expert4", 4), ("fsdp-data2-expert4", 8)):
+        state, step, *_ = trained(case, initial)
+        report = sc.explain(step, state, batch())
+        (section,) = report.sections
+        ((path, experts, mine, whole),) = section.layers
+        assert (section.axis, section.size, path, experts) == ("expert", 4, "params['MoE_0']['experts']", E)
+        assert mine * share == whole == 4 * E * (D * HIDDEN + HIDDEN + HIDDEN * D + D)
+        assert section.padded and section.all_to_alls >= 4 and section.all_to_all_bytes > 0
+        text = str(report)
+        assert "experts over 'expert' (4 devices): 1 MoE layer; all-to-alls over 'expert': " in text
+        assert f"params['MoE_0']['experts']: 8 experts, {8 // share} per device" in text and "padded" in text
+
+
+def test_a_checkpoint_keeps_the_experts_in_order_and_restores_on_another_expert_axis_or_none(initial, tmp_path):
+    _, _, new, _ = trained("ddp-data2-expert4", initial)
+    sc.save_checkpoint(tmp_path, new)
+    full = jax.device_get(new.full_params())
+    for mesh in ({"data": 4, "expert": 2}, {"data": 8}):
+        template = sc.TrainState.create(
+            params=initial,
+            tx=optax.sgd(LR),
+            apply_fn=MODEL.apply,
+            mesh=sc.make_mesh(mesh),
+            logical_axis_rules=RULES[None],
+        )
+        restored = sc.restore_checkpoint(tmp_path, template)
+        want_spec = jax.P("expert", None, None) if "expert" in mesh else jax.P(None, None, None)
+        assert restored.params["MoE_0"]["experts"]["up"]["kernel"].sharding.spec == want_spec
+        assert_trees_close(jax.device_get(restored.full_params()), full, rtol=0, atol=0)
+
+
+class NnxMlp(nnx.Module):
+    def __init__(self, rngs):
+        self.up, self.down = nnx.Linear(D, HIDDEN, rngs=rngs), nnx.Linear(HIDDEN, D, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.gelu(self.up(x)))
+
+
+class NnxModel(nnx.Module):
+    def __init__(self, rngs):
+        self.embed, self.head = nnx.Linear(FEATURES, D, rngs=rngs), nnx.Linear(D, 1, rngs=rngs)
+        self.moe = sc.nnx.MoE(NnxMlp, experts=E, features=D, k=2, capacity_factor=CAPACITY, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.embed(x)
+        return self.head(h + self.moe(h))
+
+
+def nnx_loss(model, batch, *, rng, mask):
+    out, found = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(model, batch["x"])
+    balance = found["moe"]["load_balancing_loss"].get_value()[0]
+    return jnp.mean((out - batch["y"]) ** 2) + BALANCE * balance, {"balance": balance}
+
+
+def test_the_nnx_layer_in_a_step_on_data2_expert4_equals_one_device():
+    model, data = NnxModel(nnx.Rngs(0)), batch()
+    state = sc.TrainState.create_nnx(model, tx=optax.sgd(LR), mesh=sc.make_mesh({"data": 2, "expert": 4}))
+    assert state.params["moe"]["experts"]["up"]["kernel"].sharding.spec == jax.P("expert", None, None)
+    new, metrics = sc.make_train_step(sc.nnx_loss_fn(nnx_loss), donate=False)(state, data)
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def reference(params):
+        def loss(p):
+            return nnx_loss(nnx.merge(graphdef, p, rest), data, rng=None, mask=None)
+
+        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return value, aux["balance"], jax.tree.map(lambda p, g: p - LR * g, params, grads)
+
+    value, balance, want = reference(params)
+    np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
+    got = jax.tree.map(np.asarray, jax.device_get(new.full_params()))
+    assert_trees_close(nnx.to_pure_dict(got), nnx.to_pure_dict(want), rtol=1e-5, atol=1e-6)
+
+
+# ---- errors before anything compiles -----------------------------------------------------------------------------
+
+
+def create(initial, mesh, **kwargs):
+    return sc.TrainState.create(
+        params=initial, tx=optax.sgd(LR), apply_fn=MODEL.apply, mesh=sc.make_mesh(mesh), **kwargs
+    )
+
+
+class SixExperts(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return sc.MoE(Mlp(), experts=6, k=1)(x)
+
+
+def test_experts_that_do_not_divide_by_the_expert_axis_raise_at_create():
+    params = jax.jit(SixExperts().init)(jax.random.key(0), np.ones((1, D), np.float32))["params"]
+    with pytest.raises(ShapeError) as caught:
+        create(params, {"data": 2, "expert": 4}, logical_axis_rules=RULES[None])
+    for fact in ("params['MoE_0']['experts']", "dimension 0 of size 6 over ('expert',) (4 devices)", "multiple of 4"):
+        assert fact in str(caught.value)
+
+
+def test_an_expert_axis_also_named_a_data_axis_raises(initial):
+    with pytest.raises(AxisError, match=r"the expert axis 'expert' must be a mesh axis of its own, not a data axis"):
+        create(initial, {"data": 2, "expert": 4}, axis=("data", "expert"), logical_axis_rules=RULES[None])
+    with pytest.raises(SpmdError, match=r"expert=4 is not a ExpertParallel.*pass sc.ExpertParallel\(\)"):
+        create(initial, {"data": 8}, expert=4)
+    with pytest.raises(SpmdError, match=r"ExpertParallel: axis=3 is not a mesh axis name"):
+        sc.ExpertParallel(axis=3)
+
+
+def test_a_renamed_expert_axis_runs_and_a_layer_naming_another_axis_raises_while_tracing(initial):
+    state = create(initial, {"data": 2, "e": 4}, expert=sc.ExpertParallel(axis="e"), logical_axis_rules=RULES[None])
+    assert state.roles.axis("expert") == "e"
+    assert state.params["MoE_0"]["experts"]["up"]["kernel"].sharding.spec == jax.P("e", None, None)
+
+    class Named(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return sc.MoE(Mlp(), experts=E, k=2, axis_name="expert")(nn.Dense(D)(x))
+
+    def named_loss(params, batch, **_):
+        return jnp.mean(Named().apply({"params": params}, batch["x"]) ** 2)
+
+    params = Named().init(jax.random.key(0), batch()["x"][:1])["params"]
+    named = create(params, {"data": 2, "e": 4}, expert=sc.ExpertParallel(axis="e"), logical_axis_rules=RULES[None])
+    with pytest.raises(AxisError, match=r"axis_name='expert', but the step runs its MoE layers with axis_name='e'"):
+        sc.make_train_step(named_loss, donate=False)(named, batch())
