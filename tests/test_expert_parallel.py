@@ -41,10 +41,12 @@ class Mlp(nn.Module):
 
 
 class Model(nn.Module):
+    capacity: float | None = CAPACITY
+
     @nn.compact
     def __call__(self, x):
         h = nn.Dense(D)(x)
-        h = h + sc.MoE(Mlp(), experts=E, k=2, capacity_factor=CAPACITY)(h)
+        h = h + sc.MoE(Mlp(), experts=E, k=2, capacity_factor=self.capacity)(h)
         return nn.Dense(1)(h)
 
 
@@ -259,3 +261,62 @@ def test_a_renamed_expert_axis_runs_and_a_layer_naming_another_axis_raises_while
     named = create(params, {"data": 2, "e": 4}, expert=sc.ExpertParallel(axis="e"), logical_axis_rules=RULES[None])
     with pytest.raises(AxisError, match=r"axis_name='expert', but the step runs its MoE layers with axis_name='e'"):
         sc.make_train_step(named_loss, donate=False)(named, batch())
+
+
+def test_a_context_axis_splits_every_sequence_and_the_dropless_step_equals_one_device(initial):
+    """data 2 x expert 2 x context 2: the tokens of every row are split over the context axis too; the dropless
+    layer's output and its statistics are the global batch's, whatever order the devices hold the tokens in."""
+    dropless = Model(capacity=None)
+    data, plain = batch(), nn.unbox(initial)
+
+    def loss_of(apply_fn):
+        def loss_fn(params, batch, **_):
+            out, found = apply_fn({"params": params}, batch["x"], mutable=["moe"])
+            balance = balance_loss(found["moe"])
+            return jnp.mean((out - batch["y"]) ** 2) + BALANCE * balance, {"balance": balance}
+
+        return loss_fn
+
+    mesh = {"data": 2, "expert": 2, "context": 2}
+    state = create(initial, mesh, context=sc.ContextParallel(), logical_axis_rules=RULES[None])
+    state = state.replace(apply_fn=dropless.apply)
+    assert state.roles.manual == ("data", "expert", "context")
+    new, metrics = sc.make_train_step(loss_of(dropless.apply), donate=False)(state, data)
+    (value, aux), grads = jax.jit(jax.value_and_grad(lambda p: loss_of(dropless.apply)(p, data), has_aux=True))(plain)
+    np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, aux["balance"]], rtol=1e-5)
+    want = jax.tree.map(lambda p, g: p - LR * g, plain, grads)
+    assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
+    # A capacity drops in the global token order, which the context split does not keep: refused while tracing.
+    with pytest.raises(
+        SpmdError, match=r"capacity_factor=1.0 in a step that splits every sequence over \('context',\)"
+    ):
+        sc.make_train_step(loss_fn, donate=False)(state.replace(apply_fn=MODEL.apply), data)
+
+
+class Stacked(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        block = type(
+            "MoEBlock", (nn.Module,), {"__call__": nn.compact(lambda self, h: h + sc.MoE(Mlp(), experts=E)(h))}
+        )
+        return sc.PipelineStack(block(parent=None), 2)(nn.Dense(D)(x))
+
+
+def test_a_moe_layer_in_a_pipelined_step_raises_while_tracing():
+    params = jax.jit(Stacked().init)(jax.random.key(0), batch()["x"][:1])["params"]
+    state = sc.TrainState.create(
+        params=params,
+        tx=optax.sgd(LR),
+        apply_fn=Stacked().apply,
+        mesh=sc.make_mesh({"data": 2, "stage": 2, "expert": 2}),
+        pipeline=sc.Pipeline(microbatches=2),
+        logical_axis_rules=RULES[None],
+    )
+
+    def loss_fn(params, batch, *, apply_fn, **_):
+        return jnp.mean(apply_fn({"params": params}, batch["x"]) ** 2)
+
+    with pytest.raises(
+        SpmdError, match=r"a MoE layer in a step with a pipeline \(stage axis 'stage'\) is not supported"
+    ):
+        sc.make_train_step(loss_fn, donate=False)(state, batch())
