@@ -320,3 +320,13 @@ def test_a_moe_layer_in_a_pipelined_step_raises_while_tracing():
         SpmdError, match=r"a MoE layer in a step with a pipeline \(stage axis 'stage'\) is not supported"
     ):
         sc.make_train_step(loss_fn, donate=False)(state, batch())
+
+
+def test_a_masked_batch_runs_on_the_expert_axis_and_equals_one_device(initial, reference):
+    """A masked batch (what sc.Loader hands the step) keeps every replicated gradient summed over the expert axis."""
+    state, step, *_ = trained("ddp-data2-expert4", initial)
+    data = batch()
+    new, metrics = step(state, sc.MaskedBatch(data, np.ones(ROWS, bool)))
+    want, loss, _ = reference
+    assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)

@@ -103,6 +103,10 @@ def accumulate(
             # gradient is kept when any row it depends on is real (the schedule says which rows those are). The
             # rows, not the tokens: a real row without tokens is one device's too, NaN and all.
             seen = schedule.rows_seen(c)
+            # Autodiff summed a replicated parameter's gradient over the other axes that split the batch (an expert
+            # or context axis; the schedule counts its own stage axis): it depends on their rows too.
+            rest = tuple(a for a in manual[len(state.data_axes) :] if a != state.roles.stage)
+            seen = lax.psum(vary(seen, rest), rest) if rest else seen
             grads = jax.tree.map(lambda g: jnp.where(seen > 0, g, jnp.zeros_like(g)), grads)
         return strategy.micro_grads(ctx, layout, grads), metrics, new_model_state, c
 
