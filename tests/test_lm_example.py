@@ -132,6 +132,7 @@ def test_mesh_flags_name_the_axes_and_the_data_axes_are_the_others():
     assert list(lm.train.parse_mesh("replica=2, shard=-1")) == ["replica", "shard"]
     assert lm.train.data_axes(("data", "stage", "model")) == "data"
     assert lm.train.data_axes(("data", "context")) == "data"
+    assert lm.train.data_axes(("data", "expert", "model")) == "data"
     assert lm.train.data_axes(("replica", "shard", "model")) == ("replica", "shard")
     for bad in ("data", "data=2,data=2", "data=two", "=4"):
         with pytest.raises(ValueError, match="--mesh"):
@@ -211,3 +212,21 @@ def test_packed_rows_train_the_mean_over_real_bytes_alike_on_every_layout():
     again = np.asarray(apply({"params": params}, changed, batch["segments"], batch["positions"]))
     np.testing.assert_allclose(again[~first], np.asarray(logits)[~first], rtol=1e-6, atol=1e-6)
     assert not np.allclose(again[first], np.asarray(logits)[first])
+
+
+# A mixture of 8 experts, top-2, in both blocks: about 10 s a layout on 2 cores.
+EXPERTS = dict(TINY, steps=6, warmup_steps=2, eval_every=6, eval_windows=32, strategy="ddp", experts=8, top_k=2)
+MOE_MESHES = ("data=8", "data=2,expert=4")
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_trains_the_same_curve_on_an_expert_axis_as_on_data_8():
+    """--experts 8 --top-k 2: on data=2,expert=4 (the experts split over expert, the batch over both) every step's
+    loss and the validation bits per byte are data=8's, where every device holds every expert."""
+    runs = {mesh: lm.train.train_and_evaluate(lm.train.Config(**(EXPERTS | {"mesh": mesh}))) for mesh in MOE_MESHES}
+    reference = runs.pop("data=8")
+    for mesh, run in runs.items():
+        np.testing.assert_allclose(run["losses"], reference["losses"], rtol=1e-5, err_msg=mesh)
+        assert run["val_bits_per_byte"] == pytest.approx(reference["val_bits_per_byte"], rel=1e-5), mesh
+    assert reference["experts"] == 8 and reference["active_parameters"] < reference["parameters"]
+    assert reference["losses"][-1] < reference["losses"][0]

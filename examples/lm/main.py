@@ -5,6 +5,7 @@
     python examples/lm/main.py --devices 8 --mesh replica=2,shard=4 --strategy fsdp    # hybrid sharding
     python examples/lm/main.py --devices 8 --packed --mesh data=2,context=4    # documents of different lengths
     python examples/lm/main.py --devices 8 --checkpoint-dir ckpt --max-steps 200       # stop; run again to resume
+    python examples/lm/main.py --devices 8 --experts 8 --top-k 2 --mesh data=2,expert=4       # mixture of experts
 
 The corpus is this Python's standard library (no download). Every evaluation prints validation bits per byte next
 to the unigram baseline's; the last line printed is the JSON summary (also written to --json). The training logic
@@ -45,14 +46,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mesh",
-        help="mesh axes and sizes, e.g. data=4,model=2, replica=2,shard=4, data=2,stage=2,model=2 or "
-        "data=2,context=4 (default data=-1)",
+        help="mesh axes and sizes, e.g. data=4,model=2, replica=2,shard=4, data=2,stage=2,model=2, "
+        "data=2,context=4 or data=2,expert=4 (default data=-1)",
     )
     p.add_argument("--strategy", choices=["ddp", "zero1", "zero2", "fsdp"], help="over the data axes")
     p.add_argument("--microbatches", type=int, help="a pipeline's micro-batches (else gradient accumulation's)")
     p.add_argument("--packed", action="store_true", help="rows of documents of different lengths, padded at the end")
     p.add_argument("--attention", choices=["ring", "all_to_all"], help="context parallelism's algorithm")
     p.add_argument("--repeats", type=int, help="a pipeline's layer groups per stage (needs a stage axis)")
+    p.add_argument("--experts", type=int, help="a mixture of this many experts in every block (0: dense MLPs)")
+    p.add_argument("--top-k", type=int, help="experts per token")
+    p.add_argument("--mlp-ratio", type=int, help="an MLP's (or expert's) hidden units per unit of width")
     p.add_argument("--width", type=int)
     p.add_argument("--layers", type=int)
     p.add_argument("--heads", type=int)

@@ -9,6 +9,11 @@ maps the names to the mesh: Megatron-style tensor parallelism over a ``"model"``
 (query, key and value by their output columns, the output projection by its input rows) and the MLP by its hidden
 units (first kernel by columns, second by rows), so each block's forward pass needs one all-reduce over ``model``
 after attention and one after the MLP. Without a ``"model"`` axis nothing is split over the model.
+
+With ``experts`` every block's MLP is a mixture of experts (``sc.MoE``, top-k routing, dropless): each expert an MLP
+of the same shape, its hidden units over ``"model"`` too; on a mesh with an ``"expert"`` axis the state splits the
+experts over it and the batch too. Such blocks are modules of their own instead of a stack, and the loss adds the
+load-balancing loss of every MoE layer.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import optax
 from input_pipeline import VOCAB
@@ -24,6 +30,7 @@ from input_pipeline import VOCAB
 import spmdcomm as sc
 
 MODEL_AXIS = "model"  # the mesh axis of tensor parallelism
+BALANCE = 0.01  # the weight of the MoE layers' load-balancing loss (Switch Transformer's)
 
 
 def logical_axis_rules(mesh_axes: Sequence[str]) -> list[tuple[str, str | None]]:
@@ -66,6 +73,8 @@ class Block(nn.Module):
     dtype: Any = jnp.float32
     attention: str = "ring"  # context parallelism's algorithm: "ring" or "all_to_all"
     segmented: bool = False  # packed rows: the segment ids ride in the last channel of x
+    experts: int = 0  # > 0: the MLP is a mixture of this many experts (sc.MoE), each an MLP of `hidden` units
+    top_k: int = 2  # experts per token
 
     @nn.compact
     def __call__(self, x):
@@ -87,14 +96,31 @@ class Block(nn.Module):
         # Row-parallel: each model device sums over its heads, one all-reduce of the partial sums.
         x = x + Projection((self.width,), ("heads", "kv", "embed"), contract=2, dtype=self.dtype, name="out")(y)
         y = _norm(self.dtype, "mlp_norm")(x)
+        if self.experts:
+            # Each token through its top_k experts; on a mesh with an "expert" axis the experts are split over it.
+            y = sc.MoE(Mlp(self.hidden, self.width, self.dtype), experts=self.experts, k=self.top_k, name="moe")(y)
+        else:
+            y = Mlp(self.hidden, self.width, self.dtype, name="mlp")(y)
+        return x + y if segments is None else jnp.concatenate([x + y, carried], axis=-1)
+
+
+class Mlp(nn.Module):
+    """The MLP of a block, or one expert of a mixture: ``width -> hidden -> width`` with a GELU, its hidden units
+    named ``"mlp"`` (split over ``"model"``)."""
+
+    hidden: int
+    width: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, y):
         zeros = nn.initializers.zeros_init()
         y = nn.Dense(
             self.hidden, kernel_init=_init(("embed", "mlp")), bias_init=_init(("mlp",), zeros), dtype=self.dtype
         )(y)
-        y = nn.Dense(
+        return nn.Dense(
             self.width, kernel_init=_init(("mlp", "embed")), bias_init=_init(("embed",), zeros), dtype=self.dtype
         )(nn.gelu(y))
-        return x + y if segments is None else jnp.concatenate([x + y, carried], axis=-1)
 
 
 class Projection(nn.Module):
@@ -137,6 +163,8 @@ class Transformer(nn.Module):
     max_len: int = 128
     dtype: Any = jnp.float32
     attention: str = "ring"  # context parallelism's algorithm
+    experts: int = 0  # > 0: every block's MLP is a mixture of this many experts
+    top_k: int = 2  # experts per token
 
     @nn.compact
     def __call__(self, tokens, segments=None, positions=None):
@@ -153,11 +181,24 @@ class Transformer(nn.Module):
         x = embed(tokens).astype(self.dtype) + table[positions].astype(self.dtype)
         segmented = segments is not None
         block = Block(
-            self.width, self.heads, self.mlp_ratio * self.width, self.dtype, self.attention, segmented, parent=None
+            self.width,
+            self.heads,
+            self.mlp_ratio * self.width,
+            self.dtype,
+            self.attention,
+            segmented,
+            self.experts,
+            self.top_k,
+            parent=None,
         )
         if segmented:
             x = jnp.concatenate([x, segments[..., None].astype(x.dtype)], axis=-1)
-        x = stack(block, self.layers, name="blocks")(x)
+        if self.experts:
+            # One module per block: a scan (sc.PipelineStack) would not hand the MoE layers' sown losses back.
+            for i in range(self.layers):
+                x = block.clone(parent=self, name=f"block_{i}")(x)
+        else:
+            x = stack(block, self.layers, name="blocks")(x)
         x = x[..., :-1] if segmented else x
         x = _norm(self.dtype, "final_norm")(x)
         return embed.attend(x).astype(jnp.float32)  # the head is the embedding, transposed
@@ -171,8 +212,11 @@ def make_loss_fn() -> Callable:
     leaves, so that a context axis splits both the same way; packed rows add ``"segments"`` and ``"positions"``."""
 
     def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
-        loss, right, real = token_sums(apply_fn, params, batch, mask)
-        return sc.weighted(loss, real), {"accuracy": sc.weighted(right, real)}
+        loss, right, real, balance = token_sums(apply_fn, params, batch, mask)
+        # The load-balancing loss, the global batch's already, added to every real byte's loss.
+        total = loss + BALANCE * balance * real
+        aux = {"accuracy": sc.weighted(right, real), "balance": sc.weighted(balance * real, real)}
+        return sc.weighted(total, real), aux
 
     return loss_fn
 
@@ -181,23 +225,25 @@ def make_metric_fn() -> Callable:
     """Validation loss (nats per byte) and next-byte accuracy over the real target bytes, token-weighted."""
 
     def metric_fn(params, batch, *, apply_fn, model_state, mask):
-        loss, right, real = token_sums(apply_fn, params, batch, mask)
+        loss, right, real, _ = token_sums(apply_fn, params, batch, mask)
         return {"loss": sc.weighted(loss, real), "accuracy": sc.weighted(right, real)}
 
     return metric_fn
 
 
-def token_sums(apply_fn, params, batch, mask) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+def token_sums(apply_fn, params, batch, mask) -> tuple[jnp.ndarray, ...]:
     """The cross-entropy summed over the real target bytes of ``batch``'s real rows (``mask``), the correct
-    next-byte guesses among them, and how many there are: every byte of a plain window, the bytes of a packed
-    row's documents (segment > 0)."""
+    next-byte guesses among them, how many there are (every byte of a plain window, the bytes of a packed row's
+    documents, segment > 0), and the MoE layers' load-balancing losses summed (0 without experts)."""
     inputs, targets = batch["inputs"].astype(jnp.int32), batch["targets"].astype(jnp.int32)
     segments = batch.get("segments")
-    logits = apply_fn({"params": params}, inputs, segments, batch.get("positions"))
+    logits, sown = apply_fn({"params": params}, inputs, segments, batch.get("positions"), mutable=["moe"])
+    found = jax.tree_util.tree_leaves_with_path(sown.get("moe", {}))
+    balance = sum((v for path, v in found if path[-2].key == "load_balancing_loss"), jnp.zeros((), jnp.float32))
     real = jnp.broadcast_to(jnp.asarray(mask, bool)[:, None], targets.shape)
     if segments is not None:
         real = real & (segments > 0)
     # Selects, not products: a padded position's value never reaches the sums or their gradients.
     loss = jnp.where(real, optax.softmax_cross_entropy_with_integer_labels(logits, targets), 0.0)
     right = real & (jnp.argmax(logits, -1) == targets)
-    return jnp.sum(loss), jnp.sum(right, dtype=jnp.float32), jnp.sum(real, dtype=jnp.float32)
+    return jnp.sum(loss), jnp.sum(right, dtype=jnp.float32), jnp.sum(real, dtype=jnp.float32), balance

@@ -2,7 +2,8 @@
 
 ``train_and_evaluate(Config(...))`` trains the transformer of ``models.py`` on the Python standard library's source
 (``input_pipeline.py``) on a mesh the config names (``"data=4,model=2"``: the batch split over ``data``, attention
-heads and MLP units over ``model``; ``"replica=2,shard=4"``: hybrid sharding), with the config's strategy, AdamW
+heads and MLP units over ``model``; ``"replica=2,shard=4"``: hybrid sharding; ``"data=2,expert=4"`` with
+``experts``: the experts split over ``expert``, the batch over both), with the config's strategy, AdamW
 with a warm-up cosine schedule, and one ``sc.fit`` call over an ``sc.Loader``. An ``sc.Hook`` computes the
 validation loss every ``eval_every`` steps through ``sc.evaluate``; each evaluation prints validation bits per byte
 next to the unigram baseline's (the training bytes' frequencies). The loss is token-weighted (``sc.weighted``): the
@@ -33,6 +34,7 @@ import spmdcomm as sc
 
 PIPELINE_AXIS = "stage"  # the mesh axis of pipeline stages
 CONTEXT_AXIS = "context"  # the mesh axis every sequence is split over
+EXPERT_AXIS = "expert"  # the mesh axis the experts are split over (and the batch, as over a data axis)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -45,6 +47,9 @@ class Config:
     microbatches: int = 1  # a pipeline's micro-batches; without a stage axis, gradient accumulation's
     repeats: int = 1  # a pipeline's layer groups per stage (needs a "stage" axis)
     attention: str = "ring"  # how attention crosses a "context" axis: "ring" or "all_to_all"
+    experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (split over an "expert" axis)
+    top_k: int = 2  # experts per token
+    mlp_ratio: int = 4  # an MLP's (or expert's) hidden units per unit of width
     packed: bool = False  # rows of documents of different lengths, padded at the end (else whole windows)
     width: int = 128
     layers: int = 4
@@ -84,13 +89,13 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def data_axes(axis_names: Sequence[str]) -> str | tuple[str, ...]:
-    """The data axes: every axis but the model's, the pipeline's and the context's, in mesh order
+    """The data axes: every axis but the model's, the pipeline's, the context's and the experts', in mesh order
     (several: hybrid sharding, ZeRO and FSDP splitting over the last one).
 
     Raises:
       ValueError: when no axis is left for the data.
     """
-    axes = tuple(a for a in axis_names if a not in (MODEL_AXIS, PIPELINE_AXIS, CONTEXT_AXIS))
+    axes = tuple(a for a in axis_names if a not in (MODEL_AXIS, PIPELINE_AXIS, CONTEXT_AXIS, EXPERT_AXIS))
     if not axes:
         raise ValueError(f"the mesh {tuple(axis_names)} has no data axis: add one, e.g. data=-1")
     return axes[0] if len(axes) == 1 else axes
@@ -105,14 +110,24 @@ def make_model(config: Config) -> Transformer:
         max_len=config.seq_len,
         dtype=DTYPES[config.dtype],
         attention=config.attention,
+        mlp_ratio=config.mlp_ratio,
+        experts=config.experts,
+        top_k=config.top_k,
     )
 
 
-def count_parameters(config: Config) -> int:
-    """The model's parameters, counted from their shapes (nothing is initialised or gathered)."""
+def count_parameters(config: Config) -> tuple[int, int]:
+    """The model's parameters and those active for one token (``top_k`` of each mixture's experts), counted from
+    their shapes (nothing is initialised or gathered)."""
     tokens = jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
     shapes = jax.eval_shape(make_model(config).init, jax.random.key(0), tokens)["params"]
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    total = active = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(shapes):
+        size = math.prod(x.shape)
+        total += size
+        experts = any(getattr(k, "key", None) == "experts" for k in path)
+        active += size * config.top_k // config.experts if experts else size
+    return total, active
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -197,7 +212,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     sampler = sc.ShardedSampler(len(train_data["inputs"]), **shard, seed=config.seed, drop_remainder=True)
     val_sampler = sc.ShardedSampler(len(val["inputs"]), **shard, shuffle=False)
     start = (sc.latest_checkpoint_step(config.checkpoint_dir) if config.checkpoint_dir else None) or 0
-    params = count_parameters(config)
+    params, active = count_parameters(config)
     say(
         f"corpus: {len(corpus.train_files)} files ({corpus.train.size / 1e6:.1f} MB) for training, "
         f"{len(corpus.val_files)} ({corpus.val.size / 1e6:.1f} MB) for validation, {len(val['inputs'])} validation "
@@ -205,7 +220,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         f"unigram baseline {unigram:.3f} bits/byte"
     )
     say(
-        f"model: {params / 1e6:.2f}M parameters, {config.layers} layers of width {config.width}; mesh "
+        f"model: {params / 1e6:.2f}M parameters ({active / 1e6:.2f}M active per token), {config.layers} layers of "
+        f"width {config.width}{f', {config.experts} experts, top-{config.top_k}' if config.experts else ''}; mesh "
         f"{dict(mesh.shape)}, {state.strategy} over {state.axis}, global batch {config.batch_size} x "
         f"{config.seq_len} bytes"
     )
@@ -257,6 +273,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         "devices": sc.device_count(),
         "platform": jax.devices()[0].platform,
         "parameters": params,
+        "active_parameters": active,
+        "experts": config.experts,
         "global_batch": config.batch_size,
         "seq_len": config.seq_len,
         "restarts": sc.restart_count(),
@@ -318,10 +336,11 @@ def say(line: str) -> None:
 
 
 def _check_batch(config: Config, mesh: Mesh) -> None:
-    """The global batch must split over the processes and the data axes (and the stage axis), and each data
-    replica's rows into the micro-batches (a pipeline's, or accumulation's per device)."""
+    """The global batch must split over the processes and the data axes (and the expert and stage axes), and each
+    data replica's rows into the micro-batches (a pipeline's, or accumulation's per device)."""
     names = data_axes(mesh.axis_names)
     data = math.prod(mesh.shape[a] for a in (names if isinstance(names, tuple) else (names,)))
+    data *= mesh.shape.get(EXPERT_AXIS, 1)  # the batch is split over the expert axis too
     stages = mesh.shape.get(PIPELINE_AXIS, 1)
     per_device = 1 if PIPELINE_AXIS in mesh.axis_names else data
     need = math.lcm(data * stages, per_device * config.microbatches, data * config.microbatches)
