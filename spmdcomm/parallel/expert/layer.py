@@ -277,8 +277,8 @@ class ExpertReport:
             f"over {self.axis!r}: {self.all_to_alls} ({format_bytes(self.all_to_all_bytes)} per device), {kind}"
         ]
         lines += [
-            f"  {path}: {experts} experts, {experts * mine // max(whole, 1)} per device, parameters "
-            f"{format_bytes(mine)} of {format_bytes(whole)} per device"
+            f"  {path}: {experts} experts, {experts * mine // max(whole, 1)} per device; parameters "
+            f"{format_bytes(mine)} per device of {format_bytes(whole)}"
             for path, experts, mine, whole in self.layers
         ]
         return "\n".join(lines)
