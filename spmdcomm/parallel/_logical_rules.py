@@ -87,7 +87,7 @@ class LogicalRules:
             self.rules = self._check(given, "logical_axis_rules")
             self.where = f"logical_axis_rules={list(self.rules)}"
 
-    def add(self, pairs: tuple[tuple[str, str], ...], *, whole: tuple[str, ...] = ()) -> None:
+    def add(self, pairs: tuple[tuple[str, str], ...], whole: tuple[str, ...] = ()) -> None:
         """Puts ``pairs`` after the rules in force (a parallelism's logical name and its axis: a rule given for the
         same name comes first, and wins); a name of ``whole`` (a registered parallelism's that the state does not
         run) keeps its dimension whole without a rule or a warning."""

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from spmdcomm.errors import SpmdError, describe
 
-__all__ = ["Parallelism", "register", "registered"]
+__all__ = ["Parallelism", "register", "registered", "logical_rules"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +103,15 @@ def register(entry: Parallelism) -> Parallelism:
 def registered() -> tuple[Parallelism, ...]:
     """Every registered parallelism, in registration order."""
     return tuple(_REGISTRY)
+
+
+def logical_rules(configs: dict[str, Any]) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """``(rules, whole)`` for a state running the parallelisms of ``configs`` (``{keyword: config}``): the
+    ``(logical name, axis)`` rule of each of them that has a logical name, and the logical names of the registered
+    ones it does not run (their dimensions stay whole, without a rule or a warning)."""
+    running = [p for p in _REGISTRY if configs.get(p.keyword) is not None]
+    rules = tuple((p.logical, configs[p.keyword].axis) for p in running if p.logical)
+    return rules, tuple(p.logical for p in _REGISTRY if p.logical and p not in running)
 
 
 _REGISTRY: list[Parallelism] = []

@@ -29,7 +29,7 @@ from spmdcomm.parallel.context import ContextParallel
 from spmdcomm.parallel.data.strategies import DDP, Strategy, resolve_strategy
 from spmdcomm.parallel.pipeline.pipeline import Pipeline
 from spmdcomm.parallel.pipeline.schedule import SEQUENTIAL, Schedule
-from spmdcomm.parallel.registry import registered
+from spmdcomm.parallel.registry import logical_rules
 from spmdcomm.parallel.rng import data_to_keys, keys_to_data, raw_key
 from spmdcomm.parallel.roles import MeshRoles, active, by_keyword, mesh_roles, parallel_configs, with_data_axis
 from spmdcomm.runtime.host_collectives import broadcast_tree
@@ -206,11 +206,7 @@ class TrainState:
         roles = mesh_roles(fn, mesh, axis, configs)
         strategy = resolve_strategy(fn, strategy)
         rules = LogicalRules(fn, logical_axis_rules, missing=missing_logical_rules)
-        running = active(configs)
-        rules.add(
-            tuple((entry.logical, config.axis) for entry, config in running if entry.logical),
-            whole=tuple(p.logical for p in registered() if p.logical and p not in [e for e, _ in running]),
-        )
+        rules.add(*logical_rules(configs))
         params, model_specs = model_partitioning(fn, params, param_specs, mesh, roles.data, rules, stage=roles.stage)
         model_state = {} if model_state is None else model_state
         rng = raw_key(rng)
