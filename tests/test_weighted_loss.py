@@ -132,16 +132,17 @@ CASES = [  # the fast tier runs one case of each kind of split: data and accumul
         1,
         id="pipeline-context",
     ),
-    pytest.param({"data": 4, "model": 2}, {"strategy": "zero2"}, 4, id="zero2-accum4", marks=SLOW),
-    pytest.param({"data": 4, "model": 2}, {"strategy": "fsdp"}, 1, id="fsdp-model-axis", marks=SLOW),
+    # Each slow case adds what the others lack: a model axis with 4 micro-batches, hybrid ZeRO-2 over two data
+    # axes, a pipeline with accumulation and dynamic loss scaling, the contiguous context layout.
+    pytest.param({"data": 4, "model": 2}, {"strategy": "fsdp"}, 4, id="fsdp-model-axis-accum4", marks=SLOW),
     pytest.param(
-        {"replica": 2, "data": 4}, {"strategy": "fsdp", "axis": ("replica", "data")}, 2, id="hybrid", marks=SLOW
+        {"replica": 2, "data": 4}, {"strategy": "zero2", "axis": ("replica", "data")}, 2, id="hybrid-zero2", marks=SLOW
     ),
     pytest.param(
         {"data": 4, "stage": 2},
-        {"strategy": "ddp", "pipeline": sc.Pipeline(microbatches=2)},
+        {"strategy": "ddp", "pipeline": sc.Pipeline(microbatches=2), "loss_scale": "dynamic"},
         2,
-        id="pipeline-accum2",
+        id="pipeline-accum2-loss-scale",
         marks=SLOW,
     ),
     pytest.param(
@@ -151,7 +152,6 @@ CASES = [  # the fast tier runs one case of each kind of split: data and accumul
         id="context-contiguous-accum2",
         marks=SLOW,
     ),
-    pytest.param({"data": 8}, {"strategy": "ddp", "loss_scale": "dynamic"}, 2, id="loss-scale", marks=SLOW),
 ]
 
 
