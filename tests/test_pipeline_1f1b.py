@@ -5,6 +5,7 @@ The models and references are tests/test_pipeline.py's."""
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -12,11 +13,13 @@ import pytest
 
 import spmdcomm as sc
 from spmdcomm.parallel.pipeline import tables
-from tests.ddp_models import assert_trees_close
+from tests.ddp_models import assert_trees_close, mesh_of
 from tests.test_pipeline import (
     SLOW,
     TX,
+    WIDTH,
     Net,
+    NormBlock,
     NormNet,
     batches,
     init,
@@ -26,6 +29,7 @@ from tests.test_pipeline import (
     norm_loss,
     one_device,
     train,
+    train_norm,
 )
 
 
@@ -224,17 +228,57 @@ def test_the_table_schedules_keep_p_micro_batches_and_recompute_nothing():
     assert temp["1f1b"] * 2.5 < temp["gpipe"] and temp["zb-h1"] < 1.1 * temp["1f1b"], temp
 
 
+@pytest.mark.parametrize(
+    "schedule, layout, strategy, m, v",
+    [
+        ("1f1b", {"data": 2, "stage": 2}, "ddp", 4, 1),
+        pytest.param("zb-h1", {"data": 2, "stage": 2, "model": 2}, "zero1", 2, 2, marks=SLOW),
+    ],
+    ids=str,
+)
+def test_batchnorm_in_a_stage_equals_one_device_with_one_micro_batch_at_a_time(schedule, layout, strategy, m, v):
+    """GPipe's rule under the table schedules: each micro-batch normalised by its own statistics (synchronised over
+    the data axis), the running statistics updated once per forward pass of a chunk, in micro-batch order; one
+    device with accum_steps=m, its micro-batch j holding every replica's micro-batch j."""
+    data = batches(rows=16)
+    order = np.arange(16).reshape(layout["data"], m, -1).transpose(1, 0, 2).ravel()
+    (want, want_stats), want_losses, want_error = train_norm(
+        NormNet("data"), mesh_of(1), [{k: a[order] for k, a in b.items()} for b in data], accum=m
+    )
+    (got, got_stats), losses, error = train_norm(
+        NormNet("data"),
+        sc.make_mesh(layout, devices=jax.devices()[: int(np.prod(list(layout.values())))]),
+        data,
+        strategy=strategy,
+        pipeline=sc.Pipeline(microbatches=m, repeats=v, schedule=schedule),
+    )
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_trees_close(got_stats, want_stats, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(error, want_error, rtol=1e-5)
+
+
+class OutsideNormNet(nn.Module):
+    """BatchNorm before the stack, which the table schedules run once per micro-batch."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        h = nn.BatchNorm(use_running_average=not train)(nn.Dense(WIDTH)(x))
+        return nn.Dense(3)(sc.PipelineStack(NormBlock(), layers=4)(h, train))
+
+
 def test_what_the_table_schedules_do_not_run_is_refused():
     with pytest.raises(sc.SpmdError, match=r"schedule='zb' is not a schedule.*'gpipe', '1f1b', 'interleaved_1f1b'"):
         sc.Pipeline(microbatches=4, schedule="zb")
-    variables = jax.jit(NormNet().init)(jax.random.key(0), np.zeros((2, 5), np.float32))
+    variables = jax.jit(OutsideNormNet().init)(jax.random.key(0), np.zeros((2, 5), np.float32))
     state = sc.TrainState.create(
         params=variables["params"],
         model_state={"batch_stats": variables["batch_stats"]},
-        apply_fn=NormNet().apply,
+        apply_fn=OutsideNormNet().apply,
         tx=optax.sgd(0.1),
         mesh=sc.make_mesh({"data": 2, "stage": 2}, devices=jax.devices()[:4]),
         pipeline=sc.Pipeline(microbatches=2, schedule="zb-h1"),
     )
-    with pytest.raises(sc.SpmdError, match=r"mutable state \(BatchNorm's statistics\) under schedule='zb-h1'"):
+    outside = r"updates the model state outside the PipelineStack \(\['batch_stats'\]\['BatchNorm_0'\]"
+    with pytest.raises(sc.SpmdError, match=outside + r".*once per micro-batch.*schedule='gpipe'"):
         sc.make_train_step(norm_loss)(state, batches(rows=16)[0])

@@ -108,7 +108,7 @@ def accumulate(
 
     pieces = MicroPieces(
         params=params,
-        loss=lambda p, batch, m, j, part: call(loss_fn, p, state.model_state, batch, m, j, share, part),
+        loss=lambda p, model_state, batch, m, j, part: call(loss_fn, p, model_state, batch, m, j, share, part),
         metrics=metric_sums,
         grads=lambda grads: strategy.micro_grads(ctx, layout, grads),
     )

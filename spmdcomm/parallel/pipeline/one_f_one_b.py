@@ -15,8 +15,11 @@ One loop over the table's units. At each unit every stage runs its action on one
 ``lax.switch``: a stage without one computes nothing):
 
 - ``F``: the chunk's forward pass, one ``jax.vjp`` per layer; the residuals (every layer's activations, but the
-  parameters) go to the ring slot the table names. Stage 0's chunk 0 takes its input from the rows' device (its
-  pre piece); other inputs come from the inbox of activations the left neighbour sent;
+  parameters) go to the ring slot the table names, and the layers' state (BatchNorm's running statistics) moves
+  on: a stage runs each chunk's forward passes in micro-batch order, so the state updates as GPipe's does (each
+  stage keeps its rows of the stack's state, gathered over the stage axis after the loop). Stage 0's chunk 0 takes
+  its input from the rows' device (its pre piece); other inputs come from the inbox of activations the left
+  neighbour sent;
 - ``B``: the chunk's backward pass from its residuals and the cotangent in the inbox the right neighbour (or the
   loss) filled: the cotangent of its input, sent left, and its weight gradient;
 - ``I`` and ``W`` (ZB-H1): the same split in two, each layer's ``vjp`` run twice on the same residuals: the input
@@ -64,16 +67,8 @@ def stack_piece(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array) -> tup
     piece = _PIECE.get()
     if piece is None:
         return None
-    if jax.tree.leaves(state):
-        raise SpmdError(
-            describe(
-                "PipelineStack",
-                "a stack with mutable state (BatchNorm's statistics) under a schedule other than 'gpipe'.",
-                fix="use sc.Pipeline(..., schedule='gpipe') for a stack with state.",
-            )
-        )
     if isinstance(piece, dict):
-        piece.update(layer_fn=layer_fn, params=params, x=x)
+        piece.update(layer_fn=layer_fn, params=params, state=state, x=x)
         return x, state
     return piece, state
 
@@ -82,14 +77,6 @@ def loop(pipeline: Pipeline, pieces: MicroPieces, model_state: Any, micro: Any, 
     """The step's loop under a table's schedule (module docstring): each group of ``micro`` (the step's
     ``accum_steps``) as one pipeline. Returns ``(grad_sum, metric_sums, model_state, count)``, as
     :meth:`~spmdcomm.parallel.pipeline.schedule.Schedule.loop`."""
-    if jax.tree.leaves(model_state):
-        raise SpmdError(
-            describe(
-                "make_train_step",
-                f"a model with mutable state (BatchNorm's statistics) under schedule={pipeline.schedule!r}.",
-                fix="use sc.Pipeline(..., schedule='gpipe').",
-            )
-        )
     axis = pipeline.axis
     # Each piece differentiates this device's own use of the parameters; the parameters every stage holds whole
     # have their gradients summed over the stage axis once, after the loop.
@@ -99,29 +86,42 @@ def loop(pipeline: Pipeline, pieces: MicroPieces, model_state: Any, micro: Any, 
 
     groups = micro[1].shape[0]
 
-    def group(j: Any, batch: Any, mask: jax.Array) -> tuple[Any, ...]:
-        return _group(pipeline, pieces, params, every, (j, groups), batch, mask)
+    def group(j: Any, model_state: Any, batch: Any, mask: jax.Array) -> tuple[Any, ...]:
+        return _group(pipeline, pieces, params, every, (j, groups), model_state, batch, mask)
 
-    grads, metrics, count = group(0, *jax.tree.map(lambda a: a[0], micro))
+    # The groups run in turn, the model state threaded through them (as the sequential loop's micro-batches).
+    grads, metrics, count, model_state = group(0, model_state, *jax.tree.map(lambda a: a[0], micro))
     if groups > 1:
 
         def body(carry: Any, xs: Any) -> Any:
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
             (b, m), j = xs
-            return tuple(add(c, n) for c, n in zip(carry, group(j, b, m), strict=True)), None
+            *sums, state = carry
+            *new, state = group(j, state, b, m)
+            return (*(add(c, n) for c, n in zip(sums, new, strict=True)), state), None
 
         rest = jax.tree.map(lambda a: a[1:], micro)
-        (grads, metrics, count), _ = lax.scan(body, (grads, metrics, count), (rest, jnp.arange(1, groups)))
+        carry = (grads, metrics, count, model_state)
+        (grads, metrics, count, model_state), _ = lax.scan(body, carry, (rest, jnp.arange(1, groups)))
     treedef = jax.tree.structure(grads)
     leaves = [lax.psum(g, axis) if w else g for g, w in zip(jax.tree.leaves(grads), whole, strict=True)]
     return pieces.grads(jax.tree.unflatten(treedef, leaves)), metrics, model_state, count
 
 
 def _group(
-    pipeline: Pipeline, pieces: MicroPieces, params: Any, every: tuple[str, ...], group: Any, batch: Any, mask: Any
+    pipeline: Pipeline,
+    pieces: MicroPieces,
+    params: Any,
+    every: tuple[str, ...],
+    group: Any,
+    model_state: Any,
+    batch: Any,
+    mask: Any,
 ) -> tuple[Any, ...]:
-    """One pipeline of the schedule's table over this device's rows ``batch`` of group ``group = (j, groups)``:
-    ``(grads, metric sums, count)``."""
+    """One pipeline of the schedule's table over this device's rows ``batch`` of group ``group = (j, groups)``,
+    from ``model_state``: ``(grads, metric sums, count, model state)``."""
+    from spmdcomm.parallel.pipeline import gpipe  # gpipe imports pipeline, which imports this module
+
     axis, m, v = pipeline.axis, pipeline.microbatches, pipeline.repeats
     p, s = lax.axis_size(axis), lax.axis_index(axis)
     plan = tables.table(pipeline.schedule, stages=p, microbatches=m, repeats=v)
@@ -131,16 +131,17 @@ def _group(
     mb = rows // q
     parts = jax.tree.map(lambda a: a.reshape((q, mb) + a.shape[1:]), (batch, mask))
 
-    def pre(p_: Any, part: Any) -> tuple[Any, Any, LayerFn]:
+    def pre(p_: Any, part: Any) -> dict[str, Any]:
+        """The stack's input, parameters, layer function and state, and the model state the loss returns."""
         b, mk = jax.tree.map(lambda a: a[part], parts)
         captured: dict[str, Any] = {}
         token = _PIECE.set(captured)
         try:
-            pieces.loss(p_, b, mk, j, part)
+            _, (_, (_, aux)) = pieces.loss(p_, model_state, b, mk, j, part)
         finally:
             _PIECE.reset(token)
         if captured:
-            return captured["x"], captured["params"], captured["layer_fn"]
+            return {**captured, "returned": aux.get("model_state", model_state)}
         raise SpmdError(
             describe(
                 "make_train_step",
@@ -151,20 +152,27 @@ def _group(
 
     def post(p_: Any, h: jax.Array, part: Any) -> tuple[jax.Array, Any]:
         b, mk = jax.tree.map(lambda a: a[part], parts)
-        token = _PIECE.set(h)
+        token = _PIECE.set(h)  # the stack's state is what it was given: only the loop's is kept
         try:
-            count, (value, (loss, aux)) = pieces.loss(p_, b, mk, j, part)
+            count, (value, (loss, aux)) = pieces.loss(p_, model_state, b, mk, j, part)
         finally:
             _PIECE.reset(token)
         aux = {k: v for k, v in aux.items() if k != "model_state"}
         return value, (count, pieces.metrics(count, loss, aux))
 
     # The stack's layers and layer function, traced once (part 0's: a micro-batch's rows are keyed from there).
-    x0, weights0, layer_fn = pre(params, 0)
+    first = pre(params, 0)
+    x0, weights0, layer_fn = first["x"], first["params"], first["layer_fn"]
     local = jax.tree.leaves(weights0)[0].shape[0]  # this stage's layers: v chunks of k
     k = local // v
     chunks = jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), weights0)
-    layers = _Layers(layer_fn, chunks, s, p, k, x0)
+    # The stack's state (BatchNorm's statistics: whole on every device, canonical order): this stage's rows as its
+    # chunks, each moved on by its forward passes, which run in micro-batch order.
+    stack_state = first["state"]
+    rebuild = _state_rebuilder(model_state, first["returned"], stack_state, pipeline.schedule)
+    own = gpipe.stage_rows(stack_state, local, p, v, s)
+    layer_state = vary(jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), own), every)
+    layers = _Layers(layer_fn, chunks, s, p, k, x0, jax.tree.map(lambda a: a[0, 0], layer_state), axis)
 
     def row_of(item: jax.Array) -> jax.Array:
         # The first row of micro-batch `item` relative to this device's part 0, whose key the layers draw from:
@@ -172,9 +180,12 @@ def _group(
         return (item // q - s) * (groups * rows) + (item % q) * mb
 
     zb = plan.kind == "zb-h1"
-    res_shapes = jax.eval_shape(lambda h: layers.forward(0, h, 0)[1], x0)
+    # The residuals keep the types the forward pass gives them (a BatchNorm's statistics, summed over the data
+    # axes, do not vary over them): the backward pass, traced on a stand-in, expects exactly those.
+    chunk_state = jax.tree.map(lambda a: a[0], layer_state)
+    res_shapes = jax.eval_shape(lambda h, st: layers.forward(0, h, 0, st)[1], vary(x0, every), chunk_state)
     buffers = lambda n, shape, dtype: jnp.zeros((n,) + shape, dtype)
-    ring = [buffers(plan.slots["res"], a.shape, a.dtype) for a in res_shapes]
+    ring = [_typed_zeros(a, plan.slots["res"]) for a in res_shapes]
     cts = buffers(plan.slots["grad"], (k,) + x0.shape, x0.dtype) if zb else jnp.zeros((0,), x0.dtype)
     inbox_f = buffers(plan.slots["inbox_f"], x0.shape, x0.dtype)
     inbox_b = buffers(plan.slots["inbox_b"], x0.shape, x0.dtype)
@@ -185,49 +196,52 @@ def _group(
     left = [((i + 1) % p, i) for i in range(p if cyclic else p - 1)]
     from_stage = lambda src, x: lax.psum(jnp.where(s == src, x, jnp.zeros_like(x)), axis)
     nothing = lambda: jnp.zeros_like(x0)
-    # Every branch's results vary over the manual axes, as the loop's carry does (shard_map's typing).
+    # Every branch's results vary over the manual axes, as the loop's carry does (shard_map's typing); the
+    # residuals keep their own types.
     varied = lambda f: lambda *a: vary(f(*a), every)
+    typed = lambda f: lambda *a: (lambda o: (vary(o[0], every), o[1], *vary(o[2:], every)))(f(*a))
     cond = lambda pred, yes, no: lax.cond(pred, varied(yes), varied(no))
 
     # The switch's branches, by action: each gives (out, residuals to keep, weight gradient of the chunk, layer
-    # cotangents to keep); what an action does not give is zeros.
-    def idle(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any) -> Any:
+    # cotangents to keep, the chunk's state); what an action does not give is zeros (the state: unchanged).
+    def idle(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
         blank = jax.ShapeDtypeStruct(cts.shape[1:], cts.dtype) if zb else jax.ShapeDtypeStruct((), cts.dtype)
-        return nothing(), vary(zeros(res_shapes), every), vary(zeros(layers.chunk(0)), every), vary(zeros(blank), every)
+        nil = vary((zeros(layers.chunk(0)), zeros(blank)), every)
+        return nothing(), [_typed_zeros(a) for a in res_shapes], *nil, st
 
-    def forward(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any) -> Any:
-        out, new = layers.forward(r, h, row_of(item))
-        _, _, g, c = idle(r, item, h, ct, res, kept)
-        return out, new, g, c
+    def forward(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
+        out, new, st = layers.forward(r, h, row_of(item), st)
+        _, _, g, c, _ = idle(r, item, h, ct, res, kept, st)
+        return out, new, g, c, st
 
-    def backward(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any) -> Any:
+    def backward(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
         ct_in, g = layers.backward(r, res, ct, row_of(item))
-        _, new, _, c = idle(r, item, h, ct, res, kept)
-        return ct_in, new, g, c
+        _, new, _, c, _ = idle(r, item, h, ct, res, kept, st)
+        return ct_in, new, g, c, st
 
-    def input_grad(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any) -> Any:
+    def input_grad(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
         ct_in, c = layers.input_grad(r, res, ct, row_of(item))
-        _, new, g, _ = idle(r, item, h, ct, res, kept)
-        return ct_in, new, g, c
+        _, new, g, _, _ = idle(r, item, h, ct, res, kept, st)
+        return ct_in, new, g, c, st
 
-    def weight_grad(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any) -> Any:
+    def weight_grad(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
         g = layers.weight_grad(r, res, kept, row_of(item))
-        out, new, _, c = idle(r, item, h, ct, res, kept)
-        return out, new, g, c
+        out, new, _, c, _ = idle(r, item, h, ct, res, kept, st)
+        return out, new, g, c, st
 
     branches = [idle, forward, input_grad, weight_grad] if zb else [idle, forward, backward]
     branch_of = np.zeros(5, np.int32)
     branch_of[[tables.F, tables.B, tables.I, tables.W]] = [1, 2, 2, 3]
 
     def unit(carry: Any, xs: Any) -> tuple[Any, None]:
-        inbox_f, inbox_b, ring, cts, stack_grads, grads, metrics, count = carry
+        inbox_f, inbox_b, ring, cts, layer_state, stack_grads, grads, metrics, count = carry
         columns, events = xs
         op, r, item, res_slot, inbox, grad_slot, recv_f, recv_b, recv_loss = (c[s] for c in columns)
         # Stage 0's chunk 0 takes the micro-batch from the device that holds its rows (its layers before the stack).
         first = events["input"]
         x_in = cond(
             first >= 0,
-            lambda: from_stage(jnp.maximum(first, 0) // q, pre(params, jnp.maximum(first, 0) % q)[0]),
+            lambda: from_stage(jnp.maximum(first, 0) // q, pre(params, jnp.maximum(first, 0) % q)["x"]),
             nothing,
         )
         slot = jnp.maximum(inbox, 0)
@@ -235,7 +249,9 @@ def _group(
         res = [a[jnp.maximum(res_slot, 0)] for a in ring]
         kept = cts[jnp.maximum(grad_slot, 0)] if zb else cts
         action = jnp.asarray(branch_of)[op]
-        out, new, g, c = lax.switch(action, [varied(b) for b in branches], r, item, h, inbox_b[slot], res, kept)
+        st = jax.tree.map(lambda a: a[r], layer_state)
+        out, new, g, c, st = lax.switch(action, [typed(b) for b in branches], r, item, h, inbox_b[slot], res, kept, st)
+        layer_state = jax.tree.map(lambda a, n: a.at[r].set(n), layer_state, st)
         is_f = op == tables.F
         ring = [a.at[res_slot].set(jnp.where(is_f, n, a[res_slot])) for a, n in zip(ring, new, strict=True)]
         if zb:
@@ -269,54 +285,61 @@ def _group(
         def embed_grad() -> Any:
             owner = s == jnp.maximum(back, 0) // q
             ct_x = from_stage(0, out)
-            _, pre_vjp = jax.vjp(lambda p_: pre(p_, jnp.maximum(back, 0) % q)[0], params)
+            _, pre_vjp = jax.vjp(lambda p_: pre(p_, jnp.maximum(back, 0) % q)["x"], params)
             return pre_vjp(jnp.where(owner, ct_x, jnp.zeros_like(ct_x)))[0]
 
         grads = jax.tree.map(jnp.add, grads, cond(back >= 0, embed_grad, lambda: zeros(params)))
-        return (inbox_f, inbox_b, ring, cts, stack_grads, grads, metrics, count + n), None
+        return (inbox_f, inbox_b, ring, cts, layer_state, stack_grads, grads, metrics, count + n), None
 
-    carry = vary(
-        (inbox_f, inbox_b, ring, cts, zeros(chunks), zeros(params), zeros(metric_shapes), jnp.zeros((), jnp.float32)),
-        every,
-    )
+    sums = (zeros(chunks), zeros(params), zeros(metric_shapes), jnp.zeros((), jnp.float32))
+    carry = (*vary((inbox_f, inbox_b), every), ring, *vary((cts, layer_state, *sums), every))
     columns = tuple(jnp.asarray(plan.columns[name]) for name in tables.COLUMNS)
     events = {name: jnp.asarray(e) for name, e in plan.events.items()}
     carry, _ = lax.scan(unit, carry, (columns, events))
-    *_, stack_grads, grads, metrics, count = carry
+    *_, layer_state, stack_grads, grads, metrics, count = carry
     # The stack's gradient, summed over the units, goes back to the parameters once (through the pre piece).
-    _, to_params = jax.vjp(lambda p_: pre(p_, 0)[1], params)
+    _, to_params = jax.vjp(lambda p_: pre(p_, 0)["params"], params)
     (g_stack,) = to_params(jax.tree.map(lambda a: a.reshape((local,) + a.shape[2:]), stack_grads))
-    return jax.tree.map(jnp.add, grads, g_stack), metrics, count
+    # Every stage's rows of the stack's state, gathered: the whole state on every device, as GPipe leaves it.
+    new_state = rebuild(gpipe.whole_state(layer_state, local, p, v, axis))
+    return jax.tree.map(jnp.add, grads, g_stack), metrics, count, new_state
 
 
 class _Layers:
     """A stage's chunks of layers and the actions on one of them: the forward pass keeping each layer's residuals
     (``jax.vjp`` per layer), the backward pass from them, and its two halves (input and weight gradient)."""
 
-    def __init__(self, layer_fn: LayerFn, chunks: Any, stage: jax.Array, stages: int, k: int, x: jax.Array) -> None:
+    def __init__(
+        self, layer_fn: LayerFn, chunks: Any, stage: jax.Array, stages: int, k: int, x: jax.Array, state: Any, axis: str
+    ) -> None:
         self.layer_fn, self.chunks, self.stage, self.stages, self.k, self.x = layer_fn, chunks, stage, stages, k, x
+        self.axis = axis
+        self.state = state  # one layer's state, a stand-in for tracing the backward passes' structure
 
     def chunk(self, r: Any) -> Any:
         """Chunk ``r``'s parameters (its ``k`` layers on dimension 0)."""
         return jax.tree.map(lambda a: a[r], self.chunks)
 
-    def forward(self, r: Any, h: jax.Array, row: Any) -> tuple[jax.Array, list[jax.Array]]:
-        """Chunk ``r`` on ``h``: its output and the residuals of its layers (stacked ``[k, ...]``), but the
-        parameters, which the stage holds anyway."""
+    def forward(self, r: Any, h: jax.Array, row: Any, state: Any) -> tuple[jax.Array, list[jax.Array], Any]:
+        """Chunk ``r`` on ``h`` from its layers' ``state``: its output, the residuals of its layers (stacked
+        ``[k, ...]``), but the parameters, which the stage holds anyway, and the layers' new state."""
 
         def one(h: jax.Array, xs: Any) -> Any:
-            w, index = xs
-            out, vjp_fn = jax.vjp(lambda w, h: self.layer_fn(w, {}, h, index, row)[0], w, h)
-            return out, [a for a, keep in zip(*_residuals(vjp_fn, w), strict=True) if keep]
+            w, st, index = xs
+            # The state is an input of the differentiated function (its cotangent unused): a layer that updates
+            # it in place (NNX's BatchStat) must be built in the trace that updates it.
+            out, vjp_fn, st = jax.vjp(lambda w, h, st: self.layer_fn(w, st, h, index, row), w, h, st, has_aux=True)
+            return out, ([a for a, keep in zip(*_residuals(vjp_fn, w, self.axis), strict=True) if keep], st)
 
-        return lax.scan(one, h, (self.chunk(r), self._indices(r)))
+        out, (res, state) = lax.scan(one, h, (self.chunk(r), state, self._indices(r)))
+        return out, res, state
 
     def backward(self, r: Any, res: list[jax.Array], ct: jax.Array, row: Any) -> tuple[jax.Array, Any]:
         """The cotangent of chunk ``r``'s input and its weight gradient, from its residuals."""
 
         def one(ct: jax.Array, xs: Any) -> Any:
             w, res, index = xs
-            g_w, g_h = self._vjp(w, res, index, row)(ct)
+            g_w, g_h, _ = self._vjp(w, res, index, row, ct)(ct)
             return g_h, g_w
 
         return lax.scan(one, ct, (self.chunk(r), res, self._indices(r)), reverse=True)
@@ -326,7 +349,7 @@ class _Layers:
 
         def one(ct: jax.Array, xs: Any) -> Any:
             w, res, index = xs
-            return self._vjp(w, res, index, row)(ct)[1], ct
+            return self._vjp(w, res, index, row, ct)(ct)[1], ct
 
         return lax.scan(one, ct, (self.chunk(r), res, self._indices(r)), reverse=True)
 
@@ -335,7 +358,7 @@ class _Layers:
 
         def one(_: Any, xs: Any) -> Any:
             w, res, index, ct = xs
-            return None, self._vjp(w, res, index, row)(ct)[0]
+            return None, self._vjp(w, res, index, row, ct)(ct)[0]
 
         return lax.scan(one, None, (self.chunk(r), res, self._indices(r), cts))[1]
 
@@ -343,19 +366,60 @@ class _Layers:
         # Stage s holds chunks s, s + p, ...: chunk r is virtual stage r p + s, layers from (r p + s) k.
         return (r * self.stages + self.stage) * self.k + jnp.arange(self.k)
 
-    def _vjp(self, w: Any, res: list[jax.Array], index: jax.Array, row: Any) -> Any:
-        """One layer's ``vjp_fn`` with the stored residuals: traced on a stand-in for its structure (the stand-in's
-        forward pass is unused, and compiled away)."""
-        _, vjp_fn = jax.vjp(lambda w, h: self.layer_fn(w, {}, h, index, row)[0], w, jnp.zeros_like(self.x))
-        (leaves, kept), structure = _residuals(vjp_fn, w), jax.tree.structure(vjp_fn)
+    def _vjp(self, w: Any, res: list[jax.Array], index: jax.Array, row: Any, ct: jax.Array) -> Any:
+        """One layer's ``vjp_fn`` with the stored residuals: traced on a stand-in for its structure, typed as the
+        forward pass's input was (as varying as the cotangent ``ct``; the stand-in's forward pass is unused, and
+        compiled away)."""
+        stand_in = vary(jnp.zeros_like(self.x), tuple(varying_axes(ct)))
+        _, vjp_fn = jax.vjp(lambda w, h, st: self.layer_fn(w, st, h, index, row)[0], w, stand_in, self.state)
+        (leaves, kept), structure = _residuals(vjp_fn, w, self.axis), jax.tree.structure(vjp_fn)
         stored = iter(res)
         leaves = [next(stored) if keep else a for a, keep in zip(leaves, kept, strict=True)]
         return jax.tree.unflatten(structure, leaves)
 
 
-def _residuals(vjp_fn: Any, weights: Any) -> tuple[list[Any], list[bool]]:
+def _residuals(vjp_fn: Any, weights: Any, axis: str) -> tuple[list[Any], list[bool]]:
     """The residuals of a layer's ``vjp_fn`` and which of them to keep: all but the layer's parameters, which the
-    stage holds anyway."""
+    stage holds anyway, and the constants of the trace (what does not vary over the stage axis depends on none of
+    the layer's inputs, all of which do: the stand-in's trace computes the same)."""
     held = jax.tree.leaves(weights)
     leaves = jax.tree.leaves(vjp_fn)
-    return leaves, [not any(a is w for w in held) for a in leaves]
+    return leaves, [axis in varying_axes(a) and not any(a is w for w in held) for a in leaves]
+
+
+def _typed_zeros(like: Any, n: int | None = None) -> jax.Array:
+    """Zeros of ``like``'s shape, dtype and varying axes (``n`` of them stacked, when given)."""
+    shape = like.shape if n is None else (n, *like.shape)
+    return vary(jnp.zeros(shape, like.dtype), tuple(sorted(varying_axes(like))))
+
+
+def _state_rebuilder(given: Any, returned: Any, stack_state: Any, schedule: str) -> Any:
+    """``f(new stack state) -> model state``: the tree the loss returns (``returned``, from ``given``) with the stack's
+    state in it replaced. Raises :class:`SpmdError` when the loss changes the model state outside the stack: the
+    layers before and after the stack run once per micro-batch, at units of their own, where GPipe runs them once on
+    the device's rows, so their statistics would be other numbers."""
+    stack = {id(a): i for i, a in enumerate(jax.tree.leaves(stack_state))}
+    leaves, treedef = jax.tree.flatten(returned)
+    before = jax.tree.leaves(given)
+    where = [stack.get(id(a)) for a in leaves]
+    moved = [
+        i for i, (a, w) in enumerate(zip(leaves, where, strict=True)) if w is None and not any(a is b for b in before)
+    ]
+    if moved:
+        paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(returned)[0]]
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"loss_fn updates the model state outside the PipelineStack ({', '.join(paths[i] for i in moved[:3])}) "
+                f"under schedule={schedule!r}: this schedule runs the layers before and after the stack once per "
+                "micro-batch, at different units of its loop, where GPipe runs them once on the device's rows, so a "
+                "BatchNorm there would normalise by other statistics.",
+                fix="move the layers with state into the stack (sc.PipelineStack), or use schedule='gpipe'.",
+            )
+        )
+
+    def rebuild(new: Any) -> Any:
+        fresh = jax.tree.leaves(new)
+        return jax.tree.unflatten(treedef, [a if w is None else fresh[w] for a, w in zip(leaves, where, strict=True)])
+
+    return rebuild

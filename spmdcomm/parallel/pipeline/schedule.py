@@ -51,9 +51,9 @@ class MicroPieces:
 
     Attributes:
       params: the parameters the step differentiates (typed varying over the data axes).
-      loss: ``loss(params, batch, mask, j, part) -> (count, (value, (loss, aux)))``: the differentiable value of
-        part ``part`` (of :meth:`Schedule.parts`) of micro-batch ``j``, its real-example count, and the user's loss
-        and aux.
+      loss: ``loss(params, model_state, batch, mask, j, part) -> (count, (value, (loss, aux)))``: the
+        differentiable value of part ``part`` (of :meth:`Schedule.parts`) of micro-batch ``j`` from ``model_state``,
+        its real-example count, and the user's loss and aux (the model state the loss returns in ``aux``).
       metrics: ``metrics(count, loss, aux) -> metric sums`` of one part, as the step sums them.
       grads: the strategy's form of a gradient sum (what ``step`` returns its gradient in).
     """
