@@ -83,6 +83,18 @@ def loop(pipeline: Pipeline, pieces: MicroPieces, model_state: Any, micro: Any, 
     whole = [axis not in varying_axes(a) for a in jax.tree.leaves(pieces.params)]
     params = vary(pieces.params, (axis,))
     every = tuple(sorted(set(axes) | {axis}))
+    others = set().union(*(varying_axes(a) for a in jax.tree.leaves(micro))) - set(every)
+    if others:
+        # The layers' collectives over such an axis would run inside the loop's per-stage branches, which XLA:CPU
+        # does not rendezvous (a hang, seen with context parallelism's attention).
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"schedule={pipeline.schedule!r} with the batch split over {sorted(others)} besides the data and stage "
+                "axes (context parallelism): the table schedules do not run it yet.",
+                fix="use sc.Pipeline(..., schedule='gpipe') with a context axis.",
+            )
+        )
 
     groups = micro[1].shape[0]
 
@@ -162,7 +174,13 @@ def _group(
 
     # The stack's layers and layer function, traced once (part 0's: a micro-batch's rows are keyed from there).
     first = pre(params, 0)
-    x0, weights0, layer_fn = first["x"], first["params"], first["layer_fn"]
+    x0, weights0 = first["x"], first["params"]
+
+    def layer_fn(*args: Any) -> Any:
+        # The loop runs the layers outside the user's function: in the contexts the step runs that in.
+        with pieces.context():
+            return first["layer_fn"](*args)
+
     local = jax.tree.leaves(weights0)[0].shape[0]  # this stage's layers: v chunks of k
     k = local // v
     chunks = jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), weights0)
@@ -197,17 +215,19 @@ def _group(
     from_stage = lambda src, x: lax.psum(jnp.where(s == src, x, jnp.zeros_like(x)), axis)
     nothing = lambda: jnp.zeros_like(x0)
     # Every branch's results vary over the manual axes, as the loop's carry does (shard_map's typing); the
-    # residuals keep their own types.
+    # residuals keep their own types, and gradients their parameters' (summed over the axes they do not vary over,
+    # a context axis, by the transpose inside each vjp).
+    like = lambda tree, ref: jax.tree.map(lambda a, b: vary(a, tuple(sorted(varying_axes(b)))), tree, ref)
     varied = lambda f: lambda *a: vary(f(*a), every)
-    typed = lambda f: lambda *a: (lambda o: (vary(o[0], every), o[1], *vary(o[2:], every)))(f(*a))
-    cond = lambda pred, yes, no: lax.cond(pred, varied(yes), varied(no))
+    cond = lambda pred, yes, no, typing=varied: lax.cond(pred, typing(yes), typing(no))
+    chunk0 = layers.chunk(0)
+    typed = lambda f: lambda *a: (lambda o: (vary(o[0], every), o[1], like(o[2], chunk0), *vary(o[3:], every)))(f(*a))
 
     # The switch's branches, by action: each gives (out, residuals to keep, weight gradient of the chunk, layer
     # cotangents to keep, the chunk's state); what an action does not give is zeros (the state: unchanged).
     def idle(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
         blank = jax.ShapeDtypeStruct(cts.shape[1:], cts.dtype) if zb else jax.ShapeDtypeStruct((), cts.dtype)
-        nil = vary((zeros(layers.chunk(0)), zeros(blank)), every)
-        return nothing(), [_typed_zeros(a) for a in res_shapes], *nil, st
+        return nothing(), [_typed_zeros(a) for a in res_shapes], zeros(chunk0), zeros(blank), st
 
     def forward(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
         out, new, st = layers.forward(r, h, row_of(item), st)
@@ -271,7 +291,8 @@ def _group(
             return ct_last, g_post, masked(sums), jnp.where(owner, n, 0.0)
 
         no_loss = lambda: (jnp.zeros_like(x0), zeros(params), zeros(metric_shapes), jnp.zeros((), jnp.float32))
-        ct_last, g_post, sums, n = cond(done >= 0, loss, no_loss)
+        loss_typing = lambda f: lambda: (lambda o: (vary(o[0], every), like(o[1], params), *vary(o[2:], every)))(f())
+        ct_last, g_post, sums, n = cond(done >= 0, loss, no_loss, loss_typing)
         grads = jax.tree.map(jnp.add, grads, g_post)
         metrics = jax.tree.map(jnp.add, metrics, sums)
         # What this unit sent reaches the neighbours' inboxes: activations from the left, cotangents from the right.
@@ -288,11 +309,16 @@ def _group(
             _, pre_vjp = jax.vjp(lambda p_: pre(p_, jnp.maximum(back, 0) % q)["x"], params)
             return pre_vjp(jnp.where(owner, ct_x, jnp.zeros_like(ct_x)))[0]
 
-        grads = jax.tree.map(jnp.add, grads, cond(back >= 0, embed_grad, lambda: zeros(params)))
+        params_typing = lambda f: lambda: like(f(), params)
+        grads = jax.tree.map(jnp.add, grads, cond(back >= 0, embed_grad, lambda: zeros(params), params_typing))
         return (inbox_f, inbox_b, ring, cts, layer_state, stack_grads, grads, metrics, count + n), None
 
-    sums = (zeros(chunks), zeros(params), zeros(metric_shapes), jnp.zeros((), jnp.float32))
-    carry = (*vary((inbox_f, inbox_b), every), ring, *vary((cts, layer_state, *sums), every))
+    sums = (
+        like(zeros(chunks), chunks),
+        like(zeros(params), params),
+        *vary((zeros(metric_shapes), jnp.zeros(())), every),
+    )
+    carry = (*vary((inbox_f, inbox_b), every), ring, *vary((cts, layer_state), every), *sums)
     columns = tuple(jnp.asarray(plan.columns[name]) for name in tables.COLUMNS)
     events = {name: jnp.asarray(e) for name, e in plan.events.items()}
     carry, _ = lax.scan(unit, carry, (columns, events))
