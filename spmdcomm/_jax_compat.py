@@ -82,7 +82,7 @@ def varying_axes(x: Any) -> frozenset[str]:
         described = getattr(getattr(x, "manual_axis_type", None), "varying", None)
         if described is not None:
             return frozenset(described)
-    aval = jax.typeof(x)
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
     # JAX 0.10 and 0.11 keep the varying axes in the type's manual-axis record; earlier releases had
     # them as the type's `vma` attribute, read second in case that name comes back.
     varying = getattr(getattr(aval, "mat", None), "varying", None)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import spmdcomm as sc
-from spmdcomm.parallel.pipeline import tables
+from spmdcomm.parallel.pipeline import split, tables
 from tests.ddp_models import assert_trees_close, mesh_of
 from tests.test_pipeline import (
     SLOW,
@@ -282,3 +284,29 @@ def test_what_the_table_schedules_do_not_run_is_refused():
     outside = r"updates the model state outside the PipelineStack \(\['batch_stats'\]\['BatchNorm_0'\]"
     with pytest.raises(sc.SpmdError, match=outside + r".*once per micro-batch.*schedule='gpipe'"):
         sc.make_train_step(norm_loss)(state, batches(rows=16)[0])
+
+
+def test_zb_h1_cuts_a_layers_backward_pass_so_that_nothing_runs_twice():
+    """The input gradient and the weight gradient of split_backward equal jax.vjp's, and between them they run the
+    backward pass's matmuls once: the weight gradient only its two ``x^T ct``."""
+    mesh = jax.make_mesh((1,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    layer = lambda w, h: h + jnp.tanh(h @ w["a"]) @ w["b"]
+    backward = lambda w, res, ct: jax.vjp(layer, w, res[0])[1](ct)
+    rng = np.random.default_rng(3)
+    w = {k: rng.normal(size=(4, 4)).astype(np.float32) for k in "ab"}
+    h, ct = rng.normal(size=(2, 3, 4)).astype(np.float32)
+
+    def local(w, h, ct):
+        cut = split.split_backward(backward, w, [h], ct, axis="stage")
+        g_h, kept = cut.input_grad(w, [h], ct)
+        dots = lambda eqns: sum(cut.eqns[i].eqn.primitive.name == "dot_general" for i in eqns)
+        # The input gradient: h @ a (the forward pass from the residual h, up to what the derivatives need), then
+        # ct @ b^T and dz @ a^T; the weight gradient: tanh(h a)^T ct and h^T dz, nothing else.
+        assert (dots(cut.first), dots(cut.second)) == (3, 2)
+        return g_h, cut.weight_grad(kept, w, [h])
+
+    specs = (P(), P("stage"), P("stage"))
+    g_h, g_w = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P("stage"), P())))(w, h, ct)
+    want_w, want_h = backward(w, [h], ct)
+    np.testing.assert_allclose(g_h, want_h, rtol=1e-5, atol=1e-6)  # jit against eager: float32 round-off
+    assert_trees_close(g_w, want_w, rtol=1e-5, atol=1e-6)

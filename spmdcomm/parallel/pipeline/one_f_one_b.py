@@ -22,9 +22,11 @@ One loop over the table's units. At each unit every stage runs its action on one
   neighbour sent;
 - ``B``: the chunk's backward pass from its residuals and the cotangent in the inbox the right neighbour (or the
   loss) filled: the cotangent of its input, sent left, and its weight gradient;
-- ``I`` and ``W`` (ZB-H1): the same split in two, each layer's ``vjp`` run twice on the same residuals: the input
-  gradient, keeping the cotangent of each layer's output, and later the weight gradient from those (each layer's
-  weight gradient recomputes the cotangents inside that layer, between its weights and its output).
+- ``I`` and ``W`` (ZB-H1): the same backward pass cut in two (:mod:`~spmdcomm.parallel.pipeline.split`): the input
+  gradient, keeping what each layer's weight gradient needs of it (the cotangents at the outputs of the layer's
+  matmuls with its weights), and later the weight gradient from those and the residuals: between them they run
+  each part of the backward pass once, so ZB-H1 computes what 1F1B does (the actions are in
+  :mod:`~spmdcomm.parallel.pipeline.actions`).
 
 The output of every action moves one stage right and one stage left (two ``ppermute`` s; cyclic with ``v > 1``:
 the last stage's chunk ``r`` feeds stage 0's chunk ``r + 1``); the receivers' inbox slots are in the table. Three
@@ -48,6 +50,7 @@ from jax import lax
 from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.pipeline import tables
+from spmdcomm.parallel.pipeline.actions import Layers, typed_zeros
 from spmdcomm.parallel.pipeline.schedule import LayerFn, MicroPieces
 
 if TYPE_CHECKING:
@@ -190,7 +193,7 @@ def _group(
     rebuild = _state_rebuilder(model_state, first["returned"], stack_state, pipeline.schedule)
     own = gpipe.stage_rows(stack_state, local, p, v, s)
     layer_state = vary(jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), own), every)
-    layers = _Layers(layer_fn, chunks, s, p, k, x0, jax.tree.map(lambda a: a[0, 0], layer_state), axis)
+    layers = Layers(layer_fn, chunks, s, p, k, x0, jax.tree.map(lambda a: a[0, 0], layer_state), axis)
 
     def row_of(item: jax.Array) -> jax.Array:
         # The first row of micro-batch `item` relative to this device's part 0, whose key the layers draw from:
@@ -203,8 +206,12 @@ def _group(
     chunk_state = jax.tree.map(lambda a: a[0], layer_state)
     res_shapes = jax.eval_shape(lambda h, st: layers.forward(0, h, 0, st)[1], vary(x0, every), chunk_state)
     buffers = lambda n, shape, dtype: jnp.zeros((n,) + shape, dtype)
-    ring = [_typed_zeros(a, plan.slots["res"]) for a in res_shapes]
-    cts = buffers(plan.slots["grad"], (k,) + x0.shape, x0.dtype) if zb else jnp.zeros((0,), x0.dtype)
+    ring = [typed_zeros(a, plan.slots["res"]) for a in res_shapes]
+    if zb:
+        layers.split_backward(res_shapes, vary(x0, every))
+    # ZB-H1: what each layer's input gradient keeps for its weight gradient, k layers of a chunk per slot.
+    kept_types = layers.cut.kept if zb else []
+    cts = [typed_zeros(a, plan.slots["grad"], k) for a in kept_types]
     inbox_f = buffers(plan.slots["inbox_f"], x0.shape, x0.dtype)
     inbox_b = buffers(plan.slots["inbox_b"], x0.shape, x0.dtype)
     metric_shapes = jax.eval_shape(lambda: post(params, x0, 0)[1][1])
@@ -221,13 +228,15 @@ def _group(
     varied = lambda f: lambda *a: vary(f(*a), every)
     cond = lambda pred, yes, no, typing=varied: lax.cond(pred, typing(yes), typing(no))
     chunk0 = layers.chunk(0)
-    typed = lambda f: lambda *a: (lambda o: (vary(o[0], every), o[1], like(o[2], chunk0), *vary(o[3:], every)))(f(*a))
+    typed = lambda f: (
+        lambda *a: (lambda o: (vary(o[0], every), o[1], like(o[2], chunk0), o[3], vary(o[4], every)))(f(*a))
+    )
 
     # The switch's branches, by action: each gives (out, residuals to keep, weight gradient of the chunk, layer
     # cotangents to keep, the chunk's state); what an action does not give is zeros (the state: unchanged).
     def idle(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
-        blank = jax.ShapeDtypeStruct(cts.shape[1:], cts.dtype) if zb else jax.ShapeDtypeStruct((), cts.dtype)
-        return nothing(), [_typed_zeros(a) for a in res_shapes], zeros(chunk0), zeros(blank), st
+        blank = [typed_zeros(a, k) for a in kept_types]
+        return nothing(), [typed_zeros(a) for a in res_shapes], zeros(chunk0), blank, st
 
     def forward(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
         out, new, st = layers.forward(r, h, row_of(item), st)
@@ -267,7 +276,7 @@ def _group(
         slot = jnp.maximum(inbox, 0)
         h = jnp.where(inbox < 0, x_in, inbox_f[slot])
         res = [a[jnp.maximum(res_slot, 0)] for a in ring]
-        kept = cts[jnp.maximum(grad_slot, 0)] if zb else cts
+        kept = [a[jnp.maximum(grad_slot, 0)] for a in cts]
         action = jnp.asarray(branch_of)[op]
         st = jax.tree.map(lambda a: a[r], layer_state)
         out, new, g, c, st = lax.switch(action, [typed(b) for b in branches], r, item, h, inbox_b[slot], res, kept, st)
@@ -275,7 +284,7 @@ def _group(
         is_f = op == tables.F
         ring = [a.at[res_slot].set(jnp.where(is_f, n, a[res_slot])) for a, n in zip(ring, new, strict=True)]
         if zb:
-            cts = cts.at[grad_slot].set(jnp.where(op == tables.I, c, cts[grad_slot]))
+            cts = [a.at[grad_slot].set(jnp.where(op == tables.I, n, a[grad_slot])) for a, n in zip(cts, c, strict=True)]
         stack_grads = jax.tree.map(lambda a, d: a.at[r].add(d), stack_grads, g)
         # The loss of the micro-batch leaving the last stage, on its device; the cotangent goes back.
         done = events["loss"]
@@ -318,7 +327,7 @@ def _group(
         like(zeros(params), params),
         *vary((zeros(metric_shapes), jnp.zeros(())), every),
     )
-    carry = (*vary((inbox_f, inbox_b), every), ring, *vary((cts, layer_state), every), *sums)
+    carry = (*vary((inbox_f, inbox_b), every), ring, cts, vary(layer_state, every), *sums)
     columns = tuple(jnp.asarray(plan.columns[name]) for name in tables.COLUMNS)
     events = {name: jnp.asarray(e) for name, e in plan.events.items()}
     carry, _ = lax.scan(unit, carry, (columns, events))
@@ -329,94 +338,6 @@ def _group(
     # Every stage's rows of the stack's state, gathered: the whole state on every device, as GPipe leaves it.
     new_state = rebuild(gpipe.whole_state(layer_state, local, p, v, axis))
     return jax.tree.map(jnp.add, grads, g_stack), metrics, count, new_state
-
-
-class _Layers:
-    """A stage's chunks of layers and the actions on one of them: the forward pass keeping each layer's residuals
-    (``jax.vjp`` per layer), the backward pass from them, and its two halves (input and weight gradient)."""
-
-    def __init__(
-        self, layer_fn: LayerFn, chunks: Any, stage: jax.Array, stages: int, k: int, x: jax.Array, state: Any, axis: str
-    ) -> None:
-        self.layer_fn, self.chunks, self.stage, self.stages, self.k, self.x = layer_fn, chunks, stage, stages, k, x
-        self.axis = axis
-        self.state = state  # one layer's state, a stand-in for tracing the backward passes' structure
-
-    def chunk(self, r: Any) -> Any:
-        """Chunk ``r``'s parameters (its ``k`` layers on dimension 0)."""
-        return jax.tree.map(lambda a: a[r], self.chunks)
-
-    def forward(self, r: Any, h: jax.Array, row: Any, state: Any) -> tuple[jax.Array, list[jax.Array], Any]:
-        """Chunk ``r`` on ``h`` from its layers' ``state``: its output, the residuals of its layers (stacked
-        ``[k, ...]``), but the parameters, which the stage holds anyway, and the layers' new state."""
-
-        def one(h: jax.Array, xs: Any) -> Any:
-            w, st, index = xs
-            # The state is an input of the differentiated function (its cotangent unused): a layer that updates
-            # it in place (NNX's BatchStat) must be built in the trace that updates it.
-            out, vjp_fn, st = jax.vjp(lambda w, h, st: self.layer_fn(w, st, h, index, row), w, h, st, has_aux=True)
-            return out, ([a for a, keep in zip(*_residuals(vjp_fn, w, self.axis), strict=True) if keep], st)
-
-        out, (res, state) = lax.scan(one, h, (self.chunk(r), state, self._indices(r)))
-        return out, res, state
-
-    def backward(self, r: Any, res: list[jax.Array], ct: jax.Array, row: Any) -> tuple[jax.Array, Any]:
-        """The cotangent of chunk ``r``'s input and its weight gradient, from its residuals."""
-
-        def one(ct: jax.Array, xs: Any) -> Any:
-            w, res, index = xs
-            g_w, g_h, _ = self._vjp(w, res, index, row, ct)(ct)
-            return g_h, g_w
-
-        return lax.scan(one, ct, (self.chunk(r), res, self._indices(r)), reverse=True)
-
-    def input_grad(self, r: Any, res: list[jax.Array], ct: jax.Array, row: Any) -> tuple[jax.Array, jax.Array]:
-        """The cotangent of chunk ``r``'s input, and that of each layer's output (for :meth:`weight_grad`)."""
-
-        def one(ct: jax.Array, xs: Any) -> Any:
-            w, res, index = xs
-            return self._vjp(w, res, index, row, ct)(ct)[1], ct
-
-        return lax.scan(one, ct, (self.chunk(r), res, self._indices(r)), reverse=True)
-
-    def weight_grad(self, r: Any, res: list[jax.Array], cts: jax.Array, row: Any) -> Any:
-        """Chunk ``r``'s weight gradient, from its residuals and the cotangents of its layers' outputs."""
-
-        def one(_: Any, xs: Any) -> Any:
-            w, res, index, ct = xs
-            return None, self._vjp(w, res, index, row, ct)(ct)[0]
-
-        return lax.scan(one, None, (self.chunk(r), res, self._indices(r), cts))[1]
-
-    def _indices(self, r: Any) -> jax.Array:
-        # Stage s holds chunks s, s + p, ...: chunk r is virtual stage r p + s, layers from (r p + s) k.
-        return (r * self.stages + self.stage) * self.k + jnp.arange(self.k)
-
-    def _vjp(self, w: Any, res: list[jax.Array], index: jax.Array, row: Any, ct: jax.Array) -> Any:
-        """One layer's ``vjp_fn`` with the stored residuals: traced on a stand-in for its structure, typed as the
-        forward pass's input was (as varying as the cotangent ``ct``; the stand-in's forward pass is unused, and
-        compiled away)."""
-        stand_in = vary(jnp.zeros_like(self.x), tuple(varying_axes(ct)))
-        _, vjp_fn = jax.vjp(lambda w, h, st: self.layer_fn(w, st, h, index, row)[0], w, stand_in, self.state)
-        (leaves, kept), structure = _residuals(vjp_fn, w, self.axis), jax.tree.structure(vjp_fn)
-        stored = iter(res)
-        leaves = [next(stored) if keep else a for a, keep in zip(leaves, kept, strict=True)]
-        return jax.tree.unflatten(structure, leaves)
-
-
-def _residuals(vjp_fn: Any, weights: Any, axis: str) -> tuple[list[Any], list[bool]]:
-    """The residuals of a layer's ``vjp_fn`` and which of them to keep: all but the layer's parameters, which the
-    stage holds anyway, and the constants of the trace (what does not vary over the stage axis depends on none of
-    the layer's inputs, all of which do: the stand-in's trace computes the same)."""
-    held = jax.tree.leaves(weights)
-    leaves = jax.tree.leaves(vjp_fn)
-    return leaves, [axis in varying_axes(a) and not any(a is w for w in held) for a in leaves]
-
-
-def _typed_zeros(like: Any, n: int | None = None) -> jax.Array:
-    """Zeros of ``like``'s shape, dtype and varying axes (``n`` of them stacked, when given)."""
-    shape = like.shape if n is None else (n, *like.shape)
-    return vary(jnp.zeros(shape, like.dtype), tuple(sorted(varying_axes(like))))
 
 
 def _state_rebuilder(given: Any, returned: Any, stack_state: Any, schedule: str) -> Any:
