@@ -75,8 +75,14 @@ def varying_axes(x: Any) -> frozenset[str]:
     """The manual mesh axes over which ``x`` may differ between devices (its type under ``check_vma=True``).
 
     Values whose type is not an array type (tokens, references) vary over no axis, as JAX itself treats them.
+    A ``jax.ShapeDtypeStruct`` (what ``jax.eval_shape`` gives) is read as the array it describes.
     """
-    aval = jax.typeof(x)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        # jax.typeof asserts on a struct that has both a sharding and a manual-axis record (a mesh with auto axes).
+        described = getattr(getattr(x, "manual_axis_type", None), "varying", None)
+        if described is not None:
+            return frozenset(described)
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
     # JAX 0.10 and 0.11 keep the varying axes in the type's manual-axis record; earlier releases had
     # them as the type's `vma` attribute, read second in case that name comes back.
     varying = getattr(getattr(aval, "mat", None), "varying", None)

@@ -497,6 +497,15 @@ def train_norm(net, mesh, data, *, accum=1, **kwargs):
     return jax.device_get((state.full_params(), state.model_state)), losses, error
 
 
+@functools.cache
+def norm_one_device(replicas, m):
+    """One device's run of ``NormNet("data")`` with ``accum_steps=m``, its micro-batch j holding every replica's
+    micro-batch j: replica d's micro-batch j is global rows d R + j R/m (R rows per replica)."""
+    order = np.arange(16).reshape(replicas, m, -1).transpose(1, 0, 2).ravel()
+    data = [{k: a[order] for k, a in b.items()} for b in batches(rows=16)]
+    return train_norm(NormNet("data"), mesh_of(1), data, accum=m)
+
+
 @pytest.mark.parametrize(
     "layout, strategy, m, v",
     [
@@ -510,18 +519,11 @@ def test_batchnorm_in_a_stage_equals_one_device_with_one_micro_batch_at_a_time(l
     """GPipe's rule: each micro-batch is normalised by its own statistics (synchronised over the data axis, so over
     the micro-batch's rows on every replica) and the running statistics update once per micro-batch, in order. One
     device computes the same with accum_steps=m, its micro-batch j holding every replica's micro-batch j."""
-    data = batches(rows=16)
-    replicas = layout["data"]
-    # Replica d's micro-batch j is global rows d R + j R/m (R rows per replica): one device's micro-batch j
-    # gathers them from every replica.
-    order = np.arange(16).reshape(replicas, m, -1).transpose(1, 0, 2).ravel()
-    (want, want_stats), want_losses, want_error = train_norm(
-        NormNet("data"), mesh_of(1), [{k: a[order] for k, a in b.items()} for b in data], accum=m
-    )
+    (want, want_stats), want_losses, want_error = norm_one_device(layout["data"], m)
     (got, got_stats), losses, error = train_norm(
         NormNet("data"),
         sc.make_mesh(layout, devices=jax.devices()[: int(np.prod(list(layout.values())))]),
-        data,
+        batches(rows=16),
         strategy=strategy,
         pipeline=sc.Pipeline(microbatches=m, repeats=v),
     )

@@ -152,6 +152,20 @@ CASES = [  # the fast tier runs one case of each kind of split: data and accumul
         id="context-contiguous-accum2",
         marks=SLOW,
     ),
+    # The table schedules cut a device's micro-batch into parts, each with its own total and weight.
+    pytest.param(
+        {"data": 4, "stage": 2},
+        {"strategy": "ddp", "pipeline": sc.Pipeline(microbatches=2, schedule="zb-h1")},
+        2,
+        id="zb-h1-accum2",
+    ),
+    pytest.param(
+        {"data": 2, "stage": 2, "model": 2},
+        {"strategy": "fsdp", "loss_scale": "dynamic", "pipeline": sc.Pipeline(microbatches=4, schedule="1f1b")},
+        1,
+        id="1f1b-loss-scale",
+        marks=SLOW,
+    ),
 ]
 
 
@@ -192,6 +206,15 @@ def test_evaluate_gives_the_exact_token_weighted_mean_of_an_eval_set_with_a_padd
     np.testing.assert_allclose(got["loss"], (ce * w).sum() / w.sum(), rtol=1e-5)
     np.testing.assert_allclose(got["accuracy"], (right * w).sum() / w.sum(), rtol=1e-6)
     np.testing.assert_allclose(got["row_mean"], w.mean(-1).mean(), rtol=1e-6)  # a plain mean still weighs by rows
+
+
+def test_a_table_schedule_with_a_context_axis_is_refused():
+    with pytest.raises(sc.SpmdError, match=r"schedule='zb-h1' with the batch split over \['context'\].*'gpipe'"):
+        train(
+            {"data": 2, "stage": 2, "context": 2},
+            pipeline=sc.Pipeline(microbatches=2, schedule="zb-h1"),
+            context=sc.ContextParallel(),
+        )
 
 
 def scalar_loss(total, weight, aux=None):

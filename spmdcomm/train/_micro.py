@@ -19,7 +19,7 @@ from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.data.strategy import ReduceContext
 from spmdcomm.parallel.pipeline.schedule import MicroPieces
 from spmdcomm.parallel.rng import per_example_key
-from spmdcomm.train._model_call import differentiable_loss
+from spmdcomm.train._model_call import differentiable_loss, model_contexts
 from spmdcomm.train._step import sum_dtype, summable
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.weighted import Weighted, loss_weight, token_share
@@ -83,10 +83,8 @@ def accumulate(
     def metric_sums(c: jax.Array, loss: Any, aux: dict[str, Any]) -> dict[str, Any]:
         # Masked, a block without real examples may give a NaN mean: its weight is zero, and so is
         # its contribution. Unmasked, every block has the same count: plain sums, divided once by
-        # the number of blocks after the reduction. A token-weighted value carries its own weight.
-        if parts > 1 and isinstance(loss, Weighted):  # its share is of the whole micro-batch's weight
-            fix = "use a per-row mean loss, or schedule='gpipe'."
-            raise SpmdError(describe("make_train_step", f"a token-weighted loss with {schedule!r}.", fix=fix))
+        # the number of blocks after the reduction. A token-weighted value carries its own weight (a part's, under
+        # a schedule that cuts micro-batches into parts: the totals and weights add up to the micro-batch's).
         weigh = (lambda v: jnp.where(c > 0, c * v, jnp.zeros_like(v))) if masked else (lambda v: v / parts)
         return {
             name: summable(v) if isinstance(v, Weighted) else weigh(v.astype(sum_dtype(v.dtype)))
@@ -112,9 +110,10 @@ def accumulate(
 
     pieces = MicroPieces(
         params=params,
-        loss=lambda p, batch, m, j, part: call(loss_fn, p, state.model_state, batch, m, j, share, part),
+        loss=lambda p, model_state, batch, m, j, part: call(loss_fn, p, model_state, batch, m, j, share, part),
         metrics=metric_sums,
         grads=lambda grads: strategy.micro_grads(ctx, layout, grads),
+        context=lambda: model_contexts(state),
     )
     return schedule.loop(one, first_state, micro, axis, pieces=pieces)
 

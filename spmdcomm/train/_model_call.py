@@ -5,7 +5,7 @@ differentiates."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -20,7 +20,7 @@ from spmdcomm.train._step import check_scalars
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.weighted import Weighted
 
-__all__ = ["differentiable_loss", "call_model_fn", "split_loss_output"]
+__all__ = ["differentiable_loss", "call_model_fn", "model_contexts", "split_loss_output"]
 
 
 def differentiable_loss(
@@ -75,12 +75,8 @@ def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., 
     state's logical axis rules (or the active ``nn.logical_axis_rules`` context) are in force, without the axes the
     step maps by hand, so that the model's ``nn.with_logical_constraint`` calls constrain only the model axes; and
     every registered parallelism's context is (with its config, or ``None`` when the state has none)."""
-    roles, configs = state.roles, state.configs
     try:
-        with contextlib.ExitStack() as contexts:
-            contexts.enter_context(step_axis_rules(state.logical_axis_rules, roles.manual))
-            for entry in registered():
-                contexts.enter_context(entry.enter(configs.get(entry.keyword), roles))
+        with model_contexts(state):
             return model_fn(*args, **kwargs)
     except (AssertionError, NameError) as e:
         bound = state.data_axes
@@ -97,6 +93,20 @@ def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., 
                 f"sc.TrainState.create(..., mesh=sc.make_mesh({{{missing[0]!r}: n}}), axis={missing[0]!r}).",
             )
         ) from e
+
+
+@contextlib.contextmanager
+def model_contexts(state: TrainState) -> Iterator[None]:
+    """What is in force while the user's model runs in a step: the state's logical axis rules without the manual
+    axes, and every registered parallelism's context (with its config, or ``None`` when the state has none). A
+    schedule that runs the model's layers outside the user's function (the pipeline's table schedules) enters it
+    again around them."""
+    roles, configs = state.roles, state.configs
+    with contextlib.ExitStack() as contexts:
+        contexts.enter_context(step_axis_rules(state.logical_axis_rules, roles.manual))
+        for entry in registered():
+            contexts.enter_context(entry.enter(configs.get(entry.keyword), roles))
+        yield
 
 
 def split_loss_output(out: Any, fn: str) -> tuple[Any, dict[str, Any]]:

@@ -16,7 +16,7 @@ from spmdcomm.errors import ShapeError, describe
 from spmdcomm.parallel.pipeline.pipeline import GROUPS, Pipeline, check_schedule, reorder_layers
 from spmdcomm.parallel.pipeline.schedule import LayerFn, scan_layers
 
-__all__ = ["pipelined"]
+__all__ = ["pipelined", "stage_rows", "whole_state"]
 
 
 #: What the loop's buffers hold before anything is written to them. Bubble ticks read such slots; they compute on a
@@ -43,7 +43,7 @@ def pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline
     loop = zeros((m, mb) + x.shape[1:]) if v > 1 else None
     carry = zeros((mb,) + x.shape[1:])
     # The state is whole (all L layers, canonical order) on every device: this stage's layers, as its chunks.
-    own = _stage_rows(state, local, p, v, s)
+    own = stage_rows(state, local, p, v, s)
     layer_state = vary(jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), own), axes)
     left = [(i, (i - 1) % p) for i in range(p)]
     right = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
@@ -92,10 +92,10 @@ def pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline
     initial = (io_in, io_out, loop, carry, layer_state)
     # v m + p - 1 ticks, also for a 1F1B pipeline's eval step (whose own loop is longer).
     (_, io_out, _, _, layer_state), _ = lax.scan(tick, initial, jnp.arange(v * m + p - 1))
-    return io_out.reshape(x.shape), _whole_state(layer_state, local, p, v, axis)
+    return io_out.reshape(x.shape), whole_state(layer_state, local, p, v, axis)
 
 
-def _stage_rows(state: Any, local: int, stages: int, repeats: int, stage: jax.Array) -> Any:
+def stage_rows(state: Any, local: int, stages: int, repeats: int, stage: jax.Array) -> Any:
     """The rows of ``state`` (whole, canonical layer order) that stage ``stage`` holds, in its stored order."""
     for a in jax.tree.leaves(state):
         if a.shape[0] != local * stages:
@@ -111,7 +111,7 @@ def _stage_rows(state: Any, local: int, stages: int, repeats: int, stage: jax.Ar
     return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, stage * local, local), stored)
 
 
-def _whole_state(layer_state: Any, local: int, stages: int, repeats: int, axis: str) -> Any:
+def whole_state(layer_state: Any, local: int, stages: int, repeats: int, axis: str) -> Any:
     """Every stage's updated rows gathered over the stage axis (small: statistics) and put back in canonical order,
     so each device holds the whole state, as the step stores it."""
     gathered = jax.tree.map(lambda a: lax.all_gather(a.reshape((local,) + a.shape[2:]), axis, tiled=True), layer_state)

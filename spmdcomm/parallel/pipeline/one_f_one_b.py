@@ -15,13 +15,18 @@ One loop over the table's units. At each unit every stage runs its action on one
 ``lax.switch``: a stage without one computes nothing):
 
 - ``F``: the chunk's forward pass, one ``jax.vjp`` per layer; the residuals (every layer's activations, but the
-  parameters) go to the ring slot the table names. Stage 0's chunk 0 takes its input from the rows' device (its
-  pre piece); other inputs come from the inbox of activations the left neighbour sent;
+  parameters) go to the ring slot the table names, and the layers' state (BatchNorm's running statistics) moves
+  on: a stage runs each chunk's forward passes in micro-batch order, so the state updates as GPipe's does (each
+  stage keeps its rows of the stack's state, gathered over the stage axis after the loop). Stage 0's chunk 0 takes
+  its input from the rows' device (its pre piece); other inputs come from the inbox of activations the left
+  neighbour sent;
 - ``B``: the chunk's backward pass from its residuals and the cotangent in the inbox the right neighbour (or the
   loss) filled: the cotangent of its input, sent left, and its weight gradient;
-- ``I`` and ``W`` (ZB-H1): the same split in two, each layer's ``vjp`` run twice on the same residuals: the input
-  gradient, keeping the cotangent of each layer's output, and later the weight gradient from those (each layer's
-  weight gradient recomputes the cotangents inside that layer, between its weights and its output).
+- ``I`` and ``W`` (ZB-H1): the same backward pass cut in two (:mod:`~spmdcomm.parallel.pipeline.split`): the input
+  gradient, keeping what each layer's weight gradient needs of it (the cotangents at the outputs of the layer's
+  matmuls with its weights), and later the weight gradient from those and the residuals: between them they run
+  each part of the backward pass once, so ZB-H1 computes what 1F1B does (the actions are in
+  :mod:`~spmdcomm.parallel.pipeline.actions`).
 
 The output of every action moves one stage right and one stage left (two ``ppermute`` s; cyclic with ``v > 1``:
 the last stage's chunk ``r`` feeds stage 0's chunk ``r + 1``); the receivers' inbox slots are in the table. Three
@@ -45,6 +50,7 @@ from jax import lax
 from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.pipeline import tables
+from spmdcomm.parallel.pipeline.actions import Layers, typed_zeros
 from spmdcomm.parallel.pipeline.schedule import LayerFn, MicroPieces
 
 if TYPE_CHECKING:
@@ -64,16 +70,8 @@ def stack_piece(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array) -> tup
     piece = _PIECE.get()
     if piece is None:
         return None
-    if jax.tree.leaves(state):
-        raise SpmdError(
-            describe(
-                "PipelineStack",
-                "a stack with mutable state (BatchNorm's statistics) under a schedule other than 'gpipe'.",
-                fix="use sc.Pipeline(..., schedule='gpipe') for a stack with state.",
-            )
-        )
     if isinstance(piece, dict):
-        piece.update(layer_fn=layer_fn, params=params, x=x)
+        piece.update(layer_fn=layer_fn, params=params, state=state, x=x)
         return x, state
     return piece, state
 
@@ -82,46 +80,63 @@ def loop(pipeline: Pipeline, pieces: MicroPieces, model_state: Any, micro: Any, 
     """The step's loop under a table's schedule (module docstring): each group of ``micro`` (the step's
     ``accum_steps``) as one pipeline. Returns ``(grad_sum, metric_sums, model_state, count)``, as
     :meth:`~spmdcomm.parallel.pipeline.schedule.Schedule.loop`."""
-    if jax.tree.leaves(model_state):
-        raise SpmdError(
-            describe(
-                "make_train_step",
-                f"a model with mutable state (BatchNorm's statistics) under schedule={pipeline.schedule!r}.",
-                fix="use sc.Pipeline(..., schedule='gpipe').",
-            )
-        )
     axis = pipeline.axis
     # Each piece differentiates this device's own use of the parameters; the parameters every stage holds whole
     # have their gradients summed over the stage axis once, after the loop.
     whole = [axis not in varying_axes(a) for a in jax.tree.leaves(pieces.params)]
     params = vary(pieces.params, (axis,))
     every = tuple(sorted(set(axes) | {axis}))
+    others = set().union(*(varying_axes(a) for a in jax.tree.leaves(micro))) - set(every)
+    if others:
+        # The layers' collectives over such an axis would run inside the loop's per-stage branches, which XLA:CPU
+        # does not rendezvous (a hang, seen with context parallelism's attention).
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"schedule={pipeline.schedule!r} with the batch split over {sorted(others)} besides the data and stage "
+                "axes (context parallelism): the table schedules do not run it yet.",
+                fix="use sc.Pipeline(..., schedule='gpipe') with a context axis.",
+            )
+        )
 
     groups = micro[1].shape[0]
 
-    def group(j: Any, batch: Any, mask: jax.Array) -> tuple[Any, ...]:
-        return _group(pipeline, pieces, params, every, (j, groups), batch, mask)
+    def group(j: Any, model_state: Any, batch: Any, mask: jax.Array) -> tuple[Any, ...]:
+        return _group(pipeline, pieces, params, every, (j, groups), model_state, batch, mask)
 
-    grads, metrics, count = group(0, *jax.tree.map(lambda a: a[0], micro))
+    # The groups run in turn, the model state threaded through them (as the sequential loop's micro-batches).
+    grads, metrics, count, model_state = group(0, model_state, *jax.tree.map(lambda a: a[0], micro))
     if groups > 1:
 
         def body(carry: Any, xs: Any) -> Any:
             add = lambda a, b: jax.tree.map(jnp.add, a, b)
             (b, m), j = xs
-            return tuple(add(c, n) for c, n in zip(carry, group(j, b, m), strict=True)), None
+            *sums, state = carry
+            *new, state = group(j, state, b, m)
+            return (*(add(c, n) for c, n in zip(sums, new, strict=True)), state), None
 
         rest = jax.tree.map(lambda a: a[1:], micro)
-        (grads, metrics, count), _ = lax.scan(body, (grads, metrics, count), (rest, jnp.arange(1, groups)))
+        carry = (grads, metrics, count, model_state)
+        (grads, metrics, count, model_state), _ = lax.scan(body, carry, (rest, jnp.arange(1, groups)))
     treedef = jax.tree.structure(grads)
     leaves = [lax.psum(g, axis) if w else g for g, w in zip(jax.tree.leaves(grads), whole, strict=True)]
     return pieces.grads(jax.tree.unflatten(treedef, leaves)), metrics, model_state, count
 
 
 def _group(
-    pipeline: Pipeline, pieces: MicroPieces, params: Any, every: tuple[str, ...], group: Any, batch: Any, mask: Any
+    pipeline: Pipeline,
+    pieces: MicroPieces,
+    params: Any,
+    every: tuple[str, ...],
+    group: Any,
+    model_state: Any,
+    batch: Any,
+    mask: Any,
 ) -> tuple[Any, ...]:
-    """One pipeline of the schedule's table over this device's rows ``batch`` of group ``group = (j, groups)``:
-    ``(grads, metric sums, count)``."""
+    """One pipeline of the schedule's table over this device's rows ``batch`` of group ``group = (j, groups)``,
+    from ``model_state``: ``(grads, metric sums, count, model state)``."""
+    from spmdcomm.parallel.pipeline import gpipe  # gpipe imports pipeline, which imports this module
+
     axis, m, v = pipeline.axis, pipeline.microbatches, pipeline.repeats
     p, s = lax.axis_size(axis), lax.axis_index(axis)
     plan = tables.table(pipeline.schedule, stages=p, microbatches=m, repeats=v)
@@ -131,16 +146,17 @@ def _group(
     mb = rows // q
     parts = jax.tree.map(lambda a: a.reshape((q, mb) + a.shape[1:]), (batch, mask))
 
-    def pre(p_: Any, part: Any) -> tuple[Any, Any, LayerFn]:
+    def pre(p_: Any, part: Any) -> dict[str, Any]:
+        """The stack's input, parameters, layer function and state, and the model state the loss returns."""
         b, mk = jax.tree.map(lambda a: a[part], parts)
         captured: dict[str, Any] = {}
         token = _PIECE.set(captured)
         try:
-            pieces.loss(p_, b, mk, j, part)
+            _, (_, (_, aux)) = pieces.loss(p_, model_state, b, mk, j, part)
         finally:
             _PIECE.reset(token)
         if captured:
-            return captured["x"], captured["params"], captured["layer_fn"]
+            return {**captured, "returned": aux.get("model_state", model_state)}
         raise SpmdError(
             describe(
                 "make_train_step",
@@ -151,20 +167,33 @@ def _group(
 
     def post(p_: Any, h: jax.Array, part: Any) -> tuple[jax.Array, Any]:
         b, mk = jax.tree.map(lambda a: a[part], parts)
-        token = _PIECE.set(h)
+        token = _PIECE.set(h)  # the stack's state is what it was given: only the loop's is kept
         try:
-            count, (value, (loss, aux)) = pieces.loss(p_, b, mk, j, part)
+            count, (value, (loss, aux)) = pieces.loss(p_, model_state, b, mk, j, part)
         finally:
             _PIECE.reset(token)
         aux = {k: v for k, v in aux.items() if k != "model_state"}
         return value, (count, pieces.metrics(count, loss, aux))
 
     # The stack's layers and layer function, traced once (part 0's: a micro-batch's rows are keyed from there).
-    x0, weights0, layer_fn = pre(params, 0)
+    first = pre(params, 0)
+    x0, weights0 = first["x"], first["params"]
+
+    def layer_fn(*args: Any) -> Any:
+        # The loop runs the layers outside the user's function: in the contexts the step runs that in.
+        with pieces.context():
+            return first["layer_fn"](*args)
+
     local = jax.tree.leaves(weights0)[0].shape[0]  # this stage's layers: v chunks of k
     k = local // v
     chunks = jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), weights0)
-    layers = _Layers(layer_fn, chunks, s, p, k, x0)
+    # The stack's state (BatchNorm's statistics: whole on every device, canonical order): this stage's rows as its
+    # chunks, each moved on by its forward passes, which run in micro-batch order.
+    stack_state = first["state"]
+    rebuild = _state_rebuilder(model_state, first["returned"], stack_state, pipeline.schedule)
+    own = gpipe.stage_rows(stack_state, local, p, v, s)
+    layer_state = vary(jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), own), every)
+    layers = Layers(layer_fn, chunks, s, p, k, x0, jax.tree.map(lambda a: a[0, 0], layer_state), axis)
 
     def row_of(item: jax.Array) -> jax.Array:
         # The first row of micro-batch `item` relative to this device's part 0, whose key the layers draw from:
@@ -172,10 +201,17 @@ def _group(
         return (item // q - s) * (groups * rows) + (item % q) * mb
 
     zb = plan.kind == "zb-h1"
-    res_shapes = jax.eval_shape(lambda h: layers.forward(0, h, 0)[1], x0)
+    # The residuals keep the types the forward pass gives them (a BatchNorm's statistics, summed over the data
+    # axes, do not vary over them): the backward pass, traced on a stand-in, expects exactly those.
+    chunk_state = jax.tree.map(lambda a: a[0], layer_state)
+    res_shapes = jax.eval_shape(lambda h, st: layers.forward(0, h, 0, st)[1], vary(x0, every), chunk_state)
     buffers = lambda n, shape, dtype: jnp.zeros((n,) + shape, dtype)
-    ring = [buffers(plan.slots["res"], a.shape, a.dtype) for a in res_shapes]
-    cts = buffers(plan.slots["grad"], (k,) + x0.shape, x0.dtype) if zb else jnp.zeros((0,), x0.dtype)
+    ring = [typed_zeros(a, plan.slots["res"]) for a in res_shapes]
+    if zb:
+        layers.split_backward(res_shapes, vary(x0, every))
+    # ZB-H1: what each layer's input gradient keeps for its weight gradient, k layers of a chunk per slot.
+    kept_types = layers.cut.kept if zb else []
+    cts = [typed_zeros(a, plan.slots["grad"], k) for a in kept_types]
     inbox_f = buffers(plan.slots["inbox_f"], x0.shape, x0.dtype)
     inbox_b = buffers(plan.slots["inbox_b"], x0.shape, x0.dtype)
     metric_shapes = jax.eval_shape(lambda: post(params, x0, 0)[1][1])
@@ -185,61 +221,70 @@ def _group(
     left = [((i + 1) % p, i) for i in range(p if cyclic else p - 1)]
     from_stage = lambda src, x: lax.psum(jnp.where(s == src, x, jnp.zeros_like(x)), axis)
     nothing = lambda: jnp.zeros_like(x0)
-    # Every branch's results vary over the manual axes, as the loop's carry does (shard_map's typing).
+    # Every branch's results vary over the manual axes, as the loop's carry does (shard_map's typing); the
+    # residuals keep their own types, and gradients their parameters' (summed over the axes they do not vary over,
+    # a context axis, by the transpose inside each vjp).
+    like = lambda tree, ref: jax.tree.map(lambda a, b: vary(a, tuple(sorted(varying_axes(b)))), tree, ref)
     varied = lambda f: lambda *a: vary(f(*a), every)
-    cond = lambda pred, yes, no: lax.cond(pred, varied(yes), varied(no))
+    cond = lambda pred, yes, no, typing=varied: lax.cond(pred, typing(yes), typing(no))
+    chunk0 = layers.chunk(0)
+    typed = lambda f: (
+        lambda *a: (lambda o: (vary(o[0], every), o[1], like(o[2], chunk0), o[3], vary(o[4], every)))(f(*a))
+    )
 
     # The switch's branches, by action: each gives (out, residuals to keep, weight gradient of the chunk, layer
-    # cotangents to keep); what an action does not give is zeros.
-    def idle(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any) -> Any:
-        blank = jax.ShapeDtypeStruct(cts.shape[1:], cts.dtype) if zb else jax.ShapeDtypeStruct((), cts.dtype)
-        return nothing(), vary(zeros(res_shapes), every), vary(zeros(layers.chunk(0)), every), vary(zeros(blank), every)
+    # cotangents to keep, the chunk's state); what an action does not give is zeros (the state: unchanged).
+    def idle(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
+        blank = [typed_zeros(a, k) for a in kept_types]
+        return nothing(), [typed_zeros(a) for a in res_shapes], zeros(chunk0), blank, st
 
-    def forward(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any) -> Any:
-        out, new = layers.forward(r, h, row_of(item))
-        _, _, g, c = idle(r, item, h, ct, res, kept)
-        return out, new, g, c
+    def forward(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
+        out, new, st = layers.forward(r, h, row_of(item), st)
+        _, _, g, c, _ = idle(r, item, h, ct, res, kept, st)
+        return out, new, g, c, st
 
-    def backward(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any) -> Any:
+    def backward(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
         ct_in, g = layers.backward(r, res, ct, row_of(item))
-        _, new, _, c = idle(r, item, h, ct, res, kept)
-        return ct_in, new, g, c
+        _, new, _, c, _ = idle(r, item, h, ct, res, kept, st)
+        return ct_in, new, g, c, st
 
-    def input_grad(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any) -> Any:
+    def input_grad(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
         ct_in, c = layers.input_grad(r, res, ct, row_of(item))
-        _, new, g, _ = idle(r, item, h, ct, res, kept)
-        return ct_in, new, g, c
+        _, new, g, _, _ = idle(r, item, h, ct, res, kept, st)
+        return ct_in, new, g, c, st
 
-    def weight_grad(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any) -> Any:
+    def weight_grad(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
         g = layers.weight_grad(r, res, kept, row_of(item))
-        out, new, _, c = idle(r, item, h, ct, res, kept)
-        return out, new, g, c
+        out, new, _, c, _ = idle(r, item, h, ct, res, kept, st)
+        return out, new, g, c, st
 
     branches = [idle, forward, input_grad, weight_grad] if zb else [idle, forward, backward]
     branch_of = np.zeros(5, np.int32)
     branch_of[[tables.F, tables.B, tables.I, tables.W]] = [1, 2, 2, 3]
 
     def unit(carry: Any, xs: Any) -> tuple[Any, None]:
-        inbox_f, inbox_b, ring, cts, stack_grads, grads, metrics, count = carry
+        inbox_f, inbox_b, ring, cts, layer_state, stack_grads, grads, metrics, count = carry
         columns, events = xs
         op, r, item, res_slot, inbox, grad_slot, recv_f, recv_b, recv_loss = (c[s] for c in columns)
         # Stage 0's chunk 0 takes the micro-batch from the device that holds its rows (its layers before the stack).
         first = events["input"]
         x_in = cond(
             first >= 0,
-            lambda: from_stage(jnp.maximum(first, 0) // q, pre(params, jnp.maximum(first, 0) % q)[0]),
+            lambda: from_stage(jnp.maximum(first, 0) // q, pre(params, jnp.maximum(first, 0) % q)["x"]),
             nothing,
         )
         slot = jnp.maximum(inbox, 0)
         h = jnp.where(inbox < 0, x_in, inbox_f[slot])
         res = [a[jnp.maximum(res_slot, 0)] for a in ring]
-        kept = cts[jnp.maximum(grad_slot, 0)] if zb else cts
+        kept = [a[jnp.maximum(grad_slot, 0)] for a in cts]
         action = jnp.asarray(branch_of)[op]
-        out, new, g, c = lax.switch(action, [varied(b) for b in branches], r, item, h, inbox_b[slot], res, kept)
+        st = jax.tree.map(lambda a: a[r], layer_state)
+        out, new, g, c, st = lax.switch(action, [typed(b) for b in branches], r, item, h, inbox_b[slot], res, kept, st)
+        layer_state = jax.tree.map(lambda a, n: a.at[r].set(n), layer_state, st)
         is_f = op == tables.F
         ring = [a.at[res_slot].set(jnp.where(is_f, n, a[res_slot])) for a, n in zip(ring, new, strict=True)]
         if zb:
-            cts = cts.at[grad_slot].set(jnp.where(op == tables.I, c, cts[grad_slot]))
+            cts = [a.at[grad_slot].set(jnp.where(op == tables.I, n, a[grad_slot])) for a, n in zip(cts, c, strict=True)]
         stack_grads = jax.tree.map(lambda a, d: a.at[r].add(d), stack_grads, g)
         # The loss of the micro-batch leaving the last stage, on its device; the cotangent goes back.
         done = events["loss"]
@@ -255,7 +300,8 @@ def _group(
             return ct_last, g_post, masked(sums), jnp.where(owner, n, 0.0)
 
         no_loss = lambda: (jnp.zeros_like(x0), zeros(params), zeros(metric_shapes), jnp.zeros((), jnp.float32))
-        ct_last, g_post, sums, n = cond(done >= 0, loss, no_loss)
+        loss_typing = lambda f: lambda: (lambda o: (vary(o[0], every), like(o[1], params), *vary(o[2:], every)))(f())
+        ct_last, g_post, sums, n = cond(done >= 0, loss, no_loss, loss_typing)
         grads = jax.tree.map(jnp.add, grads, g_post)
         metrics = jax.tree.map(jnp.add, metrics, sums)
         # What this unit sent reaches the neighbours' inboxes: activations from the left, cotangents from the right.
@@ -269,93 +315,58 @@ def _group(
         def embed_grad() -> Any:
             owner = s == jnp.maximum(back, 0) // q
             ct_x = from_stage(0, out)
-            _, pre_vjp = jax.vjp(lambda p_: pre(p_, jnp.maximum(back, 0) % q)[0], params)
+            _, pre_vjp = jax.vjp(lambda p_: pre(p_, jnp.maximum(back, 0) % q)["x"], params)
             return pre_vjp(jnp.where(owner, ct_x, jnp.zeros_like(ct_x)))[0]
 
-        grads = jax.tree.map(jnp.add, grads, cond(back >= 0, embed_grad, lambda: zeros(params)))
-        return (inbox_f, inbox_b, ring, cts, stack_grads, grads, metrics, count + n), None
+        params_typing = lambda f: lambda: like(f(), params)
+        grads = jax.tree.map(jnp.add, grads, cond(back >= 0, embed_grad, lambda: zeros(params), params_typing))
+        return (inbox_f, inbox_b, ring, cts, layer_state, stack_grads, grads, metrics, count + n), None
 
-    carry = vary(
-        (inbox_f, inbox_b, ring, cts, zeros(chunks), zeros(params), zeros(metric_shapes), jnp.zeros((), jnp.float32)),
-        every,
+    sums = (
+        like(zeros(chunks), chunks),
+        like(zeros(params), params),
+        *vary((zeros(metric_shapes), jnp.zeros(())), every),
     )
+    carry = (*vary((inbox_f, inbox_b), every), ring, cts, vary(layer_state, every), *sums)
     columns = tuple(jnp.asarray(plan.columns[name]) for name in tables.COLUMNS)
     events = {name: jnp.asarray(e) for name, e in plan.events.items()}
     carry, _ = lax.scan(unit, carry, (columns, events))
-    *_, stack_grads, grads, metrics, count = carry
+    *_, layer_state, stack_grads, grads, metrics, count = carry
     # The stack's gradient, summed over the units, goes back to the parameters once (through the pre piece).
-    _, to_params = jax.vjp(lambda p_: pre(p_, 0)[1], params)
+    _, to_params = jax.vjp(lambda p_: pre(p_, 0)["params"], params)
     (g_stack,) = to_params(jax.tree.map(lambda a: a.reshape((local,) + a.shape[2:]), stack_grads))
-    return jax.tree.map(jnp.add, grads, g_stack), metrics, count
+    # Every stage's rows of the stack's state, gathered: the whole state on every device, as GPipe leaves it.
+    new_state = rebuild(gpipe.whole_state(layer_state, local, p, v, axis))
+    return jax.tree.map(jnp.add, grads, g_stack), metrics, count, new_state
 
 
-class _Layers:
-    """A stage's chunks of layers and the actions on one of them: the forward pass keeping each layer's residuals
-    (``jax.vjp`` per layer), the backward pass from them, and its two halves (input and weight gradient)."""
+def _state_rebuilder(given: Any, returned: Any, stack_state: Any, schedule: str) -> Any:
+    """``f(new stack state) -> model state``: the tree the loss returns (``returned``, from ``given``) with the stack's
+    state in it replaced. Raises :class:`SpmdError` when the loss changes the model state outside the stack: the
+    layers before and after the stack run once per micro-batch, at units of their own, where GPipe runs them once on
+    the device's rows, so their statistics would be other numbers."""
+    stack = {id(a): i for i, a in enumerate(jax.tree.leaves(stack_state))}
+    leaves, treedef = jax.tree.flatten(returned)
+    before = jax.tree.leaves(given)
+    where = [stack.get(id(a)) for a in leaves]
+    moved = [
+        i for i, (a, w) in enumerate(zip(leaves, where, strict=True)) if w is None and not any(a is b for b in before)
+    ]
+    if moved:
+        paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(returned)[0]]
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"loss_fn updates the model state outside the PipelineStack ({', '.join(paths[i] for i in moved[:3])}) "
+                f"under schedule={schedule!r}: this schedule runs the layers before and after the stack once per "
+                "micro-batch, at different units of its loop, where GPipe runs them once on the device's rows, so a "
+                "BatchNorm there would normalise by other statistics.",
+                fix="move the layers with state into the stack (sc.PipelineStack), or use schedule='gpipe'.",
+            )
+        )
 
-    def __init__(self, layer_fn: LayerFn, chunks: Any, stage: jax.Array, stages: int, k: int, x: jax.Array) -> None:
-        self.layer_fn, self.chunks, self.stage, self.stages, self.k, self.x = layer_fn, chunks, stage, stages, k, x
+    def rebuild(new: Any) -> Any:
+        fresh = jax.tree.leaves(new)
+        return jax.tree.unflatten(treedef, [a if w is None else fresh[w] for a, w in zip(leaves, where, strict=True)])
 
-    def chunk(self, r: Any) -> Any:
-        """Chunk ``r``'s parameters (its ``k`` layers on dimension 0)."""
-        return jax.tree.map(lambda a: a[r], self.chunks)
-
-    def forward(self, r: Any, h: jax.Array, row: Any) -> tuple[jax.Array, list[jax.Array]]:
-        """Chunk ``r`` on ``h``: its output and the residuals of its layers (stacked ``[k, ...]``), but the
-        parameters, which the stage holds anyway."""
-
-        def one(h: jax.Array, xs: Any) -> Any:
-            w, index = xs
-            out, vjp_fn = jax.vjp(lambda w, h: self.layer_fn(w, {}, h, index, row)[0], w, h)
-            return out, [a for a, keep in zip(*_residuals(vjp_fn, w), strict=True) if keep]
-
-        return lax.scan(one, h, (self.chunk(r), self._indices(r)))
-
-    def backward(self, r: Any, res: list[jax.Array], ct: jax.Array, row: Any) -> tuple[jax.Array, Any]:
-        """The cotangent of chunk ``r``'s input and its weight gradient, from its residuals."""
-
-        def one(ct: jax.Array, xs: Any) -> Any:
-            w, res, index = xs
-            g_w, g_h = self._vjp(w, res, index, row)(ct)
-            return g_h, g_w
-
-        return lax.scan(one, ct, (self.chunk(r), res, self._indices(r)), reverse=True)
-
-    def input_grad(self, r: Any, res: list[jax.Array], ct: jax.Array, row: Any) -> tuple[jax.Array, jax.Array]:
-        """The cotangent of chunk ``r``'s input, and that of each layer's output (for :meth:`weight_grad`)."""
-
-        def one(ct: jax.Array, xs: Any) -> Any:
-            w, res, index = xs
-            return self._vjp(w, res, index, row)(ct)[1], ct
-
-        return lax.scan(one, ct, (self.chunk(r), res, self._indices(r)), reverse=True)
-
-    def weight_grad(self, r: Any, res: list[jax.Array], cts: jax.Array, row: Any) -> Any:
-        """Chunk ``r``'s weight gradient, from its residuals and the cotangents of its layers' outputs."""
-
-        def one(_: Any, xs: Any) -> Any:
-            w, res, index, ct = xs
-            return None, self._vjp(w, res, index, row)(ct)[0]
-
-        return lax.scan(one, None, (self.chunk(r), res, self._indices(r), cts))[1]
-
-    def _indices(self, r: Any) -> jax.Array:
-        # Stage s holds chunks s, s + p, ...: chunk r is virtual stage r p + s, layers from (r p + s) k.
-        return (r * self.stages + self.stage) * self.k + jnp.arange(self.k)
-
-    def _vjp(self, w: Any, res: list[jax.Array], index: jax.Array, row: Any) -> Any:
-        """One layer's ``vjp_fn`` with the stored residuals: traced on a stand-in for its structure (the stand-in's
-        forward pass is unused, and compiled away)."""
-        _, vjp_fn = jax.vjp(lambda w, h: self.layer_fn(w, {}, h, index, row)[0], w, jnp.zeros_like(self.x))
-        (leaves, kept), structure = _residuals(vjp_fn, w), jax.tree.structure(vjp_fn)
-        stored = iter(res)
-        leaves = [next(stored) if keep else a for a, keep in zip(leaves, kept, strict=True)]
-        return jax.tree.unflatten(structure, leaves)
-
-
-def _residuals(vjp_fn: Any, weights: Any) -> tuple[list[Any], list[bool]]:
-    """The residuals of a layer's ``vjp_fn`` and which of them to keep: all but the layer's parameters, which the
-    stage holds anyway."""
-    held = jax.tree.leaves(weights)
-    leaves = jax.tree.leaves(vjp_fn)
-    return leaves, [not any(a is w for w in held) for a in leaves]
+    return rebuild

@@ -87,7 +87,8 @@ class Pipeline(Schedule):
         backward pass as soon as its forward pass leaves the last stage, torch's ``Schedule1F1B``; with
         ``repeats=v`` torch's ``ScheduleInterleaved1F1B``, also named ``"interleaved_1f1b"``); ``"zb-h1"`` (1F1B
         with the backward pass split into input and weight gradients, the weight gradients filling the bubble,
-        torch's ``ScheduleInterleavedZeroBubble``). The last two: no model state, a per-row mean loss.
+        torch's ``ScheduleInterleavedZeroBubble``). The last two: model state only inside the stack (BatchNorm's
+        statistics there follow GPipe's rule), a per-row mean loss.
 
     Raises:
       SpmdError: for a non-positive ``microbatches`` or ``repeats``, an ``axis`` that is not a string, or an

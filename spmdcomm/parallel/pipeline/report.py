@@ -89,7 +89,7 @@ def pipeline_report(state: Any, collectives: tuple[Any, ...]) -> PipelineReport 
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state.model_state))
     kept = "stage input" if pipeline.recomputed else "every layer's activations"
     if pipeline.schedule == "zb-h1":
-        kept += " and output cotangents"
+        kept += " and the cotangents its weight gradients read"
     return PipelineReport(
         axis=pipeline.axis,
         schedule=pipeline.schedule,

@@ -51,17 +51,20 @@ class MicroPieces:
 
     Attributes:
       params: the parameters the step differentiates (typed varying over the data axes).
-      loss: ``loss(params, batch, mask, j, part) -> (count, (value, (loss, aux)))``: the differentiable value of
-        part ``part`` (of :meth:`Schedule.parts`) of micro-batch ``j``, its real-example count, and the user's loss
-        and aux.
+      loss: ``loss(params, model_state, batch, mask, j, part) -> (count, (value, (loss, aux)))``: the
+        differentiable value of part ``part`` (of :meth:`Schedule.parts`) of micro-batch ``j`` from ``model_state``,
+        its real-example count, and the user's loss and aux (the model state the loss returns in ``aux``).
       metrics: ``metrics(count, loss, aux) -> metric sums`` of one part, as the step sums them.
       grads: the strategy's form of a gradient sum (what ``step`` returns its gradient in).
+      context: ``context()``: a context manager for the model's layers run outside ``loss`` (the contexts the step
+        runs the user's function in: logical axis rules, the parallelisms' contexts, such as context parallelism's).
     """
 
     params: Any
     loss: Callable[..., Any]
     metrics: Callable[..., Any]
     grads: Callable[[Any], Any]
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
 
 #: ``layer_fn(layer_params, layer_state, h, index, row) -> (h, layer_state)``: one layer of a stack.

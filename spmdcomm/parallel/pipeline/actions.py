@@ -1,0 +1,114 @@
+"""A stage's chunks of layers and the actions of the table schedules on one of them
+(:mod:`spmdcomm.parallel.pipeline.one_f_one_b`): the forward pass keeping each layer's residuals (one ``jax.vjp`` per
+layer), the backward pass from them, and its two halves for ZB-H1 (:mod:`spmdcomm.parallel.pipeline.split`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from spmdcomm._jax_compat import vary, varying_axes
+from spmdcomm.parallel.pipeline import split
+from spmdcomm.parallel.pipeline.schedule import LayerFn
+
+__all__ = ["Layers", "typed_zeros"]
+
+
+class Layers:
+    """A stage's chunks of layers and the actions on one of them: the forward pass keeping each layer's residuals
+    (``jax.vjp`` per layer), the backward pass from them, and its two halves (input and weight gradient)."""
+
+    def __init__(
+        self, layer_fn: LayerFn, chunks: Any, stage: jax.Array, stages: int, k: int, x: jax.Array, state: Any, axis: str
+    ) -> None:
+        self.layer_fn, self.chunks, self.stage, self.stages, self.k, self.x = layer_fn, chunks, stage, stages, k, x
+        self.axis = axis
+        self.state = state  # one layer's state, a stand-in for tracing the backward passes' structure
+
+    def chunk(self, r: Any) -> Any:
+        """Chunk ``r``'s parameters (its ``k`` layers on dimension 0)."""
+        return jax.tree.map(lambda a: a[r], self.chunks)
+
+    def forward(self, r: Any, h: jax.Array, row: Any, state: Any) -> tuple[jax.Array, list[jax.Array], Any]:
+        """Chunk ``r`` on ``h`` from its layers' ``state``: its output, the residuals of its layers (stacked
+        ``[k, ...]``), but the parameters, which the stage holds anyway, and the layers' new state."""
+
+        def one(h: jax.Array, xs: Any) -> Any:
+            w, st, index = xs
+            # The state is an input of the differentiated function (its cotangent unused): a layer that updates
+            # it in place (NNX's BatchStat) must be built in the trace that updates it.
+            out, vjp_fn, st = jax.vjp(lambda w, h, st: self.layer_fn(w, st, h, index, row), w, h, st, has_aux=True)
+            return out, ([a for a, keep in zip(*_residuals(vjp_fn, w, self.axis), strict=True) if keep], st)
+
+        out, (res, state) = lax.scan(one, h, (self.chunk(r), state, self._indices(r)))
+        return out, res, state
+
+    def backward(self, r: Any, res: list[jax.Array], ct: jax.Array, row: Any) -> tuple[jax.Array, Any]:
+        """The cotangent of chunk ``r``'s input and its weight gradient, from its residuals."""
+
+        def one(ct: jax.Array, xs: Any) -> Any:
+            w, res, index = xs
+            g_w, g_h, _ = self._vjp(w, res, index, row, ct)(ct)
+            return g_h, g_w
+
+        return lax.scan(one, ct, (self.chunk(r), res, self._indices(r)), reverse=True)
+
+    def split_backward(self, res_shapes: list[Any], h: jax.Array) -> None:
+        """Cuts a layer's backward pass into the input and the weight gradient (:mod:`~.split`), traced on stand-ins
+        of the types the loop calls it with (``res_shapes``: a chunk's residuals; ``h``: a layer's input)."""
+        w = jax.tree.map(lambda a: a[0], self.chunk(0))
+        res = [typed_zeros(a)[0] for a in res_shapes]
+        index = vary(jnp.zeros((), jnp.int32), (self.axis,))  # as the loop's, they vary over the stage axis
+        backward = lambda w, res, ct, index, row: self._vjp(w, res, index, row, ct)(ct)[:2]
+        self.cut = split.split_backward(backward, w, res, h, index, index, axis=self.axis)
+
+    def input_grad(self, r: Any, res: list[jax.Array], ct: jax.Array, row: Any) -> tuple[jax.Array, list[jax.Array]]:
+        """The cotangent of chunk ``r``'s input, and what each layer's weight gradient needs of its backward pass
+        (:meth:`weight_grad`), stacked ``[k, ...]``."""
+
+        def one(ct: jax.Array, xs: Any) -> Any:
+            w, res, index = xs
+            return self.cut.input_grad(w, res, ct, index, row)
+
+        return lax.scan(one, ct, (self.chunk(r), res, self._indices(r)), reverse=True)
+
+    def weight_grad(self, r: Any, res: list[jax.Array], kept: list[jax.Array], row: Any) -> Any:
+        """Chunk ``r``'s weight gradient, from its residuals and what :meth:`input_grad` kept: its matmuls only."""
+
+        def one(_: Any, xs: Any) -> Any:
+            w, res, index, kept = xs
+            return None, self.cut.weight_grad(kept, w, res, index, row)
+
+        return lax.scan(one, None, (self.chunk(r), res, self._indices(r), kept))[1]
+
+    def _indices(self, r: Any) -> jax.Array:
+        # Stage s holds chunks s, s + p, ...: chunk r is virtual stage r p + s, layers from (r p + s) k.
+        return (r * self.stages + self.stage) * self.k + jnp.arange(self.k)
+
+    def _vjp(self, w: Any, res: list[jax.Array], index: jax.Array, row: Any, ct: jax.Array) -> Any:
+        """One layer's ``vjp_fn`` with the stored residuals: traced on a stand-in for its structure, typed as the
+        forward pass's input was (as varying as the cotangent ``ct``; the stand-in's forward pass is unused, and
+        compiled away)."""
+        stand_in = vary(jnp.zeros_like(self.x), tuple(varying_axes(ct)))
+        _, vjp_fn = jax.vjp(lambda w, h, st: self.layer_fn(w, st, h, index, row)[0], w, stand_in, self.state)
+        (leaves, kept), structure = _residuals(vjp_fn, w, self.axis), jax.tree.structure(vjp_fn)
+        stored = iter(res)
+        leaves = [next(stored) if keep else a for a, keep in zip(leaves, kept, strict=True)]
+        return jax.tree.unflatten(structure, leaves)
+
+
+def typed_zeros(like: Any, *lead: int) -> jax.Array:
+    """Zeros of ``like``'s shape (after the dimensions ``lead``), dtype and varying axes."""
+    return vary(jnp.zeros((*lead, *like.shape), like.dtype), tuple(sorted(varying_axes(like))))
+
+
+def _residuals(vjp_fn: Any, weights: Any, axis: str) -> tuple[list[Any], list[bool]]:
+    """The residuals of a layer's ``vjp_fn`` and which of them to keep: all but the layer's parameters, which the
+    stage holds anyway, and the constants of the trace (what does not vary over the stage axis depends on none of
+    the layer's inputs, all of which do: the stand-in's trace computes the same)."""
+    held = jax.tree.leaves(weights)
+    leaves = jax.tree.leaves(vjp_fn)
+    return leaves, [axis in varying_axes(a) and not any(a is w for w in held) for a in leaves]
