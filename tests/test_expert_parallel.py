@@ -293,17 +293,31 @@ def test_a_context_axis_splits_every_sequence_and_the_dropless_step_equals_one_d
         sc.make_train_step(loss_fn, donate=False)(state.replace(apply_fn=MODEL.apply), data)
 
 
+class MoEBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        return h + sc.MoE(Mlp(), experts=4, k=2, capacity_factor=CAPACITY)(h)
+
+
 class Stacked(nn.Module):
     @nn.compact
     def __call__(self, x):
-        block = type(
-            "MoEBlock", (nn.Module,), {"__call__": nn.compact(lambda self, h: h + sc.MoE(Mlp(), experts=E)(h))}
-        )
-        return sc.PipelineStack(block(parent=None), 2)(nn.Dense(D)(x))
+        return nn.Dense(1)(sc.PipelineStack(MoEBlock(), 2)(nn.Dense(D)(x)))
 
 
-def test_a_moe_layer_in_a_pipelined_step_raises_while_tracing():
-    params = jax.jit(Stacked().init)(jax.random.key(0), batch()["x"][:1])["params"]
+def stacked_loss(params, batch, *, apply_fn, **_):
+    """The task loss and the load-balancing loss of every layer of the stack, averaged over the micro-batches."""
+    out, found = apply_fn({"params": params}, batch["x"], mutable=["moe"])
+    per_layer = found["moe"]["PipelineStack_0"]["layers"]["MoE_0"]["load_balancing_loss"][0]  # [L, micro-batches]
+    balance = jnp.sum(jnp.mean(per_layer, axis=1))
+    return jnp.mean((out - batch["y"]) ** 2) + BALANCE * balance, {"balance": balance}
+
+
+def test_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_device_accumulating_micro_batches():
+    """Each layer's losses and capacity are per micro-batch, as one device accumulating the same micro-batches:
+    micro-batch i holds, in (data, expert) order, the rows of the stage-i device of each (data, expert) replica."""
+    data = batch()
+    params = jax.jit(Stacked().init)(jax.random.key(0), data["x"][:1])["params"]
     state = sc.TrainState.create(
         params=params,
         tx=optax.sgd(LR),
@@ -312,14 +326,34 @@ def test_a_moe_layer_in_a_pipelined_step_raises_while_tracing():
         pipeline=sc.Pipeline(microbatches=2),
         logical_axis_rules=RULES[None],
     )
+    new, metrics = sc.make_train_step(stacked_loss, donate=False)(state, data)
+    # Device (d, s, e) holds rows block 4 d + 2 s + e; micro-batch i is its stage-i devices' blocks.
+    blocks = np.arange(ROWS).reshape(2, 2, 2, ROWS // 8)
+    micro = [blocks[:, i].reshape(-1) for i in range(2)]
 
-    def loss_fn(params, batch, *, apply_fn, **_):
-        return jnp.mean(apply_fn({"params": params}, batch["x"]) ** 2)
+    def loss(p):
+        parts = [stacked_loss(p, jax.tree.map(lambda a, r=r: a[r], data), apply_fn=Stacked().apply) for r in micro]
+        return sum(v for v, _ in parts) / 2, sum(a["balance"] for _, a in parts) / 2
 
-    with pytest.raises(
-        SpmdError, match=r"a MoE layer in a step with a pipeline \(stage axis 'stage'\) is not supported"
-    ):
-        sc.make_train_step(loss_fn, donate=False)(state, batch())
+    plain = nn.unbox(params)
+    (value, balance), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(plain)
+    np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
+    want = jax.tree.map(lambda p, g: p - LR * g, plain, grads)
+    assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_moe_layer_under_a_table_schedule_raises_while_tracing():
+    data = batch()
+    state = sc.TrainState.create(
+        params=jax.jit(Stacked().init)(jax.random.key(0), data["x"][:1])["params"],
+        tx=optax.sgd(LR),
+        apply_fn=Stacked().apply,
+        mesh=sc.make_mesh({"data": 2, "stage": 2, "expert": 2}),
+        pipeline=sc.Pipeline(microbatches=2, schedule="1f1b"),
+        logical_axis_rules=RULES[None],
+    )
+    with pytest.raises(SpmdError, match=r"schedule='1f1b' \(stage axis 'stage'\).*schedule='gpipe'"):
+        sc.make_train_step(stacked_loss, donate=False)(state, data)
 
 
 def test_a_masked_batch_runs_on_the_expert_axis_and_equals_one_device(initial, reference):

@@ -23,6 +23,7 @@ from spmdcomm._format import format_bytes
 from spmdcomm.collectives.ragged import RAGGED_NATIVE_PLATFORMS, RaggedImplementation
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
 from spmdcomm.parallel.expert.routing import MoEStats, RoutingName, check_routing, moe
+from spmdcomm.parallel.pipeline.schedule import PIPELINED, active_schedule
 from spmdcomm.parallel.registry import Parallelism
 
 __all__ = [
@@ -104,17 +105,23 @@ def step_split(
     split = _ACTIVE.get()
     if split is None:
         return axis_name, token_axes
+    token_axes_now = split.token_axes
     if split.stage is not None:
-        raise SpmdError(
-            describe(
-                fn,
-                f"a MoE layer in a step with a pipeline (stage axis {split.stage!r}) is not supported yet: its "
-                "statistics and capacity would mix micro-batches of different stages.",
-                fix="train the MoE model without pipeline=..., over data, expert, context and model axes.",
+        schedule = getattr(active_schedule(), "schedule", "gpipe")
+        if schedule != "gpipe":
+            raise SpmdError(
+                describe(
+                    fn,
+                    f"a MoE layer in a step with schedule={schedule!r} (stage axis {split.stage!r}): its statistics "
+                    "per micro-batch are handed out by the GPipe loop only.",
+                    fix="use sc.Pipeline(..., schedule='gpipe') for a model with MoE layers.",
+                )
             )
-        )
+        if PIPELINED.get() == split.stage:
+            # Inside the loop the stage devices hold other micro-batches and layers: one micro-batch's tokens.
+            token_axes_now = tuple(a for a in split.token_axes if a != split.stage)
     mine: list[tuple[str, Any, Any]] = [("axis_name", axis_name, split.axis)] if axis_name is not None else []
-    mine += [("token_axes", tuple(token_axes), split.token_axes)] if token_axes is not None else []
+    mine += [("token_axes", tuple(token_axes), token_axes_now)] if token_axes is not None else []
     for name, value, want in mine:
         if value != want:
             raise AxisError(
@@ -134,7 +141,7 @@ def step_split(
                 fix="use the dropless layer (capacity_factor=None) with a context axis.",
             )
         )
-    return split.axis, split.token_axes
+    return split.axis, token_axes_now
 
 
 class MoE(nn.Module):

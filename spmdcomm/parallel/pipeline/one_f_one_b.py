@@ -73,6 +73,19 @@ def stack_piece(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array) -> tup
             )
         )
     if isinstance(piece, dict):
+        # The loop differentiates the layers in pieces of its own, out of the user's reach: nothing they sow
+        # (a MoE layer's losses) could come back. Tracing one layer finds out.
+        first = jax.tree.map(lambda a: a[0], params)
+        _, out = jax.eval_shape(lambda p, h: layer_fn(p, {}, h, jnp.int32(0), 0), first, x)
+        if out:
+            raise SpmdError(
+                describe(
+                    "PipelineStack",
+                    f"the stack's block sows into {sorted(out)} under a schedule other than 'gpipe': that schedule "
+                    "cannot hand per-micro-batch values back to the loss.",
+                    fix="use sc.Pipeline(..., schedule='gpipe'), which hands them out [L, m, ...].",
+                )
+            )
         piece.update(layer_fn=layer_fn, params=params, x=x)
         return x, state
     return piece, state
