@@ -356,6 +356,17 @@ def test_a_moe_layer_under_a_table_schedule_raises_while_tracing():
         sc.make_train_step(stacked_loss, donate=False)(state, data)
 
 
+@pytest.mark.multiprocess
+def test_two_processes_with_the_expert_axis_across_them_equal_one_device(launch, tmp_path, reference):
+    out = launch("mp_pipeline.py", tmp_path, "--experts", timeout=120)
+    assert out.stdout.count("EXPERTS OK") == 2  # one per process
+    got, (want, loss, _) = np.load(tmp_path / "params_experts.npz"), reference
+    for path, x in jax.tree_util.tree_flatten_with_path(want)[0]:
+        name = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(np.load(tmp_path / "losses_experts.npy"), [loss], rtol=1e-5)
+
+
 def test_a_masked_batch_runs_on_the_expert_axis_and_equals_one_device(initial, reference):
     """A masked batch (what sc.Loader hands the step) keeps every replicated gradient summed over the expert axis."""
     state, step, *_ = trained("ddp-data2-expert4", initial)
