@@ -282,6 +282,23 @@ def plot_context(result: dict, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def plot_moe(result: dict, path: Path) -> Path:
+    """Tokens/s and compiled temporaries per variant: the MoE layer's four, then the LM step's two."""
+    plt = _pyplot()
+    groups = [("MoE layer", result["rows"]), ("LM step", result.get("lm", []))]
+    groups = [(title, rows) for title, rows in groups if rows]
+    fig, axes = plt.subplots(2, len(groups), figsize=(5.2 * len(groups), 6.4), squeeze=False, layout="constrained")
+    for col, (title, rows) in enumerate(groups):
+        names = [r["variant"] for r in rows]
+        for row, (key, unit, label) in enumerate([("tokens_per_s", 1, "tokens/s"), ("temp_bytes", 2**20, "MiB")]):
+            ax = axes[row][col]
+            ax.barh(names, [r[key] / unit for r in rows], color=[f"C{k}" for k in range(len(rows))])
+            ax.set(title=f"{title}: {'speed' if row == 0 else 'temporaries per device'}", xlabel=label)
+            ax.tick_params(axis="y", labelsize=7)
+    fig.suptitle(f"Expert parallelism, {result['devices']} {result['platform']} devices, {result['date']}")
+    return _save(plt, fig, path)
+
+
 def train_step_rows(result: dict) -> list[tuple[str, float]]:
     """(configuration, samples/s) pairs from benchmarks/train_step.py's flat JSON (ratios and bytes left out)."""
     skip = ("ratio", "bytes", "(ms)")
@@ -299,6 +316,7 @@ PLOTS = {
     "strategies": plot_strategies,
     "pipeline": plot_pipeline,
     "context": plot_context,
+    "moe": plot_moe,
 }
 
 

@@ -22,14 +22,29 @@ compiled program's temporaries per device (``memory_analysis().temp_size_in_byte
 bytes per device (``sc.explain``), the expert parameter bytes each device holds (measured on the placed arrays: 1/8 of
 the experts for the split variants), and the output's largest difference from the one-device layer (the GShard
 variant, which drops by its own capacity rule, is compared with ``ours capacity``).
+
+The LM step (``--lm``, on by default; ``--lm-only`` skips the layer): examples/lm's ``Transformer`` with a MoE MLP in
+every block (``E`` experts, top-2, capacity factor 1.25 in both variants, so that they compute the same function),
+one AdamW train step on ``8 * lm_windows`` windows of ``lm_length`` bytes:
+
+- ``ours``: ``sc.make_train_step`` on a state over a mesh ``{"expert": 8}`` (the experts and the batch split over it);
+- ``jit+NamedSharding gshard``: the same model with each ``sc.MoE`` replaced by the GShard one-hot einsum layer (the
+  same parameters), ``jax.jit`` of the loss's gradient and the update with the experts placed ``P("expert")``, the
+  batch ``P("expert")`` and XLA choosing the collectives.
+
+Reported: tokens/s (interleaved rounds), the compiled temporaries per device, the all-to-all and all-gather bytes
+per device, and the two steps' losses (equal within float32 rounding).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import sys
 import time
+from unittest import mock
 
 from _common import run_facts, set_cpu_devices, time_calls, write_json
 
@@ -39,6 +54,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,6 +62,7 @@ import spmdcomm as sc  # noqa: E402
 from spmdcomm.parallel.expert import expert_capacity, route  # noqa: E402
 
 K, FACTOR = 2, 1.25
+LM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "lm")
 
 
 class Mlp(nn.Module):
@@ -55,6 +72,25 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x):
         return nn.Dense(self.width, name="down")(nn.gelu(nn.Dense(self.hidden, name="up")(x)))
+
+
+def gshard_moe(x, logits, experts, e, mesh):
+    """The GShard layer a JAX user writes: one-hot dispatch and combine tensors ``[N, E, C]`` and einsums, the expert
+    dimension split over ``expert`` by sharding constraints; ``experts`` maps ``[E, C, d]`` to ``[E, C, d]``.
+    Returns the output ``[N, d]`` and the Switch/GShard load-balancing loss over the ``N`` tokens."""
+    tokens = x.shape[0]
+    r = route(logits, K)
+    capacity = expert_capacity(tokens, e, K, FACTOR)
+    onehot = jax.nn.one_hot(r.experts, e, dtype=jnp.int32)  # [N, k, E], first choices before second ones
+    order = jnp.cumsum(onehot.transpose(1, 0, 2).reshape(-1, e), axis=0).reshape(K, tokens, e).transpose(1, 0, 2)
+    slot = jnp.sum((order - 1) * onehot, axis=-1)  # [N, k]
+    at = jax.nn.one_hot(slot, capacity)  # [N, k, C]: zeros past the capacity, the dropped assignments
+    dispatch = jnp.einsum("nke,nkc->nec", onehot, at)
+    combine = jnp.einsum("nk,nke,nkc->nec", r.weights, onehot, at)
+    split = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, jax.P("expert")))
+    out = split(experts(split(jnp.einsum("nec,nd->ecd", dispatch, x))))
+    balance = e * jnp.sum(onehot.sum((0, 1)) / (tokens * K) * r.probs.mean(0))
+    return jnp.einsum("nec,ecd->nd", combine, out).astype(x.dtype), balance
 
 
 def variants(args, mesh):
@@ -68,21 +104,9 @@ def variants(args, mesh):
         return jax.shard_map(apply, mesh=mesh, in_specs=(specs, tok), out_specs=tok)
 
     def gshard(p, x):
-        e, tokens = args.experts, x.shape[0]
-        r = route(x @ p["router"], K)
-        capacity = expert_capacity(tokens, e, K, FACTOR)
-        onehot = jax.nn.one_hot(r.experts, e, dtype=jnp.int32)  # [N, k, E], first choices before second ones
-        order = jnp.cumsum(onehot.transpose(1, 0, 2).reshape(-1, e), axis=0).reshape(K, tokens, e).transpose(1, 0, 2)
-        slot = jnp.sum((order - 1) * onehot, axis=-1)  # [N, k]
-        at = jax.nn.one_hot(slot, capacity)  # [N, k, C]: zeros past the capacity, the dropped assignments
-        dispatch = jnp.einsum("nke,nkc->nec", onehot, at)
-        combine = jnp.einsum("nk,nke,nkc->nec", r.weights, onehot, at)
-        split = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, jax.P("expert")))
-        inputs = split(jnp.einsum("nec,nd->ecd", dispatch, x))
-        w = p["experts"]
-        h = nn.gelu(jnp.einsum("ecd,edh->ech", inputs, w["up"]["kernel"]) + w["up"]["bias"][:, None])
-        out = split(jnp.einsum("ech,ehd->ecd", h, w["down"]["kernel"]) + w["down"]["bias"][:, None])
-        return jnp.einsum("nec,ecd->nd", combine, out)
+        up, down = p["experts"]["up"], p["experts"]["down"]
+        experts = lambda a: nn.gelu(a @ up["kernel"] + up["bias"][:, None]) @ down["kernel"] + down["bias"][:, None]
+        return gshard_moe(x, x @ p["router"], experts, args.experts, mesh)[0]
 
     def gathered():
         layer = sc.MoE(mlp, experts=args.experts, k=K)
@@ -101,6 +125,120 @@ def variants(args, mesh):
     }
 
 
+class GShardMoE(nn.Module):
+    """``sc.MoE``'s parameters and call (as examples/lm builds it), computed by :func:`gshard_moe` in the global
+    view; it sows the load-balancing loss into ``"moe"`` as ``sc.MoE`` does."""
+
+    expert: nn.Module
+    experts: int
+    k: int = K
+    mesh: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        router = self.param("router", nn.initializers.normal(0.02), (h.shape[-1], self.experts), jnp.float32)
+        expert = self.expert.clone(parent=None)
+        params = self.param("experts", lambda key: None)  # the parameters come from sc.MoE's init
+        run = lambda buf: jax.vmap(lambda p, rows: expert.apply({"params": p}, rows))(params, buf)
+        y, balance = gshard_moe(h, h.astype(jnp.float32) @ router, run, self.experts, self.mesh)
+        self.sow("moe", "load_balancing_loss", balance)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+@contextlib.contextmanager
+def moe_layer(layer):
+    """examples/lm's blocks build ``layer`` where they name ``sc.MoE`` (while a model is built and traced)."""
+    with mock.patch.object(sc, "MoE", layer):
+        yield
+
+
+def lm_step(args, mesh):
+    """The LM step's rows: ours against the jit + NamedSharding GShard step (module docstring)."""
+    sys.path.insert(0, LM)
+    import models  # examples/lm/models.py
+
+    rows, length = 8 * args.lm_windows, args.lm_length
+    model = models.Transformer(
+        width=args.lm_width, layers=args.lm_layers, heads=4, max_len=length, experts=args.experts
+    )
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (rows, length + 1)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    tx = optax.adamw(1e-3)
+    ours_moe = functools.partial(sc.MoE, capacity_factor=FACTOR)
+    with moe_layer(ours_moe):
+        params = jax.jit(model.init)(jax.random.key(0), batch["inputs"][:1])["params"]
+        state = sc.TrainState.create(
+            params=params,
+            tx=tx,
+            apply_fn=model.apply,
+            mesh=mesh,
+            logical_axis_rules=models.logical_axis_rules(mesh.axis_names),
+        )
+        step = sc.make_train_step(models.make_loss_fn(), donate=False)
+        report = sc.explain(step, state, batch)
+        _, ours_metrics = step(state, batch)
+
+    def objective(apply_fn, p, batch):
+        loss, _, real, balance = models.token_sums(apply_fn, p, batch, jnp.ones(rows, bool))
+        return loss / real + models.BALANCE * balance
+
+    plain = nn.unbox(params)
+    put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
+    is_expert = lambda path: any(getattr(k, "key", None) == "experts" for k in path)
+    placed = jax.tree_util.tree_map_with_path(lambda q, v: put(v, jax.P("expert") if is_expert(q) else jax.P()), plain)
+    with moe_layer(functools.partial(GShardMoE, mesh=mesh)):
+
+        @jax.jit
+        def gshard_step(p, opt, batch):
+            loss, grads = jax.value_and_grad(lambda p: objective(model.apply, p, batch))(p)
+            updates, opt = tx.update(grads, opt, p)
+            return optax.apply_updates(p, updates), opt, loss
+
+        opt = jax.jit(tx.init)(placed)
+        data = jax.tree.map(lambda a: put(a, jax.P("expert")), batch)
+        compiled = gshard_step.lower(placed, opt, data).compile()
+        gshard_loss = float(compiled(placed, opt, data)[2])
+    theirs = sc.explain(compiled, mesh=mesh)
+    calls = {"ours": lambda: step(state, batch), "jit+NamedSharding gshard": lambda: compiled(placed, opt, data)}
+    times = _interleaved(calls, args.rounds, args.steps)
+    out = []
+    for name, rep, temp, loss in [
+        ("ours", report, report.memory.temp_bytes, float(ours_metrics["loss"])),
+        ("jit+NamedSharding gshard", theirs, compiled.memory_analysis().temp_size_in_bytes, gshard_loss),
+    ]:
+        out.append(
+            {
+                "variant": name,
+                "tokens_per_s": rows * length * args.steps / float(np.median(times[name])),
+                "temp_bytes": temp,
+                "collective_bytes": _by_kind(rep),
+                "loss": loss,
+            }
+        )
+    for row in out:
+        row["speed_vs_ours"] = row["tokens_per_s"] / out[0]["tokens_per_s"]
+    return out
+
+
+def _by_kind(report):
+    by_kind: dict[str, int] = {}
+    for c in report.collectives:
+        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.total_bytes
+    return by_kind
+
+
+def _interleaved(calls, rounds, steps):
+    """Seconds of ``steps`` calls of each, the variants interleaved over ``rounds`` (order reversed every other)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds):
+        for name in list(calls) if r % 2 == 0 else list(reversed(calls)):
+            calls[name]()
+            times[name].append(time_calls(calls[name], steps))
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int, default=8)
@@ -110,11 +248,17 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lm-windows", type=int, default=4, help="LM step: windows per device")
+    parser.add_argument("--lm-length", type=int, default=64)
+    parser.add_argument("--lm-width", type=int, default=64)
+    parser.add_argument("--lm-layers", type=int, default=2)
+    parser.add_argument("--skip-lm", action="store_true", help="the layer only")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks that everything runs")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.smoke:
         args.tokens, args.width, args.hidden, args.rounds, args.steps = 16, 16, 32, 1, 1
+        args.lm_windows, args.lm_length, args.lm_width, args.lm_layers = 1, 16, 32, 1
     mesh = sc.make_mesh({"expert": args.devices}, devices=jax.devices()[: args.devices])
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.devices * args.tokens, args.width)).astype(np.float32)
@@ -136,10 +280,7 @@ def main() -> None:
     for name, fn in variants(args, mesh).items():
         step = jax.jit(lambda p, x, c, fn=fn: jax.value_and_grad(lambda p, x: jnp.sum(fn(p, x) * c), (0, 1))(p, x))
         compiled = step.lower(placed, xs, cots).compile()
-        report = sc.explain(compiled, mesh=mesh)
-        by_kind: dict[str, int] = {}
-        for c in report.collectives:
-            by_kind[c.kind] = by_kind.get(c.kind, 0) + c.total_bytes
+        by_kind = _by_kind(sc.explain(compiled, mesh=mesh))
         y = jax.jit(fn)(placed, xs)
         want = reference[None if name == "ours dropless" or name == "all-gather experts" else FACTOR]
         rows.append(
@@ -157,20 +298,16 @@ def main() -> None:
         ),
         "all": sum(leaf.nbytes for leaf in jax.tree.leaves(placed["experts"])),
     }
-    times: dict[str, list[float]] = {name: [] for name in programs}
-    for r in range(args.rounds):
-        order = list(programs) if r % 2 == 0 else list(reversed(programs))
-        for name in order:
-            call = lambda name=name: programs[name](placed, xs, cots)
-            call()
-            times[name].append(time_calls(call, args.steps))
+    calls = {name: lambda name=name: programs[name](placed, xs, cots) for name in programs}
+    times = _interleaved(calls, args.rounds, args.steps)
     tokens = args.devices * args.tokens
     for row in rows:
         row["tokens_per_s"] = tokens * args.steps / float(np.median(times[row["variant"]]))
     base = rows[0]["tokens_per_s"]
     for row in rows:
         row["speed_vs_ours_dropless"] = row["tokens_per_s"] / base
-    result = {**run_facts(), "args": vars(args), "expert_param_bytes": expert_bytes, "rows": rows}
+    lm = [] if args.skip_lm else lm_step(args, mesh)
+    result = {**run_facts(), "args": vars(args), "expert_param_bytes": expert_bytes, "rows": rows, "lm": lm}
     print(f"expert parameters: {expert_bytes['per_device']} bytes per device of {expert_bytes['all']}")
     print(f"{'variant':30} {'tokens/s':>10} {'vs dropless':>11} {'temp MB':>8} {'max diff':>9}  collectives (bytes)")
     for row in rows:
@@ -178,6 +315,15 @@ def main() -> None:
             f"{row['variant']:30} {row['tokens_per_s']:10.0f} {row['speed_vs_ours_dropless']:11.2f} "
             f"{row['temp_bytes'] / 2**20:8.2f} {row['max_abs_diff_to_one_device']:9.1e}  {row['collective_bytes']}"
         )
+    if lm:
+        print(
+            f"LM step (experts over {args.devices} devices): {'tokens/s':>10} {'vs ours':>8} {'temp MB':>8} {'loss':>9}"
+        )
+        for row in lm:
+            print(
+                f"  {row['variant']:27} {row['tokens_per_s']:10.0f} {row['speed_vs_ours']:8.2f} "
+                f"{row['temp_bytes'] / 2**20:8.2f} {row['loss']:9.6f}  {row['collective_bytes']}"
+            )
     write_json(args.json, result)
 
 

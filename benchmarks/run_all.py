@@ -9,7 +9,7 @@ loader latency for prefetch, samples/s per train-step configuration, memory per 
 relative to DDP per data-parallel strategy, and for the pipeline its stack bytes per device, its temporaries
 against the micro-batch count and its step time against DDP's with the bubble formula.
 relative to DDP per data-parallel strategy, tokens/s, temporaries and bytes over the context axis against the
-sequence length for context parallelism.
+sequence length for context parallelism, and tokens/s and temporaries of the MoE layer and the MoE LM step.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ BENCHMARKS = {
     "strategies": ["strategies.py", "--rounds", "5"],
     "pipeline": ["pipeline.py", "--rounds", "5"],
     "context": ["context.py", "--rounds", "3", "--lengths", "128,512,1024"],
+    "moe": ["moe.py", "--rounds", "5"],
 }
 SMOKE = {
     "collectives": [
@@ -77,6 +78,7 @@ SMOKE = {
         "--variants",
         "ring4,a2a4",
     ],
+    "moe": ["moe.py", "--smoke"],
 }
 
 

@@ -1,10 +1,15 @@
-"""How reports write sizes (:mod:`spmdcomm.explain`, a parallelism's section of it)."""
+"""How reports write sizes (:mod:`spmdcomm.explain`, a parallelism's section of it), and how a layer names its
+collectives for them."""
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["format_bytes"]
+__all__ = ["format_bytes", "LAYER_SCOPE"]
+
+#: The prefix of a ``jax.named_scope`` around a layer's collectives (``"sc:" + the layer's path``): the optimised
+#: HLO keeps it in each op's name, and :mod:`spmdcomm.explain` attributes the collectives to that layer.
+LAYER_SCOPE = "sc:"
 
 
 def format_bytes(n: int | None) -> str:

@@ -318,7 +318,7 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
         env=env,
         timeout=480,
     )
-    names = ("collectives", "prefetch", "train_step", "strategies", "pipeline", "context")
+    names = ("collectives", "prefetch", "train_step", "strategies", "pipeline", "context", "moe")
     results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in names}
     ops = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
     assert {r["op"] for r in results["collectives"]["rows"]} == ops
@@ -352,6 +352,17 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
         if r["algorithm"]:
             assert r["ratio_ring_vs_all_to_all"] > 0 and r["attention_bytes_per_step"] > 0
     assert len(context["errors"]) == 6 and all(e["as_documented"] for e in context["errors"])
+    moe = results["moe"]
+    rows = {row["variant"]: row for row in moe["rows"]}
+    assert set(rows) == {"ours dropless", "ours capacity 1.25", "gshard einsum capacity 1.25", "all-gather experts"}
+    # Every variant equals the one-device layer; the split variants hold 1/8 of the expert parameters per device.
+    assert all(row["max_abs_diff_to_one_device"] < 1e-5 and row["tokens_per_s"] > 0 for row in rows.values())
+    assert rows["ours dropless"]["collective_bytes"]["all-to-all"] > 0
+    assert moe["expert_param_bytes"]["per_device"] * 8 == moe["expert_param_bytes"]["all"]
+    lm = {row["variant"]: row for row in moe["lm"]}
+    assert set(lm) == {"ours", "jit+NamedSharding gshard"} and all(r["tokens_per_s"] > 0 for r in lm.values())
+    # The same function (capacity 1.25 in both): the same loss.
+    assert abs(lm["ours"]["loss"] - lm["jit+NamedSharding gshard"]["loss"]) < 1e-5 * abs(lm["ours"]["loss"])
     for name in results:
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -146,6 +146,9 @@ def test_explain_lists_the_moe_layers_all_to_alls_and_expert_bytes_per_device(in
         text = str(report)
         assert "experts over 'expert' (4 devices): 1 MoE layer; all-to-alls over 'expert': " in text
         assert f"params['MoE_0']['experts']: 8 experts, {8 // share} per device" in text and "padded" in text
+        # Every all-to-all over the axis, forward and backward, is attributed to the one MoE layer.
+        assert section.per_layer == (("MoE_0", section.all_to_alls, section.all_to_all_bytes),)
+        assert f"layer MoE_0: {section.all_to_alls} all-to-alls over 'expert'" in text
 
 
 def test_a_checkpoint_keeps_the_experts_in_order_and_restores_on_another_expert_axis_or_none(initial, tmp_path):
@@ -293,17 +296,31 @@ def test_a_context_axis_splits_every_sequence_and_the_dropless_step_equals_one_d
         sc.make_train_step(loss_fn, donate=False)(state.replace(apply_fn=MODEL.apply), data)
 
 
+class MoEBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        return h + sc.MoE(Mlp(), experts=4, k=2, capacity_factor=CAPACITY)(h)
+
+
 class Stacked(nn.Module):
     @nn.compact
     def __call__(self, x):
-        block = type(
-            "MoEBlock", (nn.Module,), {"__call__": nn.compact(lambda self, h: h + sc.MoE(Mlp(), experts=E)(h))}
-        )
-        return sc.PipelineStack(block(parent=None), 2)(nn.Dense(D)(x))
+        return nn.Dense(1)(sc.PipelineStack(MoEBlock(), 2)(nn.Dense(D)(x)))
 
 
-def test_a_moe_layer_in_a_pipelined_step_raises_while_tracing():
-    params = jax.jit(Stacked().init)(jax.random.key(0), batch()["x"][:1])["params"]
+def stacked_loss(params, batch, *, apply_fn, **_):
+    """The task loss and the load-balancing loss of every layer of the stack, averaged over the micro-batches."""
+    out, found = apply_fn({"params": params}, batch["x"], mutable=["moe"])
+    per_layer = found["moe"]["PipelineStack_0"]["layers"]["MoE_0"]["load_balancing_loss"][0]  # [L, micro-batches]
+    balance = jnp.sum(jnp.mean(per_layer, axis=1))
+    return jnp.mean((out - batch["y"]) ** 2) + BALANCE * balance, {"balance": balance}
+
+
+def test_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_device_accumulating_micro_batches():
+    """Each layer's losses and capacity are per micro-batch, as one device accumulating the same micro-batches:
+    micro-batch i holds, in (data, expert) order, the rows of the stage-i device of each (data, expert) replica."""
+    data = batch()
+    params = jax.jit(Stacked().init)(jax.random.key(0), data["x"][:1])["params"]
     state = sc.TrainState.create(
         params=params,
         tx=optax.sgd(LR),
@@ -312,14 +329,46 @@ def test_a_moe_layer_in_a_pipelined_step_raises_while_tracing():
         pipeline=sc.Pipeline(microbatches=2),
         logical_axis_rules=RULES[None],
     )
+    new, metrics = sc.make_train_step(stacked_loss, donate=False)(state, data)
+    # Device (d, s, e) holds rows block 4 d + 2 s + e; micro-batch i is its stage-i devices' blocks.
+    blocks = np.arange(ROWS).reshape(2, 2, 2, ROWS // 8)
+    micro = [blocks[:, i].reshape(-1) for i in range(2)]
 
-    def loss_fn(params, batch, *, apply_fn, **_):
-        return jnp.mean(apply_fn({"params": params}, batch["x"]) ** 2)
+    def loss(p):
+        parts = [stacked_loss(p, jax.tree.map(lambda a, r=r: a[r], data), apply_fn=Stacked().apply) for r in micro]
+        return sum(v for v, _ in parts) / 2, sum(a["balance"] for _, a in parts) / 2
 
-    with pytest.raises(
-        SpmdError, match=r"a MoE layer in a step with a pipeline \(stage axis 'stage'\) is not supported"
-    ):
-        sc.make_train_step(loss_fn, donate=False)(state, batch())
+    plain = nn.unbox(params)
+    (value, balance), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(plain)
+    np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
+    want = jax.tree.map(lambda p, g: p - LR * g, plain, grads)
+    assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_moe_layer_under_a_table_schedule_raises_while_tracing():
+    data = batch()
+    state = sc.TrainState.create(
+        params=jax.jit(Stacked().init)(jax.random.key(0), data["x"][:1])["params"],
+        tx=optax.sgd(LR),
+        apply_fn=Stacked().apply,
+        mesh=sc.make_mesh({"data": 2, "stage": 2, "expert": 2}),
+        pipeline=sc.Pipeline(microbatches=2, schedule="1f1b"),
+        logical_axis_rules=RULES[None],
+    )
+    with pytest.raises(SpmdError, match=r"schedule='1f1b' with the batch split over \['expert'\].*schedule='gpipe'"):
+        sc.make_train_step(stacked_loss, donate=False)(state, data)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_with_the_expert_axis_across_them_equal_one_device(launch, tmp_path, reference):
+    out = launch("mp_pipeline.py", tmp_path, "--experts", timeout=120)
+    assert out.stdout.count("EXPERTS OK") == 2  # one per process
+    got, (want, loss, _) = np.load(tmp_path / "params_experts.npz"), reference
+    for path, x in jax.tree_util.tree_flatten_with_path(want)[0]:
+        name = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(np.load(tmp_path / "losses_experts.npy"), [loss], rtol=1e-5)
 
 
 def test_a_masked_batch_runs_on_the_expert_axis_and_equals_one_device(initial, reference):

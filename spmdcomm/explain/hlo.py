@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
+from spmdcomm._format import LAYER_SCOPE
+
 __all__ = ["COLLECTIVE_KINDS", "Collective"]
 
 #: The HLO collectives :func:`~spmdcomm.explain` reports. Their asynchronous forms (``all-reduce-start`` /
@@ -51,6 +53,8 @@ class Collective:
         axes.
       where: ``"entry"`` for the program's top level, else the constructs around it, outermost first, joined
         by ``"/"``: ``"while"`` (runs once per loop iteration), ``"conditional"``, ``"call"``.
+      layer: the innermost ``jax.named_scope`` of the op's name that begins with ``LAYER_SCOPE`` (``"sc:"``), without
+        it: a layer that names its collectives so (a MoE layer: its path); ``""`` for any other.
     """
 
     kind: str
@@ -62,6 +66,7 @@ class Collective:
     source_target_pairs: tuple[tuple[int, int], ...]
     axes: tuple[str, ...] | None
     where: str
+    layer: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -96,6 +101,7 @@ class Module:
     instructions: tuple[_Instruction, ...]  # in text order
 
 
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _MODULE = re.compile(r"^HloModule\s+([^\s,]+)")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -162,12 +168,19 @@ def inventory(module: Module, mesh: Mesh | None) -> list[Collective]:
         else:
             groups, pairs = _groups(inst.attrs, module.devices), ()
         size = max(sent, _shape_bytes(result))
-        key = (kind, size, len(inst.operands), dtypes, groups, pairs, where[inst.computation])
+        key = (kind, size, len(inst.operands), dtypes, groups, pairs, where[inst.computation], _layer(inst.attrs))
         rows[key] = rows.get(key, 0) + 1
     return [
-        Collective(kind, count, size, buffers, dtypes, groups, pairs, _axes(mesh, groups, pairs), place)
-        for (kind, size, buffers, dtypes, groups, pairs, place), count in rows.items()
+        Collective(kind, count, size, buffers, dtypes, groups, pairs, _axes(mesh, groups, pairs), place, layer)
+        for (kind, size, buffers, dtypes, groups, pairs, place, layer), count in rows.items()
     ]
+
+
+def _layer(attrs: str) -> str:
+    """The innermost layer scope in the op's metadata (``op_name``), or ``""``."""
+    m = _OP_NAME.search(attrs)
+    scopes = [p for p in (m.group(1).split("/") if m else []) if p.startswith(LAYER_SCOPE)]
+    return scopes[-1].removeprefix(LAYER_SCOPE) if scopes else ""
 
 
 def _call_contexts(module: Module) -> dict[str, str]:

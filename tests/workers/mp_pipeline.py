@@ -5,6 +5,10 @@ Usage: spmdcomm-launch -n 2 --devices-per-process 2 mp_pipeline.py OUT_DIR
 Trains tests/test_pipeline.py's model (8 stacked blocks) 3 steps under FSDP with a GPipe schedule of 4
 micro-batches, then with the 1F1B schedule, every process passing the global batch (host_input="global");
 process 0 writes the parameters (in canonical layer order) and the losses of each.
+
+With ``--experts`` (``mp_pipeline.py OUT_DIR --experts``) it runs tests/test_expert_parallel.py's MoE model instead,
+one SGD step on a mesh {"expert": 2, "data": 2} whose expert axis spans the processes (the tokens' all-to-alls
+cross them), and process 0 writes the new parameters.
 """
 
 import sys
@@ -19,6 +23,23 @@ import jax  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_models import write_params  # noqa: E402
 from test_pipeline import TX, Net, batches, init, loss_fn  # noqa: E402
+
+
+def experts(out_dir: Path) -> None:
+    import optax
+    from test_expert_parallel import LR, MODEL, RULES, batch, loss_fn
+
+    mesh = sc.make_mesh({"expert": 2, "data": 2})
+    rows = [{d.process_index for d in row} for row in mesh.devices]
+    assert rows == [{0}, {1}], rows  # the expert axis across the processes
+    params = jax.jit(MODEL.init)(jax.random.key(0), batch()["x"][:1])["params"]
+    state = sc.TrainState.create(
+        params=params, tx=optax.sgd(LR), apply_fn=MODEL.apply, mesh=mesh, logical_axis_rules=RULES[None]
+    )
+    state, history = sc.fit(sc.make_train_step(loss_fn, host_input="global"), state, [batch()])
+    full = jax.jit(lambda p: p, out_shardings=sc.replicated_sharding(mesh=mesh))(state.full_params())
+    write_params(out_dir, "experts", full, history)
+    print("EXPERTS OK", flush=True)
 
 
 def main(out_dir: Path) -> None:
@@ -44,4 +65,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    (experts if "--experts" in sys.argv[2:] else main)(Path(sys.argv[1]))

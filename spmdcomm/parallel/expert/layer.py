@@ -19,10 +19,11 @@ import jax.numpy as jnp
 from flax.core import meta
 from jax import lax
 
-from spmdcomm._format import format_bytes
+from spmdcomm._format import LAYER_SCOPE, format_bytes
 from spmdcomm.collectives.ragged import RAGGED_NATIVE_PLATFORMS, RaggedImplementation
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
 from spmdcomm.parallel.expert.routing import MoEStats, RoutingName, check_routing, moe
+from spmdcomm.parallel.pipeline.schedule import PIPELINED, active_schedule
 from spmdcomm.parallel.registry import Parallelism
 
 __all__ = [
@@ -104,17 +105,23 @@ def step_split(
     split = _ACTIVE.get()
     if split is None:
         return axis_name, token_axes
+    token_axes_now = split.token_axes
     if split.stage is not None:
-        raise SpmdError(
-            describe(
-                fn,
-                f"a MoE layer in a step with a pipeline (stage axis {split.stage!r}) is not supported yet: its "
-                "statistics and capacity would mix micro-batches of different stages.",
-                fix="train the MoE model without pipeline=..., over data, expert, context and model axes.",
+        schedule = getattr(active_schedule(), "schedule", "gpipe")
+        if schedule != "gpipe":
+            raise SpmdError(
+                describe(
+                    fn,
+                    f"a MoE layer in a step with schedule={schedule!r} (stage axis {split.stage!r}): its statistics "
+                    "per micro-batch are handed out by the GPipe loop only.",
+                    fix="use sc.Pipeline(..., schedule='gpipe') for a model with MoE layers.",
+                )
             )
-        )
+        if PIPELINED.get() == split.stage:
+            # Inside the loop the stage devices hold other micro-batches and layers: one micro-batch's tokens.
+            token_axes_now = tuple(a for a in split.token_axes if a != split.stage)
     mine: list[tuple[str, Any, Any]] = [("axis_name", axis_name, split.axis)] if axis_name is not None else []
-    mine += [("token_axes", tuple(token_axes), split.token_axes)] if token_axes is not None else []
+    mine += [("token_axes", tuple(token_axes), token_axes_now)] if token_axes is not None else []
     for name, value, want in mine:
         if value != want:
             raise AxisError(
@@ -134,7 +141,7 @@ def step_split(
                 fix="use the dropless layer (capacity_factor=None) with a context axis.",
             )
         )
-    return split.axis, split.token_axes
+    return split.axis, token_axes_now
 
 
 class MoE(nn.Module):
@@ -209,18 +216,20 @@ class MoE(nn.Module):
         if not self.is_initializing():
             axis, tokens = step_split("MoE", self.axis_name, self.token_axes, self.capacity_factor)
         _check_held(jax.tree.leaves(params)[0].shape[0], self.experts, axis)
-        y, stats = moe(
-            h,
-            h.astype(jnp.float32) @ router,
-            run,
-            experts=self.experts,
-            k=self.k,
-            routing=self.routing,
-            capacity_factor=self.capacity_factor,
-            axis_name=axis,
-            token_axes=tokens,
-            implementation=self.implementation,
-        )
+        # Named for sc.explain, which attributes this layer's all-to-alls (forward and backward) to its path.
+        with jax.named_scope(LAYER_SCOPE + ".".join(str(p) for p in self.path)):
+            y, stats = moe(
+                h,
+                h.astype(jnp.float32) @ router,
+                run,
+                experts=self.experts,
+                k=self.k,
+                routing=self.routing,
+                capacity_factor=self.capacity_factor,
+                axis_name=axis,
+                token_axes=tokens,
+                implementation=self.implementation,
+            )
         for field, value in stats._asdict().items():
             self.sow(MOE_COLLECTION, field, value)
         return y.reshape(*lead, y.shape[-1])
@@ -260,6 +269,8 @@ class ExpertReport:
         their message bytes per device.
       padded: the platform has no native ragged all-to-all: each one sends every device its bound of rows, whatever
         the routing (the native collective sends the routed rows only).
+      per_layer: ``(layer, all-to-alls, bytes per device)`` for each MoE layer, by its module path (the layers name
+        their collectives with a ``jax.named_scope`` that the optimised HLO keeps); the rest are in ``"?"``.
     """
 
     axis: str
@@ -268,6 +279,7 @@ class ExpertReport:
     all_to_alls: int
     all_to_all_bytes: int
     padded: bool
+    per_layer: tuple[tuple[str, int, int], ...] = ()
 
     def __str__(self) -> str:
         layers = len(self.layers)
@@ -280,6 +292,10 @@ class ExpertReport:
             f"  {path}: {experts} experts, {experts * mine // max(whole, 1)} per device; parameters "
             f"{format_bytes(mine)} per device of {format_bytes(whole)}"
             for path, experts, mine, whole in self.layers
+        ]
+        lines += [
+            f"  layer {layer}: {count} all-to-alls over {self.axis!r}, {format_bytes(sent)} per device"
+            for layer, count, sent in self.per_layer
         ]
         return "\n".join(lines)
 
@@ -307,7 +323,18 @@ def expert_report(state: Any, collectives: tuple[Any, ...]) -> ExpertReport | No
         all_to_alls=sum(c.count for c in moves),
         all_to_all_bytes=sum(c.total_bytes for c in moves),
         padded=state.mesh.devices.flat[0].platform not in RAGGED_NATIVE_PLATFORMS,
+        per_layer=_per_layer(moves),
     )
+
+
+def _per_layer(moves: list[Any]) -> tuple[tuple[str, int, int], ...]:
+    """``(layer, count, bytes)`` of ``moves`` (collectives) by the layer each names, in program order."""
+    by: dict[str, list[int]] = {}
+    for c in moves:
+        entry = by.setdefault(c.layer or "?", [0, 0])
+        entry[0] += c.count
+        entry[1] += c.total_bytes
+    return tuple((layer, count, sent) for layer, (count, sent) in by.items())
 
 
 #: Expert parallelism's entry of the registry (:mod:`spmdcomm.parallel.registry`): a mesh axis named ``"expert"``

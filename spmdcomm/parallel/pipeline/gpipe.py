@@ -14,7 +14,7 @@ from jax import lax
 from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import ShapeError, describe
 from spmdcomm.parallel.pipeline.pipeline import GROUPS, Pipeline, check_schedule, reorder_layers
-from spmdcomm.parallel.pipeline.schedule import LayerFn, scan_layers
+from spmdcomm.parallel.pipeline.schedule import PIPELINED, LayerFn, scan_layers
 
 __all__ = ["pipelined", "stage_rows", "whole_state"]
 
@@ -57,7 +57,7 @@ def pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline
 
     run = jax.checkpoint(chunk) if pipeline.remat else chunk
 
-    def tick(carried: Any, t: jax.Array) -> tuple[Any, None]:
+    def tick(carried: Any, t: jax.Array) -> tuple[Any, Any]:
         io_in, io_out, loop, carry, layer_state = carried
         w = t - s  # the work item of this stage: micro-batch w mod m of chunk w // m
         valid = (w >= 0) & (w < v * m)
@@ -75,6 +75,7 @@ def pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline
         # is dropped, so its cotangent is zero, and a zero times a block's derivative at real rows stays zero.
         h = jnp.where(valid, h, io_in[t % q])
         out, new_state = run(r, i, jax.tree.map(lambda a: a[r] if v > 1 else a[0], layer_state), h)
+        sown = {c: new_state.pop(c) for c in list(new_state) if c not in layer_state}
         # A chunk's state moves on once per real micro-batch, in micro-batch order (a bubble's update is dropped).
         layer_state = jax.tree.map(lambda a, n: a.at[r].set(jnp.where(valid, n, a[r])), layer_state, new_state)
         # The slot stage 0 read moves one stage back, bringing the next micro-batches to stage 0 in turn.
@@ -87,12 +88,32 @@ def pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline
         done = (s == p - 1) & valid & (r == v - 1)
         io_out = io_out.at[slot].set(jnp.where(done, out, moved))
         carry = lax.ppermute(out, axis, right)
-        return (io_in, io_out, loop, carry, layer_state), None
+        return (io_in, io_out, loop, carry, layer_state), sown
 
     initial = (io_in, io_out, loop, carry, layer_state)
     # v m + p - 1 ticks, also for a 1F1B pipeline's eval step (whose own loop is longer).
-    (_, io_out, _, _, layer_state), _ = lax.scan(tick, initial, jnp.arange(v * m + p - 1))
-    return io_out.reshape(x.shape), whole_state(layer_state, local, p, v, axis)
+    token = PIPELINED.set(axis)
+    try:
+        (_, io_out, _, _, layer_state), sown = lax.scan(tick, initial, jnp.arange(v * m + p - 1))
+    finally:
+        PIPELINED.reset(token)
+    whole = whole_state(layer_state, local, p, v, axis)
+    return io_out.reshape(x.shape), {**whole, **_per_micro_batch(sown, s, m, v, p, axis)}
+
+
+def _per_micro_batch(sown: Any, stage: jax.Array, m: int, v: int, p: int, axis: str) -> Any:
+    """What the layers sowed at each tick ``[ticks, k, ...]`` as ``[L, m, ...]`` on every device, canonical layer
+    order: this stage's work item ``w`` (chunk ``w // m``, micro-batch ``w mod m``) ran at tick ``w + stage``; the
+    bubbles' values are never read."""
+
+    def one(a: jax.Array) -> jax.Array:
+        k = a.shape[1]
+        mine = lax.dynamic_slice_in_dim(a, stage, v * m).reshape((v, m, k) + a.shape[2:])
+        mine = jnp.swapaxes(mine, 1, 2).reshape((v * k, m) + a.shape[2:])
+        return lax.all_gather(mine, axis, tiled=True)
+
+    gathered = jax.tree.map(one, sown)
+    return reorder_layers(gathered, _every_leaf(gathered), p, v, to_stage=False)
 
 
 def stage_rows(state: Any, local: int, stages: int, repeats: int, stage: jax.Array) -> Any:

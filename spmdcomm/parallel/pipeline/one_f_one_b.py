@@ -71,6 +71,20 @@ def stack_piece(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array) -> tup
     if piece is None:
         return None
     if isinstance(piece, dict):
+        # The loop differentiates the layers in pieces of its own, out of the user's reach: nothing they sow
+        # (a MoE layer's losses) could come back. Tracing one layer finds out: what it returns beyond its state.
+        first_params, first_state = jax.tree.map(lambda a: a[0], (params, state))
+        _, out = jax.eval_shape(lambda p, st, h: layer_fn(p, st, h, jnp.int32(0), 0), first_params, first_state, x)
+        sown = sorted(set(out) - set(state))
+        if sown:
+            raise SpmdError(
+                describe(
+                    "PipelineStack",
+                    f"the stack's block sows into {sown} under a schedule other than 'gpipe': that schedule "
+                    "cannot hand per-micro-batch values back to the loss.",
+                    fix="use sc.Pipeline(..., schedule='gpipe'), which hands them out [L, m, ...].",
+                )
+            )
         piece.update(layer_fn=layer_fn, params=params, state=state, x=x)
         return x, state
     return piece, state
@@ -94,8 +108,9 @@ def loop(pipeline: Pipeline, pieces: MicroPieces, model_state: Any, micro: Any, 
             describe(
                 "make_train_step",
                 f"schedule={pipeline.schedule!r} with the batch split over {sorted(others)} besides the data and stage "
-                "axes (context parallelism): the table schedules do not run it yet.",
-                fix="use sc.Pipeline(..., schedule='gpipe') with a context axis.",
+                "axes (a context or expert axis): the layers' collectives over it would run inside the loop's "
+                "per-stage branches, which the table schedules do not run yet.",
+                fix="use sc.Pipeline(..., schedule='gpipe') on this mesh.",
             )
         )
 

@@ -38,6 +38,7 @@ __all__ = [
     "run_stack",
     "active_schedule",
     "schedule_context",
+    "PIPELINED",
 ]
 
 #: ``step(model_state, batch, mask, j) -> (grads, metrics, model_state, count)``: micro-batch ``j``'s gradient (in
@@ -67,7 +68,9 @@ class MicroPieces:
     context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
 
-#: ``layer_fn(layer_params, layer_state, h, index, row) -> (h, layer_state)``: one layer of a stack.
+#: ``layer_fn(layer_params, layer_state, h, index, row) -> (h, layer_state)``: one layer of a stack. A key of the
+#: returned state that the given one lacks is a collection the layer sowed (a MoE layer's statistics): the schedule
+#: hands it out per layer and per micro-batch, ``[L, m, ...]`` (``m = 1`` in a plain scan).
 LayerFn = Callable[[Any, Any, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
@@ -143,10 +146,17 @@ class Schedule:
         Returns:
           ``(h, new_state)``, as :func:`run_stack`.
         """
-        return scan_layers(layer_fn, params, state, x, offset=0, row=0, remat=remat)
+        h, new_state = scan_layers(layer_fn, params, state, x, offset=0, row=0, remat=remat)
+        # What the layers sowed: one micro-batch, the whole input.
+        sown = {c: jax.tree.map(lambda a: a[:, None], v) for c, v in new_state.items() if c not in state}
+        return h, {**new_state, **sown}
 
 
 SEQUENTIAL = Schedule()
+
+#: The stage axis while a pipeline's loop runs a stack's layers (None elsewhere): the devices along it then hold
+#: different micro-batches and layers, so a layer's statistics are over the other axes only (one micro-batch).
+PIPELINED: contextvars.ContextVar[str | None] = contextvars.ContextVar("spmdcomm_pipelined", default=None)
 
 _ACTIVE: contextvars.ContextVar[Schedule] = contextvars.ContextVar("spmdcomm_schedule", default=SEQUENTIAL)
 
@@ -185,7 +195,8 @@ def run_stack(
     whole on every stage device after it.
 
     Returns:
-      ``(h, new_state)``: the last layer's output and the layers' state after it (``{}`` for ``state=None``).
+      ``(h, new_state)``: the last layer's output and the layers' state after it (``{}`` for ``state=None``), with
+      each collection the layers sowed, ``[L, m, ...]``: per layer and per micro-batch (:data:`LayerFn`).
     """
     return active_schedule().stack(layer_fn, params, {} if state is None else state, x, remat=remat)
 

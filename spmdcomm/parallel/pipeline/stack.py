@@ -48,7 +48,9 @@ class PipelineStack(nn.Module):
     whatever the stages). Its other collections (BatchNorm's ``batch_stats``) are stacked ``[layers, ...]`` beside
     the parameters, whole on every device; in a pipeline a BatchNorm normalises each micro-batch by its own
     statistics and updates the running ones once per micro-batch, in order, never in a bubble: the result equals
-    one device with ``accum_steps=m`` (GPipe's rule; ``docs/pipeline.md``).
+    one device with ``accum_steps=m`` (GPipe's rule; ``docs/pipeline.md``). What the block sows into a collection
+    the caller makes mutable (a MoE layer's losses into ``"moe"``) comes out under the stack's ``"layers"``, each
+    value ``[L, m, ...]``: per layer and per micro-batch (``m = 1`` outside a pipeline; GPipe only).
 
     Attributes:
       block: the layer, an unbound Flax module (e.g. ``Block(width=256)``), called as ``block(h, *args)``.
@@ -94,21 +96,26 @@ class PipelineStack(nn.Module):
         initializing = self.is_initializing()
         mutable = [c for c in held if initializing or self.is_mutable_collection(c)]
         rng = self.make_rng("dropout") if self.has_rng("dropout") else None
+        sown = lambda c: c != "params" and self.is_mutable_collection(c)
 
         def layer(layer_params: Any, layer_state: Any, h: jax.Array, index: jax.Array, row: jax.Array) -> Any:
             # Keyed by layer and example, not by stage or micro-batch: a per-example key draws one device's bits.
             key = None if rng is None else sub_block_key(jax.random.fold_in(rng, index), shift=row, rows=h.shape[0])
             rngs = {} if key is None else {"dropout": key}
             variables = {"params": layer_params, **layer_state}
-            if not mutable:
-                return block.apply(variables, h, *args, rngs=rngs), layer_state
-            out, updated = block.apply(variables, h, *args, rngs=rngs, mutable=mutable)
-            return out, {**layer_state, **updated}
+            if initializing:
+                out, updated = block.apply(variables, h, *args, rngs=rngs, mutable=mutable)
+                return out, {**layer_state, **updated}
+            # Every collection, to hand on what the block sows (a MoE layer's losses) where the caller asked for it.
+            out, updated = block.apply(variables, h, *args, rngs=rngs, mutable=True)
+            kept = {c: v for c, v in updated.items() if c in mutable or (c not in held and sown(c))}
+            return out, {**layer_state, **kept}
 
         out, new_state = run_stack(layer, params, x, state=state, remat=self.remat)
         # While initialising, the state keeps its initial values (Flax's BatchNorm does not update them either).
-        for collection in [] if initializing else mutable:
-            self.put_variable(collection, "layers", new_state[collection])
+        for collection in [] if initializing else sorted(new_state):
+            if collection in mutable or collection not in held:
+                self.put_variable(collection, "layers", new_state[collection])
         return out
 
 
