@@ -19,7 +19,7 @@ from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.data.strategy import ReduceContext
 from spmdcomm.parallel.pipeline.schedule import MicroPieces
 from spmdcomm.parallel.rng import per_example_key
-from spmdcomm.train._model_call import differentiable_loss, model_contexts
+from spmdcomm.train._model_call import differentiable_loss
 from spmdcomm.train._step import sum_dtype, summable
 from spmdcomm.train.state import TrainState
 from spmdcomm.train.weighted import Weighted, loss_weight, token_share
@@ -66,7 +66,7 @@ def accumulate(
     # gradient after: a device's gradient also holds the other devices' losses wherever the model couples them
     # (synchronised BatchNorm statistics: the transpose of their all-reduce), and split parameters (FSDP) come out
     # summed over the axis by the transpose of the gather; each of those terms must carry its own device's weight.
-    loss_fn = differentiable_loss(o.loss_fn, ctx, state, masked, reserved)
+    loss_fn, contexts = differentiable_loss(o.loss_fn, ctx, state, masked, reserved)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     weight = loss_weight(state, mask, masked, k, global_sum)
 
@@ -113,7 +113,7 @@ def accumulate(
         loss=lambda p, model_state, batch, m, j, part: call(loss_fn, p, model_state, batch, m, j, share, part),
         metrics=metric_sums,
         grads=lambda grads: strategy.micro_grads(ctx, layout, grads),
-        context=lambda: model_contexts(state),
+        context=contexts,
     )
     return schedule.loop(one, first_state, micro, axis, pieces=pieces)
 

@@ -5,7 +5,9 @@ differentiates."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
@@ -25,8 +27,10 @@ __all__ = ["differentiable_loss", "call_model_fn", "model_contexts", "split_loss
 
 def differentiable_loss(
     loss_fn: Callable[..., Any], ctx: ReduceContext, state: TrainState, masked: bool, reserved: set[str]
-) -> Callable[..., Any]:
-    """``f(params, batch, ..., count, weight, share) -> (differentiated value, (loss, aux))`` for
+) -> tuple[Callable[..., Any], Callable[[], AbstractContextManager[None]]]:
+    """``(f, contexts)``: ``contexts()`` enters what is in force while ``loss_fn`` runs (:func:`model_contexts`), for a
+    schedule that runs the model's layers outside it; ``f(params, batch, ..., count, weight, share) ->
+    (differentiated value, (loss, aux))`` for
     ``jax.value_and_grad``: a mean loss times ``weight`` (see :func:`~spmdcomm.train.weighted.loss_weight`; zero for
     a masked block without real examples, whose mean may be NaN), a token-weighted loss's total times ``share`` (see
     :func:`~spmdcomm.train.weighted.token_share`; zero without weight), times the loss scale."""
@@ -65,7 +69,7 @@ def differentiable_loss(
             value = value * state.loss_scale.scale
         return value, (loss, dict(aux))
 
-    return wrapped
+    return wrapped, functools.partial(model_contexts, state)
 
 
 def call_model_fn(fn: str, who: str, state: TrainState, model_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

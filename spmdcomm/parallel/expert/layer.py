@@ -45,10 +45,10 @@ EXPERT = "expert"  # the logical name of the stacked experts' dimension 0 (the s
 
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
-    """Which mesh axis the experts of every MoE layer are split over (``TrainState.create(..., expert=...)``; a mesh
-    axis named ``"expert"`` turns it on without one).
+    """Which mesh axis the experts of every MoE layer are split over.
 
-    In the steps of such a state, dimension 0 of every leaf a MoE layer stacks its experts on (logical name
+    Pass it as ``TrainState.create(..., expert=sc.ExpertParallel(axis=...))``; a mesh axis named ``"expert"`` turns
+    it on without one. In the steps of such a state, dimension 0 of every leaf a MoE layer stacks its experts on (logical name
     ``"expert"``) is split over ``axis``, each device holding ``E / e`` experts, and the batch's rows are split over
     it too, as over one more data axis (so no device computes the dense parts twice); every MoE layer takes the axis
     and the axes that split the tokens from the step (no ``axis_name=``), and the result equals one device.
@@ -176,7 +176,8 @@ class MoE(nn.Module):
     Examples:
       >>> layer = sc.MoE(nn.Dense(4), experts=4, k=2)
       >>> variables = layer.init(jax.random.key(0), jnp.ones((3, 4)))
-      >>> variables["params"]["experts"]["kernel"].shape, layer.apply(variables, jnp.ones((3, 4))).shape
+      >>> kernel = nn.unbox(variables["params"])["experts"]["kernel"]  # boxed with the logical name "expert"
+      >>> kernel.shape, layer.apply(variables, jnp.ones((3, 4))).shape
       ((4, 4, 4), (3, 4))
     """
 
