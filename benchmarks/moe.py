@@ -271,7 +271,7 @@ def main() -> None:
     }
     xs, cots = (jax.device_put(a, NamedSharding(mesh, jax.P("expert"))) for a in (x, cot))
     reference = {
-        cf: sc.MoE(Mlp(args.width, args.hidden), experts=args.experts, k=K, capacity_factor=cf).apply(
+        cf: jax.jit(sc.MoE(Mlp(args.width, args.hidden), experts=args.experts, k=K, capacity_factor=cf).apply)(
             {"params": params}, x
         )
         for cf in (None, FACTOR)

@@ -121,7 +121,10 @@ def trained(case, initial):
     return _TRAINED[case]
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# The fast tier runs the expert axis with DDP and FSDP and on a plain data mesh; the model axis is a slow-tier case.
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if "model" in c else c for c in sorted(CASES)]
+)
 def test_the_step_equals_one_device_and_the_experts_live_on_the_expert_axis(case, initial, reference):
     state, _, new, metrics = trained(case, initial)
     mesh = CASES[case][0]
@@ -316,6 +319,7 @@ def stacked_loss(params, batch, *, apply_fn, **_):
     return jnp.mean((out - batch["y"]) ** 2) + BALANCE * balance, {"balance": balance}
 
 
+@pytest.mark.slow
 def test_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_device_accumulating_micro_batches():
     """Each layer's losses and capacity are per micro-batch, as one device accumulating the same micro-batches:
     micro-batch i holds, in (data, expert) order, the rows of the stage-i device of each (data, expert) replica."""

@@ -256,7 +256,14 @@ def sharded_moe(axes, token_axes, **options):
     return mesh, mapped
 
 
-SLOW_CASES = {"dropless-8-devices", "capacity-all-to-one-expert"}
+# The fast tier keeps one case of each kind (k = 1 and 2, both routings, capacity, empty experts); tests/
+# test_expert_parallel.py meets the data and expert axes together in its fast tier.
+SLOW_CASES = {
+    "dropless-8-devices",
+    "capacity-all-to-one-expert",
+    "dropless-all-to-one-expert",
+    "capacity-data-and-expert-axes",
+}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in MOE_CASES])

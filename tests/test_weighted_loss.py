@@ -158,6 +158,7 @@ CASES = [  # the fast tier runs one case of each kind of split: data and accumul
         {"strategy": "ddp", "pipeline": sc.Pipeline(microbatches=2, schedule="zb-h1")},
         2,
         id="zb-h1-accum2",
+        marks=SLOW,
     ),
     pytest.param(
         {"data": 2, "stage": 2, "model": 2},
