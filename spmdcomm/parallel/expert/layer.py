@@ -48,10 +48,11 @@ class ExpertParallel:
     """Which mesh axis the experts of every MoE layer are split over.
 
     Pass it as ``TrainState.create(..., expert=sc.ExpertParallel(axis=...))``; a mesh axis named ``"expert"`` turns
-    it on without one. In the steps of such a state, dimension 0 of every leaf a MoE layer stacks its experts on (logical name
-    ``"expert"``) is split over ``axis``, each device holding ``E / e`` experts, and the batch's rows are split over
-    it too, as over one more data axis (so no device computes the dense parts twice); every MoE layer takes the axis
-    and the axes that split the tokens from the step (no ``axis_name=``), and the result equals one device.
+    it on without one. In the steps of such a state, dimension 0 of every leaf a MoE layer stacks its experts on
+    (logical name ``"expert"``) is split over ``axis``, each device holding ``E / e`` experts, and the batch's rows
+    are split over it too, as over one more data axis (so no device computes the dense parts twice); every MoE layer
+    takes the axis and the axes that split the tokens from the step (no ``axis_name=``), and the result equals one
+    device.
 
     Args:
       axis: the mesh axis (``"expert"``).
