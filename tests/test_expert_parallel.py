@@ -196,6 +196,7 @@ def nnx_loss(model, batch, *, rng, mask):
     return jnp.mean((out - batch["y"]) ** 2) + BALANCE * balance, {"balance": balance}
 
 
+@pytest.mark.slow
 def test_the_nnx_layer_in_a_step_on_data2_expert4_equals_one_device():
     model, data = NnxModel(nnx.Rngs(0)), batch()
     state = sc.TrainState.create_nnx(model, tx=optax.sgd(LR), mesh=sc.make_mesh({"data": 2, "expert": 4}))
@@ -269,6 +270,7 @@ def test_a_renamed_expert_axis_runs_and_a_layer_naming_another_axis_raises_while
         sc.make_train_step(named_loss, donate=False)(named, batch())
 
 
+@pytest.mark.slow
 def test_a_context_axis_splits_every_sequence_and_the_dropless_step_equals_one_device(initial):
     """data 2 x expert 2 x context 2: the tokens of every row are split over the context axis too; the dropless
     layer's output and its statistics are the global batch's, whatever order the devices hold the tokens in."""

@@ -256,13 +256,14 @@ def sharded_moe(axes, token_axes, **options):
     return mesh, mapped
 
 
-# The fast tier keeps one case of each kind (k = 1 and 2, both routings, capacity, empty experts); tests/
+# The fast tier keeps one case of each kind (k = 1 and 2, both routings, capacity); tests/
 # test_expert_parallel.py meets the data and expert axes together in its fast tier.
 SLOW_CASES = {
     "dropless-8-devices",
     "capacity-all-to-one-expert",
     "dropless-all-to-one-expert",
     "capacity-data-and-expert-axes",
+    "dropless-empty-experts-k2",
 }
 
 
@@ -311,6 +312,7 @@ def test_moe_with_split_experts_equals_one_device_running_every_expert(case):
         assert (counts[2:] == 0).all()
 
 
+@pytest.mark.slow
 def test_nnx_moe_with_split_experts_equals_the_linen_layer_on_one_device():
     """The NNX layer, its experts split over 4 devices, equals the Linen layer with the same parameters on one
     device (forward, gradients of every parameter, the sown stats), with a capacity."""

@@ -247,7 +247,7 @@ def test_the_table_schedules_keep_p_micro_batches_and_recompute_nothing():
 @pytest.mark.parametrize(
     "schedule, layout, strategy, m, v",
     [
-        ("1f1b", {"data": 2, "stage": 2}, "ddp", 4, 1),
+        pytest.param("1f1b", {"data": 2, "stage": 2}, "ddp", 4, 1, marks=SLOW),
         pytest.param("zb-h1", {"data": 2, "stage": 2, "model": 2}, "zero1", 2, 2, marks=SLOW),
     ],
     ids=str,

@@ -123,7 +123,7 @@ def train(mesh, *, accum_steps=1, **kwargs):
 
 
 SLOW = pytest.mark.slow
-CASES = [  # the fast tier runs one case of each kind of split: data and accumulation, context, pipeline
+CASES = [  # the fast tier runs data with accumulation and context; the slow tier the rest
     pytest.param({"data": 8}, {"strategy": "ddp"}, 2, id="data8-ddp-accum2"),
     pytest.param({"data": 2, "context": 4}, {"strategy": "fsdp", "context": sc.ContextParallel()}, 1, id="context"),
     pytest.param(
@@ -131,6 +131,7 @@ CASES = [  # the fast tier runs one case of each kind of split: data and accumul
         {"strategy": "zero1", "pipeline": sc.Pipeline(microbatches=2), "context": sc.ContextParallel()},
         1,
         id="pipeline-context",
+        marks=SLOW,
     ),
     # Each slow case adds what the others lack: a model axis with 4 micro-batches, hybrid ZeRO-2 over two data
     # axes, a pipeline with accumulation and dynamic loss scaling, the contiguous context layout.

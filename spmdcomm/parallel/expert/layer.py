@@ -176,9 +176,9 @@ class MoE(nn.Module):
 
     Examples:
       >>> layer = sc.MoE(nn.Dense(4), experts=4, k=2)
-      >>> variables = layer.init(jax.random.key(0), jnp.ones((3, 4)))
+      >>> variables = jax.jit(layer.init)(jax.random.key(0), jnp.ones((3, 4)))
       >>> kernel = nn.unbox(variables["params"])["experts"]["kernel"]  # boxed with the logical name "expert"
-      >>> kernel.shape, layer.apply(variables, jnp.ones((3, 4))).shape
+      >>> kernel.shape, jax.jit(layer.apply)(variables, jnp.ones((3, 4))).shape
       ((4, 4, 4), (3, 4))
     """
 
