@@ -307,7 +307,8 @@ def main() -> None:
     for row in rows:
         row["speed_vs_ours_dropless"] = row["tokens_per_s"] / base
     lm = [] if args.skip_lm else lm_step(args, mesh)
-    result = {**run_facts(), "args": vars(args), "expert_param_bytes": expert_bytes, "rows": rows, "lm": lm}
+    args_kept = {k: v for k, v in vars(args).items() if k != "json"}  # the output's path is this machine's
+    result = {**run_facts(), "args": args_kept, "expert_param_bytes": expert_bytes, "rows": rows, "lm": lm}
     print(f"expert parameters: {expert_bytes['per_device']} bytes per device of {expert_bytes['all']}")
     print(f"{'variant':30} {'tokens/s':>10} {'vs dropless':>11} {'temp MB':>8} {'max diff':>9}  collectives (bytes)")
     for row in rows:
