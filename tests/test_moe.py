@@ -95,6 +95,33 @@ def test_ragged_all_to_all_equals_numpy_values_and_vjp(case):
     np.testing.assert_array_equal(grad, want_grad)
 
 
+def test_ragged_all_to_all_composes_with_vmap_as_one_call_per_item():
+    """Under ``jax.vmap`` (over the rows and the send sizes alike, as a vmapped shard_map program batches them), each
+    item moves as its own call does: values, receive sizes and the VJP."""
+    n, items = 4, 3
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((items, n * ROWS, 3)).astype(np.float32)
+    sizes = rng.integers(-1, ROWS // 2 + 1, (items, n * n)).astype(np.int32)
+    cot = rng.standard_normal((items, n * n * ROWS, 3)).astype(np.float32)
+
+    def one(x, s, c):
+        out, recv = sc.ragged_all_to_all(x, s, "x", implementation="padded")
+        _, vjp = jax.vjp(lambda x: sc.ragged_all_to_all(x, s, "x")[0], x)
+        return out, recv, vjp(c)[0]
+
+    def body(x, s, c):
+        batched = jax.vmap(one)(x, s, c)
+        looped = [one(x[i], s[i], c[i]) for i in range(items)]
+        return batched, jax.tree.map(lambda *a: jnp.stack(a), *looped)
+
+    spec = jax.P(None, "x")
+    f = jax.jit(jax.shard_map(body, mesh=axis_mesh(n), in_specs=spec, out_specs=spec))
+    batched, looped = f(x, sizes, cot)
+    for b, want in zip(jax.tree.leaves(batched), jax.tree.leaves(looped), strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(want))
+    assert np.asarray(batched[0]).any() and np.asarray(batched[1]).sum() > 0  # rows did move
+
+
 @pytest.mark.parametrize("case", ["4-zero-rows", "4-past-rows-negative", "8-cut"])
 def test_the_native_bookkeeping_follows_jax_ragged_all_to_all_semantics(case):
     """The offsets and sizes passed to ``jax.lax.ragged_all_to_all``, run through the pseudocode of its
