@@ -25,6 +25,17 @@ stopped it, so that one failing section never costs the others:
   ``jax.jit`` step. Model FLOPs per step = 6 x (parameters that multiply activations) x tokens + 12 x layers x
   sequence x width x tokens (attention); MFU = model FLOPs / step time / the GPU's bf16 dense peak (table
   ``PEAK_BF16``, or ``--peak-tflops``). XLA's own count of the step's FLOPs is recorded next to it.
+- ``attention``: one causal attention's forward and backward pass, ms and compiled temporaries, of
+  ``jax.nn.dot_product_attention`` against ``sc.ring_attention`` and ``sc.all_to_all_attention`` over a one-device
+  axis, at sequences of 4096 to 32768 tokens in bf16.
+- ``moe``: a dropless MoE layer's forward and backward pass (``sc.MoE``, 8 MLP experts, top-2, 16384 tokens of
+  1024, bf16) over a one-device expert axis, its dispatch by ``sc.ragged_all_to_all``'s native implementation
+  (``jax.lax.ragged_all_to_all``) against the padded one, and the collective alone: ms, tokens/s, compiled
+  temporaries, native / padded. The values are checked (native against padded, the collective against NumPy):
+  a difference beyond bf16's tolerance fails the section. Where the platform has no native collective (CPU) the
+  entry says why, and the padded one alone is measured.
+- ``weighted``: samples/s of our DDP step on the stand-in LM (2 layers) with a token-weighted loss
+  (``sc.weighted``, a quarter of the targets padding) against the same step with a plain mean loss, and the ratio.
 - ``suite``: ``pytest`` on the tests that hold on one device of any kind (``SUITE``: the 1-device
   parametrizations, ``-k 1dev``, and ``tests/test_prefetch_pinned.py``), with JAX on the default device.
 
@@ -60,9 +71,18 @@ if str(ROOT) not in sys.path:  # this checkout's spmdcomm, installed or not, bef
 
 from _common import set_cpu_devices, step_caller, time_calls, write_json  # noqa: E402
 
-SECTIONS = ("prefetch", "train_step", "memory", "mfu", "attention", "suite")
+SECTIONS = ("prefetch", "train_step", "memory", "mfu", "attention", "moe", "weighted", "suite")
 # Each section's share of the time left when it starts, relative to the sections after it.
-SHARES = {"prefetch": 0.22, "train_step": 0.16, "memory": 0.14, "mfu": 0.13, "attention": 0.1, "suite": 0.25}
+SHARES = {
+    "prefetch": 0.19,
+    "train_step": 0.14,
+    "memory": 0.12,
+    "mfu": 0.12,
+    "attention": 0.09,
+    "moe": 0.06,
+    "weighted": 0.08,
+    "suite": 0.2,
+}
 STRATEGIES = ("ddp", "zero1", "fsdp")
 HIDDEN_GOAL, JIT_GOAL = 0.9, 0.97
 MIN_SECTION_S = 5.0  # a section given less is recorded as skipped
@@ -102,6 +122,14 @@ class Size:
     # Causal attention of one sequence, 16 heads of 128, at these lengths (the last ones are what rings are for).
     attention_lengths: tuple[int, ...] = (4096, 16384, 32768)
     attention_heads: tuple[int, int] = (16, 128)
+    # One dropless top-k MoE layer of MLP experts: its tokens, width, the experts' hidden width, experts, k.
+    moe: dict = dataclasses.field(
+        default_factory=lambda: {"tokens": 16384, "width": 1024, "hidden": 2048, "experts": 8, "k": 2}
+    )
+    # The stand-in LM of the token-weighted step (mfu's, with fewer layers: the loss's share of a step shows).
+    weighted_lm: dict = dataclasses.field(
+        default_factory=lambda: {"vocab": 32768, "width": 1024, "layers": 2, "heads": 16, "seq": 1024, "batch": 16}
+    )
     suite: tuple[str, ...] = SUITE
     # Sections' time; the imports, JAX's start and the plot come on top, and a section's alarm waits for a compile
     # that is under way: about 8 minutes in all.
@@ -120,6 +148,8 @@ TINY = Size(
     lm_steps=2,
     attention_lengths=(32,),
     attention_heads=(2, 8),
+    moe={"tokens": 16, "width": 8, "hidden": 16, "experts": 2, "k": 2},
+    weighted_lm={"vocab": 64, "width": 16, "layers": 0, "heads": 2, "seq": 8, "batch": 4},
     suite=("tests/test_prefetch_pinned.py", "-k", "only_off_cpu or this_platform"),
     budget_s=150.0,
 )
@@ -545,9 +575,12 @@ def _lm_losses(spec: LMSpec, params, tokens):
     return strategies.lm_token_losses(spec.module.apply, _bf16(params), tokens).astype(jnp.float32)
 
 
-def _ours_lm(spec: LMSpec) -> Callable[[int], float]:
-    """``run(steps) -> seconds`` of our DDP step on one device, Adam, on one placed batch."""
+def _ours_lm(spec: LMSpec, *, weighted: bool = False) -> Callable[[int], float]:
+    """``run(steps) -> seconds`` of our DDP step on one device, Adam, on one placed batch; ``run.call()`` is one
+    step, returning its metrics. The loss: the mean over positions, then over the real sequences; with
+    ``weighted``, the token-weighted mean through ``sc.weighted`` of the batch's ``"weights"`` (one per target)."""
     import jax
+    import jax.numpy as jnp
     import optax
 
     import spmdcomm as sc
@@ -555,12 +588,20 @@ def _ours_lm(spec: LMSpec) -> Callable[[int], float]:
     mesh = sc.data_mesh(devices=jax.devices()[:1])
 
     def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
-        return sc.masked_mean(_lm_losses(spec, params, batch["tokens"]).mean(axis=1), mask)
+        losses = _lm_losses(spec, params, batch["tokens"])
+        if weighted:
+            return sc.weighted(jnp.sum(losses * batch["weights"]), jnp.sum(batch["weights"]))
+        return sc.masked_mean(losses.mean(axis=1), mask)
 
     state = sc.TrainState.create(params=spec.params, tx=optax.adam(1e-4), mesh=mesh)
     batch = jax.device_put(spec.batch, sc.data_sharding(mesh=mesh))
     call = step_caller(sc.make_train_step(loss_fn), state, batch)
-    return lambda n: time_calls(call, n)
+
+    def run(n: int) -> float:
+        return time_calls(call, n)
+
+    run.call = call  # type: ignore[attr-defined]
+    return run
 
 
 def _jit_lm(spec: LMSpec) -> Callable[[int], float]:
@@ -642,6 +683,203 @@ def section_attention(size: Size, args: argparse.Namespace, out: dict, deadline:
 def _summed(attend: Callable) -> Callable:
     """A scalar of ``attend``'s output (float32 sum), to differentiate."""
     return lambda q, k, v: attend(q, k, v).astype("float32").sum()
+
+
+# --- mixture of experts ----------------------------------------------------------------------------------
+
+
+def section_moe(size: Size, args: argparse.Namespace, out: dict, deadline: float) -> None:
+    """The dispatch of a MoE layer by each implementation of ``sc.ragged_all_to_all``, ``"padded"`` (every
+    backend) and ``"native"`` (``jax.lax.ragged_all_to_all``, GPU and TPU), over a one-device expert axis (the
+    exchange degenerate: the kernels' own cost), in bf16 where the device has it.
+
+    ``out["layer"][impl]``: ms, tokens/s and compiled temporaries of ``sc.MoE``'s forward and backward pass (dropless,
+    MLP experts, ``size.moe``); ``out["ragged_all_to_all"][impl]``: the same of the collective alone on the layer's
+    ``tokens * k`` rows, a quarter of them held back (zeros in their place). ``out["native"]``: whether the native
+    one runs here, or why not (then only the padded one is measured, and the ratios are None).
+    ``out["max_abs_diff"]``: the layer's outputs and gradients, native against padded, and each collective's against
+    NumPy; a difference beyond ``out["tolerance"]`` (relative to the largest value) fails the section.
+    ``out["native_vs_padded"]``: the ratios of their ms and temporaries."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from moe import Mlp
+
+    import spmdcomm as sc
+
+    cfg = size.moe
+    dtype = jnp.bfloat16 if jax.devices()[0].platform == "gpu" else jnp.float32
+    tolerance = 2.0**-6 if dtype == jnp.bfloat16 else 1e-5
+    out["config"] = {**cfg, "dtype": jnp.dtype(dtype).name, "capacity_factor": None}
+    out["tolerance"] = tolerance
+    mesh = sc.make_mesh({"expert": 1}, devices=jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    rows = cfg["tokens"] * cfg["k"]
+    x, dy = (rng.standard_normal((cfg["tokens"], cfg["width"]), np.float32).astype(dtype) for _ in range(2))
+    a, da = (rng.standard_normal((rows, cfg["width"]), np.float32).astype(dtype) for _ in range(2))
+    held = rows * 3 // 4  # sent; the rest of the rows stay behind
+    expert = Mlp(cfg["width"], cfg["hidden"])
+    # The layer's parameters at their shapes, drawn here: Flax's initialisers would compile a program.
+    shapes = nn.unbox(jax.eval_shape(sc.MoE(expert, experts=cfg["experts"], k=cfg["k"]).init, jax.random.key(0), x[:1]))
+    params = jax.tree_util.tree_map_with_path(lambda path, s: _random_parameter(rng, path, s.shape), shapes["params"])
+    params["experts"] = jax.tree.map(lambda p: p.astype(dtype), params["experts"])  # the router stays float32
+    # The collective on one device: the first `held` rows where they were, zeros after; its gradient the same.
+    want = np.where(np.arange(rows)[:, None] < held, np.stack([a, da]).astype(np.float32), 0.0)
+    x, dy, a, da = (jnp.asarray(v) for v in (x, dy, a, da))
+
+    def programs(impl: str) -> dict[str, tuple[Callable, tuple]]:
+        layer = sc.MoE(expert, experts=cfg["experts"], k=cfg["k"], axis_name="expert", implementation=impl)
+        apply = sc.spmd(
+            lambda p, x: layer.apply({"params": p}, x),
+            in_specs=({"router": sc.P(), "experts": sc.P("expert")}, sc.P("expert")),
+            out_specs=sc.P("expert"),
+            mesh=mesh,
+        )
+        move = sc.spmd(
+            lambda a, s: sc.ragged_all_to_all(a, s, "expert", implementation=impl)[0],
+            in_specs=sc.P("expert"),
+            out_specs=sc.P("expert"),
+            mesh=mesh,
+        )
+        send = jnp.array([held], jnp.int32)
+        return {  # the collective first: where there is no native one, it says so before the layer is traced
+            "ragged_all_to_all": (_forward_backward(lambda a: move(a, send)), ((a,), da)),
+            "layer": (_forward_backward(apply), ((params, x), dy)),
+        }
+
+    compiled: dict[str, dict] = {}  # [impl][program]: (compiled, arguments)
+    out["ragged_all_to_all"], out["layer"] = {}, {}
+    out["native"] = {"available": True, "reason": None}
+    failure: Exception | None = None  # of the native implementation where the platform has it: raised at the end
+    for impl in ("padded", "native"):  # padded first: measured even where the native one fails
+        try:
+            built = {name: (fn.lower(*fn_args).compile(), fn_args) for name, (fn, fn_args) in programs(impl).items()}
+        except sc.BackendError as e:  # no native collective on this platform: not a failure of the section
+            out["native"] = {"available": False, "reason": str(e)}
+            continue
+        except Exception as e:  # noqa: BLE001 - the padded one is still measured; raised below
+            if impl == "padded":
+                raise
+            failure = e
+            out["native"]["error"] = _clean(f"{type(e).__name__}: {e}")[:2000]
+            continue
+        compiled[impl] = built
+        for name, (program, _) in built.items():
+            out[name][impl] = {"temp_bytes": program.memory_analysis().temp_size_in_bytes}
+
+    values = {
+        impl: {name: jax.device_get(f(*f_args)) for name, (f, f_args) in c.items()} for impl, c in compiled.items()
+    }
+    out["agreement"] = {
+        f"ragged_all_to_all {impl} vs numpy": _agreement(got["ragged_all_to_all"], (want[0], (want[1],)), tolerance)
+        for impl, got in values.items()
+    }
+    if "native" in values:
+        out["agreement"]["layer native vs padded"] = _agreement(
+            values["native"]["layer"], values["padded"]["layer"], tolerance
+        )
+    bad = {name: a["beyond_tolerance"] for name, a in out["agreement"].items() if a["beyond_tolerance"]}
+    if bad:
+        raise AssertionError(
+            f"values beyond the tolerance {tolerance:g} x max(1, largest |value|) in {out['config']['dtype']} "
+            f"(out['agreement']): {bad}"
+        )
+
+    tokens = {"ragged_all_to_all": rows, "layer": cfg["tokens"]}
+    times: dict[tuple[str, str], list[float]] = {(impl, name): [] for impl in compiled for name in compiled[impl]}
+    for r in range(size.rounds):  # interleaved, the order reversed every other round
+        for impl, name in list(times) if r % 2 == 0 else list(times)[::-1]:
+            program, p_args = compiled[impl][name]
+            call = functools.partial(program, *p_args)
+            jax.block_until_ready(call())
+            times[impl, name].append(time_calls(call, size.steps) / size.steps)
+    for (impl, name), ts in times.items():
+        seconds = min(ts)
+        out[name][impl].update(ms=1e3 * seconds, tokens_per_s=tokens[name] / seconds)
+    out["native_vs_padded"] = None
+    if "native" in compiled:
+        out["native_vs_padded"] = {
+            name: {
+                "time": out[name]["native"]["ms"] / out[name]["padded"]["ms"],
+                "temp": out[name]["native"]["temp_bytes"] / max(out[name]["padded"]["temp_bytes"], 1),
+            }
+            for name in tokens
+        }
+    if failure is not None:
+        raise RuntimeError("the native ragged all-to-all failed on a platform that has it") from failure
+
+
+def _random_parameter(rng: Any, path: tuple, shape: tuple[int, ...]) -> Any:
+    """Normal float32 values: a kernel's over the square root of its fan-in (the next-to-last dimension), any other
+    parameter's times 0.02."""
+    import numpy as np
+
+    kernel = getattr(path[-1], "key", None) in ("kernel", "router")
+    scale = 1.0 / math.sqrt(shape[-2]) if kernel else 0.02
+    return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+
+def _forward_backward(fn: Callable) -> Callable:
+    """``jit(g)`` of ``g(args, cotangent) -> (fn(*args), gradients of args)``: the forward and backward pass."""
+    import jax
+
+    def run(args: tuple, cotangent: Any) -> tuple:
+        y, pull = jax.vjp(fn, *args)
+        return y, pull(cotangent)
+
+    return jax.jit(run)
+
+
+def _agreement(got: Any, want: Any, tolerance: float) -> dict:
+    """``max_abs_diff`` over the leaves of two pytrees of one structure (in float32), and ``beyond_tolerance``: the
+    leaves (by path) whose difference exceeds ``tolerance`` times the larger of 1 and the largest ``|want|`` there."""
+    import jax
+    import numpy as np
+
+    diffs, beyond = [0.0], []
+    pairs = zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True)
+    for (path, g), w in pairs:
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        diffs.append(float(np.max(np.abs(g - w), initial=0.0)))
+        if not diffs[-1] <= tolerance * max(1.0, float(np.max(np.abs(w), initial=0.0))):  # NaN fails too
+            beyond.append(jax.tree_util.keystr(path))
+    return {"max_abs_diff": float(np.max(diffs)), "beyond_tolerance": beyond}  # NaN shows
+
+
+# --- token-weighted loss ----------------------------------------------------------------------------------
+
+
+def section_weighted(size: Size, args: argparse.Namespace, out: dict, deadline: float) -> None:
+    """The token-weighted loss's cost: our DDP step on one device of the stand-in LM (``size.weighted_lm``, bf16)
+    with its loss through ``sc.weighted`` (a token mean over the batch's real targets; each sequence's padding at
+    its end, a quarter of the targets on average) against the same step with the plain mean loss, interleaved over
+    ``lm_rounds``. ``out[loss]``: ms per step and samples/s (medians); ``out["weighted_vs_mean"]``: the ratio of
+    samples/s; ``out["tokens"]``: the real targets the weighted step counted (checked against the batch)."""
+    import numpy as np
+
+    spec = stand_in_spec(size.weighted_lm)
+    sequences, seq = spec.batch["tokens"].shape
+    lengths = np.random.default_rng(1).integers(seq // 2, seq, sequences)  # real targets of each sequence
+    weights = (np.arange(seq - 1)[None, :] < lengths[:, None]).astype(np.float32)
+    spec = dataclasses.replace(spec, batch={**spec.batch, "weights": weights})
+    out["model"] = spec.name
+    out["padding_fraction"] = float(1.0 - weights.mean())
+    runs = {"mean": _ours_lm(spec), "weighted": _ours_lm(spec, weighted=True)}
+    metrics = {name: run.call() for name, run in runs.items()}  # compiles; the first step's metrics
+    out["tokens"] = float(metrics["weighted"]["tokens"])
+    out["first_loss"] = {name: float(m["loss"]) for name, m in metrics.items()}
+    if out["tokens"] != weights.sum():
+        raise AssertionError(f"the weighted step counted {out['tokens']} tokens; the batch has {weights.sum()}")
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(size.lm_rounds):
+        for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+            times[name].append(runs[name](size.lm_steps) / size.lm_steps)
+    for name, ts in times.items():
+        step_s = statistics.median(ts)
+        out[name] = {"step_ms": 1e3 * step_s, "samples_per_s": sequences / step_s}
+    out["weighted_vs_mean"] = out["weighted"]["samples_per_s"] / out["mean"]["samples_per_s"]
+    print(f"{spec.name}: token-weighted / mean loss, samples/s: {out['weighted_vs_mean']:.3f}", flush=True)
 
 
 # --- suite ---------------------------------------------------------------------------------------------------
@@ -733,8 +971,9 @@ def _clean(text: str) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    """gpu.png: hidden fraction per batch size, train-step ratio to the jit step, measured / explained peak, MFU.
-    Without matplotlib it says so and draws nothing (the JSON holds every number)."""
+    """gpu.png: hidden fraction per batch size, train-step ratio to the jit step, measured / explained peak, MFU,
+    the MoE dispatch's ms per implementation, the token-weighted step's samples/s. Without matplotlib it says so and
+    draws nothing (the JSON holds every number)."""
     try:
         from _common import _pyplot, _save
 
@@ -742,9 +981,9 @@ def plot(result: dict, path: Path) -> None:
     except ImportError as e:
         print(f"no plot: matplotlib is not importable ({e}); the results are in the JSON", flush=True)
         return
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4), layout="constrained")
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8), layout="constrained")
     sections = result.get("sections", {})
-    for ax, (name, draw) in zip(axes, PANELS.items(), strict=True):
+    for ax, (name, draw) in zip(axes.flat, PANELS.items(), strict=True):
         entry = sections.get(name, {})
         try:
             draw(ax, entry.get("result") or {})
@@ -809,13 +1048,43 @@ def _panel_mfu(ax, r: dict) -> None:
     ax.set_title("stand-in LM" + ("" if isinstance(r.get("examples_lm"), dict) else "; " + str(r.get("examples_lm"))))
 
 
-PANELS = {"prefetch": _panel_prefetch, "train_step": _panel_train_step, "memory": _panel_memory, "mfu": _panel_mfu}
+def _panel_moe(ax, r: dict) -> None:
+    groups = ("layer", "ragged_all_to_all")
+    impls = [i for i in ("padded", "native") if "ms" in r["layer"].get(i, {})]
+    _bars(ax, list(groups), {i: [r[g][i]["ms"] for g in groups] for i in impls}, None, "ms, forward + backward")
+    ax.set_yscale("log")
+    native = "native unavailable" if not r["native"]["available"] else f"native/padded {_ratio(r, 'layer')} (layer)"
+    ax.set_title(f"MoE dispatch, one-device expert axis; {native}")
+
+
+def _ratio(r: dict, name: str) -> str:
+    ratios = r.get("native_vs_padded") or {}
+    return f"{ratios[name]['time']:.2f}" if name in ratios else "n/a"
+
+
+def _panel_weighted(ax, r: dict) -> None:
+    names = ("mean", "weighted")
+    ax.bar(names, [r[n]["samples_per_s"] for n in names])
+    ax.set_ylabel("samples/s")
+    ax.set_title(f"token-weighted loss: {r['weighted_vs_mean']:.3f}x the mean loss's speed")
+
+
+PANELS = {
+    "prefetch": _panel_prefetch,
+    "train_step": _panel_train_step,
+    "memory": _panel_memory,
+    "mfu": _panel_mfu,
+    "moe": _panel_moe,
+    "weighted": _panel_weighted,
+}
 SECTION_FUNCTIONS = {
     "prefetch": section_prefetch,
     "train_step": section_train_step,
     "memory": section_memory,
     "mfu": section_mfu,
     "attention": section_attention,
+    "moe": section_moe,
+    "weighted": section_weighted,
     "suite": section_suite,
 }
 

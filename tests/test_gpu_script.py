@@ -66,6 +66,19 @@ def test_hidden_summary(gpu):
     assert s["step_ge_copy"] and not s["goal_met"]
 
 
+def test_agreement_names_the_leaves_beyond_tolerance(gpu):
+    import numpy as np
+
+    want = {"y": np.array([1.0, -4.0]), "grad": np.array([0.5, 0.25])}
+    assert gpu._agreement(want, want, 1e-5) == {"max_abs_diff": 0.0, "beyond_tolerance": []}
+    # The tolerance scales with the larger of 1 and the leaf's largest value: 3e-5 passes on "y", not on "grad".
+    got = {"y": np.array([1.0, -4.0 + 3e-5]), "grad": np.array([0.5, 0.25 + 3e-5])}
+    a = gpu._agreement(got, want, 1e-5)
+    assert a["beyond_tolerance"] == ["['grad']"] and math.isclose(a["max_abs_diff"], 3e-5, rel_tol=0.05)
+    nan = gpu._agreement({"y": np.array([np.nan, 0.0]), "grad": want["grad"]}, want, 1e-5)
+    assert nan["beyond_tolerance"] == ["['y']"] and math.isnan(nan["max_abs_diff"])
+
+
 def test_clean_removes_this_machines_paths(gpu):
     text = f"File {ROOT}/benchmarks/gpu.py, {sys.prefix}/lib/site.py"
     assert gpu._clean(text) == "File ./benchmarks/gpu.py, <python>/lib/site.py"
@@ -126,7 +139,7 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path):
     assert (r["device"], r["platform"], r["device_count"], r["tiny"]) == ("cpu", "cpu", 1, True)
     assert r["jax"] and "several GPUs" in r["untested"]
     sections = r["sections"]
-    assert list(sections) == ["prefetch", "train_step", "memory", "mfu", "attention", "suite"]
+    assert list(sections) == ["prefetch", "train_step", "memory", "mfu", "attention", "moe", "weighted", "suite"]
     for name, entry in sections.items():
         assert entry["status"] == "ok", (name, entry.get("error"), entry.get("traceback"))
         assert entry["seconds"] > 0 and entry["limit_s"] is None
@@ -158,6 +171,23 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path):
     for row in attention.values():
         assert set(row) == {"jax.nn.dot_product_attention", "sc.ring_attention", "sc.all_to_all_attention"}
         assert all(r["ms"] > 0 and r["temp_bytes"] > 0 and r["time_vs_jax_nn"] > 0 for r in row.values()), row
+
+    moe = sections["moe"]["result"]  # CPU: no native ragged all-to-all, said with the library's reason
+    assert moe["native"]["available"] is False and "no ragged all-to-all" in moe["native"]["reason"]
+    assert moe["native_vs_padded"] is None and moe["config"]["dtype"] == "float32"
+    for name in ("layer", "ragged_all_to_all"):
+        assert list(moe[name]) == ["padded"]
+        run = moe[name]["padded"]
+        assert run["ms"] > 0 and run["temp_bytes"] > 0 and math.isfinite(run["tokens_per_s"]), (name, run)
+    assert moe["agreement"] == {"ragged_all_to_all padded vs numpy": {"max_abs_diff": 0.0, "beyond_tolerance": []}}
+
+    weighted = sections["weighted"]["result"]
+    assert 0 < weighted["padding_fraction"] < 0.5 and weighted["tokens"] > 0
+    assert all(math.isfinite(v) for v in weighted["first_loss"].values())
+    for name in ("mean", "weighted"):
+        assert weighted[name]["step_ms"] > 0 and weighted[name]["samples_per_s"] > 0
+    ratio = weighted["weighted"]["samples_per_s"] / weighted["mean"]["samples_per_s"]
+    assert math.isfinite(weighted["weighted_vs_mean"]) and math.isclose(weighted["weighted_vs_mean"], ratio)
 
     mfu = sections["mfu"]["result"]
     if (ROOT / "examples" / "lm").exists():  # once it lands: measured, or why not
