@@ -12,6 +12,8 @@ onto another expert-axis size or none. The errors come before anything compiles.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ from flax import nnx
 
 import spmdcomm as sc
 from spmdcomm.errors import AxisError, ShapeError, SpmdError
+from spmdcomm.parallel.expert.layer import expert_report
 from tests.ddp_models import assert_trees_close
 
 E, D, HIDDEN, ROWS, TOKENS, FEATURES = 8, 8, 16, 16, 4, 6
@@ -152,6 +155,15 @@ def test_explain_lists_the_moe_layers_all_to_alls_and_expert_bytes_per_device(in
         # Every all-to-all over the axis, forward and backward, is attributed to the one MoE layer.
         assert section.per_layer == (("MoE_0", section.all_to_alls, section.all_to_all_bytes),)
         assert f"layer MoE_0: {section.all_to_alls} all-to-alls over 'expert'" in text
+        # Padded or ragged is read from the program, not the platform: the same program with XLA's ragged
+        # all-to-all in place of the dense ones (as on a GPU) is reported ragged, its moves still counted.
+        ragged = tuple(
+            dataclasses.replace(c, kind="ragged-all-to-all") if c.kind == "all-to-all" else c
+            for c in report.collectives
+        )
+        native = expert_report(state, ragged)
+        assert not native.padded and (native.all_to_alls, native.per_layer) == (section.all_to_alls, section.per_layer)
+        assert "ragged (bytes are bounds)" in str(native)
 
 
 def test_a_checkpoint_keeps_the_experts_in_order_and_restores_on_another_expert_axis_or_none(initial, tmp_path):

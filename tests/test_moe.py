@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 import spmdcomm as sc
 import spmdcomm.collectives.ragged as ragged
 from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError
+from spmdcomm.explain.hlo import inventory, parse_module
 
 ROWS = 6  # rows each device holds in the collective's cases
 
@@ -152,10 +153,16 @@ def test_the_native_program_lowers_forward_and_backward(monkeypatch):
     def body(x, s):
         return sc.ragged_all_to_all(x, s, "x", out_rows=12, implementation="native")[0]
 
-    f = jax.shard_map(body, mesh=axis_mesh(4), in_specs=jax.P("x"), out_specs=jax.P("x"))
+    mesh = axis_mesh(4)
+    f = jax.shard_map(body, mesh=mesh, in_specs=jax.P("x"), out_specs=jax.P("x"))
     x, s = jnp.ones((16, 3)), jnp.ones((16,), jnp.int32)
-    assert "ragged_all_to_all" in jax.jit(f).lower(x, s).as_text()
+    lowered = jax.jit(f).lower(x, s)
+    assert "ragged_all_to_all" in lowered.as_text()
     assert "ragged_all_to_all" in jax.jit(jax.grad(lambda x: (f(x, s) ** 2).sum())).lower(x).as_text()
+    # explain's reading of the HLO counts it over the axis, sized by its buffers (4 rows in, 12 out, 3 floats each),
+    # not by its six operands.
+    (row,) = [c for c in inventory(parse_module(lowered.as_text(dialect="hlo")), mesh) if "ragged" in c.kind]
+    assert (row.kind, row.count, row.bytes, row.buffers, row.axes) == ("ragged-all-to-all", 1, 12 * 3 * 4, 1, ("x",))
 
 
 @pytest.mark.parametrize(

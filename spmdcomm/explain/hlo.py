@@ -29,8 +29,16 @@ from spmdcomm._format import LAYER_SCOPE
 __all__ = ["COLLECTIVE_KINDS", "Collective"]
 
 #: The HLO collectives :func:`~spmdcomm.explain` reports. Their asynchronous forms (``all-reduce-start`` /
-#: ``all-reduce-done`` and the others, on GPU and TPU) count once, under the same kind.
-COLLECTIVE_KINDS: tuple[str, ...] = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+#: ``all-reduce-done`` and the others, on GPU and TPU) count once, under the same kind. ``ragged-all-to-all`` is
+#: XLA's all-to-all of runtime-sized chunks (:func:`~spmdcomm.ragged_all_to_all` on GPU and TPU).
+COLLECTIVE_KINDS: tuple[str, ...] = (
+    "all-reduce",
+    "reduce-scatter",
+    "all-gather",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +51,8 @@ class Collective:
       kind: one of :data:`COLLECTIVE_KINDS`.
       count: how many such collectives the program holds.
       bytes: one operation's message size per device (see :mod:`spmdcomm.explain.report`); ``total_bytes`` is
-        ``count * bytes``.
+        ``count * bytes``. For a ``ragged-all-to-all`` it is a bound, the larger of its input and output buffers:
+        how many rows it moves is decided at run time.
       buffers: how many arrays one operation moves: XLA fuses several reductions into one variadic all-reduce,
         which still pays per buffer on some backends.
       dtypes: the dtypes of the arrays it moves, by NumPy name (e.g. ``"float32"``).
@@ -159,7 +168,10 @@ def inventory(module: Module, mesh: Mesh | None) -> list[Collective]:
             continue
         # An async start's own shape bundles operands and context; the matching done holds the result.
         result = done_of[inst.name].shape if inst.opcode.endswith("-start") and inst.name in done_of else inst.shape
-        sent = sum(_shape_bytes(by_name[o].shape) for o in inst.operands if o in by_name)
+        # A ragged all-to-all's operands are its input, its output buffer and four offset and size arrays: only the
+        # input is sent.
+        operands = inst.operands[:1] if kind == "ragged-all-to-all" else inst.operands
+        sent = sum(_shape_bytes(by_name[o].shape) for o in operands if o in by_name)
         dtypes = tuple(dict.fromkeys(_dtype_name(t) for t, _ in _ARRAY.findall(result)))
         groups: tuple[tuple[int, ...], ...]
         pairs: tuple[tuple[int, int], ...]
@@ -168,7 +180,7 @@ def inventory(module: Module, mesh: Mesh | None) -> list[Collective]:
         else:
             groups, pairs = _groups(inst.attrs, module.devices), ()
         size = max(sent, _shape_bytes(result))
-        key = (kind, size, len(inst.operands), dtypes, groups, pairs, where[inst.computation], _layer(inst.attrs))
+        key = (kind, size, len(operands), dtypes, groups, pairs, where[inst.computation], _layer(inst.attrs))
         rows[key] = rows.get(key, 0) + 1
     return [
         Collective(kind, count, size, buffers, dtypes, groups, pairs, _axes(mesh, groups, pairs), place, layer)

@@ -13,7 +13,8 @@ the per-device memory XLA reserved for arguments, outputs, temporaries and code.
 ``bytes`` is the message size in the sense of nccl-tests (NCCL's benchmarks), per device and per operation:
 the larger of the bytes one device sends into the collective and the bytes it gets out of it. That is the
 buffer size for an all-reduce, the gathered (output) size for an all-gather, the unscattered (input) size for a
-reduce-scatter, and the buffer each device sends for an all-to-all or a collective-permute. Bus bandwidth
+reduce-scatter, and the buffer each device sends for an all-to-all or a collective-permute (for a ragged
+all-to-all, a bound: the larger of its input and output buffers). Bus bandwidth
 follows with nccl-tests' factors (2(n-1)/n for all-reduce, (n-1)/n for all-gather, reduce-scatter and
 all-to-all, 1 for permute).
 """

@@ -20,7 +20,7 @@ from flax.core import meta
 from jax import lax
 
 from spmdcomm._format import LAYER_SCOPE, format_bytes
-from spmdcomm.collectives.ragged import RAGGED_NATIVE_PLATFORMS, RaggedImplementation
+from spmdcomm.collectives.ragged import RaggedImplementation
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
 from spmdcomm.parallel.expert.routing import MoEStats, RoutingName, check_routing, moe
 from spmdcomm.parallel.pipeline.schedule import PIPELINED, active_schedule
@@ -269,8 +269,9 @@ class ExpertReport:
         per device, ``1 / (e N)`` under FSDP over ``N`` devices.
       all_to_alls: all-to-alls over the axis per step (forward and backward, every layer), and ``all_to_all_bytes``
         their message bytes per device.
-      padded: the platform has no native ragged all-to-all: each one sends every device its bound of rows, whatever
-        the routing (the native collective sends the routed rows only).
+      padded: the program moves the routed rows with the padded fallback (dense all-to-alls: every device is sent
+        its bound of rows, whatever the routing), not with XLA's ``ragged-all-to-all``, which sends the routed rows
+        only; read from the compiled program, so ``implementation="padded"`` on a GPU shows here too.
       per_layer: ``(layer, all-to-alls, bytes per device)`` for each MoE layer, by its module path (the layers name
         their collectives with a ``jax.named_scope`` that the optimised HLO keeps); the rest are in ``"?"``.
     """
@@ -285,7 +286,7 @@ class ExpertReport:
 
     def __str__(self) -> str:
         layers = len(self.layers)
-        kind = "padded (no native ragged all-to-all here: full bounds sent)" if self.padded else "ragged"
+        kind = "padded (dense all-to-alls: full bounds sent)" if self.padded else "ragged (bytes are bounds)"
         lines = [
             f"experts over {self.axis!r} ({self.size} devices): {layers} MoE layer{'s' * (layers != 1)}; all-to-alls "
             f"over {self.axis!r}: {self.all_to_alls} ({format_bytes(self.all_to_all_bytes)} per device), {kind}"
@@ -317,14 +318,18 @@ def expert_report(state: Any, collectives: tuple[Any, ...]) -> ExpertReport | No
             entry = layers.setdefault(jax.tree_util.keystr(path[:owner]), [int(x.shape[0]), 0, 0])
             entry[1] += x.addressable_shards[0].data.nbytes
             entry[2] += x.nbytes
-    moves = [c for c in collectives if c.kind == "all-to-all" and c.axes is not None and config.axis in c.axes]
+    moves = [
+        c
+        for c in collectives
+        if c.kind in ("all-to-all", "ragged-all-to-all") and c.axes is not None and config.axis in c.axes
+    ]
     return ExpertReport(
         axis=config.axis,
         size=int(state.mesh.shape[config.axis]),
         layers=tuple((f"params{p}", e, mine, whole) for p, (e, mine, whole) in layers.items()),
         all_to_alls=sum(c.count for c in moves),
         all_to_all_bytes=sum(c.total_bytes for c in moves),
-        padded=state.mesh.devices.flat[0].platform not in RAGGED_NATIVE_PLATFORMS,
+        padded=bool(moves) and not any(c.kind == "ragged-all-to-all" for c in moves),
         per_layer=_per_layer(moves),
     )
 
