@@ -46,7 +46,7 @@ import sys
 import time
 from unittest import mock
 
-from _common import run_facts, set_cpu_devices, time_calls, write_json
+from _common import jit_once, run_facts, set_cpu_devices, time_calls, write_json
 
 set_cpu_devices(8)
 
@@ -223,9 +223,9 @@ def lm_step(args, mesh):
 
 
 def _init(module, x):
-    """``module``'s parameters for an input like ``x``, in one program: only the parameters are kept (``mutable``),
-    so XLA drops the forward pass that ``init`` traces (and the MoE layers' sown losses)."""
-    return jax.jit(functools.partial(module.init, mutable=["params"]))(jax.random.key(0), x)["params"]
+    """``module``'s parameters for an input like ``x``, in one program (``jit_once``): only the parameters are kept
+    (``mutable``), so XLA drops the forward pass that ``init`` traces (and the MoE layers' sown losses)."""
+    return jit_once(functools.partial(module.init, mutable=["params"]))(jax.random.key(0), x)["params"]
 
 
 def _output_and_loss(fn, cotangent):

@@ -65,7 +65,7 @@ import re
 import time
 from pathlib import Path
 
-from _common import run_facts, set_cpu_devices, step_caller, time_calls, write_json
+from _common import jit_once, run_facts, set_cpu_devices, step_caller, time_calls, write_json
 
 set_cpu_devices(8)  # before JAX starts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -141,7 +141,7 @@ def data(cfg: Config, seed: int = 0) -> dict[str, np.ndarray]:
 def init_params(cfg: Config) -> dict:
     """The model's parameters as NumPy arrays, the stacked leaves still boxed (``TrainState.create`` reads the
     boxes: dimension 0 of the stack is the layers). Made once: every variant starts from these."""
-    params = jax.jit(Net(cfg).init)(jax.random.PRNGKey(0), data(cfg)["x"][:2])["params"]
+    params = jit_once(Net(cfg).init)(jax.random.PRNGKey(0), data(cfg)["x"][:2])["params"]
     return jax.tree.map(np.asarray, params)
 
 
