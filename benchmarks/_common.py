@@ -74,6 +74,25 @@ def time_calls(call: Callable[[], Any], n: int, *, chained: bool = False, window
     return time.perf_counter() - start
 
 
+def jit_once(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``jax.jit(fn)`` for a program that runs once, such as a model's ``init``: on CPU compiled without XLA's
+    backend optimisation, which takes about a fifth of the compile time (a one-block transformer's init: 0.6 s
+    instead of 3 s) for a slower single run. Its results may differ from the optimised program's in the last bit
+    (a parameter initialiser's erf_inv: within 2e-7 of the largest value). Other backends compile it as usual."""
+    programs: dict[str, Callable[..., Any]] = {}
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        import jax  # here, not at the top: scripts import this module before JAX may start
+
+        backend = jax.default_backend()
+        if backend not in programs:
+            options = {"xla_backend_optimization_level": 0} if backend == "cpu" else None
+            programs[backend] = jax.jit(fn, compiler_options=options)
+        return programs[backend](*args, **kwargs)
+
+    return call
+
+
 def run_facts() -> dict[str, Any]:
     """What every result records of the run: the date, the JAX version, the platform and device count, the cores."""
     import jax

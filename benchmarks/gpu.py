@@ -69,7 +69,7 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # this checkout's spmdcomm, installed or not, before any installed copy
     sys.path.insert(1, str(ROOT))
 
-from _common import set_cpu_devices, step_caller, time_calls, write_json  # noqa: E402
+from _common import jit_once, set_cpu_devices, step_caller, time_calls, write_json  # noqa: E402
 
 SECTIONS = ("prefetch", "train_step", "memory", "mfu", "attention", "moe", "weighted", "suite")
 # Each section's share of the time left when it starts, relative to the sections after it.
@@ -471,7 +471,7 @@ def examples_lm_spec(path: Path, cfg: dict) -> LMSpec:
     spec.loader.exec_module(models)
     module = models.Transformer(width=cfg["width"], layers=cfg["layers"], heads=cfg["heads"], max_len=cfg["seq"])
     tokens = np.random.default_rng(0).integers(0, 256, (cfg["batch"], cfg["seq"])).astype(np.int32)
-    params = jax.jit(module.init)(jax.random.PRNGKey(0), tokens[:1])["params"]
+    params = jit_once(module.init)(jax.random.PRNGKey(0), tokens[:1])["params"]
     params = jax.tree.map(np.asarray, dict(nn.unbox(params)))  # the logical names matter only to the example
     name = f"examples/lm Transformer {cfg['layers']}x{cfg['width']}, {cfg['batch']}x{cfg['seq']} bytes"
     return LMSpec(name, module, params, {"tokens": tokens}, cfg["layers"], cfg["width"])
@@ -486,7 +486,7 @@ def stand_in_spec(cfg: dict) -> LMSpec:
 
     module = strategies.TransformerLM(vocab=cfg["vocab"], width=cfg["width"], layers=cfg["layers"], heads=cfg["heads"])
     tokens = np.random.default_rng(0).integers(0, cfg["vocab"], (cfg["batch"], cfg["seq"])).astype(np.int32)
-    params = jax.jit(module.init)(jax.random.PRNGKey(0), tokens[:1])["params"]
+    params = jit_once(module.init)(jax.random.PRNGKey(0), tokens[:1])["params"]
     name = f"TransformerLM {cfg['layers']}x{cfg['width']}, vocab {cfg['vocab']}, {cfg['batch']}x{cfg['seq']} tokens"
     return LMSpec(name, module, jax.tree.map(np.asarray, dict(params)), {"tokens": tokens}, cfg["layers"], cfg["width"])
 

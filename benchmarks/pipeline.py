@@ -7,7 +7,7 @@ Run: ``python benchmarks/pipeline.py [--rounds 7] [--steps 2] [--batch 1024] [--
 The model: a dense embedding (``features`` -> ``width``), ``sc.PipelineStack`` of ``L`` pre-LayerNorm residual
 MLP blocks (``width`` -> ``hidden`` -> ``width``, GELU), a final LayerNorm and a dense head to ``classes`` logits,
 cross-entropy, Adam. The full setting: width 256, hidden 1024, L = 8 (4.2 M stacked parameters), 128 features,
-10 classes, global batch 1024; ``--smoke``: width 32, hidden 64, batch 64, one round of one step, three speed
+10 classes, global batch 1024; ``--smoke``: width 32, hidden 64, L = 4, batch 64, one round of one step, three speed
 variants and m = 4 only. 8 fake CPU devices; pipelines on ``data 2 x stage 4`` (p = 4 stages, N = 2 replicas).
 The batch is 1024 rather than 256 because at 256 the step's cost on fake devices is mostly what does not grow
 with the batch (DDP's step on 8 rows took 0.6-0.7 of its time on 256): the bubble, which is compute, hid in it.
@@ -65,7 +65,7 @@ import re
 import time
 from pathlib import Path
 
-from _common import run_facts, set_cpu_devices, step_caller, time_calls, write_json
+from _common import jit_once, run_facts, set_cpu_devices, step_caller, time_calls, write_json
 
 set_cpu_devices(8)  # before JAX starts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -98,7 +98,8 @@ class Config:
     batch: int = 1024
 
 
-FULL, SMOKE = Config(), Config(width=32, hidden=64, features=16, batch=64)
+# The smoke setting: one block per stage (what every table needs; more blocks only lengthen each compile).
+FULL, SMOKE = Config(), Config(width=32, hidden=64, layers=4, features=16, batch=64)
 
 
 class Block(nn.Module):
@@ -140,7 +141,7 @@ def data(cfg: Config, seed: int = 0) -> dict[str, np.ndarray]:
 def init_params(cfg: Config) -> dict:
     """The model's parameters as NumPy arrays, the stacked leaves still boxed (``TrainState.create`` reads the
     boxes: dimension 0 of the stack is the layers). Made once: every variant starts from these."""
-    params = jax.jit(Net(cfg).init)(jax.random.PRNGKey(0), data(cfg)["x"][:2])["params"]
+    params = jit_once(Net(cfg).init)(jax.random.PRNGKey(0), data(cfg)["x"][:2])["params"]
     return jax.tree.map(np.asarray, params)
 
 

@@ -59,7 +59,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from _common import run_facts, set_cpu_devices, step_caller, time_calls, write_json
+from _common import jit_once, run_facts, set_cpu_devices, step_caller, time_calls, write_json
 
 set_cpu_devices(8)  # before JAX starts: the memory table takes meshes of 2, 4 and 8 of these devices
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -181,7 +181,7 @@ LOSSES = {"mlp": loss_fn, "cnn": loss_fn, "odd-mlp": loss_fn, "transformer": lm_
 PLAIN_LOSSES = {"mlp": plain_loss, "cnn": plain_loss, "odd-mlp": plain_loss, "transformer": lm_plain_loss}
 INPUT_KEY = {"mlp": "x", "cnn": "x", "odd-mlp": "x", "transformer": "tokens"}  # what the model is applied to
 # Each model's init compiled once, as one program (as in train_step.py).
-INITS = {name: jax.jit(model.init) for name, model in MODELS.items()}
+INITS = {name: jit_once(model.init) for name, model in MODELS.items()}
 
 
 def model_data(model_name: str) -> dict[str, np.ndarray]:

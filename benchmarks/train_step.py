@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import set_cpu_devices, step_caller, time_calls, write_json
+from _common import jit_once, set_cpu_devices, step_caller, time_calls, write_json
 
 set_cpu_devices(2)  # before JAX starts; the launched workers keep the launcher's 1 device each
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -65,7 +65,7 @@ class CNN(nn.Module):
 MODELS = {"mlp": MLP(), "cnn": CNN()}
 # Each model's init compiled once, as one program: eagerly every initializer shape compiles its own, and a new
 # jax.jit wrapper per call would compile the whole program again each time.
-INITS = {name: jax.jit(model.init) for name, model in MODELS.items()}
+INITS = {name: jit_once(model.init) for name, model in MODELS.items()}
 
 
 def data(seed: int = 0) -> dict[str, np.ndarray]:
