@@ -80,6 +80,12 @@ def initial():
 @pytest.fixture(scope="module")
 def reference(initial):
     """One device: every expert local, the global batch, one SGD step."""
+    return one_device_step(initial)
+
+
+def one_device_step(initial):
+    """``(new parameters, loss, load-balancing loss)`` of one SGD step from ``initial`` on one device, every expert
+    local, on the global batch (also the reference of tests/test_pipeline.py's two-process job)."""
     plain, data = nn.unbox(initial), batch()
 
     def loss(p):
@@ -377,16 +383,7 @@ def test_a_moe_layer_under_a_table_schedule_raises_while_tracing():
         sc.make_train_step(stacked_loss, donate=False)(state, data)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_two_processes_with_the_expert_axis_across_them_equal_one_device(launch, tmp_path, reference):
-    out = launch("mp_pipeline.py", tmp_path, "--experts", timeout=120)
-    assert out.stdout.count("EXPERTS OK") == 2  # one per process
-    got, (want, loss, _) = np.load(tmp_path / "params_experts.npz"), reference
-    for path, x in jax.tree_util.tree_flatten_with_path(want)[0]:
-        name = jax.tree_util.keystr(path)
-        np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=name)
-    np.testing.assert_allclose(np.load(tmp_path / "losses_experts.npy"), [loss], rtol=1e-5)
+# The expert axis across two processes: tests/test_pipeline.py's two-process job (tests/workers/mp_pipeline.py).
 
 
 def test_a_masked_batch_runs_on_the_expert_axis_and_equals_one_device(initial, reference):

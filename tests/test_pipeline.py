@@ -651,9 +651,13 @@ def test_nnx_batchnorm_in_a_stage_equals_one_device_with_one_micro_batch_at_a_ti
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_processes_with_the_stage_axis_across_them_equal_one_device(launch, tmp_path):
+def test_two_processes_with_the_stage_or_the_expert_axis_across_them_equal_one_device(launch, tmp_path):
+    """One job (tests/workers/mp_pipeline.py): GPipe and 1F1B with the stage axis across the processes, then
+    tests/test_expert_parallel.py's MoE step with the expert axis across them."""
+    from tests.test_expert_parallel import MODEL, batch, one_device_step
+
     out = launch("mp_pipeline.py", tmp_path, timeout=300)
-    assert out.stdout.count("PIPELINE OK") == 2  # one per process
+    assert out.stdout.count("PIPELINE OK") == 2 and out.stdout.count("EXPERTS OK") == 2  # one each per process
     expected, expected_losses = one_device(32)
     for schedule in ("pipeline", "pipeline_1f1b"):  # GPipe, then 1F1B
         got = np.load(tmp_path / f"params_{schedule}.npz")
@@ -661,6 +665,12 @@ def test_two_processes_with_the_stage_axis_across_them_equal_one_device(launch, 
             name = jax.tree_util.keystr(path)
             np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=f"{schedule} {name}")
         np.testing.assert_allclose(np.load(tmp_path / f"losses_{schedule}.npy"), expected_losses, rtol=1e-5)
+    got = np.load(tmp_path / "params_experts.npz")
+    want, loss, _ = one_device_step(jax.jit(MODEL.init)(jax.random.key(0), batch()["x"][:1])["params"])
+    for path, x in jax.tree_util.tree_flatten_with_path(want)[0]:
+        name = jax.tree_util.keystr(path)
+        np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=f"experts {name}")
+    np.testing.assert_allclose(np.load(tmp_path / "losses_experts.npy"), [loss], rtol=1e-5)
 
 
 @SLOW

@@ -6,9 +6,9 @@ Trains tests/test_pipeline.py's model (8 stacked blocks) 3 steps under FSDP with
 micro-batches, then with the 1F1B schedule, every process passing the global batch (host_input="global");
 process 0 writes the parameters (in canonical layer order) and the losses of each.
 
-With ``--experts`` (``mp_pipeline.py OUT_DIR --experts``) it runs tests/test_expert_parallel.py's MoE model instead,
-one SGD step on a mesh {"expert": 2, "data": 2} whose expert axis spans the processes (the tokens' all-to-alls
-cross them), and process 0 writes the new parameters.
+Then, in the same processes (one job: each process starting and compiling its programs costs more than the steps),
+tests/test_expert_parallel.py's MoE model: one SGD step on a mesh {"expert": 2, "data": 2} whose expert axis spans
+the processes (the tokens' all-to-alls cross them); process 0 writes the new parameters and the loss.
 """
 
 import sys
@@ -62,7 +62,8 @@ def main(out_dir: Path) -> None:
         full = jax.jit(lambda p: p, out_shardings=sc.replicated_sharding(mesh=mesh))(state.full_params())
         write_params(out_dir, name, full, history)
     print("PIPELINE OK", flush=True)
+    experts(out_dir)
 
 
 if __name__ == "__main__":
-    (experts if "--experts" in sys.argv[2:] else main)(Path(sys.argv[1]))
+    main(Path(sys.argv[1]))
