@@ -84,15 +84,17 @@ def test_gradient_trap_naive_step_differs():
         return jax.lax.pmean(grads, "data")
 
     got = sc.spmd(naive, mesh=mesh, in_specs=(sc.P(), sc.P("data")), out_specs=sc.P())(params, BATCHES["mlp"][0])
-    full = jax.grad(
-        lambda p: loss_fn(
-            p,
-            BATCHES["mlp"][0],
-            apply_fn=apply_fn,
-            model_state={},
-            rng=None,
-            mask=jnp.ones(16, bool),
-        )[0]
+    full = jax.jit(  # one program (eagerly, each operation of the loss and its derivative compiles its own)
+        jax.grad(
+            lambda p: loss_fn(
+                p,
+                BATCHES["mlp"][0],
+                apply_fn=apply_fn,
+                model_state={},
+                rng=None,
+                mask=jnp.ones(16, bool),
+            )[0]
+        )
     )(params)
     ratio = np.asarray(got["Dense_1"]["bias"]) / np.asarray(full["Dense_1"]["bias"])
     np.testing.assert_allclose(ratio, 4.0, rtol=1e-4)

@@ -373,10 +373,15 @@ def test_nnx_logical_metadata_equals_mesh_axes_and_one_device():
     graphdef, params = nnx.split(logical, nnx.Param)
     ref, tx = jax.tree.map(np.asarray, params), optax.adam(1e-2)
     opt = tx.init(ref)
-    for b in nnx_data():
-        loss = lambda p, b=b: ((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2).sum(-1).mean()
+
+    @jax.jit  # one program for the reference's steps (eagerly, each of its operations compiles its own)
+    def reference_step(ref, opt, b):
+        loss = lambda p: ((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2).sum(-1).mean()
         updates, opt = tx.update(jax.grad(loss)(ref), opt, ref)
-        ref = optax.apply_updates(ref, updates)
+        return optax.apply_updates(ref, updates), opt
+
+    for b in nnx_data():
+        ref, opt = reference_step(ref, opt, b)
     state, _ = sc.fit(sc.make_train_step(sc.nnx_loss_fn(nnx_loss)), state, nnx_data())
     assert_trees_close(state.full_params(), ref, rtol=1e-5, atol=1e-6)
 
