@@ -37,6 +37,14 @@ def scanned(weights, x, layer=residual):
 
 
 @functools.cache
+def scan_reference(layer=residual):
+    """:func:`scanned` and its gradient as compiled programs (eagerly, every op of each new shape compiles its own)."""
+    return jax.jit(functools.partial(scanned, layer=layer)), jax.jit(
+        jax.grad(lambda w, x: jnp.sum(scanned(w, x, layer) ** 2))
+    )
+
+
+@functools.cache
 def core_program(d, p, m, v, layer=residual):
     """The pipelined stack of ``layer`` on a ``data`` d x ``stage`` p mesh, and its gradient (compiled once per
     layout)."""
@@ -65,8 +73,9 @@ def test_the_schedule_equals_a_scan_forward_and_backward(d, p, m, v):
     x = rng.normal(size=(d * m * 2, 6)).astype(np.float32)  # 2 rows per micro-batch
     order = stage_order(LAYERS, p, v)
     forward, grad = core_program(d, p, m, v)
-    np.testing.assert_allclose(forward(weights[order], x), scanned(weights, x), rtol=1e-5, atol=1e-5)
-    expected = jax.grad(lambda w: jnp.sum(scanned(w, x) ** 2))(weights)
+    scan, scan_grad = scan_reference()
+    np.testing.assert_allclose(forward(weights[order], x), scan(weights, x), rtol=1e-5, atol=1e-5)
+    expected = scan_grad(weights, x)
     np.testing.assert_allclose(np.asarray(grad(weights[order], x))[np.argsort(order)], expected, rtol=1e-4, atol=1e-4)
 
 
@@ -121,7 +130,7 @@ def test_layer_state_updates_once_per_micro_batch_in_order_and_never_in_a_bubble
     specs = (P("stage"), P(), P("stage"))
     run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P("stage"), P("stage"))))
     out, got = run(weights[order], state, x)
-    np.testing.assert_allclose(out, scanned(weights, x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, scan_reference()[0](weights, x), rtol=1e-5, atol=1e-5)
     assert np.asarray(got["calls"]).tolist() == [[m] * LAYERS] * p
     for copy in np.asarray(got["mean"]):
         np.testing.assert_allclose(copy, expected["mean"], rtol=1e-5, atol=1e-6)
@@ -195,12 +204,19 @@ TX = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))  # the global
 
 
 def train(state, data, *, rng="per_device", accum=1, pad_to=None):
-    step = sc.make_train_step(loss_fn, rng=rng, accum_steps=accum)
+    step = train_step(rng, accum)
     losses = []
     for batch in data:
         state, metrics = step(state, batch if pad_to is None else sc.pad_batch(batch, pad_to))
         losses.append(float(metrics["loss"]))
     return state, losses
+
+
+@functools.cache
+def train_step(rng, accum):
+    """One step object per setting for every test in the process: it compiles once per state layout, so runs on a
+    layout another test (or the same one) already trained reuse that program."""
+    return sc.make_train_step(loss_fn, rng=rng, accum_steps=accum)
 
 
 def init(model):
@@ -412,24 +428,35 @@ def test_checkpoints_keep_the_canonical_layer_order_and_restore_onto_any_layout(
         assert_trees_close(jax.device_get(resumed.full_params()), straight, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy, remat", [("ddp", True), ("fsdp", False)])
-def test_explain_shows_the_schedule_and_that_stages_keep_their_layers(strategy, remat):
+@functools.cache
+def explained(strategy, remat, m, copies):
+    """``sc.explain`` of ``Net``'s step on ``data`` 2 x ``stage`` 4 with ``m`` micro-batches of ``copies`` x 32 rows
+    (one compile per setting for the tests that read it)."""
     state = sc.TrainState.create(
         params=init(Net()),
         apply_fn=Net().apply,
         tx=TX,
         mesh=sc.make_mesh({"data": 2, "stage": 4}),
         strategy=strategy,
-        pipeline=sc.Pipeline(microbatches=4, remat=remat),
+        pipeline=sc.Pipeline(microbatches=m, remat=remat),
     )
-    report = sc.explain(sc.make_train_step(loss_fn), state, batches()[0])
+    batch = {k: np.concatenate([v] * copies) for k, v in batches()[0].items()}
+    return sc.explain(sc.make_train_step(loss_fn), state, batch)
+
+
+# The FSDP case is test_each_tick_is_rematerialised_under_fsdp_too's program without remat.
+@pytest.mark.parametrize("strategy, remat, m, copies", [("ddp", True, 4, 1), ("fsdp", False, 8, 8)])
+def test_explain_shows_the_schedule_and_that_stages_keep_their_layers(strategy, remat, m, copies):
+    report = explained(strategy, remat, m, copies)
     pipeline = report.pipeline
-    assert (pipeline.stages, pipeline.repeats, pipeline.microbatches, pipeline.ticks) == (4, 1, 4, 7)
-    assert pipeline.bubble == pytest.approx(3 / 7)
+    ticks = m + 3
+    assert (pipeline.stages, pipeline.repeats, pipeline.microbatches, pipeline.ticks) == (4, 1, m, ticks)
+    assert pipeline.bubble == pytest.approx(3 / ticks)
     # GPipe keeps one item per tick until the backward pass; with remat only the stage input, recomputing once.
     kept = "stage input" if remat else "every layer's activations"
-    assert (pipeline.in_flight, pipeline.kept, pipeline.recomputed) == (7, kept, int(remat))
-    assert f"kept for the backward pass: {kept} of 7 micro-batches, {int(remat)} forward recomputed" in str(pipeline)
+    assert (pipeline.in_flight, pipeline.kept, pipeline.recomputed) == (ticks, kept, int(remat))
+    said = f"kept for the backward pass: {kept} of {ticks} micro-batches, {int(remat)} forward recomputed"
+    assert said in str(pipeline)
     # 1/p of the stack per device, and 1/(p N) under FSDP (N = 2 data devices).
     assert pipeline.stacked_bytes * 4 * (2 if strategy == "fsdp" else 1) == pipeline.stack_bytes
     assert pipeline.stage_gathers == 0 and report.count("all-gather", over="stage") == 0
@@ -677,16 +704,5 @@ def test_two_processes_with_the_stage_or_the_expert_axis_across_them_equal_one_d
 def test_each_tick_is_rematerialised_under_fsdp_too():
     """The schedule keeps one stage input per tick: its compiled temporaries are a fraction of what keeping every
     layer's activations takes, also under FSDP (whose own checkpoint policy must not override the schedule's)."""
-    temporaries = {}
-    for remat in (True, False):
-        state = sc.TrainState.create(
-            params=init(Net()),
-            apply_fn=Net().apply,
-            tx=TX,
-            mesh=sc.make_mesh({"data": 2, "stage": 4}),
-            strategy="fsdp",
-            pipeline=sc.Pipeline(microbatches=8, remat=remat),
-        )
-        batch = {k: np.concatenate([v] * 8) for k, v in batches()[0].items()}
-        temporaries[remat] = sc.explain(sc.make_train_step(loss_fn), state, batch).memory.temp_bytes
+    temporaries = {remat: explained("fsdp", remat, 8, 8).memory.temp_bytes for remat in (True, False)}
     assert temporaries[True] * 3 < temporaries[False], temporaries

@@ -28,7 +28,7 @@ from tests.test_pipeline import (
     nnx_train,
     one_device,
     rms,
-    scanned,
+    scan_reference,
     train,
 )
 
@@ -80,8 +80,9 @@ def test_a_block_not_finite_at_zero_pipelines_as_a_scan_forward_and_backward(nam
     assert not all(np.isfinite(a).all() for a in (value, *grads))  # what a bubble computing on zeros would meet
     order = stage_order(LAYERS, p, v)
     forward, grad = core_program(d, p, m, v, layer)
-    np.testing.assert_allclose(forward(weights[order], x), scanned(weights, x, layer), rtol=1e-5, atol=1e-5)
-    expected = jax.grad(lambda w: jnp.sum(scanned(w, x, layer) ** 2))(weights)
+    scan, scan_grad = scan_reference(layer)
+    np.testing.assert_allclose(forward(weights[order], x), scan(weights, x), rtol=1e-5, atol=1e-5)
+    expected = scan_grad(weights, x)
     got = np.asarray(grad(weights[order], x))[np.argsort(order)]
     assert np.isfinite(expected).all()
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
