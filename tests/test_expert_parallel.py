@@ -74,7 +74,7 @@ def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
 
 @pytest.fixture(scope="module")
 def initial():
-    return MODEL.init(jax.random.key(0), batch()["x"][:1])["params"]
+    return jax.jit(MODEL.init)(jax.random.key(0), batch()["x"][:1])["params"]  # one program, not one per op
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,7 @@ class SixExperts(nn.Module):
 
 
 def test_experts_that_do_not_divide_by_the_expert_axis_raise_at_create():
-    params = jax.jit(SixExperts().init)(jax.random.key(0), np.ones((1, D), np.float32))["params"]
+    params = jax.eval_shape(SixExperts().init, jax.random.key(0), np.ones((1, D), np.float32))["params"]
     with pytest.raises(ShapeError) as caught:
         create(params, {"data": 2, "expert": 4}, logical_axis_rules=RULES[None])
     for fact in ("params['MoE_0']['experts']", "dimension 0 of size 6 over ('expert',) (4 devices)", "multiple of 4"):
@@ -282,7 +282,7 @@ def test_a_renamed_expert_axis_runs_and_a_layer_naming_another_axis_raises_while
     def named_loss(params, batch, **_):
         return jnp.mean(Named().apply({"params": params}, batch["x"]) ** 2)
 
-    params = Named().init(jax.random.key(0), batch()["x"][:1])["params"]
+    params = {name: initial[name] for name in ("Dense_0", "MoE_0")}  # Named's layers are MODEL's first two
     named = create(params, {"data": 2, "e": 4}, expert=sc.ExpertParallel(axis="e"), logical_axis_rules=RULES[None])
     with pytest.raises(AxisError, match=r"axis_name='expert', but the step runs its MoE layers with axis_name='e'"):
         sc.make_train_step(named_loss, donate=False)(named, batch())

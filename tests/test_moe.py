@@ -11,6 +11,8 @@ Every case compiles one small program.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -226,11 +228,17 @@ MOE_CASES = {
 }
 
 
+@functools.cache
+def initial_params():
+    """The layer's parameters, the same in every case (they depend on shapes only): one jitted init, not one
+    program per op of an eager init."""
+    return jax.jit(sc.MoE(Mlp(), experts=E, k=1).init)(jax.random.key(0), np.zeros((1, D), np.float32))["params"]
+
+
 def moe_inputs(devices: int, bias: str | None):
     rng = np.random.default_rng(devices)
     x = rng.standard_normal((devices * TOKENS, D)).astype(np.float32)
-    layer = sc.MoE(Mlp(), experts=E, k=1)
-    params = jax.tree.map(np.asarray, layer.init(jax.random.key(0), x[:1])["params"])
+    params = jax.tree.map(np.asarray, initial_params())  # a new tree: its router is replaced below
     params["router"] = rng.standard_normal((D, E)).astype(np.float32)
     if bias is not None:  # feature 0 is a constant 1 that votes for expert 0 (and 1)
         x[:, 0] = 1.0
