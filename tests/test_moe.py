@@ -25,6 +25,7 @@ import spmdcomm as sc
 import spmdcomm.collectives.ragged as ragged
 from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError
 from spmdcomm.explain.hlo import inventory, parse_module
+from tests.ddp_models import jit_once
 
 ROWS = 6  # rows each device holds in the collective's cases
 
@@ -230,9 +231,9 @@ MOE_CASES = {
 
 @functools.cache
 def initial_params():
-    """The layer's parameters, the same in every case (they depend on shapes only): one jitted init, not one
-    program per op of an eager init."""
-    return jax.jit(sc.MoE(Mlp(), experts=E, k=1).init)(jax.random.key(0), np.zeros((1, D), np.float32))["params"]
+    """The layer's parameters, the same in every case (they depend on shapes only): one init program, compiled
+    for a single run, not one program per operation of an eager init."""
+    return jit_once(sc.MoE(Mlp(), experts=E, k=1).init)(jax.random.key(0), np.zeros((1, D), np.float32))["params"]
 
 
 def moe_inputs(devices: int, bias: str | None):
