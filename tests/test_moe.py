@@ -320,18 +320,20 @@ def test_moe_with_split_experts_equals_one_device_running_every_expert(case):
     cot = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
 
     def loss(params, forward):
-        y, balance, z = forward(params)
-        return jnp.sum(y * cot) + 0.3 * balance + 0.1 * z
+        """The loss, and ``((y, balance, z), stats)`` as its aux: one trace gives the outputs and the gradients."""
+        (y, balance, z), stats = forward(params)
+        return jnp.sum(y * cot) + 0.3 * balance + 0.1 * z, ((y, balance, z), stats)
 
     def sharded(params):
         y, stats = mapped(params, placed)
-        return y, stats["load_balancing_loss"], stats["router_z_loss"]
+        return (y, stats["load_balancing_loss"], stats["router_z_loss"]), stats
 
     @jax.jit
     def run(params):
-        return sharded(params), mapped(params, placed)[1], jax.grad(loss)(params, sharded)
+        (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, sharded)
+        return aux, grads
 
-    (y, balance, z), stats, grads = run(params)
+    ((y, balance, z), stats), grads = run(params)
     experts = np.asarray(jax.jit(lambda p: routed(x @ p["router"], k=k, routing=routing)[2])(params))
     n = x.shape[0]
     capacity = None if capacity_factor is None else max(1, min(n, int(np.ceil(capacity_factor * n * k / E))))
@@ -340,8 +342,9 @@ def test_moe_with_split_experts_equals_one_device_running_every_expert(case):
 
     @jax.jit
     def reference(params):
-        forward = lambda p: dense_reference(p, x, kept, k=k, routing=routing)
-        return forward(params), jax.grad(loss)(params, forward)
+        forward = lambda p: (dense_reference(p, x, kept, k=k, routing=routing), None)
+        (_, (outs, _)), grads = jax.value_and_grad(loss, has_aux=True)(params, forward)
+        return outs, grads
 
     (want_y, want_balance, want_z), want_grads = reference(params)
     np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
