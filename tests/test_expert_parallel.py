@@ -342,7 +342,7 @@ class Stacked(nn.Module):
 @functools.cache
 def stacked_params():
     """The stack's initial parameters, for both tests that build it: one init compiled without XLA:CPU's backend
-    optimisation (a sixth of the compile time; both sides of the comparison start from these values)."""
+    optimisation (a quarter of the compile time; both sides of the comparison start from these values)."""
     return jit_once(Stacked().init)(jax.random.key(0), batch()["x"][:1])["params"]
 
 
