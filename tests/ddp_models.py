@@ -208,6 +208,14 @@ def local_rows(batch, mesh):
     return jax.tree.map(lambda x: x[start:stop], batch)
 
 
+def jit_once(fn):
+    """``jax.jit(fn)`` for a program that runs once, such as a model's ``init``: on CPU without XLA's backend
+    optimisation, which compiles in a fraction of the time. Its results may differ from the optimised program's in
+    the last bit: compare only with references computed from the same results."""
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+    return jax.jit(fn, compiler_options=options)
+
+
 @functools.cache
 def _jitted_init(model: nn.Module):
     """``model.init`` as one compiled program, built once per model (Flax modules are hashable dataclasses):

@@ -122,12 +122,19 @@ def reference(q, k, v, ct, *, causal, seg, valid):
     """NumPy's output, and the gradients of the one-device kernel (``attention_reference``), whose output equals
     NumPy's (checked here)."""
     out = numpy_attention(q, k, v, causal=causal, seg=seg, valid=valid)
+    one, grads = _one_device(q, k, v, ct, seg, valid, causal=causal)
+    np.testing.assert_allclose(one, out, rtol=1e-5, atol=1e-5)
+    return out, grads
+
+
+@functools.partial(jax.jit, static_argnames="causal")
+def _one_device(q, k, v, ct, seg, valid, *, causal):
+    """The one-device kernel's output and vjp, as one program (run eagerly, it compiled one per op)."""
     plain = functools.partial(
         sc.collectives.attention.attention_reference, causal=causal, segment_ids=seg, kv_mask=valid
     )
     one, pullback = jax.vjp(plain, q, k, v)
-    np.testing.assert_allclose(one, out, rtol=1e-5, atol=1e-5)
-    return out, pullback(ct)
+    return one, pullback(ct)
 
 
 # (data, c, causal, layout, segments, padding, per_row, heads, kv heads); the first three are the fast tier.
@@ -229,7 +236,7 @@ def test_zigzag_order_and_sequence_positions_agree():
     mesh = sc.make_mesh({"any_name": 4}, devices=jax.devices()[:4])
     for layout, expected in (("zigzag", order), ("contiguous", np.arange(16))):
         f = lambda layout=layout: sc.sequence_positions(4, "any_name", layout=layout)
-        got = jax.shard_map(f, mesh=mesh, in_specs=(), out_specs=sc.P("any_name"))()
+        got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(), out_specs=sc.P("any_name")))()
         assert got.dtype == jnp.int32 and np.array_equal(got, expected)
 
 

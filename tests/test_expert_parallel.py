@@ -13,6 +13,7 @@ onto another expert-axis size or none. The errors come before anything compiles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -25,7 +26,7 @@ from flax import nnx
 import spmdcomm as sc
 from spmdcomm.errors import AxisError, ShapeError, SpmdError
 from spmdcomm.parallel.expert.layer import expert_report
-from tests.ddp_models import assert_trees_close
+from tests.ddp_models import assert_trees_close, jit_once
 
 E, D, HIDDEN, ROWS, TOKENS, FEATURES = 8, 8, 16, 16, 4, 6
 CAPACITY, BALANCE, LR = 1.0, 0.1, 0.1
@@ -74,7 +75,7 @@ def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
 
 @pytest.fixture(scope="module")
 def initial():
-    return MODEL.init(jax.random.key(0), batch()["x"][:1])["params"]
+    return jax.jit(MODEL.init)(jax.random.key(0), batch()["x"][:1])["params"]  # one program, not one per op
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +94,15 @@ def one_device_step(initial):
         balance = balance_loss(found["moe"])
         return jnp.mean((out - data["y"]) ** 2) + BALANCE * balance, balance
 
-    (value, balance), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(plain)
-    return jax.tree.map(lambda p, g: p - LR * g, plain, grads), float(value), float(balance)
+    new, value, balance = jax.jit(functools.partial(sgd, jax.value_and_grad(loss, has_aux=True)))(plain)
+    return new, float(value), float(balance)
+
+
+def sgd(value_and_grad, params):
+    """``(params - LR * grads, loss, aux)``: one SGD step of a ``has_aux`` loss, to run inside one jitted program
+    (the update run eagerly compiles two programs per leaf shape)."""
+    (value, aux), grads = value_and_grad(params)
+    return jax.tree.map(lambda p, g: p - LR * g, params, grads), value, aux
 
 
 # name: (mesh, strategy, rules)
@@ -253,7 +261,7 @@ class SixExperts(nn.Module):
 
 
 def test_experts_that_do_not_divide_by_the_expert_axis_raise_at_create():
-    params = jax.jit(SixExperts().init)(jax.random.key(0), np.ones((1, D), np.float32))["params"]
+    params = jax.eval_shape(SixExperts().init, jax.random.key(0), np.ones((1, D), np.float32))["params"]
     with pytest.raises(ShapeError) as caught:
         create(params, {"data": 2, "expert": 4}, logical_axis_rules=RULES[None])
     for fact in ("params['MoE_0']['experts']", "dimension 0 of size 6 over ('expert',) (4 devices)", "multiple of 4"):
@@ -282,7 +290,7 @@ def test_a_renamed_expert_axis_runs_and_a_layer_naming_another_axis_raises_while
     def named_loss(params, batch, **_):
         return jnp.mean(Named().apply({"params": params}, batch["x"]) ** 2)
 
-    params = Named().init(jax.random.key(0), batch()["x"][:1])["params"]
+    params = {name: initial[name] for name in ("Dense_0", "MoE_0")}  # Named's layers are MODEL's first two
     named = create(params, {"data": 2, "e": 4}, expert=sc.ExpertParallel(axis="e"), logical_axis_rules=RULES[None])
     with pytest.raises(AxisError, match=r"axis_name='expert', but the step runs its MoE layers with axis_name='e'"):
         sc.make_train_step(named_loss, donate=False)(named, batch())
@@ -308,9 +316,9 @@ def test_a_context_axis_splits_every_sequence_and_the_dropless_step_equals_one_d
     state = state.replace(apply_fn=dropless.apply)
     assert state.roles.manual == ("data", "expert", "context")
     new, metrics = sc.make_train_step(loss_of(dropless.apply), donate=False)(state, data)
-    (value, aux), grads = jax.jit(jax.value_and_grad(lambda p: loss_of(dropless.apply)(p, data), has_aux=True))(plain)
+    value_and_grad = jax.value_and_grad(lambda p: loss_of(dropless.apply)(p, data), has_aux=True)
+    want, value, aux = jax.jit(functools.partial(sgd, value_and_grad))(plain)
     np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, aux["balance"]], rtol=1e-5)
-    want = jax.tree.map(lambda p, g: p - LR * g, plain, grads)
     assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
     # A capacity drops in the global token order, which the context split does not keep: refused while tracing.
     with pytest.raises(
@@ -331,6 +339,13 @@ class Stacked(nn.Module):
         return nn.Dense(1)(sc.PipelineStack(MoEBlock(), 2)(nn.Dense(D)(x)))
 
 
+@functools.cache
+def stacked_params():
+    """The stack's initial parameters, for both tests that build it: one init compiled without XLA:CPU's backend
+    optimisation (a quarter of the compile time; both sides of the comparison start from these values)."""
+    return jit_once(Stacked().init)(jax.random.key(0), batch()["x"][:1])["params"]
+
+
 def stacked_loss(params, batch, *, apply_fn, **_):
     """The task loss and the load-balancing loss of every layer of the stack, averaged over the micro-batches."""
     out, found = apply_fn({"params": params}, batch["x"], mutable=["moe"])
@@ -344,7 +359,7 @@ def test_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_device_ac
     """Each layer's losses and capacity are per micro-batch, as one device accumulating the same micro-batches:
     micro-batch i holds, in (data, expert) order, the rows of the stage-i device of each (data, expert) replica."""
     data = batch()
-    params = jax.jit(Stacked().init)(jax.random.key(0), data["x"][:1])["params"]
+    params = stacked_params()
     state = sc.TrainState.create(
         params=params,
         tx=optax.sgd(LR),
@@ -362,17 +377,15 @@ def test_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_device_ac
         parts = [stacked_loss(p, jax.tree.map(lambda a, r=r: a[r], data), apply_fn=Stacked().apply) for r in micro]
         return sum(v for v, _ in parts) / 2, sum(a["balance"] for _, a in parts) / 2
 
-    plain = nn.unbox(params)
-    (value, balance), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(plain)
+    want, value, balance = jax.jit(functools.partial(sgd, jax.value_and_grad(loss, has_aux=True)))(nn.unbox(params))
     np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
-    want = jax.tree.map(lambda p, g: p - LR * g, plain, grads)
     assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_moe_layer_under_a_table_schedule_raises_while_tracing():
     data = batch()
     state = sc.TrainState.create(
-        params=jax.jit(Stacked().init)(jax.random.key(0), data["x"][:1])["params"],
+        params=stacked_params(),
         tx=optax.sgd(LR),
         apply_fn=Stacked().apply,
         mesh=sc.make_mesh({"data": 2, "stage": 2, "expert": 2}),

@@ -11,6 +11,8 @@ Every case compiles one small program.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,7 @@ import spmdcomm as sc
 import spmdcomm.collectives.ragged as ragged
 from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError
 from spmdcomm.explain.hlo import inventory, parse_module
+from tests.ddp_models import jit_once
 
 ROWS = 6  # rows each device holds in the collective's cases
 
@@ -226,11 +229,17 @@ MOE_CASES = {
 }
 
 
+@functools.cache
+def initial_params():
+    """The layer's parameters, the same in every case (they depend on shapes only): one init program, compiled
+    for a single run, not one program per operation of an eager init."""
+    return jit_once(sc.MoE(Mlp(), experts=E, k=1).init)(jax.random.key(0), np.zeros((1, D), np.float32))["params"]
+
+
 def moe_inputs(devices: int, bias: str | None):
     rng = np.random.default_rng(devices)
     x = rng.standard_normal((devices * TOKENS, D)).astype(np.float32)
-    layer = sc.MoE(Mlp(), experts=E, k=1)
-    params = jax.tree.map(np.asarray, layer.init(jax.random.key(0), x[:1])["params"])
+    params = jax.tree.map(np.asarray, initial_params())  # a new tree: its router is replaced below
     params["router"] = rng.standard_normal((D, E)).astype(np.float32)
     if bias is not None:  # feature 0 is a constant 1 that votes for expert 0 (and 1)
         x[:, 0] = 1.0
@@ -311,18 +320,20 @@ def test_moe_with_split_experts_equals_one_device_running_every_expert(case):
     cot = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
 
     def loss(params, forward):
-        y, balance, z = forward(params)
-        return jnp.sum(y * cot) + 0.3 * balance + 0.1 * z
+        """The loss, and ``((y, balance, z), stats)`` as its aux: one trace gives the outputs and the gradients."""
+        (y, balance, z), stats = forward(params)
+        return jnp.sum(y * cot) + 0.3 * balance + 0.1 * z, ((y, balance, z), stats)
 
     def sharded(params):
         y, stats = mapped(params, placed)
-        return y, stats["load_balancing_loss"], stats["router_z_loss"]
+        return (y, stats["load_balancing_loss"], stats["router_z_loss"]), stats
 
     @jax.jit
     def run(params):
-        return sharded(params), mapped(params, placed)[1], jax.grad(loss)(params, sharded)
+        (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, sharded)
+        return aux, grads
 
-    (y, balance, z), stats, grads = run(params)
+    ((y, balance, z), stats), grads = run(params)
     experts = np.asarray(jax.jit(lambda p: routed(x @ p["router"], k=k, routing=routing)[2])(params))
     n = x.shape[0]
     capacity = None if capacity_factor is None else max(1, min(n, int(np.ceil(capacity_factor * n * k / E))))
@@ -331,8 +342,9 @@ def test_moe_with_split_experts_equals_one_device_running_every_expert(case):
 
     @jax.jit
     def reference(params):
-        forward = lambda p: dense_reference(p, x, kept, k=k, routing=routing)
-        return forward(params), jax.grad(loss)(params, forward)
+        forward = lambda p: (dense_reference(p, x, kept, k=k, routing=routing), None)
+        (_, (outs, _)), grads = jax.value_and_grad(loss, has_aux=True)(params, forward)
+        return outs, grads
 
     (want_y, want_balance, want_z), want_grads = reference(params)
     np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)

@@ -219,7 +219,7 @@ def attention_reference(
     Examples:
       >>> from spmdcomm.collectives import attention
       >>> x = jnp.ones((1, 4, 2, 8))
-      >>> attention.attention_reference(x, x, x, causal=True).shape
+      >>> jax.jit(attention.attention_reference, static_argnames="causal")(x, x, x, causal=True).shape
       (1, 4, 2, 8)
     """
     fn = "attention_reference"

@@ -200,7 +200,7 @@ def context_attention(
       SpmdError: for an unknown ``algorithm`` or a ``causal`` that is not a bool.
 
     Examples:
-      >>> sc.context_attention(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 8))).shape
+      >>> jax.jit(sc.context_attention)(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 8))).shape
       (1, 4, 2, 8)
     """
     if algorithm not in ALGORITHMS:

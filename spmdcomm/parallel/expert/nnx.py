@@ -50,7 +50,8 @@ class MoE(nnx.Module):
     Examples:
       >>> from flax import nnx
       >>> layer = sc.nnx.MoE(lambda rngs: nnx.Linear(4, 4, rngs=rngs), experts=4, features=4, rngs=nnx.Rngs(0))
-      >>> layer.experts.kernel[...].shape, layer(jnp.ones((3, 4))).shape
+      >>> y = nnx.jit(lambda layer, x: layer(x))(layer, jnp.ones((3, 4)))  # one program, as in a train step
+      >>> layer.experts.kernel[...].shape, y.shape
       ((4, 4, 4), (3, 4))
     """
 
