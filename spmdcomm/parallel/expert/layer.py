@@ -30,6 +30,7 @@ __all__ = [
     "MoE",
     "MoEStats",
     "moe",
+    "moe_rows",
     "MOE_COLLECTION",
     "ExpertParallel",
     "ExpertReport",
@@ -204,7 +205,7 @@ class MoE(nn.Module):
         """
         check_routing("MoE", experts=self.experts, k=self.k, routing=self.routing, capacity_factor=self.capacity_factor)
         x = jnp.asarray(x)
-        lead, h = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        h = x.reshape(-1, x.shape[-1])
         router = self.param("router", self.router_init, (x.shape[-1], self.experts), jnp.float32)
         expert = self.expert.clone(parent=None)
         if not self.has_variable("params", "experts"):
@@ -220,21 +221,39 @@ class MoE(nn.Module):
         _check_held(jax.tree.leaves(params)[0].shape[0], self.experts, axis)
         # Named for sc.explain, which attributes this layer's all-to-alls (forward and backward) to its path.
         with jax.named_scope(LAYER_SCOPE + ".".join(str(p) for p in self.path)):
-            y, stats = moe(
-                h,
-                h.astype(jnp.float32) @ router,
-                run,
-                experts=self.experts,
-                k=self.k,
-                routing=self.routing,
-                capacity_factor=self.capacity_factor,
-                axis_name=axis,
-                token_axes=tokens,
-                implementation=self.implementation,
-            )
+            y, stats = moe_rows(self, x, router, run, experts=self.experts, axis=axis, tokens=tokens)
         for field, value in stats._asdict().items():
             self.sow(MOE_COLLECTION, field, value)
-        return y.reshape(*lead, y.shape[-1])
+        return y
+
+
+def moe_rows(
+    layer: Any,
+    x: jax.Array,
+    router: jax.Array,
+    run: Callable[[jax.Array], jax.Array],
+    *,
+    experts: int,
+    axis: str | None,
+    tokens: tuple[str, ...] | None,
+) -> tuple[jax.Array, MoEStats]:
+    """:func:`moe` of ``x`` (``[..., features]``, every position a token) routed by ``x @ router`` in float32, with
+    ``layer``'s ``k``, ``routing``, ``capacity_factor`` and ``implementation``: the call the Linen and NNX layers
+    share. Returns ``[..., d_out]`` and the statistics."""
+    h = x.reshape(-1, x.shape[-1])
+    y, stats = moe(
+        h,
+        h.astype(jnp.float32) @ router,
+        run,
+        experts=experts,
+        k=layer.k,
+        routing=layer.routing,
+        capacity_factor=layer.capacity_factor,
+        axis_name=axis,
+        token_axes=tokens,
+        implementation=layer.implementation,
+    )
+    return y.reshape(*x.shape[:-1], y.shape[-1]), stats
 
 
 def stacked_boxes(fn: str, created: Any) -> Any:

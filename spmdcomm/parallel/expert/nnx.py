@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdcomm.collectives.ragged import RaggedImplementation
-from spmdcomm.parallel.expert.layer import EXPERT, step_split
-from spmdcomm.parallel.expert.routing import RoutingName, check_routing, moe
+from spmdcomm.parallel.expert.layer import EXPERT, moe_rows, step_split
+from spmdcomm.parallel.expert.routing import RoutingName, check_routing
 
 __all__ = ["MoE"]
 
@@ -95,28 +95,17 @@ class MoE(nnx.Module):
         Returns:
           ``[..., d_out]``, in ``x``'s dtype.
         """
-        x = jnp.asarray(x)
-        lead, h = x.shape[:-1], x.reshape(-1, x.shape[-1])
         graphdef, state = nnx.split(self.experts)
         run = lambda buf: jax.vmap(lambda s, rows: nnx.merge(graphdef, s)(rows))(state, buf)
         axis, tokens = step_split("nnx.MoE", self.axis_name, self.token_axes, self.capacity_factor)
-        y, stats = moe(
-            h,
-            h.astype(jnp.float32) @ self.router[...],
-            run,
-            experts=self.num_experts,
-            k=self.k,
-            routing=self.routing,
-            capacity_factor=self.capacity_factor,
-            axis_name=axis,
-            token_axes=tokens,
-            implementation=self.implementation,
+        y, stats = moe_rows(
+            self, jnp.asarray(x), self.router[...], run, experts=self.num_experts, axis=axis, tokens=tokens
         )
         # Only under nnx.capture, which collects them: a sow outside it stores them on the module (deprecated).
         if hasattr(self, "__captures__"):
             for field, value in stats._asdict().items():
                 self.sow(nnx.Intermediate, field, value)
-        return y.reshape(*lead, y.shape[-1])
+        return y
 
 
 # nnx.Module's metaclass hides __init__'s signature from inspect and help() (they see (*args, **kwargs)).
