@@ -224,8 +224,9 @@ def lm_step(args, mesh):
 
 def _init(module, x):
     """``module``'s parameters for an input like ``x``, in one program (``jit_once``): only the parameters are kept
-    (``mutable``), so XLA drops the forward pass that ``init`` traces (and the MoE layers' sown losses)."""
-    return jit_once(functools.partial(module.init, mutable=["params"]))(jax.random.key(0), x)["params"]
+    (``mutable``), so XLA drops the forward pass that ``init`` traces (and the MoE layers' sown losses). On the host:
+    placing one device's arrays on a sharded layout compiles a slicing program per leaf; host arrays need none."""
+    return jax.device_get(jit_once(functools.partial(module.init, mutable=["params"]))(jax.random.key(0), x)["params"])
 
 
 def _output_and_loss(fn, cotangent):

@@ -50,7 +50,18 @@ SMOKE = {
         "0.001",
     ],
     "prefetch": ["prefetch.py", "--reps", "1", "--steps", "3"],
-    "train_step": ["train_step.py", "--rounds", "1", "--steps", "2", "--skip-multiprocess", "--models", "mlp"],
+    "train_step": [
+        "train_step.py",
+        "--rounds",
+        "1",
+        "--steps",
+        "2",
+        "--skip-multiprocess",
+        "--models",
+        "mlp",
+        "--variants",
+        "ours,hand-written shard_map",  # what the smoke check reads
+    ],
     "strategies": [
         "strategies.py",
         "--rounds",
@@ -63,6 +74,7 @@ SMOKE = {
         "mlp",
         "--strategies",
         "fsdp",
+        "--smoke",
     ],
     "pipeline": ["pipeline.py", "--smoke"],
     "context": [

@@ -2,7 +2,7 @@
 plain ``jax.jit`` program a JAX user writes for FSDP.
 
 Run: ``python benchmarks/strategies.py [--rounds 11] [--steps 8] [--sizes 2,4,8] [--models mlp,cnn,odd-mlp,transformer]
-[--json PATH]``.
+[--smoke] [--json PATH]``.
 
 Strategies: DDP, ZeRO-1, ZeRO-2, FSDP, and FSDP with ``reshard_after_forward=False``. Models, with Adam:
 
@@ -241,9 +241,9 @@ def jit_program(model_name: str, mesh):
 # --- memory ----------------------------------------------------------------------------------------
 
 
-def memory(model_name: str, n: int, names: list[str]) -> list[dict]:
+def memory(model_name: str, n: int, names: list[str], *, small_batches: bool = True) -> list[dict]:
     """One row per strategy of ``names``, then one of the jit program: bytes per device on a mesh of ``n``
-    devices (module docstring)."""
+    devices (module docstring); ``small_batches=False``: no temporaries at one row per device (None)."""
     mesh = sc.data_mesh(devices=jax.devices()[:n])
     loss = LOSSES[model_name]
     step, accum = sc.make_train_step(loss), sc.make_train_step(loss, accum_steps=ACCUM)
@@ -266,13 +266,18 @@ def memory(model_name: str, n: int, names: list[str]) -> list[dict]:
             output_bytes=compiled.output_bytes,
             temp_bytes=compiled.temp_bytes,
             peak_bytes=compiled.argument_bytes + compiled.temp_bytes,
-            temp_bytes_1_per_device=sc.explain(step, state, _rows(model_name, n)).memory.temp_bytes,
-            temp_bytes_accum_1_per_device=sc.explain(accum, state, _rows(model_name, ACCUM * n)).memory.temp_bytes,
+            temp_bytes_1_per_device=None,
+            temp_bytes_accum_1_per_device=None,
         )
+        if small_batches:
+            row["temp_bytes_1_per_device"] = sc.explain(step, state, _rows(model_name, n)).memory.temp_bytes
+            row["temp_bytes_accum_1_per_device"] = sc.explain(
+                accum, state, _rows(model_name, ACCUM * n)
+            ).memory.temp_bytes
         if state.strategy.shards_params:
             row["replication_allowance_bytes"] = replication_allowance(state)
         rows.append(row)
-    rows.append(jit_memory(model_name, mesh))
+    rows.append(jit_memory(model_name, mesh, small_batches=small_batches))
     ddp = rows[0]
     for row in rows:
         for key in ("persistent_bytes", "grad_bytes", "argument_bytes", "temp_bytes", "temp_bytes_1_per_device"):
@@ -289,7 +294,7 @@ def memory(model_name: str, n: int, names: list[str]) -> list[dict]:
     return rows
 
 
-def jit_memory(model_name: str, mesh) -> dict:
+def jit_memory(model_name: str, mesh, *, small_batches: bool = True) -> dict:
     """The memory row of the jit program (no gradient column: where its gradient lives is XLA's choice)."""
     step, params, opt_state = jit_program(model_name, mesh)
 
@@ -312,7 +317,7 @@ def jit_memory(model_name: str, mesh) -> dict:
         output_bytes=int(full.output_size_in_bytes),
         temp_bytes=int(full.temp_size_in_bytes),
         peak_bytes=int(full.argument_size_in_bytes + full.temp_size_in_bytes),
-        temp_bytes_1_per_device=int(analysis(n).temp_size_in_bytes),
+        temp_bytes_1_per_device=int(analysis(n).temp_size_in_bytes) if small_batches else None,
         temp_bytes_accum_1_per_device=None,  # the plain program has no accumulation
     )
     return row
@@ -359,11 +364,11 @@ def replication_allowance(state: sc.TrainState) -> float:
     return whole + state.memory().padding
 
 
-def layouts_memory(model_name: str) -> list[dict]:
+def layouts_memory(model_name: str, *, smoke: bool = False) -> list[dict]:
     """Bytes per device on all 8 devices under 2-D layouts, next to DDP on one axis: hybrid FSDP (``replica`` 2 x
     ``shard`` 4) and model axes (``data`` 4 x ``model`` 2, every kernel split by its last dimension over ``model``).
     Goals: hybrid persistent state <= DDP's / 4 (the shard group) + the replicated leaves' extra; a model axis
-    divides the bytes of the parameters it splits by its size."""
+    divides the bytes of the parameters it splits by its size. ``smoke``: the layouts with goals only."""
     batch = _rows(model_name, global_batch(model_name))
     step = sc.make_train_step(LOSSES[model_name])
     params = init_params(model_name)
@@ -376,6 +381,8 @@ def layouts_memory(model_name: str) -> list[dict]:
         "ddp data=4 x model=2": ({"data": 4, "model": 2}, "data", "ddp", by_model),
         "fsdp data=4 x model=2": ({"data": 4, "model": 2}, "data", "fsdp", by_model),
     }
+    if smoke:
+        del layouts["fsdp data=4 x model=2"]
     rows = []
     for name, (axes, data_axes, strategy, specs) in layouts.items():
         state = sc.TrainState.create(
@@ -573,6 +580,9 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,cnn,odd-mlp,transformer")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="a subset; ddp, the baseline, always runs")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument(
+        "--smoke", action="store_true", help="no temporaries at one row per device; only the layouts with goals"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     models = args.models.split(",")
@@ -581,8 +591,13 @@ def main() -> None:
         **run_facts(),
         "global_batch": BATCH,
         "batch_per_model": {m: global_batch(m) for m in models},
-        "memory": [row for m in models for n in map(int, args.sizes.split(",")) for row in memory(m, n, names)],
-        "layouts": [row for m in models for row in layouts_memory(m)],
+        "memory": [
+            row
+            for m in models
+            for n in map(int, args.sizes.split(","))
+            for row in memory(m, n, names, small_batches=not args.smoke)
+        ],
+        "layouts": [row for m in models for row in layouts_memory(m, smoke=args.smoke)],
     }
     if not args.skip_speed:
         result["speed"] = speed(models, names, args.rounds, args.steps)

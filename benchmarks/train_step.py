@@ -1,6 +1,7 @@
 """Samples/s of the DDP train step against hand-written and single-device baselines.
 
-Run: ``python benchmarks/train_step.py [--rounds 21] [--steps 12] [--repeats 3] [--skip-multiprocess]``.
+Run: ``python benchmarks/train_step.py [--rounds 21] [--steps 12] [--repeats 3] [--skip-multiprocess]
+[--variants A,B]``.
 
 One process with 2 fake CPU devices runs, interleaved round by round (medians reported): our step
 (accumulation, bf16 reduction, flat buffer, buckets, ZeRO-1), a hand-written shard_map + pmean + optax
@@ -21,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from _common import jit_once, set_cpu_devices, step_caller, time_calls, write_json
 
@@ -173,19 +177,21 @@ def _loop(step, params, opt_state, batch):
 # --- driver ---------------------------------------------------------------------------------------
 
 
-def in_process(rounds: int, steps: int, models: list[str]) -> dict[str, float]:
+def in_process(rounds: int, steps: int, models: list[str], only: list[str] | None = None) -> dict[str, float]:
+    """Samples/s of every variant (``only``: of the variants so named, without the model's prefix)."""
     mesh = sc.data_mesh(devices=jax.devices()[:2])
-    variants = {}
+    builders: dict[str, Callable[[], Any]] = {}
     for m in models:
-        variants[f"{m}/single device"] = single_device(m)
-        variants[f"{m}/hand-written shard_map"] = handwritten(m, mesh)
-        variants[f"{m}/ours"] = ours(m, mesh)
-        variants[f"{m}/ours flat buffer"] = ours(m, mesh, FLAT)
+        builders[f"{m}/single device"] = functools.partial(single_device, m)
+        builders[f"{m}/hand-written shard_map"] = functools.partial(handwritten, m, mesh)
+        builders[f"{m}/ours"] = functools.partial(ours, m, mesh)
+        builders[f"{m}/ours flat buffer"] = functools.partial(ours, m, mesh, FLAT)
     m = "mlp"
-    variants[f"{m}/ours accum_steps=4"] = ours(m, mesh, accum_steps=4)
-    variants[f"{m}/ours bf16 reduce"] = ours(m, mesh, reduce_dtype=jnp.bfloat16)
-    variants[f"{m}/ours buckets 256 KiB"] = ours(m, mesh, sc.DDP(bucket_bytes=256 * 1024))
-    variants[f"{m}/ours ZeRO-1"] = ours(m, mesh, "zero1")
+    builders[f"{m}/ours accum_steps=4"] = functools.partial(ours, m, mesh, accum_steps=4)
+    builders[f"{m}/ours bf16 reduce"] = functools.partial(ours, m, mesh, reduce_dtype=jnp.bfloat16)
+    builders[f"{m}/ours buckets 256 KiB"] = functools.partial(ours, m, mesh, sc.DDP(bucket_bytes=256 * 1024))
+    builders[f"{m}/ours ZeRO-1"] = functools.partial(ours, m, mesh, "zero1")
+    variants = {k: build() for k, build in builders.items() if only is None or k.split("/", 1)[1] in only}
     for run in variants.values():  # compile and warm up
         run(3)
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -197,6 +203,8 @@ def in_process(rounds: int, steps: int, models: list[str]) -> dict[str, float]:
     for m in models:
         for base in ("hand-written shard_map", "single device"):
             for name in ("ours", "ours flat buffer"):
+                if f"{m}/{name}" not in times or f"{m}/{base}" not in times:
+                    continue
                 ratio = np.array(times[f"{m}/{name}"]) / np.array(times[f"{m}/{base}"])
                 results[f"{m}/ratio {name} / {base} (paired median)"] = float(np.median(ratio))
     for name in ("mlp/ours", "mlp/ours ZeRO-1"):
@@ -404,6 +412,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     parser.add_argument("--models", default="mlp,cnn", help="the in-process comparisons' models")
+    parser.add_argument("--variants", help="comma-separated in-process variants, e.g. 'ours,single device' (all)")
     parser.add_argument("--flat", action="store_true")
     parser.add_argument("--one-thread", action="store_true")
     parser.add_argument("--torch", action="store_true")
@@ -420,7 +429,8 @@ def main() -> None:
     if args.worker:
         worker(args.model, args.steps, args.rounds, args.flat)
         return
-    results = {} if args.skip_in_process else in_process(args.rounds, args.steps, args.models.split(","))
+    only = args.variants.split(",") if args.variants else None
+    results = {} if args.skip_in_process else in_process(args.rounds, args.steps, args.models.split(","), only)
     if not args.skip_multiprocess:
         results.update(multi_process(args.steps, args.rounds, args.repeats))
         results.update(gloo_probe(args.steps, args.rounds))
