@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from ddp_models import write_initial
 from test_watchdog import tables
 from timing import LATE_S
 
@@ -66,10 +67,19 @@ def lines(pattern: str, text: str) -> list[tuple[str, ...]]:
 
 
 @pytest.fixture(scope="module")
-def straight(module_launch, tmp_path_factory) -> Path:
+def initial(tmp_path_factory) -> list[str]:
+    """``--initial DIR`` for every job of this module: the initial variables, drawn here once by the program every
+    process would run (processes other than 0 read no compilation cache: each would compile the init again)."""
+    where = tmp_path_factory.mktemp("initial")
+    write_initial(where, variables=job.initial_variables())
+    return ["--initial", str(where)]
+
+
+@pytest.fixture(scope="module")
+def straight(module_launch, tmp_path_factory, initial) -> Path:
     """The uninterrupted run's final state, launched once for the tests of this module that compare with it."""
     out = tmp_path_factory.mktemp("straight") / "straight.npz"
-    module_launch("recovery_job.py", "-", out)
+    module_launch("recovery_job.py", "-", out, *initial)
     return out
 
 
@@ -78,7 +88,7 @@ def straight(module_launch, tmp_path_factory) -> Path:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_killed(launch, tmp_path, straight):
+def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_killed(launch, tmp_path, straight, initial):
     rng = random.Random(SEED)
     # The rank dies instead of running kill_step, mid-epoch and between two saves (so steps are redone).
     kill_step = rng.choice([s for s in range(5, 18) if mid_epoch(s - 1) and (s - 1) % SAVE_EVERY])
@@ -87,7 +97,7 @@ def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_kille
 
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
     faults = ["--fault", f"0:{kill_rank}:{kill_step}:kill", "--fault", f"1:{save_rank}:{save_step}:kill-in-save"]
-    res = launch("recovery_job.py", ckpt, resumed, *faults, max_restarts=3)
+    res = launch("recovery_job.py", ckpt, resumed, *faults, *initial, max_restarts=3)
     out, err = res.stdout, res.stderr
     chosen = f"kill rank {kill_rank} before step {kill_step}, rank {save_rank} in the save of {save_step}"
 
@@ -125,7 +135,7 @@ def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_kille
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwise(launch, tmp_path, straight):
+def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwise(launch, tmp_path, straight, initial):
     rng = random.Random(SEED + 2)
     stall_step, stall_rank = rng.choice([s for s in range(6, 20) if mid_epoch(s - 1)]), rng.randrange(2)
 
@@ -134,7 +144,7 @@ def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwis
     # attempt left and completes. Each attempt, one process compiles the step for longer than the watchdog's
     # timeout (the other one on attempt 0, the stalled one after the restart): that is no stall. (A job the
     # watchdog ended with no restart left exits with its status: test_watchdog.py.)
-    args = ["recovery_job.py", ckpt, resumed, "--watchdog-timeout", WATCHDOG_TIMEOUT]
+    args = ["recovery_job.py", ckpt, resumed, *initial, "--watchdog-timeout", WATCHDOG_TIMEOUT]
     args += ["--fault", f"0:{stall_rank}:{stall_step}:stall"]
     args += ["--fault", f"0:{1 - stall_rank}:{SLOW_COMPILE}:slow-compile"]
     args += ["--fault", f"1:{stall_rank}:{SLOW_COMPILE}:slow-compile"]
@@ -166,7 +176,9 @@ def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwis
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bitwise(launch, tmp_path, straight):
+def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bitwise(
+    launch, tmp_path, straight, initial
+):
     ready = random.Random(SEED + 3).choice([s for s in range(3, 10) if mid_epoch(s)])
 
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
@@ -174,6 +186,7 @@ def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bi
         "recovery_job.py",
         ckpt,
         resumed,
+        *initial,
         "--ready-at",
         ready,
         grace=GRACE_SECONDS,  # the launcher's default grace period covers agreeing, the steps in flight and the save
@@ -192,7 +205,7 @@ def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bi
     assert sc.checkpoint_extra(ckpt)["data"] == position
     assert not resumed.exists()
 
-    res = launch("recovery_job.py", ckpt, resumed)
+    res = launch("recovery_job.py", ckpt, resumed, *initial)
     done = lines(r"^\[rank (\d)\] DONE attempt 0: trained (\d+) steps from step (\d+) to step (\d+)$", res.stdout)
     assert sorted(done) == [(r, str(STEPS - stop), str(stop), str(STEPS)) for r in "01"], res.stdout
     assert_bitwise(resumed, straight)
