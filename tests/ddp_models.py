@@ -5,6 +5,8 @@ independent check."""
 from __future__ import annotations
 
 import functools
+import pickle
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -196,6 +198,20 @@ def write_params(out_dir, tag, params, history):
     if jax.process_index() == 0:
         np.savez(out_dir / f"params_{tag}.npz", **flat)
         np.save(out_dir / f"losses_{tag}.npy", [h["loss"] for h in history])
+
+
+def write_initial(out_dir, **trees) -> None:
+    """Writes a job's initial parameters (``read_initial`` reads them in each process), drawn once by the test: the
+    processes of a job other than process 0 read no compilation cache, so compiling a model's init there costs a
+    process more than handing it the numbers."""
+    with open(Path(out_dir) / "initial.pkl", "wb") as f:
+        pickle.dump(jax.tree.map(np.asarray, trees), f)
+
+
+def read_initial(out_dir) -> dict[str, Any]:
+    """The trees ``write_initial`` wrote, by keyword (NumPy leaves)."""
+    with open(Path(out_dir) / "initial.pkl", "rb") as f:
+        return pickle.load(f)
 
 
 def local_rows(batch, mesh):

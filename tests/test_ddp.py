@@ -20,6 +20,7 @@ from ddp_models import (
     reference_train,
     token_batches,
     token_mean_loss,
+    write_initial,
 )
 
 import spmdcomm as sc
@@ -391,9 +392,10 @@ def test_step_rejects_a_state_that_is_not_a_trainstate():
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes_of_two_devices_equal_one_device(launch, tmp_path):
+    apply_fn, params, _ = init("mlp", seed=0)
+    write_initial(tmp_path, seed0=params, seed1=init("mlp", seed=1)[1])
     out = launch("mp_ddp.py", tmp_path, timeout=300)
     assert out.stdout.count("DDP OK") == 2 * len(sc.train.STRATEGIES)
-    apply_fn, params, _ = init("mlp", seed=0)
     # One device on the 15 real rows of each batch (the job pads them to 16): one reference for every strategy,
     # compiled once, where a 4-device run per strategy compiled four programs.
     batches = [example_batch("mlp", 15, seed=s) for s in range(5)]

@@ -62,7 +62,8 @@ def test_train_and_evaluate_learns_tiny_mnist(tiny_mnist):
 
 def test_command_line_single_process_prints_and_writes_the_summary_and_metrics(tiny_mnist, tmp_path):
     out, log, tb = tmp_path / "summary.json", tmp_path / "logs" / "metrics.jsonl", tmp_path / "tb"
-    cmd = [sys.executable, str(MAIN), "--devices", "4", "--dataset", "mnist", "--data-dir", tiny_mnist]
+    # 8 devices, as in the test above: this run's programs are that test's, read from the compilation cache.
+    cmd = [sys.executable, str(MAIN), "--devices", "8", "--dataset", "mnist", "--data-dir", tiny_mnist]
     cmd += ["--epochs", "1", "--batch-size", "32", "--no-progress", "--json", str(out)]
     cmd += ["--metrics-log", str(log), "--tensorboard-dir", str(tb)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # --devices sets the device count
@@ -70,7 +71,7 @@ def test_command_line_single_process_prints_and_writes_the_summary_and_metrics(t
     assert proc.returncode == 0, proc.stdout + proc.stderr
     printed = json.loads(proc.stdout.splitlines()[-1])
     assert printed == json.loads(out.read_text())
-    assert printed["devices"] == 4 and printed["global_batch"] == 32 and printed["epochs"][0]["steps"] == 8
+    assert printed["devices"] == 8 and printed["global_batch"] == 32 and printed["epochs"][0]["steps"] == 8
     assert printed["final_test_accuracy"] >= 0.95
     assert re.search(r"epoch 1: .* ms per step: data [\d.]+, dispatch [\d.]+, devices [\d.]+", proc.stdout)
     # One record per step with the step's loss and its seconds per phase; the epoch row holds their means.

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from ddp_models import assert_trees_close, mesh_of, per_device_bytes, reference_train
+from ddp_models import assert_trees_close, mesh_of, per_device_bytes, reference_train, write_initial
 from hybrid_models import Block, batches, boxed_params, loss_fn, plain_params
 from jax.sharding import PartitionSpec as P
 
@@ -328,6 +328,7 @@ def test_fsdp_param_dtype_casts_leaves_split_only_over_model_axes():
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes_replicas_across_processes_shards_inside_equal_one_device(launch, tmp_path):
+    write_initial(tmp_path, params=plain_params())
     out = launch("mp_hybrid.py", tmp_path, timeout=300)
     assert out.stdout.count("HYBRID OK") == 2  # one per process
     ref_params, ref_losses = reference(30)

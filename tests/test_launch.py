@@ -307,18 +307,21 @@ def _alive(pid):
 def test_initialize_ends_a_failed_process_at_once_only_when_asked(tmp_path, launch):
     # The default hook skips JAX's exit handler (its shutdown barrier would wait for the other processes);
     # exit_on_uncaught_error=False leaves Python's own exit, and its atexit handlers, in place.
+    # "mixed": process 0 asks for the hook, process 1 does not.
     body = (
-        "import atexit, sys\nimport spmdcomm as sc\n"
-        "sc.initialize(exit_on_uncaught_error=sys.argv[1] == 'yes')\n"
+        "import atexit, os, sys\nimport spmdcomm as sc\n"
+        "mine = 'yes' if sys.argv[1] == 'mixed' and os.environ['SPMDCOMM_PROCESS_ID'] == '0' else sys.argv[1]\n"
+        "sc.initialize(exit_on_uncaught_error=mine == 'yes')\n"
         "atexit.register(print, 'ATEXIT RAN', flush=True)\n"
         "print('HOOK', sys.excepthook is not sys.__excepthook__, flush=True)\n"
         "if len(sys.argv) > 2:\n    raise RuntimeError('uncaught')\n"
     )
+    path = script(tmp_path, body, name="init.py")
+    # A script that ends normally exits normally either way: one job, a process of each kind.
+    out = launch(path, "mixed", devices_per_process=1).stdout
+    assert "[rank 0] HOOK True" in out and "[rank 1] HOOK False" in out, out
+    assert out.count("ATEXIT RAN") == 2, out
     for flag, hooked in [("yes", True), ("no", False)]:
-        path = script(tmp_path, body, name=f"init_{flag}.py")
-        out = launch(path, flag, devices_per_process=1).stdout
-        assert out.count(f"HOOK {hooked}") == 2, out
-        assert out.count("ATEXIT RAN") == 2, out  # a script that ends normally exits normally either way
         failed = launch(path, flag, "raise", devices_per_process=1, returncode=1)
         assert "RuntimeError: uncaught" in failed.stderr, failed.stderr
         assert failed.stdout.count("ATEXIT RAN") == (0 if hooked else 2), failed.stdout

@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("nprocs,devices", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
+# Several devices in each process, and one device in each of more than two processes (3: an odd count, where a
+# 4th process would only add its start and compilations).
+@pytest.mark.parametrize("nprocs,devices", [(2, 2), (3, 1)], ids=["2x2", "3x1"])
 def test_every_collective_and_sync_across_processes(launch, tmp_path, nprocs, devices):
     out = launch("mp_collectives.py", tmp_path / "shared.txt", processes=nprocs, devices_per_process=devices).stdout
     counts = re.findall(r"^\[rank (\d)\] CHECKS OK (\d+)$", out, re.M)

@@ -20,7 +20,7 @@ import spmdcomm as sc
 from spmdcomm.parallel.pipeline import gpipe
 from spmdcomm.parallel.pipeline.pipeline import stage_order
 from spmdcomm.parallel.pipeline.schedule import run_stack, schedule_context
-from tests.ddp_models import assert_trees_close, mesh_of
+from tests.ddp_models import assert_trees_close, mesh_of, write_initial
 
 LAYERS, WIDTH = 8, 16
 
@@ -683,6 +683,8 @@ def test_two_processes_with_the_stage_or_the_expert_axis_across_them_equal_one_d
     tests/test_expert_parallel.py's MoE step with the expert axis across them."""
     from tests.test_expert_parallel import MODEL, batch, one_device_step
 
+    experts_init = jax.jit(MODEL.init)(jax.random.key(0), batch()["x"][:1])["params"]
+    write_initial(tmp_path, pipeline=init(Net()), experts=experts_init)
     out = launch("mp_pipeline.py", tmp_path, timeout=300)
     assert out.stdout.count("PIPELINE OK") == 2 and out.stdout.count("EXPERTS OK") == 2  # one each per process
     expected, expected_losses = one_device(32)
@@ -693,7 +695,7 @@ def test_two_processes_with_the_stage_or_the_expert_axis_across_them_equal_one_d
             np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=f"{schedule} {name}")
         np.testing.assert_allclose(np.load(tmp_path / f"losses_{schedule}.npy"), expected_losses, rtol=1e-5)
     got = np.load(tmp_path / "params_experts.npz")
-    want, loss, _ = one_device_step(jax.jit(MODEL.init)(jax.random.key(0), batch()["x"][:1])["params"])
+    want, loss, _ = one_device_step(experts_init)
     for path, x in jax.tree_util.tree_flatten_with_path(want)[0]:
         name = jax.tree_util.keystr(path)
         np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=f"experts {name}")

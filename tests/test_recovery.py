@@ -1,8 +1,8 @@
-"""End-to-end proof that a long run survives failures: 2 processes x 2 devices on 127.0.0.1 under
-``spmdcomm-launch`` train tests/workers/recovery_job.py (resume_job.py's MLP with BatchNorm and dropout, Adam,
-24 steps through ``sc.fit``, checkpoints every 4 steps) while the test kills a rank twice (once inside a
-checkpoint save), stalls one, or preempts the job; each run must end with every leaf of the state (parameters,
-optimizer state, step, model state, RNG) bitwise equal to an uninterrupted run's, launched once per
+"""End-to-end proof that a long run survives failures: 2 processes x 2 devices on 127.0.0.1 under ``spmdcomm-launch``
+train tests/workers/recovery_job.py (resume_job.py's MLP with BatchNorm and dropout, Adam, 24 steps through
+``sc.fit``, checkpoints every 4 steps) while the test kills a rank twice (once inside a checkpoint save) and then
+stalls one, in one job restarted three times, or preempts the job; each run must end with every leaf of the state
+(parameters, optimizer state, step, model state, RNG) bitwise equal to an uninterrupted run's, launched once per
 module on the same device layout. The steps, ranks and attempts of the failures are drawn from a seeded generator.
 
 The figures of docs/reliability.md (time to detection, steps redone, time to stop) come from these runs."""
@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from ddp_models import write_initial
 from test_watchdog import tables
 from timing import LATE_S
 
@@ -66,28 +67,65 @@ def lines(pattern: str, text: str) -> list[tuple[str, ...]]:
 
 
 @pytest.fixture(scope="module")
-def straight(module_launch, tmp_path_factory) -> Path:
+def initial(tmp_path_factory) -> list[str]:
+    """``--initial DIR`` for every job of this module: the initial variables, drawn here once by the program every
+    process would run (processes other than 0 read no compilation cache: each would compile the init again)."""
+    where = tmp_path_factory.mktemp("initial")
+    write_initial(where, variables=job.initial_variables())
+    return ["--initial", str(where)]
+
+
+@pytest.fixture(scope="module")
+def straight(module_launch, tmp_path_factory, initial) -> Path:
     """The uninterrupted run's final state, launched once for the tests of this module that compare with it."""
     out = tmp_path_factory.mktemp("straight") / "straight.npz"
-    module_launch("recovery_job.py", "-", out)
+    module_launch("recovery_job.py", "-", out, *initial)
     return out
 
 
-# ---- 1 and 4: SIGKILL mid-epoch and inside a checkpoint save ---------------------------------------------
+# ---- 1, 4 and 2: SIGKILL mid-epoch, SIGKILL inside a checkpoint save, a rank that sleeps forever ------------
+
+
+def draw_failures() -> dict[str, int]:
+    """The steps and ranks of the failures of ``failures``' job, drawn from the seeded generators."""
+    rng = random.Random(SEED)
+    # The rank dies instead of running kill_step, mid-epoch and between two saves (so steps are redone).
+    kill = rng.choice([s for s in range(5, 18) if mid_epoch(s - 1) and (s - 1) % SAVE_EVERY])
+    save = rng.choice([s for s in range(kill + 1, STEPS - 1) if s % SAVE_EVERY == 0 and mid_epoch(s)])
+    kill_rank, save_rank = rng.randrange(2), rng.randrange(2)
+    rng = random.Random(SEED + 2)
+    # Mid-epoch, after the step attempt 2 resumes from (save - SAVE_EVERY) and before the end.
+    stall = rng.choice([s for s in range(save - SAVE_EVERY + 2, STEPS - 1) if mid_epoch(s - 1)])
+    return dict(
+        kill=kill, save=save, kill_rank=kill_rank, save_rank=save_rank, stall=stall, stall_rank=rng.randrange(2)
+    )
+
+
+@pytest.fixture(scope="module")
+def failures(module_launch, tmp_path_factory, initial):
+    """One job with three restarts, for the tests of failures 1, 4 and 2 (one launch: each attempt starts two
+    processes): attempt 0 loses a rank mid-epoch, attempt 1 a rank inside a checkpoint save, attempt 2 stalls a
+    rank until the watchdog ends it, attempt 3 completes. On attempts 2 and 3, one process compiles the step for
+    longer than the watchdog's timeout (the other one on attempt 2, the stalled one after the restart): that is no
+    stall. Returns ``(drawn, result, ckpt, resumed)``."""
+    drawn, where = draw_failures(), tmp_path_factory.mktemp("failures")
+    ckpt, resumed = where / "ckpt", where / "resumed.npz"
+    faults = [f"0:{drawn['kill_rank']}:{drawn['kill']}:kill", f"1:{drawn['save_rank']}:{drawn['save']}:kill-in-save"]
+    faults += [f"2:{drawn['stall_rank']}:{drawn['stall']}:stall"]
+    faults += [f"2:{1 - drawn['stall_rank']}:{SLOW_COMPILE}:slow-compile"]
+    faults += [f"3:{drawn['stall_rank']}:{SLOW_COMPILE}:slow-compile"]
+    args = [arg for fault in faults for arg in ("--fault", fault)]
+    res = module_launch(
+        "recovery_job.py", ckpt, resumed, *initial, "--watchdog-timeout", WATCHDOG_TIMEOUT, *args, max_restarts=3
+    )
+    return drawn, res, ckpt, resumed
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_killed(launch, tmp_path, straight):
-    rng = random.Random(SEED)
-    # The rank dies instead of running kill_step, mid-epoch and between two saves (so steps are redone).
-    kill_step = rng.choice([s for s in range(5, 18) if mid_epoch(s - 1) and (s - 1) % SAVE_EVERY])
-    save_step = rng.choice([s for s in range(kill_step + 1, STEPS - 1) if s % SAVE_EVERY == 0 and mid_epoch(s)])
-    kill_rank, save_rank = rng.randrange(2), rng.randrange(2)
-
-    ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
-    faults = ["--fault", f"0:{kill_rank}:{kill_step}:kill", "--fault", f"1:{save_rank}:{save_step}:kill-in-save"]
-    res = launch("recovery_job.py", ckpt, resumed, *faults, max_restarts=3)
+def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_killed(failures, straight):
+    drawn, res, ckpt, resumed = failures
+    kill_step, save_step, kill_rank, save_rank = (drawn[k] for k in ("kill", "save", "kill_rank", "save_rank"))
     out, err = res.stdout, res.stderr
     chosen = f"kill rank {kill_rank} before step {kill_step}, rank {save_rank} in the save of {save_step}"
 
@@ -110,61 +148,43 @@ def test_a_job_killed_twice_once_inside_a_save_ends_bitwise_like_one_never_kille
         ("0", str(save_step - SAVE_EVERY)),
         ("1", str(save_step - SAVE_EVERY)),
     ], out
-    assert "restart 2 of 3" in err and "restart 3 of 3" not in err, err
-    done = lines(r"^\[rank (\d)\] DONE attempt 2: trained (\d+) steps from step (\d+) to step (\d+)$", out)
-    left = str(STEPS - save_step + SAVE_EVERY)
-    assert sorted(done) == [(r, left, str(save_step - SAVE_EVERY), str(STEPS)) for r in "01"], out
+    assert "restart 2 of 3" in err, err
+    # Attempt 2 trains on from there (and stalls after saving save_step again: the test below); the job ends
+    # bitwise like one never killed.
     assert_bitwise(resumed, straight)
     assert sc.latest_checkpoint_step(ckpt) == STEPS
     assert sc.checkpoint_extra(ckpt)["data"] == {"epoch": EPOCHS, "batch": 0, "global_batch_size": job.GLOBAL_BATCH}
     assert not any(p.name.startswith(f"{save_step}.") for p in ckpt.iterdir())  # the unfinished save was removed
 
 
-# ---- 2: a rank that sleeps forever in its data source ----------------------------------------------------
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwise(launch, tmp_path, straight):
-    rng = random.Random(SEED + 2)
-    stall_step, stall_rank = rng.choice([s for s in range(6, 20) if mid_epoch(s - 1)]), rng.randrange(2)
-
-    ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
-    args = ["recovery_job.py", ckpt, resumed, "--watchdog-timeout", WATCHDOG_TIMEOUT]
-    args += ["--fault", f"0:{stall_rank}:{stall_step}:stall"]
-    res = launch(*args, returncode=sc.STUCK_EXIT_CODE)
+def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwise(failures, straight):
+    drawn, res, _, resumed = failures
+    stall_step, stall_rank = drawn["stall"], drawn["stall_rank"]
     out, err = res.stdout, res.stderr
     assert lines(r"^\[rank (\d)\] SLEEPING before step (\d+) at [\d.]+$", out) == [(str(stall_rank), str(stall_step))]
+    assert sorted(lines(rf"^\[rank (\d)\] COMPILING SLOWLY for {SLOW_COMPILE} s$", out)) == ["0", "1"], out
     found = tables(err)
     assert sorted(found) == [0, 1], err  # every process printed the table...
     for rank in (0, 1):
-        assert len(lines(rf"^\[rank {rank}\] spmdcomm\.Watchdog: ", err)) == 1, err  # ...once
+        assert len(lines(rf"^\[rank {rank}\] spmdcomm\.Watchdog: ", err)) == 1, err  # ...once: attempt 2's stall only
         _, step, phase, seconds, stuck = found[rank][stall_rank]
         assert (step, phase, stuck) == (str(stall_step - 1), "waiting for data", True), found
         # Printed at the timeout after the stall (the table's seconds in phase of the stalled process).
         assert WATCHDOG_TIMEOUT <= float(seconds) < WATCHDOG_TIMEOUT + LATE_S, found
         assert not found[rank][1 - stall_rank][4], found  # the other process is its victim, not named
-    assert f"Stuck: process {stall_rank} (waiting for data)." in err
-    assert "spmdcomm-launch: restart" not in err and f"exited with status {sc.STUCK_EXIT_CODE}" in err, err
-    assert not resumed.exists()
-
-    # The same command with one restart: attempt 0 resumes from the checkpoint the stalled run left, stalls
-    # again and is ended; attempt 1 completes. Each attempt, one process compiles the step for longer than the
-    # watchdog's timeout (the other one on attempt 0, the stalled one after the restart): that is no stall.
+    assert f"Stuck: process {stall_rank} (waiting for data)." in err, err
+    # (A job the watchdog ended with no restart left exits with its status: test_watchdog.py.)
+    assert f"exited with status {sc.STUCK_EXIT_CODE}" in err and "restart 3 of 3" in err, err
+    # The restart resumes from the checkpoint the stalled attempt left and completes.
     saved = last_save(stall_step - 1)
-    slow = ["--fault", f"0:{1 - stall_rank}:{SLOW_COMPILE}:slow-compile"]
-    slow += ["--fault", f"1:{stall_rank}:{SLOW_COMPILE}:slow-compile"]
-    res = launch(*args, *slow, max_restarts=1)
-    out, err = res.stdout, res.stderr
-    assert sorted(lines(rf"^\[rank (\d)\] COMPILING SLOWLY for {SLOW_COMPILE} s$", out)) == ["0", "1"], out
-    assert len(lines(r"^\[rank \d\] spmdcomm\.Watchdog: ", err)) == 2, err  # attempt 0's stall only, once each
-    found = tables(err)
-    assert all(found[rank][stall_rank][2::2] == ("waiting for data", True) for rank in (0, 1)), found
-    assert f"Stuck: process {stall_rank} (waiting for data)." in err and "restart 1 of 1" in err, err
-    assert sorted(lines(r"^\[rank (\d)\] ATTEMPT (\d) resumes from step (\d+)$", out)) == [
-        (r, a, str(saved)) for r in "01" for a in "01"
-    ], out
-    assert sorted(lines(r"^\[rank (\d)\] DONE attempt (\d)", out)) == [("0", "1"), ("1", "1")], out
+    assert sorted(lines(r"^\[rank (\d)\] ATTEMPT 3 resumes from step (\d+)$", out)) == [
+        ("0", str(saved)),
+        ("1", str(saved)),
+    ]
+    done = lines(r"^\[rank (\d)\] DONE attempt (\d): trained (\d+) steps from step (\d+) to step (\d+)$", out)
+    assert sorted(done) == [(r, "3", str(STEPS - saved), str(saved), str(STEPS)) for r in "01"], out
     assert_bitwise(resumed, straight)
 
 
@@ -173,7 +193,9 @@ def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwis
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bitwise(launch, tmp_path, straight):
+def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bitwise(
+    launch, tmp_path, straight, initial
+):
     ready = random.Random(SEED + 3).choice([s for s in range(3, 10) if mid_epoch(s)])
 
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
@@ -181,6 +203,7 @@ def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bi
         "recovery_job.py",
         ckpt,
         resumed,
+        *initial,
         "--ready-at",
         ready,
         grace=GRACE_SECONDS,  # the launcher's default grace period covers agreeing, the steps in flight and the save
@@ -199,7 +222,7 @@ def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bi
     assert sc.checkpoint_extra(ckpt)["data"] == position
     assert not resumed.exists()
 
-    res = launch("recovery_job.py", ckpt, resumed)
+    res = launch("recovery_job.py", ckpt, resumed, *initial)
     done = lines(r"^\[rank (\d)\] DONE attempt 0: trained (\d+) steps from step (\d+) to step (\d+)$", res.stdout)
     assert sorted(done) == [(r, str(STEPS - stop), str(stop), str(STEPS)) for r in "01"], res.stdout
     assert_bitwise(resumed, straight)

@@ -1,10 +1,11 @@
 """Multi-process DDP worker: trains the test MLP and writes process 0's final parameters.
 
 Usage: spmdcomm-launch -n 2 --devices-per-process 2 mp_ddp.py OUT_DIR
-Every process starts from DIFFERENT parameters (seed = process index): TrainState.create must
-broadcast process 0's. Each process feeds only its own rows of every global batch, as a DDP data
-loader would. Then a token-weighted loss (sc.weighted) on batches whose real tokens are uneven between the
-processes (process 1's few, one of its devices none), under DDP with 2 accumulation micro-batches and under FSDP.
+Every process starts from DIFFERENT parameters (seed = process index; the test hands both sets over in OUT_DIR,
+ddp_models.write_initial): TrainState.create must broadcast process 0's. Each process feeds only its own rows of
+every global batch, as a DDP data loader would. Then a token-weighted loss (sc.weighted) on batches whose real
+tokens are uneven between the processes (process 1's few, one of its devices none), under DDP with 2 accumulation
+micro-batches and under FSDP.
 """
 
 import sys
@@ -19,10 +20,11 @@ import optax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_models import (  # noqa: E402
+    MLP,
     example_batch,
-    init,
     local_rows,
     loss_fn,
+    read_initial,
     token_batches,
     token_loss_fn,
     write_params,
@@ -33,7 +35,7 @@ WEIGHTED = {"ddp": 2, "fsdp": 1}  # strategy: accum_steps
 
 def main(out_dir: Path) -> None:
     mesh = sc.data_mesh()
-    apply_fn, params, _ = init("mlp", seed=jax.process_index())
+    apply_fn, params = MLP().apply, read_initial(out_dir)[f"seed{jax.process_index()}"]
     batches = [sc.pad_batch(example_batch("mlp", 15, seed=s), 4) for s in range(5)]
     for strategy in sc.train.STRATEGIES:
         state = sc.TrainState.create(

@@ -2,6 +2,7 @@
 processes (one replica per process, the multi-node layout) and whose shard axis stays inside each process.
 
 Usage: spmdcomm-launch -n 2 --devices-per-process 2 mp_hybrid.py OUT_DIR
+(the test hands the initial parameters over in OUT_DIR: ddp_models.write_initial)
 Trains the test transformer block 4 steps under FSDP, which splits parameters, gradients and optimizer state over the
 shard axis inside each process, in 2 micro-batches, on padded batches (30 real rows of 32), each process feeding its
 own rows; process 0 writes the parameters and the losses. (tests/test_hybrid.py runs every strategy on these axes in
@@ -18,8 +19,8 @@ sc.initialize()
 import jax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_models import write_params  # noqa: E402
-from hybrid_models import Block, batches, loss_fn, plain_params  # noqa: E402
+from ddp_models import read_initial, write_params  # noqa: E402
+from hybrid_models import Block, batches, loss_fn  # noqa: E402
 from test_hybrid import make_tx  # noqa: E402
 
 AXES = ("replica", "shard")
@@ -39,8 +40,9 @@ def main(out_dir: Path) -> None:
     mesh = sc.make_mesh({"replica": 2, "shard": 2})
     rows = [{d.process_index for d in row} for row in mesh.devices]
     assert rows == [{0}, {1}], rows  # replicas across processes, shards inside one
+    params = read_initial(out_dir)["params"]
     state = sc.TrainState.create(
-        params=plain_params(), apply_fn=Block().apply, tx=make_tx(), mesh=mesh, axis=AXES, strategy="fsdp"
+        params=params, apply_fn=Block().apply, tx=make_tx(), mesh=mesh, axis=AXES, strategy="fsdp"
     )
     step = sc.make_train_step(loss_fn, accum_steps=ACCUM_STEPS)
     padded = [sc.pad_batch(b, 4 * ACCUM_STEPS) for b in batches(4, rows=30)]

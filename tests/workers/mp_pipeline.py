@@ -2,6 +2,7 @@
 process s) and whose data axis stays inside each process.
 
 Usage: spmdcomm-launch -n 2 --devices-per-process 2 mp_pipeline.py OUT_DIR
+The test hands both models' initial parameters over in OUT_DIR (ddp_models.write_initial).
 Trains tests/test_pipeline.py's model (8 stacked blocks) 3 steps under FSDP with a GPipe schedule of 4
 micro-batches, then with the 1F1B schedule, every process passing the global batch (host_input="global");
 process 0 writes the parameters (in canonical layer order) and the losses of each.
@@ -21,18 +22,17 @@ sc.initialize()
 import jax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_models import write_params  # noqa: E402
-from test_pipeline import TX, Net, batches, init, loss_fn  # noqa: E402
+from ddp_models import read_initial, write_params  # noqa: E402
+from test_pipeline import TX, Net, batches, loss_fn  # noqa: E402
 
 
-def experts(out_dir: Path) -> None:
+def experts(out_dir: Path, params) -> None:
     import optax
     from test_expert_parallel import LR, MODEL, RULES, batch, loss_fn
 
     mesh = sc.make_mesh({"expert": 2, "data": 2})
     rows = [{d.process_index for d in row} for row in mesh.devices]
     assert rows == [{0}, {1}], rows  # the expert axis across the processes
-    params = jax.jit(MODEL.init)(jax.random.key(0), batch()["x"][:1])["params"]
     state = sc.TrainState.create(
         params=params, tx=optax.sgd(LR), apply_fn=MODEL.apply, mesh=mesh, logical_axis_rules=RULES[None]
     )
@@ -43,13 +43,14 @@ def experts(out_dir: Path) -> None:
 
 
 def main(out_dir: Path) -> None:
+    initial = read_initial(out_dir)
     mesh = sc.make_mesh({"stage": 2, "data": 2})
     rows = [{d.process_index for d in row} for row in mesh.devices]
     assert rows == [{0}, {1}], rows  # one stage per process: the activations cross processes
     step = sc.make_train_step(loss_fn, host_input="global")
     for name, schedule in [("pipeline", "gpipe"), ("pipeline_1f1b", "1f1b")]:
         state = sc.TrainState.create(
-            params=init(Net()),
+            params=initial["pipeline"],
             apply_fn=Net().apply,
             tx=TX,
             mesh=mesh,
@@ -62,7 +63,7 @@ def main(out_dir: Path) -> None:
         full = jax.jit(lambda p: p, out_shardings=sc.replicated_sharding(mesh=mesh))(state.full_params())
         write_params(out_dir, name, full, history)
     print("PIPELINE OK", flush=True)
-    experts(out_dir)
+    experts(out_dir, initial["experts"])
 
 
 if __name__ == "__main__":

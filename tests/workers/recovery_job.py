@@ -3,7 +3,7 @@
 padded) for ``--epochs`` epochs through ``sc.fit`` with a checkpoint directory, run under ``spmdcomm-launch``.
 
 Usage: python recovery_job.py CKPT_DIR OUT_FILE [--epochs N] [--save-every N] [--watchdog-timeout S]
-                              [--fault ATTEMPT:RANK:STEP:KIND ...] [--ready-at STEP]
+                              [--fault ATTEMPT:RANK:STEP:KIND ...] [--ready-at STEP] [--initial DIR]
 
 CKPT_DIR "-" runs without checkpoints (the uninterrupted reference run). Process 0 writes every leaf of the
 final state to OUT_FILE (.npz). Each ``--fault`` acts on attempt ATTEMPT (``sc.restart_count()``) in process
@@ -18,6 +18,9 @@ RANK only:
   instead of handing over the batch of step STEP (``--watchdog-timeout`` must end the job).
 - ``slow-compile``: the process's compilation of the train step takes STEP seconds longer (its ``loss_fn``
   sleeps while it is traced, once), after printing ``COMPILING SLOWLY for STEP s``: the watchdog must wait.
+
+``--initial DIR``: the initial variables come from DIR (``ddp_models.write_initial(DIR, variables=...)``), not from
+compiling the model's init in every process (processes other than 0 read no compilation cache).
 
 ``--ready-at STEP``: on attempt 0 every process prints ``READY at step STEP`` once its data source hands over
 that step's batch, and from then on waits 0.3 s before each batch, so that the test can send SIGTERM while
@@ -42,6 +45,9 @@ import orbax.checkpoint as ocp
 import resume_job as job
 
 import spmdcomm as sc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddp_models import read_initial  # noqa: E402
 
 
 class Steps:
@@ -135,6 +141,7 @@ def main() -> None:
     parser.add_argument("--watchdog-timeout", type=float)
     parser.add_argument("--fault", action="append", default=[])
     parser.add_argument("--ready-at", type=int)
+    parser.add_argument("--initial", type=Path)
     args = parser.parse_args()
     sc.initialize()
     attempt, me = sc.restart_count(), sc.process_index()
@@ -157,7 +164,8 @@ def main() -> None:
     if args.ckpt_dir != "-":
         options.update(checkpoint_dir=args.ckpt_dir, save_every=args.save_every)
     try:
-        state, history = sc.fit(step, job.fresh_state(mesh), data, **options)
+        variables = None if args.initial is None else read_initial(args.initial)["variables"]
+        state, history = sc.fit(step, job.fresh_state(mesh, variables), data, **options)
     except SystemExit as e:  # fit stops every process at the agreed step, saves there and exits
         print(f"PREEMPTED at step {step.first + step.calls} (status {e.code})", flush=True)
         raise

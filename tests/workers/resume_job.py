@@ -77,9 +77,15 @@ def dataset() -> dict[str, np.ndarray]:
     }
 
 
-def fresh_state(mesh) -> sc.TrainState:
-    """The initial state (the template a resumed run restores into)."""
-    variables = jax.tree.map(np.asarray, dict(_init(init_key(), np.zeros((2, FEATURES), np.float32))))
+def initial_variables() -> dict:
+    """Net's initial variables (parameters and batch statistics), as NumPy arrays."""
+    return jax.tree.map(np.asarray, dict(_init(init_key(), np.zeros((2, FEATURES), np.float32))))
+
+
+def fresh_state(mesh, variables: dict | None = None) -> sc.TrainState:
+    """The initial state (the template a resumed run restores into), from ``variables`` (default:
+    ``initial_variables()``)."""
+    variables = dict(initial_variables() if variables is None else variables)
     params = variables.pop("params")
     return sc.TrainState.create(
         params=params, model_state=variables, apply_fn=Net().apply, tx=optax.adam(1e-2), mesh=mesh, rng=7

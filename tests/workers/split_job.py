@@ -42,7 +42,7 @@ import optax  # noqa: E402
 import resume_job as job  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ddp_models import write_params  # noqa: E402
+from ddp_models import jit_once, write_params  # noqa: E402
 
 MODES = ("per_device", "per_example")
 SAVE_EVERY = 4
@@ -56,8 +56,15 @@ class DropMLP(nn.Module):
 
 
 # DropMLP's init compiled once per process (train() runs up to 4 times), as one program: eagerly every initializer
-# shape compiles its own, and a new jax.jit wrapper per call would compile it again.
-_init = jax.jit(functools.partial(DropMLP().init, train=False))
+# shape compiles its own, and a new jax.jit wrapper per call would compile it again. jit_once: every process of
+# every split runs the same program, so all start from the same parameters.
+_init = jit_once(functools.partial(DropMLP().init, train=False))
+
+
+# One model function and one optimizer for every run: the state's static fields (these two among them) key the
+# train step's compiled programs, so a new optax.adam or DropMLP().apply per run would compile the same step again
+# (processes other than 0 read no compilation cache).
+APPLY, TX = DropMLP().apply, optax.adam(1e-2)
 
 
 def loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
@@ -95,13 +102,11 @@ class StopAt:
         raise AssertionError("still alive after SIGKILL")
 
 
-def train(mode: str, mesh, ckpt_dir: Path | None, stop_at: int | None, *, kill: bool):
-    """``fit`` of a fresh state and loader (resumed from ``ckpt_dir``'s newest checkpoint, if any)."""
+def train(step, mode: str, mesh, ckpt_dir: Path | None, stop_at: int | None, *, kill: bool):
+    """``fit`` of a fresh state and loader (resumed from ``ckpt_dir``'s newest checkpoint, if any) with ``step``,
+    the mode's train step."""
     params = _init(job.init_key(), np.zeros((2, job.FEATURES), np.float32))["params"]
-    state = sc.TrainState.create(
-        params=jax.tree.map(np.asarray, params), apply_fn=DropMLP().apply, tx=optax.adam(1e-2), mesh=mesh, rng=11
-    )
-    step = sc.make_train_step(loss_fn, rng=mode)
+    state = sc.TrainState.create(params=jax.tree.map(np.asarray, params), apply_fn=APPLY, tx=TX, mesh=mesh, rng=11)
     if stop_at is not None:
         step = StopAt(step, mode, stop_at, kill=kill)
     loader = job.loader(mesh, shard_index=sc.process_index(), num_shards=sc.process_count())
@@ -120,11 +125,14 @@ def main() -> None:
     mesh = sc.data_mesh()
     assert mesh.devices.size == 4, mesh  # every split is of the same 4 devices
     for mode in MODES:
+        # One step object for the straight and the staged run: one compilation.
+        step = sc.make_train_step(loss_fn, rng=mode)
         if args.straight:
-            state, history = train(mode, mesh, None, None, kill=False)
+            state, history = train(step, mode, mesh, None, None, kill=False)
             write_params(args.work_dir, f"straight-{mode}", state.params, history)
+        ckpt_dir = args.work_dir / f"ckpt-{mode}"
         try:
-            state, history = train(mode, mesh, args.work_dir / f"ckpt-{mode}", args.stop_at, kill=mode == MODES[-1])
+            state, history = train(step, mode, mesh, ckpt_dir, args.stop_at, kill=mode == MODES[-1])
         except Stopped:
             print(f"STOPPED {mode} before step {args.stop_at}", flush=True)
             continue
