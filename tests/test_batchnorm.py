@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from ddp_models import assert_trees_close, mesh_of, reference_train
+from ddp_models import assert_trees_close, jit_once, mesh_of, reference_train
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -61,16 +61,23 @@ def cross_entropy(logits, batch, mask=None):
     return ce.mean() if mask is None else sc.masked_mean(ce, mask)
 
 
+@functools.cache
+def jitted_init(model: nn.Module) -> Any:
+    """``model.init`` as one compiled program per model (eagerly, each initializer and layer operation compiles its
+    own); both networks' inits compiled alike, so that they give the same values."""
+    return jit_once(model.init)
+
+
 def models(api: str, axis_name: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """``(apply, params, model_state)`` of the network with Flax's BatchNorm (no axis) and of the one with
     SyncBatchNorm over ``axis_name``, both from the same initialisation; ``apply(params, model_state, x, mask, *,
     train=True) -> (logits, new model_state)``."""
     if api == "linen":
         ref = LinenNet()
-        variables = ref.init(jax.random.PRNGKey(0), np.zeros((2, 6, 6, 1), np.float32))
+        variables = jitted_init(ref)(jax.random.PRNGKey(0), np.zeros((2, 6, 6, 1), np.float32))
         params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
         sync = LinenNet(bn=sc.SyncBatchNorm, axis_name=axis_name)
-        sync_vars = sync.init(jax.random.PRNGKey(0), np.zeros((2, 6, 6, 1), np.float32))
+        sync_vars = jitted_init(sync)(jax.random.PRNGKey(0), np.zeros((2, 6, 6, 1), np.float32))
 
         def linen_apply(module):
             def apply(params, model_state, x, mask, *, train=True):
@@ -178,15 +185,14 @@ def case(api, devices, real, opt, strategy="ddp", *, fast=False):
 @pytest.mark.parametrize(
     "api,devices,real,opt,strategy",
     [
+        # Linen and NNX compute the statistics in one function (spmdcomm/train/batchnorm.py), and the strategy and the
+        # optimizer are independent of it: each kind of batch (devices without real rows, a device with some, no
+        # padding, one device) once, each strategy once, each API with devices holding no real row.
         case("linen", 8, 40, "sgd", fast=True),  # 3 devices hold no real row: Flax's pmean of masked means is NaN
         case("nnx", 8, 40, "adam"),
         case("linen", 4, 64, "adam", fast=True),  # no padding
-        case("nnx", 2, 64, "sgd"),
         case("linen", 1, 60, "adam"),
         case("nnx", 8, 60, "sgd", "fsdp", fast=True),  # 7 devices with 8 real rows, one with 4
-        case("linen", 4, 60, "sgd", "fsdp"),
-        case("linen", 2, 60, "adam"),
-        case("nnx", 4, 40, "adam"),
         case("linen", 8, 40, "adam", "zero1"),
     ],
 )
@@ -484,11 +490,14 @@ def test_errors_name_the_layer_the_sizes_and_the_fix(name):
 
 
 def test_unknown_axis_in_a_tuple_inside_shard_map():
-    f = jax.shard_map(
-        lambda x: linen_train(x, axis_name=("data", "model"))[0],
-        mesh=mesh_of(2),
-        in_specs=P("data"),
-        out_specs=P("data"),
+    # Under jit the layer raises while tracing, as eagerly, without compiling each of its operations first.
+    f = jax.jit(
+        jax.shard_map(
+            lambda x: linen_train(x, axis_name=("data", "model"))[0],
+            mesh=mesh_of(2),
+            in_specs=P("data"),
+            out_specs=P("data"),
+        )
     )
     with pytest.raises(sc.AxisError) as info:
         f(np.ones((4, 3), np.float32))

@@ -8,6 +8,7 @@ with its folder first on the path and puts whatever held those names back afterw
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import sys
@@ -42,6 +43,14 @@ def _load_example() -> SimpleNamespace:
 
 lm = _load_example()
 pipeline = lm.input_pipeline
+# What the training runs below read: one corpus prefix, whose reading the corpus tests check. Its arrays are
+# read-only (np.frombuffer), so the runs can share one read.
+_read_once = functools.cache(pipeline.load_corpus)
+
+
+@pytest.fixture
+def corpus_read_once(monkeypatch):
+    monkeypatch.setattr(pipeline, "load_corpus", _read_once)
 
 
 def _write(root: Path, files: dict[str, bytes]) -> None:
@@ -154,6 +163,7 @@ TINY |= dict(corpus_bytes=400_000, eval_windows=64, eval_every=10, mesh="data=4,
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("corpus_read_once")
 def test_tiny_run_on_data_and_model_axes_learns_stops_and_resumes(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
     stopped = lm.train.train_and_evaluate(lm.train.Config(**TINY, checkpoint_dir=ckpt, save_every=10, max_steps=20))
@@ -180,6 +190,7 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("corpus_read_once")
 def test_packed_rows_train_the_mean_over_real_bytes_alike_on_every_layout():
     """Rows of documents of different lengths, padded at the end: every step's loss is one device's mean over the
     real target bytes of the global batch, on 8 data devices, on a pipeline of 2 stages with tensor parallelism, and
@@ -222,6 +233,7 @@ MOE_MESHES = ("data=8", "data=2,expert=4")
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("corpus_read_once")
 def test_a_mixture_of_experts_trains_the_same_curve_on_an_expert_axis_as_on_data_8():
     """--experts 8 --top-k 2: on data=2,expert=4 (the experts split over expert, the batch over both) every step's
     loss and the validation bits per byte are data=8's, where every device holds every expert."""

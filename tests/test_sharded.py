@@ -1,12 +1,13 @@
 """Sharded strategies (ZeRO-2, FSDP): N devices train what one device trains, with 1/N of the state each.
 
-Which cases run: the MLP under each strategy with Adam (parameters and two moments split) over 2, 4 and 8 devices,
-where the split changes (on 8 devices the 4-entry bias stays whole), and with SGD momentum over 4; the CNN under
+Which cases run: the MLP under each strategy with Adam (parameters and two moments split) over 8 devices (where the
+4-entry bias stays whole), and with SGD momentum over 4 (where every leaf splits, as on 2); the CNN under
 each strategy and optimizer over 4. The fast tier (``-m "not slow"``) keeps the MLP on 8 devices under each
 strategy, FSDP's split, skipping, evaluation and resume, and the collectives explain reports; the other training
 runs are slow.
 """
 
+import functools
 import re
 
 import jax
@@ -39,9 +40,11 @@ def needs(n):
     return pytest.mark.skipif(jax.device_count() < n, reason=f"needs {n} devices")
 
 
+# The MLP's leaves (8 x 16, 16 x 4, 16, 4) all split on dimension 0 on 2 or 4 devices alike; on 8 the bias of 4
+# stays whole. Adam on 8 devices and SGD with momentum on 4 meet both layouts and both kinds of optimizer state.
 MLP_CASES = [
     pytest.param(n, opt, strategy, id=f"{n}-{opt}-{name}", marks=() if fast else pytest.mark.slow)
-    for n, opt, fast in [(2, "adam", False), (4, "adam", False), (8, "adam", True), (4, "sgd_momentum", False)]
+    for n, opt, fast in [(8, "adam", True), (4, "sgd_momentum", False)]
     for strategy, name in zip(SHARDED, IDS, strict=True)
 ]
 
@@ -310,30 +313,42 @@ def test_nnx_models_train_like_ddp(strategy):
 @needs(8)
 def test_checkpoint_restores_onto_another_strategy_and_device_count(tmp_path, source, target):
     # A run stopped after 3 steps and resumed elsewhere reaches the parameters of a run that never stopped.
-    apply_fn, params, model_state = init("cnn", axis_name="data")
-    batches = [example_batch("cnn", 16, seed=s) for s in range(6)]
-
-    def fresh(strategy, n):
-        return sc.TrainState.create(
-            params=params,
-            model_state=model_state,
-            apply_fn=apply_fn,
-            tx=optax.adam(1e-2),
-            mesh=mesh_of(n),
-            rng=3,
-            strategy=strategy,
-        )
-
+    batches = cnn_batches()
     step = sc.make_train_step(loss_fn)
-    straight, _ = sc.fit(step, fresh("ddp", 8), batches)
-    first, _ = sc.fit(step, fresh(*source), batches[:3])
+    first, _ = sc.fit(step, fresh_cnn(*source), batches[:3])
     sc.save_checkpoint(tmp_path, first)
-    template = fresh(*target)
+    template = fresh_cnn(*target)
     resumed = sc.restore_checkpoint(tmp_path, template)
     assert jax.tree.structure(resumed) == jax.tree.structure(template)
     for got, want in zip(jax.tree.leaves(resumed), jax.tree.leaves(template), strict=True):
         assert got.shape == want.shape and got.sharding == want.sharding
     assert int(resumed.opt_state[0].count) == 3
     resumed, _ = sc.fit(step, resumed, batches[3:])
-    assert_trees_close(resumed.full_params(), straight.params)
-    assert_trees_close(resumed.model_state, straight.model_state)
+    straight_params, straight_model_state = uninterrupted_cnn_run()
+    assert_trees_close(resumed.full_params(), straight_params)
+    assert_trees_close(resumed.model_state, straight_model_state)
+
+
+def cnn_batches():
+    return [example_batch("cnn", 16, seed=s) for s in range(6)]
+
+
+def fresh_cnn(strategy, n):
+    apply_fn, params, model_state = init("cnn", axis_name="data")
+    return sc.TrainState.create(
+        params=params,
+        model_state=model_state,
+        apply_fn=apply_fn,
+        tx=optax.adam(1e-2),
+        mesh=mesh_of(n),
+        rng=3,
+        strategy=strategy,
+    )
+
+
+@functools.cache
+def uninterrupted_cnn_run():
+    """Parameters and model state after the 6 steps uninterrupted under DDP on 8 devices: the target of every
+    resumed run above, trained once per file."""
+    straight, _ = sc.fit(sc.make_train_step(loss_fn), fresh_cnn("ddp", 8), cnn_batches())
+    return jax.device_get((straight.params, straight.model_state))

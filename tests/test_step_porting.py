@@ -68,15 +68,21 @@ TXS = {
 }
 
 
+SLOW = pytest.mark.slow
+
+
+# The fast tier keeps a case with accumulation over a whole batch (ZeRO-2, global-norm clipping), one accumulating a
+# padded batch (FSDP) and one padded without accumulation (DDP on 8 devices).
 @pytest.mark.parametrize(
     "n, strategy, tx, batch, accum",
     [
-        (1, "ddp", "sgd", "whole", 1),
-        (2, "zero1", "adam", "padded", 1),
-        (4, "ddp", "adam", "all real", 1),  # sc.pad_batch of rows that are all real: masked, nothing padded
+        pytest.param(1, "ddp", "sgd", "whole", 1, marks=SLOW),
+        pytest.param(2, "zero1", "adam", "padded", 1, marks=SLOW),
+        # sc.pad_batch of rows that are all real: masked, nothing padded
+        pytest.param(4, "ddp", "adam", "all real", 1, marks=SLOW),
         (4, "zero2", "clip", "whole", 2),
         (4, "fsdp", "sgd", "padded", 2),
-        (8, "fsdp", "adam", "whole", 1),
+        pytest.param(8, "fsdp", "adam", "whole", 1, marks=SLOW),
         (8, "ddp", "clip", "padded", 1),
     ],
 )

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from ddp_models import assert_trees_close, mesh_of, reference_train
+from ddp_models import assert_trees_close, jit_once, mesh_of, reference_train
 
 import spmdcomm as sc
 
@@ -167,8 +167,9 @@ class Attention(nn.Module):
 @pytest.mark.slow
 def test_checkpoint_of_other_leaf_shapes_of_the_same_sizes_raises_naming_the_leaf(tmp_path):
     x = np.zeros((2, 3, 8), np.float32)
-    saved_params = Attention(heads=2).init(jax.random.PRNGKey(0), x)["params"]
-    other_params = Attention(heads=4).init(jax.random.PRNGKey(0), x)["params"]
+    # Each init one compiled program (eagerly, each initializer and layer operation compiles its own).
+    saved_params = jit_once(Attention(heads=2).init)(jax.random.PRNGKey(0), x)["params"]
+    other_params = jit_once(Attention(heads=4).init)(jax.random.PRNGKey(0), x)["params"]
     # 2 heads of 4 features and 4 heads of 2: every leaf has the same number of entries.
     sizes = lambda p: [a.size for a in jax.tree.leaves(p)]
     assert sizes(saved_params) == sizes(other_params)

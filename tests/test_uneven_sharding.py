@@ -85,9 +85,16 @@ def train(state, data=None):
     return state
 
 
+# Each strategy once, on 8, 4 and 2 devices (every one pads: no dimension of 99, 101 or 103 divides); Adam's
+# elementwise moments are covered inside lamb+clip (scale_by_adam before the trust ratio). The fast tier trains FSDP,
+# which pads parameters, gradients and optimizer state alike.
 @pytest.mark.parametrize(
     "strategy, n, tx_name",
-    [("fsdp", 8, "adam"), ("fsdp", 4, "adafactor"), ("zero1", 8, "lamb+clip"), ("zero2", 2, "adafactor")],
+    [
+        ("fsdp", 4, "adafactor"),
+        pytest.param("zero1", 8, "lamb+clip", marks=pytest.mark.slow),
+        pytest.param("zero2", 2, "adafactor", marks=pytest.mark.slow),
+    ],
 )
 def test_padded_leaves_train_as_one_device(strategy, n, tx_name):
     state = sc.TrainState.create(params=odd_params(), tx=TXS[tx_name], mesh=mesh_of(n), strategy=strategy)
