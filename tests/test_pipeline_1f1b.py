@@ -19,6 +19,7 @@ import spmdcomm as sc
 from spmdcomm.parallel.pipeline import split, tables
 from tests.ddp_models import assert_trees_close
 from tests.test_pipeline import (
+    LOSS_SCALE,
     SLOW,
     TX,
     WIDTH,
@@ -33,6 +34,8 @@ from tests.test_pipeline import (
     norm_loss,
     norm_one_device,
     one_device,
+    one_device_with_a_non_finite_step,
+    run_with_a_non_finite_step,
     train,
     train_norm,
 )
@@ -108,23 +111,11 @@ def test_1f1b_with_loss_scaling_skips_a_non_finite_step_as_one_device():
     """Loss scaling weighs each part of a micro-batch by its share of the global batch: a NaN in one row skips
     the step on every stage, the scale backs off once, and the run is one device's."""
 
-    def run(state):
-        data = batches(steps=3)
-        data[1]["x"][5, 2] = np.nan
-        step, seen = sc.make_train_step(loss_fn), []
-        for batch in data:
-            state, metrics = step(state, batch)
-            seen.append([float(metrics[k]) for k in ("loss", "skipped", "loss_scale")])
-        return jax.device_get(state.full_params()), np.array(seen)
-
-    scale = {"scale": 2.0**15}
-    mesh = sc.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    want, want_seen = run(
-        sc.TrainState.create(params=init(Net()), apply_fn=Net().apply, tx=TX, mesh=mesh, loss_scale=scale)
-    )
+    want, want_seen = one_device_with_a_non_finite_step()  # shared with GPipe's test
     state = create({"data": 2, "stage": 4}, "zero2", 8)
-    got, seen = run(state.replace(loss_scale=sc.TrainState.create(params={}, tx=TX, loss_scale=scale).loss_scale))
-    assert want_seen[:, 1].tolist() == [0.0, 1.0, 0.0]
+    got, seen = run_with_a_non_finite_step(
+        state.replace(loss_scale=sc.TrainState.create(params={}, tx=TX, loss_scale=LOSS_SCALE).loss_scale)
+    )
     np.testing.assert_allclose(seen, want_seen, rtol=1e-5)
     assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
 
