@@ -123,8 +123,8 @@ def train(mesh, *, accum_steps=1, **kwargs):
 
 
 SLOW = pytest.mark.slow
-CASES = [  # the fast tier runs data with accumulation and context; the slow tier the rest
-    pytest.param({"data": 8}, {"strategy": "ddp"}, 2, id="data8-ddp-accum2"),
+CASES = [  # the fast tier runs context (masked rows, tokens split unevenly over the context devices); the slow the rest
+    pytest.param({"data": 8}, {"strategy": "ddp"}, 2, id="data8-ddp-accum2", marks=SLOW),
     pytest.param({"data": 2, "context": 4}, {"strategy": "fsdp", "context": sc.ContextParallel()}, 1, id="context"),
     # Also tests/test_context_parallel.py's check that the context axis composes with a pipeline and FSDP.
     pytest.param(
@@ -154,19 +154,13 @@ CASES = [  # the fast tier runs data with accumulation and context; the slow tie
         id="context-contiguous-accum2",
         marks=SLOW,
     ),
-    # The table schedules cut a device's micro-batch into parts, each with its own total and weight.
-    pytest.param(
-        {"data": 4, "stage": 2},
-        {"strategy": "ddp", "pipeline": sc.Pipeline(microbatches=2, schedule="zb-h1")},
-        2,
-        id="zb-h1-accum2",
-        marks=SLOW,
-    ),
+    # The table schedules cut a device's micro-batch into parts, each with its own total and weight; 1F1B and ZB-H1
+    # cut them alike (tables.py), ZB-H1 also splitting each backward pass: one case of both, with accumulation.
     pytest.param(
         {"data": 2, "stage": 2, "model": 2},
-        {"strategy": "fsdp", "loss_scale": "dynamic", "pipeline": sc.Pipeline(microbatches=4, schedule="1f1b")},
-        1,
-        id="1f1b-loss-scale",
+        {"strategy": "fsdp", "loss_scale": "dynamic", "pipeline": sc.Pipeline(microbatches=4, schedule="zb-h1")},
+        2,
+        id="zb-h1-loss-scale-accum2",
         marks=SLOW,
     ),
 ]
