@@ -63,7 +63,9 @@ def core_program(d, p, m, v, layer=residual):
     return jax.jit(mapped), jax.jit(jax.grad(lambda w, x: jnp.sum(mapped(w, x) ** 2)))
 
 
-CORE_CASES = [(1, 2, 2, 1), (2, 4, 4, 1), (4, 2, 6, 1), (2, 2, 4, 2), (1, 4, 8, 2), (1, 8, 8, 1)]
+# A covering set: p = 2, 4, 8; m = p and m > p; v = 1 and 2; one data device and several (m = p = 2 on one data
+# device adds nothing to (2, 4, 4, 1)'s m = p and (4, 2, 6, 1)'s p = 2).
+CORE_CASES = [(2, 4, 4, 1), (4, 2, 6, 1), (2, 2, 4, 2), (1, 4, 8, 2), (1, 8, 8, 1)]
 
 
 @pytest.mark.parametrize("d, p, m, v", CORE_CASES)
@@ -87,14 +89,13 @@ def test_nan_in_every_bubble_slot_changes_nothing(monkeypatch):
     weights = (rng.normal(size=(LAYERS, 6, 6)) / np.sqrt(6)).astype(np.float32)
     x = rng.normal(size=(2 * 4 * 2, 6)).astype(np.float32)
     order = stage_order(LAYERS, 2, 2)
-    results = {}
-    for fill in (0.0, np.nan):
+    results = []
+    # Zeros: the core test's cached programs; NaN: traced anew and not cached, so no other test gets them.
+    for fill, programs in [(0.0, core_program), (np.nan, core_program.__wrapped__)]:
         monkeypatch.setattr(gpipe, "_FILL", fill)
-        core_program.cache_clear()
-        forward, grad = core_program(2, 2, 4, 2)
-        results[str(fill)] = (np.asarray(forward(weights[order], x)), np.asarray(grad(weights[order], x)))
-    core_program.cache_clear()
-    zero, nan = results["0.0"], results["nan"]
+        forward, grad = programs(2, 2, 4, 2)
+        results.append((np.asarray(forward(weights[order], x)), np.asarray(grad(weights[order], x))))
+    zero, nan = results
     assert np.isfinite(nan[0]).all() and np.isfinite(nan[1]).all()
     np.testing.assert_array_equal(nan[0], zero[0])
     np.testing.assert_array_equal(nan[1], zero[1])
@@ -219,9 +220,12 @@ def train_step(rng, accum):
     return sc.make_train_step(loss_fn, rng=rng, accum_steps=accum)
 
 
+@functools.cache
 def init(model):
+    """``model``'s parameters on the host: traced and compiled once per model (a hashable Flax dataclass) for every
+    test in the process; each state places its own copy."""
     keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-    return jax.jit(model.init)(keys, np.zeros((2, 5), np.float32))["params"]
+    return jax.device_get(jax.jit(model.init)(keys, np.zeros((2, 5), np.float32))["params"])
 
 
 @functools.cache
@@ -235,8 +239,8 @@ def one_device(real_rows, model=False, dropout=0.0, rng="per_device", rms=False)
 
 SLOW = pytest.mark.slow
 LAYOUTS = [
-    # (mesh, data axes, strategy, microbatches, repeats, accumulation, padded); the fast tier runs the third
-    pytest.param({"data": 4, "stage": 2}, "data", "ddp", 2, 1, 1, False, marks=SLOW),
+    # (mesh, data axes, strategy, microbatches, repeats, accumulation, padded); the fast tier runs the second. DDP
+    # on data 4 x stage 2 is test_checkpoints_keep_the_canonical_layer_order_and_restore_onto_any_layout's run.
     pytest.param({"data": 2, "stage": 4}, "data", "fsdp", 8, 1, 1, True, marks=SLOW),
     pytest.param({"data": 2, "stage": 2, "model": 2}, "data", "zero1", 4, 2, 1, False),
     pytest.param({"data": 4, "stage": 2}, "data", "zero2", 2, 2, 2, True, marks=SLOW),
@@ -298,26 +302,47 @@ def test_a_mesh_without_a_data_axis_runs_the_pipeline_as_one_device(layout, stra
     assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
 
 
+def run_with_a_non_finite_step(state):
+    """Three steps of ``state`` with a NaN in one row of step 2's batch: the parameters, and each step's loss,
+    skipped flag and loss scale."""
+    data = batches()
+    data[1]["x"][5, 2] = np.nan
+    step, seen = train_step("per_device", 1), []
+    for batch in data:
+        state, metrics = step(state, batch)
+        seen.append([float(metrics[k]) for k in ("loss", "skipped", "loss_scale")])
+    return jax.device_get(state.full_params()), np.array(seen)
+
+
+LOSS_SCALE = {"scale": 2.0**15}
+
+
+@functools.cache
+def one_device_with_a_non_finite_step():
+    """:func:`run_with_a_non_finite_step` on one device (GPipe's test here and 1F1B's compare with it)."""
+    state = sc.TrainState.create(
+        params=init(Net()), apply_fn=Net().apply, tx=TX, mesh=mesh_of(1), loss_scale=LOSS_SCALE
+    )
+    want, want_seen = run_with_a_non_finite_step(state)
+    assert want_seen[:, 1].tolist() == [0.0, 1.0, 0.0] and want_seen[2, 2] == 2.0**14
+    return want, want_seen
+
+
 @SLOW
 def test_a_non_finite_step_is_skipped_on_every_stage_and_the_loss_scale_is_one_devices():
     """A NaN in one row of step 2's batch makes the gradient of every stage non-finite at once: the step is skipped
     everywhere, the loss scale backs off once, and the run goes on as one device's (clipping sees each stage)."""
-
-    def run(mesh, **kwargs):
-        state = sc.TrainState.create(
-            params=init(Net()), apply_fn=Net().apply, tx=TX, mesh=mesh, loss_scale={"scale": 2.0**15}, **kwargs
-        )
-        data = batches(steps=4)
-        data[1]["x"][5, 2] = np.nan
-        step, seen = sc.make_train_step(loss_fn), []
-        for batch in data:
-            state, metrics = step(state, batch)
-            seen.append([float(metrics[k]) for k in ("loss", "skipped", "loss_scale")])
-        return jax.device_get(state.full_params()), np.array(seen)
-
-    want, want_seen = run(mesh_of(1))
-    got, seen = run(sc.make_mesh({"data": 4, "stage": 2}), strategy="fsdp", pipeline=sc.Pipeline(microbatches=2))
-    assert want_seen[:, 1].tolist() == [0.0, 1.0, 0.0, 0.0] and want_seen[2, 2] == 2.0**14
+    want, want_seen = one_device_with_a_non_finite_step()
+    state = sc.TrainState.create(
+        params=init(Net()),
+        apply_fn=Net().apply,
+        tx=TX,
+        mesh=sc.make_mesh({"data": 4, "stage": 2}),
+        loss_scale=LOSS_SCALE,
+        strategy="fsdp",
+        pipeline=sc.Pipeline(microbatches=2),
+    )
+    got, seen = run_with_a_non_finite_step(state)
     np.testing.assert_allclose(seen, want_seen, rtol=1e-5)  # a NaN loss equals a NaN loss
     assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -381,11 +406,11 @@ def test_a_batch_that_does_not_split_into_microbatches_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accum", [1, 2])
-def test_per_example_dropout_draws_one_devices_masks(accum):
+def test_per_example_dropout_draws_one_devices_masks():
     """Dropout keyed by example and layer (rng="per_example"): the same masks as one device, whatever the stages,
     micro-batches, chunks and accumulation (a stage device's rows of one accumulated micro-batch are not next to
-    its neighbour's)."""
+    its neighbour's). Two accumulated micro-batches: the examples' key offsets are one formula for any accumulation
+    (spmdcomm/train/_micro.py), checked here at a micro-batch offset of zero and one past it."""
     expected, expected_losses = one_device(32, dropout=0.2, rng="per_example")
     net = Net(dropout=0.2)
     state = sc.TrainState.create(
@@ -396,15 +421,17 @@ def test_per_example_dropout_draws_one_devices_masks(accum):
         axis=("data", "other"),
         pipeline=sc.Pipeline(microbatches=4, repeats=2),
     )
-    state, losses = train(state, batches(), rng="per_example", accum=accum)
+    state, losses = train(state, batches(), rng="per_example", accum=2)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
 def test_checkpoints_keep_the_canonical_layer_order_and_restore_onto_any_layout(tmp_path):
-    """Saved at p = 4, v = 1; restored at p = 2, v = 2 (stage order differs), without a stage axis and under other
-    strategies: the same model, and one more step gives the uninterrupted run's parameters."""
+    """Saved at p = 2, v = 1; restored at p = 4, v = 2 (stage order differs), without a stage axis and under other
+    strategies: the same model, and one more step gives the uninterrupted run's parameters, one device's. The run
+    saved is DDP over data 4 x stage 2, the train step grid's DDP case: its three steps equal one device's."""
+    expected, expected_losses = one_device(32)
     data = batches(steps=3)
     net = Net()
 
@@ -413,19 +440,23 @@ def test_checkpoints_keep_the_canonical_layer_order_and_restore_onto_any_layout(
             params=init(net), apply_fn=net.apply, tx=TX, mesh=sc.make_mesh(layout), strategy=strategy, pipeline=pipeline
         )
 
-    state, _ = train(create({"data": 2, "stage": 4}, "ddp", sc.Pipeline(microbatches=4)), data[:2])
+    state = create({"data": 4, "stage": 2}, "ddp", sc.Pipeline(microbatches=2))
+    assert state.params["PipelineStack_0"]["layers"]["Dense_0"]["kernel"].sharding.spec[0] == "stage"
+    state, losses = train(state, data[:2])
     sc.save_checkpoint(tmp_path, state)
     saved = jax.device_get(state.full_params())
-    straight, _ = train(state, data[2:])
-    straight = jax.device_get(straight.full_params())
+    straight, more = train(state, data[2:])
+    np.testing.assert_allclose(losses + more, expected_losses, rtol=1e-5)
+    assert_trees_close(jax.device_get(straight.full_params()), expected, rtol=1e-5, atol=1e-5)
     for layout, strategy, pipeline in [
-        ({"data": 4, "stage": 2}, "fsdp", sc.Pipeline(microbatches=2, repeats=2)),
+        ({"data": 2, "stage": 4}, "fsdp", sc.Pipeline(microbatches=4, repeats=2)),
         ({"data": 8}, "zero1", None),
     ]:
         restored = sc.restore_checkpoint(tmp_path, create(layout, strategy, pipeline))
         assert_trees_close(jax.device_get(restored.full_params()), saved, rtol=0, atol=0)
-        resumed, _ = train(restored, data[2:])
-        assert_trees_close(jax.device_get(resumed.full_params()), straight, rtol=1e-5, atol=1e-5)
+        resumed, more = train(restored, data[2:])
+        np.testing.assert_allclose(more, expected_losses[2:], rtol=1e-5)
+        assert_trees_close(jax.device_get(resumed.full_params()), expected, rtol=1e-5, atol=1e-5)
 
 
 @functools.cache
@@ -444,8 +475,10 @@ def explained(strategy, remat, m, copies):
     return sc.explain(sc.make_train_step(loss_fn), state, batch)
 
 
-# The FSDP case is test_each_tick_is_rematerialised_under_fsdp_too's program without remat.
-@pytest.mark.parametrize("strategy, remat, m, copies", [("ddp", True, 4, 1), ("fsdp", False, 8, 8)])
+# The FSDP case is test_each_tick_is_rematerialised_under_fsdp_too's program without remat (slow tier with it).
+@pytest.mark.parametrize(
+    "strategy, remat, m, copies", [("ddp", True, 4, 1), pytest.param("fsdp", False, 8, 8, marks=SLOW)]
+)
 def test_explain_shows_the_schedule_and_that_stages_keep_their_layers(strategy, remat, m, copies):
     report = explained(strategy, remat, m, copies)
     pipeline = report.pipeline
@@ -501,8 +534,14 @@ def norm_metrics(params, batch, *, apply_fn, model_state, mask):
     return {"error": sc.masked_mean(jnp.sum((out - batch["y"]) ** 2, -1), mask)}
 
 
+@functools.cache
+def init_norm():
+    """``NormNet``'s variables on the host, one compiled init for every run."""
+    return jax.device_get(jax.jit(NormNet().init)(jax.random.key(0), np.zeros((2, 5), np.float32)))
+
+
 def train_norm(net, mesh, data, *, accum=1, **kwargs):
-    variables = jax.jit(NormNet().init)(jax.random.key(0), np.zeros((2, 5), np.float32))
+    variables = init_norm()
     state = sc.TrainState.create(
         params=variables["params"],
         model_state={"batch_stats": variables["batch_stats"]},
@@ -608,16 +647,13 @@ def nnx_one_device(rms_norm=False):
     return jax.device_get(state.params), losses
 
 
-@pytest.mark.parametrize(
-    "layout, strategy, m, v",
-    [pytest.param({"data": 4, "stage": 2}, "fsdp", 2, 2, marks=SLOW), ({"data": 8}, "ddp", 1, 1)],
-)
-def test_nnx_stack_trains_as_one_device(layout, strategy, m, v):
+def test_nnx_stack_trains_as_one_device():
+    """Without a stage axis, the stack is a scan on every device. With one: tests/test_pipeline_1f1b.py's
+    interleaved 1F1B of this model, and tests/test_pipeline_bubbles.py's NNX test under GPipe (FSDP, v = 2, ZeRO-2,
+    its kernels split over the stage axis)."""
     reference, expected = nnx_one_device()
-    pipeline = sc.Pipeline(microbatches=m, repeats=v) if "stage" in layout else None
-    state, losses = nnx_train(sc.make_mesh(layout), strategy, pipeline=pipeline)
-    kernel = state.params["stack"]["layers"]["up"]["kernel"]
-    assert kernel.sharding.spec[0] == ("stage" if pipeline else None)
+    state, losses = nnx_train(sc.make_mesh({"data": 8}), "ddp")
+    assert state.params["stack"]["layers"]["up"]["kernel"].sharding.spec[0] is None
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), reference, rtol=1e-5, atol=1e-5)
 

@@ -59,11 +59,11 @@ def log_layer(w, state, h, index, row):
 LAYER_FNS = {"rms": rms_layer, "norm": norm_layer, "log": log_layer}
 
 
+# A covering set: each block (rms and log twice), d = 1, 2, 4; p = 2, 4, 8; v = 1 and 2; m = p and m > p.
 @pytest.mark.parametrize(
     "name, d, p, m, v",
     [
         ("rms", 2, 2, 4, 2),
-        pytest.param("norm", 1, 4, 4, 1, marks=SLOW),
         pytest.param("log", 2, 4, 4, 1, marks=SLOW),
         pytest.param("log", 1, 4, 8, 2, marks=SLOW),
         pytest.param("rms", 1, 8, 8, 1, marks=SLOW),
@@ -75,7 +75,8 @@ def test_a_block_not_finite_at_zero_pipelines_as_a_scan_forward_and_backward(nam
     rng = np.random.default_rng(5)
     weights = (rng.normal(size=(LAYERS, 6, 6)) / np.sqrt(6)).astype(np.float32)
     x = rng.normal(size=(d * m * 2, 6)).astype(np.float32)
-    at_zero = jax.value_and_grad(lambda w, h: jnp.sum(layer(w, {}, h, 0, 0)[0]), argnums=(0, 1))
+    # Jitted: one program instead of one per operation and shape run eagerly.
+    at_zero = jax.jit(jax.value_and_grad(lambda w, h: jnp.sum(layer(w, {}, h, 0, 0)[0]), argnums=(0, 1)))
     value, grads = at_zero(weights[0], np.zeros((2, 6), np.float32))
     assert not all(np.isfinite(a).all() for a in (value, *grads))  # what a bubble computing on zeros would meet
     order = stage_order(LAYERS, p, v)
@@ -91,15 +92,13 @@ def test_a_block_not_finite_at_zero_pipelines_as_a_scan_forward_and_backward(nam
 # --- the train step against one device -----------------------------------------------------------------------
 
 
+# A covering set of the strategies: the bubbles are the schedule's, which every strategy runs alike; they differ in
+# how the stage's gradient is reduced after it and where the layers are gathered. ZeRO-1 here stands for DDP too
+# (replicated layers; only the optimizer state is split), the NNX test below runs ZeRO-2, and FSDP runs in both.
 @SLOW
 @pytest.mark.parametrize(
     "layout, strategy, m, v",
-    [
-        ({"data": 4, "stage": 2}, "ddp", 2, 1),
-        ({"data": 2, "stage": 4}, "zero1", 4, 2),
-        ({"data": 2, "stage": 2}, "zero2", 4, 1),
-        ({"data": 2, "stage": 2, "model": 2}, "fsdp", 2, 2),
-    ],
+    [({"data": 2, "stage": 4}, "zero1", 4, 2), ({"data": 2, "stage": 2, "model": 2}, "fsdp", 2, 2)],
     ids=str,
 )
 def test_a_block_without_epsilon_trains_as_one_device(layout, strategy, m, v):
@@ -131,5 +130,6 @@ def test_an_nnx_block_without_epsilon_trains_as_one_device(layout, strategy, m, 
     reference, expected = nnx_one_device(rms_norm=True)
     pipeline = sc.Pipeline(microbatches=m, repeats=v)
     state, losses = nnx_train(sc.make_mesh(layout), strategy, rms_norm=True, pipeline=pipeline)
+    assert state.params["stack"]["layers"]["up"]["kernel"].sharding.spec[0] == "stage"
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), reference, rtol=1e-5, atol=1e-5)
