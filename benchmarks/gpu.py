@@ -119,6 +119,9 @@ class Size:
     )
     lm_rounds: int = 5
     lm_steps: int = 10
+    # examples/lm's step timed beside its plain jit program; False (--tiny): its model built and its model FLOPs
+    # counted only, the timing being measure_mfu's, which the stand-in runs.
+    examples_lm_timed: bool = True
     # Causal attention of one sequence, 16 heads of 128, at these lengths (the last ones are what rings are for).
     attention_lengths: tuple[int, ...] = (4096, 16384, 32768)
     attention_heads: tuple[int, int] = (16, 128)
@@ -146,6 +149,7 @@ TINY = Size(
     lm={"vocab": 64, "width": 32, "layers": 1, "heads": 2, "seq": 16, "batch": 4},
     lm_rounds=1,
     lm_steps=2,
+    examples_lm_timed=False,
     attention_lengths=(32,),
     attention_heads=(2, 8),
     moe={"tokens": 16, "width": 8, "hidden": 16, "experts": 2, "k": 2},
@@ -449,7 +453,9 @@ def section_mfu(size: Size, args: argparse.Namespace, out: dict, deadline: float
         out["examples_lm"] = "examples/lm not present"
     else:
         try:
-            out["examples_lm"] = measure_mfu(examples_lm_spec(lm, size.lm), peak, size.lm_rounds, size.lm_steps)
+            spec = examples_lm_spec(lm, size.lm)
+            timed = size.examples_lm_timed
+            out["examples_lm"] = measure_mfu(spec, peak, size.lm_rounds, size.lm_steps) if timed else lm_flops(spec)
         except NotImplementedError as e:
             out["examples_lm"] = str(e)
     out["stand_in"] = measure_mfu(stand_in_spec(size.lm), peak, size.lm_rounds, size.lm_steps)
@@ -529,8 +535,7 @@ def mfu(flops_per_step: float, step_seconds: float, peak: float | None) -> float
 def measure_mfu(spec: LMSpec, peak: float | None, rounds: int, steps: int) -> dict:
     """bfloat16 step time, model FLOPs and MFU of ``spec``'s model trained with Adam, for our DDP step on one
     device and for the plain ``jax.jit`` step, interleaved over ``rounds`` (medians)."""
-    tokens = spec.batch["tokens"]
-    flops = model_flops(spec.params, spec.layers, spec.width, tokens.shape[0], tokens.shape[1] - 1)
+    out = lm_flops(spec)
     runs = {"ours (ddp)": _ours_lm(spec), "jax.jit": _jit_lm(spec)}
     for run in runs.values():
         run(2)  # compile and warm up
@@ -538,8 +543,7 @@ def measure_mfu(spec: LMSpec, peak: float | None, rounds: int, steps: int) -> di
     for r in range(rounds):
         for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
             times[name].append(runs[name](steps) / steps)
-    per_step = flops["dense"] + flops["attention"]
-    out: dict = {"model": spec.name, "model_flops": flops, "model_flops_per_step": per_step}
+    per_step = out["model_flops_per_step"]
     out["xla_flops_per_step"] = xla = xla_flops(runs["jax.jit"].compiled)
     for name, ts in times.items():
         step_s = statistics.median(ts)
@@ -573,6 +577,14 @@ def _lm_losses(spec: LMSpec, params, tokens):
     import strategies
 
     return strategies.lm_token_losses(spec.module.apply, _bf16(params), tokens).astype(jnp.float32)
+
+
+def lm_flops(spec: LMSpec) -> dict:
+    """``spec``'s model FLOPs per training step (:func:`model_flops` of its batch, the last position predicting
+    nothing) and their sum."""
+    tokens = spec.batch["tokens"]
+    flops = model_flops(spec.params, spec.layers, spec.width, tokens.shape[0], tokens.shape[1] - 1)
+    return {"model": spec.name, "model_flops": flops, "model_flops_per_step": flops["dense"] + flops["attention"]}
 
 
 def _ours_lm(spec: LMSpec, *, weighted: bool = False) -> Callable[[int], float]:
