@@ -5,6 +5,7 @@ log with the epoch hook's test metrics. Each run learns."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -37,16 +38,24 @@ def records(path: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
-@pytest.fixture
-def tiny_mnist(tmp_path):
-    """256 train / 64 test images in MNIST's IDX format, learnable in one epoch."""
-    write_tiny_mnist(tmp_path / "mnist", n_train=256, n_test=64, gz=True)
-    return str(tmp_path / "mnist")
+@pytest.fixture(scope="module")
+def tiny_mnist(tmp_path_factory):
+    """256 train / 64 test images in MNIST's IDX format, learnable in one epoch (read, never written, by the runs)."""
+    root = tmp_path_factory.mktemp("data") / "mnist"
+    write_tiny_mnist(root, n_train=256, n_test=64, gz=True)
+    return str(root)
 
 
-def test_train_and_evaluate_learns_tiny_mnist(tiny_mnist):
+@pytest.fixture(scope="module")
+def straight(tiny_mnist, tmp_path_factory):
+    """Two epochs that never stop, and their metrics log: what the first test checks and the stopped run repeats."""
+    log = tmp_path_factory.mktemp("straight") / "metrics.jsonl"
     config = train.Config(dataset="mnist", data_dir=tiny_mnist, epochs=2, batch_size=32, progress=False)
-    s = train.train_and_evaluate(config)
+    return train.train_and_evaluate(dataclasses.replace(config, metrics_log=str(log))), log
+
+
+def test_train_and_evaluate_learns_tiny_mnist(straight):
+    s, _ = straight
     assert s["dataset"] == "mnist" and s["devices"] == jax.device_count() and s["processes"] == 1
     assert [e["steps"] for e in s["epochs"]] == [8, 8] and s["step"] == 16  # 256 examples / 32
     first, last = losses(s)
@@ -97,12 +106,11 @@ def test_command_line_single_process_prints_and_writes_the_summary_and_metrics(t
     assert [p.name for p in tb.iterdir() if p.name.startswith("events.out.tfevents")]
 
 
-def test_run_stopped_mid_epoch_resumes_to_the_same_bits(tiny_mnist, tmp_path, capsys):
+def test_run_stopped_mid_epoch_resumes_to_the_same_bits(tiny_mnist, straight, tmp_path, capsys):
+    # The run that never stopped is the module's (without a checkpoint_dir: saving changes no bit of the state).
+    straight, straight_log = straight
     common = dict(dataset="mnist", data_dir=tiny_mnist, epochs=2, batch_size=32, save_every=3, progress=False)
-    straight_log, log, ckpt = tmp_path / "straight.jsonl", tmp_path / "metrics.jsonl", str(tmp_path / "ckpt")
-    straight = train.train_and_evaluate(
-        train.Config(checkpoint_dir=str(tmp_path / "straight"), metrics_log=str(straight_log), **common)
-    )
+    log, ckpt = tmp_path / "metrics.jsonl", str(tmp_path / "ckpt")
     stopped = train.train_and_evaluate(train.Config(checkpoint_dir=ckpt, max_steps=5, metrics_log=str(log), **common))
     resumed = train.train_and_evaluate(train.Config(checkpoint_dir=ckpt, metrics_log=str(log), **common))
     printed = capsys.readouterr().out
