@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 import spmdcomm as sc
 
@@ -230,6 +231,13 @@ def jit_once(fn):
     the last bit: compare only with references computed from the same results."""
     options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
     return jax.jit(fn, compiler_options=options)
+
+
+def nnx_once(make):
+    """The NNX module ``make()`` returns, its variables drawn by one program compiled with ``jit_once`` (eagerly,
+    each initializer compiles its own programs); its structure comes from ``nnx.eval_shape``, which compiles
+    nothing."""
+    return nnx.merge(nnx.graphdef(nnx.eval_shape(make)), jit_once(lambda: nnx.state(make()))())
 
 
 @functools.cache

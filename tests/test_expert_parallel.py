@@ -26,7 +26,7 @@ from flax import nnx
 import spmdcomm as sc
 from spmdcomm.errors import AxisError, ShapeError, SpmdError
 from spmdcomm.parallel.expert.layer import expert_report
-from tests.ddp_models import assert_trees_close, jit_once
+from tests.ddp_models import assert_trees_close, jit_once, nnx_once
 
 E, D, HIDDEN, ROWS, TOKENS, FEATURES = 8, 8, 16, 16, 4, 6
 CAPACITY, BALANCE, LR = 1.0, 0.1, 0.1
@@ -224,7 +224,7 @@ def nnx_loss(model, batch, *, rng, mask):
 
 @pytest.mark.slow
 def test_the_nnx_layer_in_a_step_on_data2_expert4_equals_one_device():
-    model, data = NnxModel(nnx.Rngs(0)), batch()
+    model, data = nnx_once(lambda: NnxModel(nnx.Rngs(0))), batch()
     state = sc.TrainState.create_nnx(model, tx=optax.sgd(LR), mesh=sc.make_mesh({"data": 2, "expert": 4}))
     assert state.params["moe"]["experts"]["up"]["kernel"].sharding.spec == jax.P("expert", None, None)
     new, metrics = sc.make_train_step(sc.nnx_loss_fn(nnx_loss), donate=False)(state, data)

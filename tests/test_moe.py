@@ -25,7 +25,7 @@ import spmdcomm as sc
 import spmdcomm.collectives.ragged as ragged
 from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError
 from spmdcomm.explain.hlo import inventory, parse_module
-from tests.ddp_models import jit_once
+from tests.ddp_models import jit_once, nnx_once
 
 ROWS = 6  # rows each device holds in the collective's cases
 
@@ -363,7 +363,11 @@ def test_nnx_moe_with_split_experts_equals_the_linen_layer_on_one_device():
     """The NNX layer, its experts split over 4 devices, equals the Linen layer with the same parameters on one
     device (forward, gradients of every parameter, the sown stats), with a capacity."""
     x, _ = moe_inputs(4, None)
-    model = sc.nnx.MoE(NnxMlp, experts=E, features=D, k=2, capacity_factor=1.0, axis_name="expert", rngs=nnx.Rngs(0))
+    model = nnx_once(
+        lambda: sc.nnx.MoE(
+            NnxMlp, experts=E, features=D, k=2, capacity_factor=1.0, axis_name="expert", rngs=nnx.Rngs(0)
+        )
+    )
     graphdef, state = nnx.split(model)
     mesh = sc.make_mesh({"expert": 4}, devices=jax.devices()[:4])
     stacked = lambda v: jax.P("expert") if (v.get_metadata().get("out_sharding") or (None,))[0] == "expert" else jax.P()

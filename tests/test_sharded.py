@@ -23,6 +23,7 @@ from ddp_models import (
     init,
     loss_fn,
     mesh_of,
+    nnx_once,
     optimizer,
     per_device_bytes,
     run_ddp,
@@ -293,7 +294,8 @@ def nnx_ce(model, batch, *, rng, mask):
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
 def test_nnx_models_train_like_ddp(strategy):
     def run(strategy):
-        state = sc.TrainState.create_nnx(NnxMLP(nnx.Rngs(0)), tx=optimizer("adam"), mesh=mesh_of(4), strategy=strategy)
+        model = nnx_once(lambda: NnxMLP(nnx.Rngs(0)))
+        state = sc.TrainState.create_nnx(model, tx=optimizer("adam"), mesh=mesh_of(4), strategy=strategy)
         state, _ = sc.fit(sc.make_train_step(sc.nnx_loss_fn(nnx_ce)), state, BATCHES["mlp"])
         return state.full_params()
 
