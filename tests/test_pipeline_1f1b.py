@@ -29,6 +29,7 @@ from tests.test_pipeline import (
     batches,
     init,
     loss_fn,
+    net_of,
     nnx_one_device,
     nnx_train,
     norm_loss,
@@ -42,7 +43,7 @@ from tests.test_pipeline import (
 
 
 def create(layout, strategy, m, *, net=None, axis="data", schedule="1f1b", **kwargs):
-    net = Net("model" in layout) if net is None else net
+    net = net_of(Net("model" in layout)) if net is None else net
     return sc.TrainState.create(
         params=init(net),
         apply_fn=net.apply,
@@ -94,7 +95,7 @@ def eval_batch(padded):
 def test_train_step_equals_one_device(schedule, v, layout, strategy, m, accum, padded, block):
     rms, dropout, rng = block == "rms", 0.2 if block == "dropout" else 0.0, "per_example" if block else "per_device"
     expected, expected_losses = one_device(29 if padded else 32, dropout=dropout, rng=rng, rms=rms)
-    net = Net("model" in layout, dropout=dropout, rms=rms)
+    net = net_of(Net("model" in layout, dropout=dropout, rms=rms))
     state = create(layout, strategy, m, net=net, schedule=schedule, repeats=v)
     data = [{k: v[:29] for k, v in b.items()} for b in batches()] if padded else batches()
     state, losses = train(state, data, rng=rng, accum=accum, pad_to=32 if padded else None)
