@@ -8,7 +8,8 @@ The model: a dense embedding (``features`` -> ``width``), ``sc.PipelineStack`` o
 MLP blocks (``width`` -> ``hidden`` -> ``width``, GELU), a final LayerNorm and a dense head to ``classes`` logits,
 cross-entropy, Adam. The full setting: width 256, hidden 1024, L = 8 (4.2 M stacked parameters), 128 features,
 10 classes, global batch 1024; ``--smoke``: width 32, hidden 64, L = 4, batch 64, one round of one step, m = 4
-only, what its check reads (speed: DDP, the hand-written GPipe and ours; temporaries: GPipe, DDP, hand-written).
+only, what its check reads (speed: DDP, the hand-written GPipe, the jit program and ours; temporaries: GPipe, DDP,
+the hand-written and the jit program).
 8 fake CPU devices; pipelines on ``data 2 x stage 4`` (p = 4 stages, N = 2 replicas).
 The batch is 1024 rather than 256 because at 256 the step's cost on fake devices is mostly what does not grow
 with the batch (DDP's step on 8 rows took 0.6-0.7 of its time on 256): the bubble, which is compute, hid in it.
@@ -423,8 +424,9 @@ VARIANTS = {
     ]
 }
 JIT = Variant("jit").name
-# What the smoke check reads: ours against the hand-written program, and DDP (every variant's reference).
-SMOKE_VARIANTS = ["ddp data=8", "hand-written GPipe m=4 no remat", "ours GPipe m=4 no remat"]
+# What the smoke check reads: ours against the hand-written program and the jax.jit + NamedSharding program, and
+# DDP (every variant's reference).
+SMOKE_VARIANTS = ["ddp data=8", "hand-written GPipe m=4 no remat", "ours GPipe m=4 no remat", JIT]
 
 
 def check_same_model(runs: dict, steps: int) -> dict[str, list[float]]:
@@ -559,7 +561,7 @@ def activation_memory(
     """The compiled step's temporaries (its activation peak) per device for each m, GPipe with and without remat
     and 1F1B, on ``data 2 x stage 4``, then DDP on ``data 8`` (each remat of ``ddp_remats``), the hand-written
     program (each ``(m, remat)`` of ``handwritten_``) and the ``jax.jit`` program for reference; each set against
-    DDP's with the same remat. ``smoke``: GPipe only, and no ``jax.jit`` program (what the smoke check reads)."""
+    DDP's with the same remat. ``smoke``: GPipe only (what the smoke check reads)."""
     batch = data(cfg)
     rows = []
     for m in microbatches:
@@ -604,8 +606,7 @@ def activation_memory(
             }
         )
     programs = [(Variant("handwritten", m, 1, remat), handwritten(cfg, m, remat)) for m, remat in handwritten_]
-    programs += [] if smoke else [(Variant("jit"), jit_program(cfg))]
-    for variant, (step, start) in programs:
+    for variant, (step, start) in [*programs, (Variant("jit"), jit_program(cfg))]:
         compiled = step.lower(*start()).compile()
         analysis = compiled.memory_analysis()
         rows.append(

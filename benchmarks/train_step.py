@@ -191,6 +191,9 @@ def in_process(rounds: int, steps: int, models: list[str], only: list[str] | Non
     builders[f"{m}/ours bf16 reduce"] = functools.partial(ours, m, mesh, reduce_dtype=jnp.bfloat16)
     builders[f"{m}/ours buckets 256 KiB"] = functools.partial(ours, m, mesh, sc.DDP(bucket_bytes=256 * 1024))
     builders[f"{m}/ours ZeRO-1"] = functools.partial(ours, m, mesh, "zero1")
+    known = {k.split("/", 1)[1] for k in builders}
+    if only is not None and set(only) - known:
+        raise SystemExit(f"--variants: unknown {sorted(set(only) - known)}; the in-process variants: {sorted(known)}")
     variants = {k: build() for k, build in builders.items() if only is None or k.split("/", 1)[1] in only}
     for run in variants.values():  # compile and warm up
         run(3)

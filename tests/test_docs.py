@@ -337,9 +337,11 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
     assert [r["fraction"] for r in pipeline["stack_memory"]] == [1.0, 0.25, 0.125]
     temps = {r["variant"]: r["temp_bytes"] for r in pipeline["activation_memory"]}
     assert set(temps) >= {"ours GPipe m=4", "ours GPipe m=4 no remat", "ddp data=8", "hand-written GPipe m=4 no remat"}
+    assert "jit + NamedSharding stage=4" in temps
     assert all(t > 0 for t in temps.values())
     ours = pipeline["speed"]["ours GPipe m=4 no remat"]
     assert ours["samples_per_s"] > 0 and ours["ratio_vs_handwritten"] > 0 and ours["bubble_formula"] == 1.75
+    assert ours["ratio_vs_jit"] > 0  # next to the jax.jit + NamedSharding program
     assert "| data 2 x stage 4 | fsdp |" in pipeline["markdown"]
     context = results["context"]
     assert {r["variant"] for r in context["rows"]} == {
