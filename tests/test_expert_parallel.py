@@ -25,7 +25,7 @@ from flax import nnx
 
 import spmdcomm as sc
 from spmdcomm.errors import AxisError, ShapeError, SpmdError
-from spmdcomm.parallel.expert.layer import expert_report
+from spmdcomm.parallel.expert.report import expert_report
 from tests.ddp_models import assert_trees_close, jit_once, nnx_once
 
 E, D, HIDDEN, ROWS, TOKENS, FEATURES = 8, 8, 16, 16, 4, 6

@@ -458,3 +458,92 @@ def test_experts_that_do_not_divide_by_the_axis_size_raise_while_tracing():
     mapped = jax.shard_map(body, mesh=axis_mesh(4, "expert"), in_specs=jax.P("expert"), out_specs=jax.P("expert"))
     with pytest.raises(ShapeError, match="experts=6 do not divide by the 4 devices of expert axis 'expert'"):
         jax.eval_shape(mapped, jax.ShapeDtypeStruct((8, D), jnp.float32))
+
+
+# name: (mesh axes, token axes, k, capacity factor). The mask leaves a device without real tokens and the others
+# uneven; with a capacity, the real tokens' capacity is below the padded batch's, and the rule drops.
+MASKED_CASES = {
+    "capacity-data-and-expert-axes": ({"data": 2, "expert": 2}, ("data", "expert"), 2, 1.0),
+    "dropless-k2": ({"expert": 4}, ("expert",), 2, None),
+}
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if "dropless" in c else c for c in MASKED_CASES]
+)
+def test_a_masked_moe_equals_one_device_on_the_real_tokens_alone(case):
+    """Padding tokens are not routed, take no capacity slot and count in no loss or statistic: the split layer on a
+    masked batch equals one device given only the real tokens (outputs, losses, counts, dropped fraction,
+    gradients), and gives zeros at the padding."""
+    axes, token_axes, k, capacity_factor = MASKED_CASES[case]
+    devices = int(np.prod(list(axes.values())))
+    x, params = moe_inputs(devices, None)
+    real = np.random.default_rng(3).random(x.shape[0]) < 0.7
+    real[:TOKENS] = False  # the first device holds padding only
+    cot = np.random.default_rng(4).standard_normal(x.shape).astype(np.float32)
+    options = {"k": k, "capacity_factor": capacity_factor}
+    mesh = sc.make_mesh(axes, devices=jax.devices()[:devices])
+    layer = sc.MoE(Mlp(), experts=E, axis_name="expert", token_axes=token_axes, **options)
+
+    def body(params, x, mask):
+        y, state = layer.apply({"params": params}, x, mask.astype(jnp.int32), mutable=["moe"])  # 0/1 numbers
+        return y, {name: value[0] for name, value in state["moe"].items()}
+
+    specs = {"router": jax.P(), "experts": jax.P("expert")}
+    in_specs = (specs, jax.P(token_axes), jax.P(token_axes))
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(jax.P(token_axes), jax.P()))
+    one = sc.MoE(Mlp(), experts=E, **options)
+
+    def forward(params, apply, cot):
+        y, stats = apply(params)
+        return jnp.sum(y * cot) + 0.3 * stats["load_balancing_loss"] + 0.1 * stats["router_z_loss"], (y, stats)
+
+    @jax.jit
+    def both(params):
+        sharded = lambda p: mapped(p, x, real)
+        alone = lambda p: (lambda y, s: (y, {n: v[0] for n, v in s["moe"].items()}))(
+            *one.apply({"params": p}, x[real], mutable=["moe"])
+        )
+        grad = lambda apply, c: jax.grad(forward, has_aux=True)(params, apply, c)
+        return grad(sharded, cot), grad(alone, cot[real])
+
+    (grads, (y, stats)), (want_grads, (want_y, want_stats)) = both(params)
+    np.testing.assert_allclose(np.asarray(y)[real], want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(y)[~real], 0.0)
+    for name in ("load_balancing_loss", "router_z_loss", "dropped_fraction"):
+        np.testing.assert_allclose(stats[name], want_stats[name], rtol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(stats["expert_counts"], want_stats["expert_counts"])
+    assert int(np.sum(stats["expert_counts"])) == k * int(real.sum())
+    if capacity_factor is not None:  # the real tokens' capacity drops; the padded batch's would drop less
+        assert float(stats["dropped_fraction"]) > 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), grads, want_grads)
+
+
+def test_a_token_mask_of_any_leading_shape_leaves_the_padding_out_and_a_bad_one_raises():
+    """On one device: a [rows, tokens] mask of 0/1 numbers and a [rows] mask broadcast over the tokens; the layer
+    equals itself on the real tokens alone. Applying the whole init output counts nothing twice (init sows none)."""
+    layer = sc.MoE(Mlp(), experts=E, k=2, capacity_factor=1.0)
+    _, params = moe_inputs(2, None)
+    x = np.random.default_rng(5).standard_normal((4, 4, D)).astype(np.float32)
+    tokens = np.array([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], np.float32)
+    rows = np.array([True, False, True, True])
+
+    @jax.jit
+    def run(params):
+        out = []
+        for mask in (tokens, rows):
+            real = np.broadcast_to(mask.reshape(4, -1) != 0, (4, 4))
+            y, sown = layer.apply({"params": params}, x, mask, mutable=["moe"])
+            want, want_sown = layer.apply({"params": params}, x[real], mutable=["moe"])
+            out.append((y, sown["moe"], want, want_sown["moe"], real))
+        return out
+
+    for y, sown, want, want_sown, real in run(params):
+        np.testing.assert_allclose(np.asarray(y)[np.asarray(real)], want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(y)[~np.asarray(real)], 0.0)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), sown, want_sown)
+    assert "moe" not in jax.eval_shape(layer.init, jax.random.key(0), x)
+    with pytest.raises(ShapeError) as caught:
+        jax.eval_shape(lambda: layer.apply({"params": params}, x, np.ones((4, 3), bool)))
+    for fact in ["mask has shape (4, 3)", "x has shape (4, 4, 8)", "(4,) (rows) or (4, 4) (tokens)"]:
+        assert fact in str(caught.value)

@@ -18,6 +18,7 @@ from spmdcomm.data.placement import HostInput
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.data.strategy import ReduceContext
 from spmdcomm.parallel.pipeline.schedule import MicroPieces
+from spmdcomm.parallel.real_rows import rows_of
 from spmdcomm.parallel.rng import per_example_key
 from spmdcomm.train._model_call import differentiable_loss
 from spmdcomm.train._step import sum_dtype, summable
@@ -75,7 +76,9 @@ def accumulate(
     ) -> Any:
         c = jnp.sum(m, dtype=jnp.float32)  # a part (of `parts`) of micro-batch j: an unmasked mean weighs 1 / parts
         kwargs = dict(apply_fn=state.apply_fn, model_state=model_state, rng=micro_rng(j, part), mask=m, **extra)
-        return c, fn(p, batch, count=c, weight=weight(c) if masked else weight(c) / parts, share=share, **kwargs)
+        # Layers that couple the rows (a mixture of experts) leave the padding rows out too.
+        with rows_of(m if masked else None):
+            return c, fn(p, batch, count=c, weight=weight(c) if masked else weight(c) / parts, share=share, **kwargs)
 
     forward = lambda b, m, j: call(loss_fn, params, state.model_state, b, m, j, 1.0)
     share = token_share(state, micro, forward, global_sum)

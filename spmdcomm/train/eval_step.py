@@ -15,6 +15,7 @@ from spmdcomm._jax_compat import vary
 from spmdcomm.data.placement import HostInput, check_host_input
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.data.strategy import ReduceContext
+from spmdcomm.parallel.real_rows import rows_of
 from spmdcomm.train._micro import full_mask
 from spmdcomm.train._model_call import call_model_fn
 from spmdcomm.train._step import (
@@ -219,19 +220,20 @@ class EvalStep:
 
         def body(state: TrainState, data: Any, mask: Any) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
             data = data if mask is None else zero_masked_rows(data, mask)
-            mask = full_mask(data, state.roles.batch) if mask is None else mask
+            given, mask = mask, full_mask(data, state.roles.batch) if mask is None else mask
             params = strategy.compute_params(ctx, state.layout, state.params)
-            out = call_model_fn(
-                "make_eval_step",
-                "metric_fn",
-                state,
-                self.metric_fn,
-                params,
-                data,
-                apply_fn=state.apply_fn,
-                model_state=state.model_state,
-                mask=mask,
-            )
+            with rows_of(given):  # layers that couple the rows (a mixture of experts) leave the padding out too
+                out = call_model_fn(
+                    "make_eval_step",
+                    "metric_fn",
+                    state,
+                    self.metric_fn,
+                    params,
+                    data,
+                    apply_fn=state.apply_fn,
+                    model_state=state.model_state,
+                    mask=mask,
+                )
             metrics = out if isinstance(out, dict) else {"loss": out}
             check_scalars("make_eval_step", metrics, "metric_fn")
             # Typed varying over every manual axis: the mask is per row, the same on every context device.

@@ -19,11 +19,13 @@ import jax.numpy as jnp
 from flax.core import meta
 from jax import lax
 
-from spmdcomm._format import LAYER_SCOPE, format_bytes
+from spmdcomm._format import LAYER_SCOPE
 from spmdcomm.collectives.ragged import RaggedImplementation
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
+from spmdcomm.parallel.expert.report import expert_report
 from spmdcomm.parallel.expert.routing import MoEStats, RoutingName, check_routing, moe
 from spmdcomm.parallel.pipeline.schedule import PIPELINED, active_schedule
+from spmdcomm.parallel.real_rows import UNKNOWN, real_rows
 from spmdcomm.parallel.registry import Parallelism
 
 __all__ = [
@@ -33,10 +35,9 @@ __all__ = [
     "moe_rows",
     "MOE_COLLECTION",
     "ExpertParallel",
-    "ExpertReport",
     "expert_split",
     "step_split",
-    "expert_report",
+    "token_mask",
     "PARALLELISM",
 ]
 
@@ -194,14 +195,17 @@ class MoE(nn.Module):
     router_init: Callable[..., Any] = nn.initializers.normal(0.02)
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Routes every position of ``x`` (features last) to its experts and returns their weighted outputs.
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        """Routes every real position of ``x`` (features last) to its experts and returns their weighted outputs.
 
         Args:
           x: ``[..., d]``.
+          mask: which positions are real (:func:`token_mask`): ``None``, or bool / 0-1 numbers of shape
+            ``x.shape[:j]`` for some ``j < x.ndim`` (``[rows]`` or ``[rows, tokens]``); inside a step with a
+            masked batch, the step's row mask also applies.
 
         Returns:
-          ``[..., d_out]``, in ``x``'s dtype.
+          ``[..., d_out]``, in ``x``'s dtype; zeros at the positions that are not real.
         """
         check_routing("MoE", experts=self.experts, k=self.k, routing=self.routing, capacity_factor=self.capacity_factor)
         x = jnp.asarray(x)
@@ -220,9 +224,11 @@ class MoE(nn.Module):
             axis, tokens = step_split("MoE", self.axis_name, self.token_axes, self.capacity_factor)
         _check_held(jax.tree.leaves(params)[0].shape[0], self.experts, axis)
         # Named for sc.explain, which attributes this layer's all-to-alls (forward and backward) to its path.
+        real = None if self.is_initializing() else token_mask("MoE", x, mask)
         with jax.named_scope(LAYER_SCOPE + ".".join(str(p) for p in self.path)):
-            y, stats = moe_rows(self, x, router, run, experts=self.experts, axis=axis, tokens=tokens)
-        for field, value in stats._asdict().items():
+            y, stats = moe_rows(self, x, router, run, experts=self.experts, axis=axis, tokens=tokens, mask=real)
+        # Not while initialising: applying the whole init output would append to the init's entry and count twice.
+        for field, value in [] if self.is_initializing() else stats._asdict().items():
             self.sow(MOE_COLLECTION, field, value)
         return y
 
@@ -236,10 +242,11 @@ def moe_rows(
     experts: int,
     axis: str | None,
     tokens: tuple[str, ...] | None,
+    mask: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats]:
-    """:func:`moe` of ``x`` (``[..., features]``, every position a token) routed by ``x @ router`` in float32, with
-    ``layer``'s ``k``, ``routing``, ``capacity_factor`` and ``implementation``: the call the Linen and NNX layers
-    share. Returns ``[..., d_out]`` and the statistics."""
+    """:func:`moe` of ``x`` (``[..., features]``, every position a token, ``mask`` of ``x.shape[:-1]`` the real ones)
+    routed by ``x @ router`` in float32, with ``layer``'s ``k``, ``routing``, ``capacity_factor`` and
+    ``implementation``: the call the Linen and NNX layers share. Returns ``[..., d_out]`` and the statistics."""
     h = x.reshape(-1, x.shape[-1])
     y, stats = moe(
         h,
@@ -252,8 +259,59 @@ def moe_rows(
         axis_name=axis,
         token_axes=tokens,
         implementation=layer.implementation,
+        mask=None if mask is None else mask.reshape(-1),
     )
     return y.reshape(*x.shape[:-1], y.shape[-1]), stats
+
+
+def token_mask(fn: str, x: jax.Array, mask: Any) -> jax.Array | None:
+    """Which positions of ``x`` (``[..., d]``) a MoE layer routes: ``x.shape[:-1]`` bools, or ``None`` for all.
+
+    ``mask`` (the caller's: bool, or numbers where nonzero is real) of shape ``x.shape[:j]``, ``j < x.ndim``,
+    covers the positions below it. Inside a train or eval step given a masked batch, the step's row mask
+    (:func:`~spmdcomm.parallel.real_rows.real_rows`) applies to dimension 0 of ``x`` as well; where ``x``'s
+    dimension 0 is not the batch's rows (a model that reshapes them), the caller's ``mask`` is used alone, and
+    without one the layer raises rather than route padding.
+
+    Raises:
+      ShapeError: for a ``mask`` whose shape is not a prefix of ``x.shape[:-1]``.
+      SpmdError: inside a step with a masked batch, for an ``x`` whose rows are not the batch's and no ``mask``.
+    """
+    positions = x.shape[:-1]
+    given = None
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.shape != positions[: mask.ndim] or mask.ndim == 0 and positions == ():
+            raise ShapeError(
+                describe(
+                    fn,
+                    f"mask has shape {mask.shape}, but x has shape {x.shape}: the mask must cover the leading "
+                    f"dimensions of x.shape[:-1] = {positions}.",
+                    fix=f"pass a mask of shape {positions[:1]} (rows) or {positions} (tokens), True or 1 where real.",
+                )
+            )
+        given = mask if mask.dtype == jnp.bool_ else mask != 0
+        given = jnp.broadcast_to(given.reshape(mask.shape + (1,) * (len(positions) - mask.ndim)), positions)
+    rows = real_rows()
+    if rows is None:
+        return given
+    if rows is UNKNOWN or positions[:1] != rows.shape:
+        if given is not None:
+            return given
+        raise SpmdError(
+            describe(
+                fn,
+                f"the step's batch is masked (padding rows), but this layer's input {x.shape} does not hold the "
+                "batch's rows on dimension 0"
+                + ("" if rows is UNKNOWN else f" ({rows.shape[0]} rows)")
+                + ", so the layer cannot tell which of its tokens are padding, and routing them would change the "
+                "capacity, the losses and the counts.",
+                fix="pass the layer mask=, True where a token is real (e.g. the batch's mask or token weights, "
+                "reshaped as you reshaped the rows), or keep the rows on dimension 0.",
+            )
+        )
+    step = jnp.broadcast_to(rows.reshape(rows.shape + (1,) * (len(positions) - 1)), positions)
+    return step if given is None else step & given
 
 
 def stacked_boxes(fn: str, created: Any) -> Any:
@@ -276,91 +334,6 @@ def stacked_boxes(fn: str, created: Any) -> Any:
         return nn.LogicallyPartitioned(leaf, (EXPERT,) + (None,) * (leaf.ndim - 1))
 
     return jax.tree.map(box, created, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertReport:
-    """A step's expert parallelism (a section of ``sc.explain``): its MoE layers and what crosses the expert axis.
-
-    Attributes:
-      axis: the expert axis; ``size``: its devices ``e``.
-      layers: ``(path, experts, bytes per device, bytes)`` of each MoE layer's stacked experts: ``1 / e`` of them
-        per device, ``1 / (e N)`` under FSDP over ``N`` devices.
-      all_to_alls: all-to-alls over the axis per step (forward and backward, every layer), and ``all_to_all_bytes``
-        their message bytes per device.
-      padded: the program moves the routed rows with the padded fallback (dense all-to-alls: every device is sent
-        its bound of rows, whatever the routing), not with XLA's ``ragged-all-to-all``, which sends the routed rows
-        only; read from the compiled program, so ``implementation="padded"`` on a GPU shows here too.
-      per_layer: ``(layer, all-to-alls, bytes per device)`` for each MoE layer, by its module path (the layers name
-        their collectives with a ``jax.named_scope`` that the optimised HLO keeps); the rest are in ``"?"``.
-    """
-
-    axis: str
-    size: int
-    layers: tuple[tuple[str, int, int, int], ...]
-    all_to_alls: int
-    all_to_all_bytes: int
-    padded: bool
-    per_layer: tuple[tuple[str, int, int], ...] = ()
-
-    def __str__(self) -> str:
-        layers = len(self.layers)
-        kind = "padded (dense all-to-alls: full bounds sent)" if self.padded else "ragged (bytes are bounds)"
-        lines = [
-            f"experts over {self.axis!r} ({self.size} devices): {layers} MoE layer{'s' * (layers != 1)}; all-to-alls "
-            f"over {self.axis!r}: {self.all_to_alls} ({format_bytes(self.all_to_all_bytes)} per device), {kind}"
-        ]
-        lines += [
-            f"  {path}: {experts} experts, {experts * mine // max(whole, 1)} per device; parameters "
-            f"{format_bytes(mine)} per device of {format_bytes(whole)}"
-            for path, experts, mine, whole in self.layers
-        ]
-        lines += [
-            f"  layer {layer}: {count} all-to-alls over {self.axis!r}, {format_bytes(sent)} per device"
-            for layer, count, sent in self.per_layer
-        ]
-        return "\n".join(lines)
-
-
-def expert_report(state: Any, collectives: tuple[Any, ...]) -> ExpertReport | None:
-    """The :class:`ExpertReport` of a step of ``state`` (a ``TrainState``) whose compiled program holds
-    ``collectives``; None without an expert axis."""
-    config = state.configs.get("expert")
-    if config is None:
-        return None
-    flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
-    layers: dict[str, list[int]] = {}
-    for (path, x), flag in zip(flat, state.layout.stacked_over(config.axis, "params"), strict=True):
-        if flag:
-            keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-            owner = len(keys) - keys[::-1].index("experts") if "experts" in keys else len(keys)
-            entry = layers.setdefault(jax.tree_util.keystr(path[:owner]), [int(x.shape[0]), 0, 0])
-            entry[1] += x.addressable_shards[0].data.nbytes
-            entry[2] += x.nbytes
-    moves = [
-        c
-        for c in collectives
-        if c.kind in ("all-to-all", "ragged-all-to-all") and c.axes is not None and config.axis in c.axes
-    ]
-    return ExpertReport(
-        axis=config.axis,
-        size=int(state.mesh.shape[config.axis]),
-        layers=tuple((f"params{p}", e, mine, whole) for p, (e, mine, whole) in layers.items()),
-        all_to_alls=sum(c.count for c in moves),
-        all_to_all_bytes=sum(c.total_bytes for c in moves),
-        padded=bool(moves) and not any(c.kind == "ragged-all-to-all" for c in moves),
-        per_layer=_per_layer(moves),
-    )
-
-
-def _per_layer(moves: list[Any]) -> tuple[tuple[str, int, int], ...]:
-    """``(layer, count, bytes)`` of ``moves`` (collectives) by the layer each names, in program order."""
-    by: dict[str, list[int]] = {}
-    for c in moves:
-        entry = by.setdefault(c.layer or "?", [0, 0])
-        entry[0] += c.count
-        entry[1] += c.total_bytes
-    return tuple((layer, count, sent) for layer, (count, sent) in by.items())
 
 
 #: Expert parallelism's entry of the registry (:mod:`spmdcomm.parallel.registry`): a mesh axis named ``"expert"``

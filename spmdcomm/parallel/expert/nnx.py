@@ -10,10 +10,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmdcomm.collectives.ragged import RaggedImplementation
-from spmdcomm.parallel.expert.layer import EXPERT, moe_rows, step_split
+from spmdcomm.parallel.expert.layer import EXPERT, moe_rows, step_split, token_mask
 from spmdcomm.parallel.expert.routing import RoutingName, check_routing
 
 __all__ = ["MoE"]
+
+#: The router kernel's default initializer (the Linen layer's): normal, standard deviation 0.02.
+ROUTER_INIT = nnx.initializers.normal(0.02)
 
 
 class MoE(nnx.Module):
@@ -42,6 +45,7 @@ class MoE(nnx.Module):
       axis_name: the mesh axis the experts are split over, or ``None``.
       token_axes: every axis that splits the tokens, in the global batch's order (default: ``axis_name``).
       implementation: of the all-to-alls: ``"auto"``, ``"native"`` or ``"padded"``.
+      router_init: the router kernel's initializer, ``init(key, (features, E), float32)`` (default: normal, 0.02).
       rngs: the ``nnx.Rngs`` the router and experts are initialised from.
 
     Raises:
@@ -67,12 +71,13 @@ class MoE(nnx.Module):
         axis_name: str | None = None,
         token_axes: tuple[str, ...] | None = None,
         implementation: RaggedImplementation = "auto",
+        router_init: Callable[..., jax.Array] = ROUTER_INIT,
         rngs: nnx.Rngs,
     ) -> None:
         check_routing("nnx.MoE", experts=experts, k=k, routing=routing, capacity_factor=capacity_factor)
         self.num_experts, self.k, self.routing, self.capacity_factor = experts, k, routing, capacity_factor
         self.axis_name, self.token_axes, self.implementation = axis_name, token_axes, implementation
-        self.router = nnx.Param(jax.random.normal(rngs.params(), (features, experts), jnp.float32) * 0.02)
+        self.router = nnx.Param(router_init(rngs.params(), (features, experts), jnp.float32))
 
         @nnx.split_rngs(splits=experts)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -86,20 +91,24 @@ class MoE(nnx.Module):
                 own = variable.get_metadata().get("out_sharding") or (None,) * (variable[...].ndim - 1)
                 variable.set_metadata(out_sharding=(EXPERT, *own))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Routes every position of ``x`` (features last) to its experts and returns their weighted outputs.
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        """Routes every real position of ``x`` (features last) to its experts and returns their weighted outputs.
 
         Args:
           x: ``[..., features]``.
+          mask: which positions are real, as for :class:`spmdcomm.MoE`: ``None``, or bool / 0-1 numbers of shape
+            ``x.shape[:j]``, ``j < x.ndim``; inside a step with a masked batch, the step's row mask also applies.
 
         Returns:
-          ``[..., d_out]``, in ``x``'s dtype.
+          ``[..., d_out]``, in ``x``'s dtype; zeros at the positions that are not real.
         """
+        x = jnp.asarray(x)
         graphdef, state = nnx.split(self.experts)
         run = lambda buf: jax.vmap(lambda s, rows: nnx.merge(graphdef, s)(rows))(state, buf)
         axis, tokens = step_split("nnx.MoE", self.axis_name, self.token_axes, self.capacity_factor)
+        real = token_mask("nnx.MoE", x, mask)
         y, stats = moe_rows(
-            self, jnp.asarray(x), self.router[...], run, experts=self.num_experts, axis=axis, tokens=tokens
+            self, x, self.router[...], run, experts=self.num_experts, axis=axis, tokens=tokens, mask=real
         )
         # Only under nnx.capture, which collects them: a sow outside it stores them on the module (deprecated).
         if hasattr(self, "__captures__"):

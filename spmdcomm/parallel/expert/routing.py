@@ -16,17 +16,23 @@ is a follow-up.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from spmdcomm.collectives.exchanges import all_gather
 from spmdcomm.collectives.ragged import RaggedImplementation, ragged_all_to_all
 from spmdcomm.errors import ShapeError, SpmdError, describe
+from spmdcomm.parallel.expert.capacity import (
+    Slots,
+    assignment_slots,
+    axes_size,
+    capacity_of,
+    expert_capacity,
+    psum_over,
+)
 
 __all__ = [
     "ROUTINGS",
@@ -56,16 +62,6 @@ class Routing(NamedTuple):
     weights: jax.Array
     probs: jax.Array
     logits: jax.Array
-
-
-class Slots(NamedTuple):
-    """Each assignment's place: ``global_slot`` ``[T, k]`` among the global batch's assignments to its expert,
-    ``group_slot`` among those of the devices of the expert axis that share this device's other coordinates, and
-    ``counts`` ``[E]``, the global batch's assignments to each expert (before any drop)."""
-
-    global_slot: jax.Array
-    group_slot: jax.Array
-    counts: jax.Array
 
 
 class MoEStats(NamedTuple):
@@ -106,77 +102,53 @@ def route(logits: jax.Array, k: int, *, routing: RoutingName = "softmax_topk") -
     return Routing(experts.astype(jnp.int32), weights, probs, logits)
 
 
-def expert_capacity(tokens: int, experts: int, k: int, capacity_factor: float) -> int:
-    """The GShard/Switch capacity: ``ceil(capacity_factor * tokens * k / experts)`` assignments per expert, at
-    least 1 and at most ``tokens`` (a token chooses an expert once), for ``tokens`` in the global batch.
-
-    Examples:
-      >>> expert_capacity(64, 8, 2, 1.25)
-      20
-    """
-    return max(1, min(tokens, math.ceil(capacity_factor * tokens * k / experts)))
-
-
-def assignment_slots(
-    experts: jax.Array, num_experts: int, *, token_axes: tuple[str, ...] = (), axis_name: str | None = None
-) -> Slots:
-    """Each assignment's slot at its expert, in the drop order of the capacity rule.
-
-    The order (GShard's): every token's first choice before any second choice, and within a choice the global
-    batch's token order. With a capacity ``C``, an assignment is kept when its ``global_slot`` is below ``C``: one
-    device applying the rule to the global batch drops the same ones. Costs two all-gathers of ``k * E`` integers.
-
-    Args:
-      experts: ``[T, k]`` expert ids of this device's tokens.
-      num_experts: ``E``.
-      token_axes: the axes that split the tokens, in the global batch's order (empty on one device).
-      axis_name: the expert axis (one of ``token_axes``), or ``None``: the group is then this device.
-
-    Returns:
-      The :class:`Slots`.
-    """
-    onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)  # [T, k, E]
-    local = onehot.sum(0)  # [k, E]
-    earlier_tokens = ((jnp.cumsum(onehot, axis=0) - onehot) * onehot).sum(-1)  # [T, k]
-    global_before, counts = _earlier(local, token_axes)
-    group_before, _ = _earlier(local, (axis_name,) if axis_name is not None else ())
-    return Slots(_pick(global_before, experts) + earlier_tokens, _pick(group_before, experts) + earlier_tokens, counts)
-
-
-def load_balancing_loss(probs: jax.Array, counts: jax.Array, k: int, *, token_axes: tuple[str, ...] = ()) -> jax.Array:
+def load_balancing_loss(
+    probs: jax.Array,
+    counts: jax.Array,
+    k: int,
+    *,
+    token_axes: tuple[str, ...] = (),
+    valid: jax.Array | None = None,
+) -> jax.Array:
     """The Switch/GShard auxiliary loss over the global batch: ``E * sum_j f_j * P_j``.
 
     ``f_j`` is the fraction of the global batch's ``N * k`` assignments that chose expert ``j`` (before any drop),
     ``P_j`` the mean over the ``N`` tokens of the router probability of ``j``; a uniform router gives 1. The same
-    value on every device, equal to one device's on the global batch (not a mean of per-device losses).
+    value on every device, equal to one device's on the global batch (not a mean of per-device losses). With
+    ``valid``, ``N`` counts the real tokens only and the others add nothing (0 when there is none).
 
     Args:
       probs: ``[T, E]`` softmax probabilities of this device's tokens.
-      counts: ``[E]`` assignments per expert over the global batch (:func:`assignment_slots`).
+      counts: ``[E]`` assignments per expert over the global batch (:func:`assignment_slots`, with the same
+        ``valid``).
       k: experts per token.
       token_axes: the axes that split the tokens.
+      valid: ``[T]``, the real tokens (``None``: all of them).
 
     Returns:
       A float32 scalar.
     """
-    tokens = probs.shape[0] * _size(token_axes)
-    mean_probs = _psum(probs.sum(0), token_axes) / tokens
-    fraction = counts.astype(jnp.float32) / (tokens * k)
+    probs = probs if valid is None else jnp.where(valid[:, None], probs, 0.0)
+    tokens = _real_tokens(probs.shape[0], valid, token_axes)
+    mean_probs = psum_over(probs.sum(0), token_axes) / jnp.maximum(tokens, 1)
+    fraction = counts.astype(jnp.float32) / jnp.maximum(tokens * k, 1)
     return probs.shape[1] * jnp.sum(fraction * mean_probs)
 
 
-def router_z_loss(logits: jax.Array, *, token_axes: tuple[str, ...] = ()) -> jax.Array:
+def router_z_loss(logits: jax.Array, *, token_axes: tuple[str, ...] = (), valid: jax.Array | None = None) -> jax.Array:
     """The router z-loss (ST-MoE) over the global batch: the mean over tokens of ``logsumexp(logits) ** 2``.
 
     Args:
       logits: ``[T, E]`` router logits of this device's tokens.
       token_axes: the axes that split the tokens.
+      valid: ``[T]``, the real tokens, the only ones the mean is over (``None``: all of them; 0 without any).
 
     Returns:
       A float32 scalar, the same on every device.
     """
-    z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-    return _psum(jnp.sum(z**2), token_axes) / (z.shape[0] * _size(token_axes))
+    z2 = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2
+    z2 = z2 if valid is None else jnp.where(valid, z2, 0.0)
+    return psum_over(jnp.sum(z2), token_axes) / jnp.maximum(_real_tokens(z2.shape[0], valid, token_axes), 1)
 
 
 def check_routing(fn: str, *, experts: int, k: int, routing: str, capacity_factor: float | None) -> None:
@@ -218,6 +190,7 @@ def moe(
     axis_name: str | None = None,
     token_axes: tuple[str, ...] | None = None,
     implementation: RaggedImplementation = "auto",
+    mask: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats]:
     """``sum_r weight[t, r] * expert_{e[t, r]}(x[t])`` for this device's tokens, the experts split over ``axis_name``.
 
@@ -227,6 +200,9 @@ def moe(
     With a ``capacity_factor``, each expert takes at most :func:`~spmdcomm.parallel.expert.routing.expert_capacity`
     assignments of the global batch, first choices before second ones, then in token order; a dropped assignment
     adds nothing, so a token that loses all its experts gives zeros (the caller's residual passes it on).
+    With ``mask``, only the real tokens are routed: the others give zeros, take no capacity slot and count in no
+    loss or statistic, and the capacity is the one of the global batch's real tokens; the result is one device's on
+    the real tokens alone.
 
     Args:
       x: ``[T, d]`` tokens of this device.
@@ -241,6 +217,7 @@ def moe(
       token_axes: every axis that splits the tokens, in the global batch's order (default: ``axis_name`` alone);
         the losses, counts and the capacity rule are over all of them.
       implementation: of the two all-to-alls (:func:`~spmdcomm.ragged_all_to_all`).
+      mask: ``[T]``, which tokens are real (bool, or 0/1 numbers), or ``None``: every token is.
 
     Returns:
       ``(y [T, d_out], stats)``: the combined expert outputs in float32 math, cast to ``x``'s dtype, and the
@@ -249,7 +226,7 @@ def moe(
     Raises:
       SpmdError: for ``k`` outside ``[1, E]``, an unknown routing, a capacity factor that is not positive, or
         ``token_axes`` without ``axis_name``.
-      ShapeError: when ``E`` does not divide by the size of ``axis_name``.
+      ShapeError: when ``E`` does not divide by the size of ``axis_name``, or ``mask`` is not ``[T]``.
     """
     check_routing("moe", experts=experts, k=k, routing=routing, capacity_factor=capacity_factor)
     axes = _token_axes(axis_name, token_axes)
@@ -264,15 +241,22 @@ def moe(
         )
     local = experts // n
     x, tokens = jnp.asarray(x), x.shape[0]
+    valid = None if mask is None else _token_mask(mask, tokens)
     r = route(logits, k, routing=routing)
-    slots = assignment_slots(r.experts, experts, token_axes=axes, axis_name=axis_name)
+    slots = assignment_slots(r.experts, experts, token_axes=axes, axis_name=axis_name, valid=valid)
     group_tokens = n * tokens
+    real = jnp.ones((tokens, 1), bool) if valid is None else valid[:, None]
     if capacity_factor is None:
-        kept = jnp.ones_like(r.experts, dtype=bool)
+        kept = jnp.broadcast_to(real, r.experts.shape)
         buffer = group_tokens
     else:
-        capacity = expert_capacity(tokens * _size(axes), experts, k, capacity_factor)
-        kept = slots.global_slot < capacity
+        capacity = expert_capacity(tokens * axes_size(axes), experts, k, capacity_factor)
+        if valid is not None:
+            # The capacity of the real tokens (at most the static one, which sizes the buffer).
+            real_capacity = capacity_of(_real_tokens(tokens, valid, axes), experts, k, capacity_factor)
+            kept = real & (slots.global_slot < real_capacity)
+        else:
+            kept = slots.global_slot < capacity
         buffer = min(capacity, group_tokens)  # a kept assignment's group slot is at most its global slot
     # Sorted by destination device; dropped assignments last, never sent.
     dest = jnp.where(kept, r.experts // local, n).reshape(-1)
@@ -287,49 +271,45 @@ def moe(
         (got, got_where), recv_sizes = ragged_all_to_all(
             (rows, where), send_sizes, axis_name, out_rows=bound, implementation=implementation
         )
-    valid = jnp.arange(got.shape[0]) < jnp.sum(recv_sizes)
-    expert_of, slot_of = jnp.where(valid, got_where[:, 0], local), got_where[:, 1]  # row `local`: out of range
+    received = jnp.arange(got.shape[0]) < jnp.sum(recv_sizes)
+    expert_of, slot_of = jnp.where(received, got_where[:, 0], local), got_where[:, 1]  # row `local`: out of range
     held = jnp.zeros((local, buffer) + x.shape[1:], x.dtype).at[expert_of, slot_of].set(got, mode="drop")
     done = apply_experts(held)
-    back = jnp.where(valid[:, None], done.at[expert_of, slot_of].get(mode="fill", fill_value=0), 0)
+    back = jnp.where(received[:, None], done.at[expert_of, slot_of].get(mode="fill", fill_value=0), 0)
     if axis_name is not None:
         back, _ = ragged_all_to_all(back, recv_sizes, axis_name, out_rows=tokens * k, implementation=implementation)
     per_assignment = back[jnp.argsort(order)].reshape(tokens, k, -1)
     gate = jnp.where(kept, r.weights, 0.0)
     y = jnp.einsum("tk,tkd->td", gate, per_assignment.astype(jnp.float32)).astype(x.dtype)
-    dropped = _psum(jnp.sum(~kept), axes) / (tokens * _size(axes) * k)
+    dropped = psum_over(jnp.sum(real & ~kept), axes) / jnp.maximum(_real_tokens(tokens, valid, axes) * k, 1)
     stats = MoEStats(
-        load_balancing_loss(r.probs, slots.counts, k, token_axes=axes),
-        router_z_loss(r.logits, token_axes=axes),
+        load_balancing_loss(r.probs, slots.counts, k, token_axes=axes, valid=valid),
+        router_z_loss(r.logits, token_axes=axes, valid=valid),
         slots.counts,
         dropped.astype(jnp.float32),
     )
     return y, stats
 
 
-def _earlier(local: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
-    """``(before [k, E], totals [E])``: the assignments that precede this device's choice-``r`` assignments to each
-    expert (every earlier choice of every device, then choice ``r`` of the earlier devices), and each expert's
-    total over ``axes``."""
-    every = all_gather(local, axes, tiled=False) if axes else local[None]  # [devices, k, E], identical everywhere
-    me = lax.axis_index(axes) if axes else 0
-    per_choice = every.sum(0)
-    earlier_choices = jnp.cumsum(per_choice, axis=0) - per_choice
-    earlier_devices = (jnp.cumsum(every, axis=0) - every)[me]
-    return earlier_choices + earlier_devices, per_choice.sum(0)
+def _token_mask(mask: jax.Array, tokens: int) -> jax.Array:
+    """``mask`` as a ``[tokens]`` bool array (nonzero: real), or :class:`ShapeError`."""
+    mask = jnp.asarray(mask)
+    if mask.shape != (tokens,):
+        raise ShapeError(
+            describe(
+                "moe",
+                f"mask has shape {mask.shape}, but x holds {tokens} tokens.",
+                fix=f"pass one entry per token: a [{tokens}] mask, True (or 1) where the token is real.",
+            )
+        )
+    return mask if mask.dtype == jnp.bool_ else mask != 0
 
 
-def _pick(before: jax.Array, experts: jax.Array) -> jax.Array:
-    """``before[r, experts[t, r]]`` for every ``(t, r)``."""
-    return before[jnp.arange(experts.shape[1])[None, :], experts]
-
-
-def _size(axes: tuple[str, ...]) -> int:
-    return math.prod(lax.axis_size(a) for a in axes)
-
-
-def _psum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    return lax.psum(x, axes) if axes else x
+def _real_tokens(tokens: int, valid: jax.Array | None, axes: tuple[str, ...]) -> Any:
+    """The global batch's real tokens: a Python int without ``valid``, else an int32 scalar (the same everywhere)."""
+    if valid is None:
+        return tokens * axes_size(axes)
+    return psum_over(jnp.sum(valid, dtype=jnp.int32), axes)
 
 
 def _token_axes(axis_name: str | None, token_axes: tuple[str, ...] | None) -> tuple[str, ...]:

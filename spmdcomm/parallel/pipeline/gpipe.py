@@ -5,6 +5,7 @@ forward pass of the 1F1B schedule's eval step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import ShapeError, describe
 from spmdcomm.parallel.pipeline.pipeline import GROUPS, Pipeline, check_schedule, reorder_layers
 from spmdcomm.parallel.pipeline.schedule import PIPELINED, LayerFn, scan_layers
+from spmdcomm.parallel.real_rows import UNKNOWN, real_rows, rows_of
 
 __all__ = ["pipelined", "stage_rows", "whole_state"]
 
@@ -45,6 +47,7 @@ def pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline
     # The state is whole (all L layers, canonical order) on every device: this stage's layers, as its chunks.
     own = stage_rows(state, local, p, v, s)
     layer_state = vary(jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), own), axes)
+    micro_rows = _micro_batch_rows(real_rows(), x.shape[0], q, mb, axis)
     left = [(i, (i - 1) % p) for i in range(p)]
     right = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
 
@@ -74,7 +77,8 @@ def pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline
         # A bubble computes on real rows (stage 0's input of this tick), never on zeros or an empty slot: its result
         # is dropped, so its cotangent is zero, and a zero times a block's derivative at real rows stays zero.
         h = jnp.where(valid, h, io_in[t % q])
-        out, new_state = run(r, i, jax.tree.map(lambda a: a[r] if v > 1 else a[0], layer_state), h)
+        with rows_of(micro_rows(i)):  # the real rows of the micro-batch this stage runs (a bubble's: unread)
+            out, new_state = run(r, i, jax.tree.map(lambda a: a[r] if v > 1 else a[0], layer_state), h)
         sown = {c: new_state.pop(c) for c in list(new_state) if c not in layer_state}
         # A chunk's state moves on once per real micro-batch, in micro-batch order (a bubble's update is dropped).
         layer_state = jax.tree.map(lambda a, n: a.at[r].set(jnp.where(valid, n, a[r])), layer_state, new_state)
@@ -99,6 +103,18 @@ def pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline
         PIPELINED.reset(token)
     whole = whole_state(layer_state, local, p, v, axis)
     return io_out.reshape(x.shape), {**whole, **_per_micro_batch(sown, s, m, v, p, axis)}
+
+
+def _micro_batch_rows(rows: Any, held: int, q: int, mb: int, axis: str) -> Callable[[jax.Array], Any]:
+    """``f(i)``: the real-row mask of micro-batch ``i`` (``[mb]``, part ``i mod q`` of stage device ``i // q``'s
+    rows), from this device's mask ``rows`` of its ``held`` rows (gathered over the stage axis: small); ``None`` for
+    an unmasked batch, :data:`~spmdcomm.parallel.real_rows.UNKNOWN` when the stack's input is not the batch's rows."""
+    if rows is None or rows is UNKNOWN:
+        return lambda i: rows
+    if rows.shape[0] != held:
+        return lambda i: UNKNOWN
+    every = lax.all_gather(vary(rows, (axis,)), axis, tiled=False).reshape(-1, mb)  # [p q, mb], stage-major
+    return lambda i: every[i]
 
 
 def _per_micro_batch(sown: Any, stage: jax.Array, m: int, v: int, p: int, axis: str) -> Any:

@@ -1,0 +1,123 @@
+"""The capacity rule of a mixture of experts: how many assignments an expert takes (:func:`expert_capacity`, also
+on the devices from a count of real tokens: :func:`capacity_of`) and each assignment's place in the global drop order
+(:func:`assignment_slots`)."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from spmdcomm.collectives.exchanges import all_gather
+
+__all__ = ["Slots", "expert_capacity", "capacity_of", "assignment_slots", "axes_size", "psum_over"]
+
+
+class Slots(NamedTuple):
+    """Each assignment's place: ``global_slot`` ``[T, k]`` among the global batch's assignments to its expert,
+    ``group_slot`` among those of the devices of the expert axis that share this device's other coordinates, and
+    ``counts`` ``[E]``, the global batch's assignments to each expert (before any drop)."""
+
+    global_slot: jax.Array
+    group_slot: jax.Array
+    counts: jax.Array
+
+
+def expert_capacity(tokens: int, experts: int, k: int, capacity_factor: float) -> int:
+    """The GShard/Switch capacity: ``ceil(capacity_factor * tokens * k / experts)`` assignments per expert, at
+    least 1 and at most ``tokens`` (a token chooses an expert once), for ``tokens`` real tokens in the global batch.
+
+    Exact: ``capacity_factor`` is read as the nearest fraction with a denominator of at most 1000 (``1.1`` is
+    ``11 / 10``, not the binary float just above it), and the rest is integer arithmetic, so the capacity a masked
+    batch computes on the devices from its count of real tokens (:func:`moe`) is this one.
+
+    Examples:
+      >>> expert_capacity(64, 8, 2, 1.25), expert_capacity(10, 1, 1, 1.1)
+      (20, 11)
+    """
+    a, b = _factor(capacity_factor)
+    return max(1, min(tokens, -(-(a * tokens * k) // (b * experts))))
+
+
+def capacity_of(real: jax.Array, experts: int, k: int, capacity_factor: float) -> jax.Array:
+    """:func:`expert_capacity` of ``real`` tokens (an int32 scalar), on the devices and exactly: a float32 estimate
+    of the quotient, corrected by the remainder, computed in wrapping int32 arithmetic, which is exact because the
+    true remainder is small."""
+    a, b = _factor(capacity_factor)
+    num, den = a * k, b * experts
+    guess = jnp.floor(real.astype(jnp.float32) * (num / den)).astype(jnp.int32)
+    rest = real * num - guess * den  # int32 wraps; the true value is a few `den` at most, so this is it
+    quotient = guess + jnp.floor_divide(rest, den)
+    ceil = quotient + (jnp.mod(rest, den) > 0)
+    return jnp.maximum(1, jnp.minimum(real, ceil))
+
+
+def assignment_slots(
+    experts: jax.Array,
+    num_experts: int,
+    *,
+    token_axes: tuple[str, ...] = (),
+    axis_name: str | None = None,
+    valid: jax.Array | None = None,
+) -> Slots:
+    """Each assignment's slot at its expert, in the drop order of the capacity rule.
+
+    The order (GShard's): every token's first choice before any second choice, and within a choice the global
+    batch's token order. With a capacity ``C``, an assignment is kept when its ``global_slot`` is below ``C``: one
+    device applying the rule to the global batch drops the same ones. Costs two all-gathers of ``k * E`` integers.
+
+    Args:
+      experts: ``[T, k]`` expert ids of this device's tokens.
+      num_experts: ``E``.
+      token_axes: the axes that split the tokens, in the global batch's order (empty on one device).
+      axis_name: the expert axis (one of ``token_axes``), or ``None``: the group is then this device.
+      valid: ``[T]``, the real tokens (``None``: all of them); the others take no slot and are not counted.
+
+    Returns:
+      The :class:`Slots`.
+    """
+    onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)  # [T, k, E]
+    if valid is not None:
+        onehot = onehot * valid[:, None, None].astype(jnp.int32)
+    local = onehot.sum(0)  # [k, E]
+    earlier_tokens = ((jnp.cumsum(onehot, axis=0) - onehot) * onehot).sum(-1)  # [T, k]
+    global_before, counts = _earlier(local, token_axes)
+    group_before, _ = _earlier(local, (axis_name,) if axis_name is not None else ())
+    return Slots(_pick(global_before, experts) + earlier_tokens, _pick(group_before, experts) + earlier_tokens, counts)
+
+
+def axes_size(axes: tuple[str, ...]) -> int:
+    """The devices of ``axes`` together (1 for none)."""
+    return math.prod(lax.axis_size(a) for a in axes)
+
+
+def psum_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``lax.psum`` over ``axes``; ``x`` itself for none."""
+    return lax.psum(x, axes) if axes else x
+
+
+def _factor(capacity_factor: float) -> tuple[int, int]:
+    """``capacity_factor`` as ``(numerator, denominator)``, the nearest fraction with a denominator of at most 1000."""
+    f = Fraction(capacity_factor).limit_denominator(1000)
+    return f.numerator, f.denominator
+
+
+def _earlier(local: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
+    """``(before [k, E], totals [E])``: the assignments that precede this device's choice-``r`` assignments to each
+    expert (every earlier choice of every device, then choice ``r`` of the earlier devices), and each expert's
+    total over ``axes``."""
+    every = all_gather(local, axes, tiled=False) if axes else local[None]  # [devices, k, E], identical everywhere
+    me = lax.axis_index(axes) if axes else 0
+    per_choice = every.sum(0)
+    earlier_choices = jnp.cumsum(per_choice, axis=0) - per_choice
+    earlier_devices = (jnp.cumsum(every, axis=0) - every)[me]
+    return earlier_choices + earlier_devices, per_choice.sum(0)
+
+
+def _pick(before: jax.Array, experts: jax.Array) -> jax.Array:
+    """``before[r, experts[t, r]]`` for every ``(t, r)``."""
+    return before[jnp.arange(experts.shape[1])[None, :], experts]
