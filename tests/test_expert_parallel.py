@@ -30,6 +30,7 @@ from tests.ddp_models import assert_trees_close, jit_once, nnx_once
 
 E, D, HIDDEN, ROWS, TOKENS, FEATURES = 8, 8, 16, 16, 4, 6
 CAPACITY, BALANCE, LR = 1.0, 0.1, 0.1
+REAL_ROWS = 13  # of ROWS in the padded cases: the last device of 8 holds padding only, the one before it half
 RULES = {"model": [("embed", None), ("mlp", "model")], None: [("embed", None), ("mlp", None)]}
 
 
@@ -354,10 +355,23 @@ def stacked_loss(params, batch, *, apply_fn, **_):
     return jnp.mean((out - batch["y"]) ** 2) + BALANCE * balance, {"balance": balance}
 
 
+def masked_stacked_loss(params, batch, *, apply_fn, mask, **_):
+    """:func:`stacked_loss` with the task loss over this device's real rows."""
+    out, found = apply_fn({"params": params}, batch["x"], mutable=["moe"])
+    per_layer = found["moe"]["PipelineStack_0"]["layers"]["MoE_0"]["load_balancing_loss"][0]  # [L, micro-batches]
+    balance = jnp.sum(jnp.mean(per_layer, axis=1))
+    return sc.masked_mean(jnp.mean((out - batch["y"]) ** 2, axis=(1, 2)), mask) + BALANCE * balance, {
+        "balance": balance
+    }
+
+
 @pytest.mark.slow
-def test_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_device_accumulating_micro_batches():
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
+def test_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_device_accumulating_micro_batches(padded):
     """Each layer's losses and capacity are per micro-batch, as one device accumulating the same micro-batches:
-    micro-batch i holds, in (data, expert) order, the rows of the stage-i device of each (data, expert) replica."""
+    micro-batch i holds, in (data, expert) order, the rows of the stage-i device of each (data, expert) replica.
+    Padded, each stage runs its micro-batch with that micro-batch's real rows (the real rows' capacity and losses),
+    as one device given each micro-batch's real rows alone."""
     data = batch()
     params = stacked_params()
     state = sc.TrainState.create(
@@ -368,14 +382,21 @@ def test_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_device_ac
         pipeline=sc.Pipeline(microbatches=2),
         logical_axis_rules=RULES[None],
     )
-    new, metrics = sc.make_train_step(stacked_loss, donate=False)(state, data)
+    real = np.arange(ROWS) < (REAL_ROWS if padded else ROWS)
+    given = sc.pad_batch(jax.tree.map(lambda a: a[:REAL_ROWS], data), 8) if padded else data
+    new, metrics = sc.make_train_step(masked_stacked_loss if padded else stacked_loss, donate=False)(state, given)
     # Device (d, s, e) holds rows block 4 d + 2 s + e; micro-batch i is its stage-i devices' blocks.
     blocks = np.arange(ROWS).reshape(2, 2, 2, ROWS // 8)
-    micro = [blocks[:, i].reshape(-1) for i in range(2)]
+    micro = [[r for r in blocks[:, i].reshape(-1) if real[r]] for i in range(2)]
 
     def loss(p):
-        parts = [stacked_loss(p, jax.tree.map(lambda a, r=r: a[r], data), apply_fn=Stacked().apply) for r in micro]
-        return sum(v for v, _ in parts) / 2, sum(a["balance"] for _, a in parts) / 2
+        parts = [
+            stacked_loss(p, jax.tree.map(lambda a, r=r: a[np.array(r)], data), apply_fn=Stacked().apply) for r in micro
+        ]
+        # The task loss is a mean over every real row; the balance a mean over the micro-batches.
+        task = sum((v - BALANCE * a["balance"]) * len(r) for (v, a), r in zip(parts, micro, strict=True))
+        balance = sum(a["balance"] for _, a in parts) / 2
+        return task / real.sum() + BALANCE * balance, balance
 
     want, value, balance = jax.jit(functools.partial(sgd, jax.value_and_grad(loss, has_aux=True)))(nn.unbox(params))
     np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
@@ -399,11 +420,41 @@ def test_a_moe_layer_under_a_table_schedule_raises_while_tracing():
 # The expert axis across two processes: tests/test_pipeline.py's two-process job (tests/workers/mp_pipeline.py).
 
 
-def test_a_masked_batch_runs_on_the_expert_axis_and_equals_one_device(initial, reference):
-    """A masked batch (what sc.Loader hands the step) keeps every replicated gradient summed over the expert axis."""
-    state, step, *_ = trained("ddp-data2-expert4", initial)
-    data = batch()
-    new, metrics = step(state, sc.MaskedBatch(data, np.ones(ROWS, bool)))
-    want, loss, _ = reference
+def masked_loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
+    """``loss_fn`` with the task loss over this device's real rows (what a padded batch needs)."""
+    out, found = apply_fn({"params": params}, batch["x"], mutable=["moe"])
+    balance = balance_loss(found["moe"])
+    per_row = jnp.mean((out - batch["y"]) ** 2, axis=(1, 2))
+    return sc.masked_mean(per_row, mask) + BALANCE * balance, {"balance": balance}
+
+
+def test_a_padded_batch_trains_and_evaluates_as_one_device_on_the_real_rows_alone(initial):
+    """The MoE layers take the step's row mask: padding rows are not routed, take no capacity slot (the real rows'
+    capacity is smaller than the padded batch's) and count in no loss; the train and eval steps equal one device
+    given the real rows alone. A model that moves the rows off dimension 0 must pass the layer its own mask."""
+    state, *_ = trained("ddp-data2-expert4", initial)
+    padded = sc.pad_batch(jax.tree.map(lambda a: a[:REAL_ROWS], batch()), 8)
+    assert padded.mask.shape == (ROWS,) and int(padded.mask.sum()) == REAL_ROWS
+    new, metrics = sc.make_train_step(masked_loss_fn, donate=False)(state, padded)
+    evaluate = sc.make_eval_step(lambda p, b, **kw: masked_loss_fn(p, b, rng=None, **kw)[1])
+    evaluated = evaluate(state, padded)
+    plain, data = nn.unbox(initial), jax.tree.map(lambda a: a[:REAL_ROWS], batch())
+
+    def loss(p):
+        out, found = MODEL.apply({"params": p}, data["x"], mutable=["moe"])
+        balance = balance_loss(found["moe"])
+        return jnp.mean((out - data["y"]) ** 2) + BALANCE * balance, balance
+
+    want, value, balance = jax.jit(functools.partial(sgd, jax.value_and_grad(loss, has_aux=True)))(plain)
+    np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
+    np.testing.assert_allclose(evaluated["balance"], balance, rtol=1e-5)
     assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+
+    def flattened_loss(params, batch, *, apply_fn, mask, **_):
+        rows = batch["x"].reshape(-1, 1, FEATURES)  # tokens as rows: the layer cannot match them to the mask
+        return jnp.mean(apply_fn({"params": params}, rows, mutable=["moe"])[0])
+
+    with pytest.raises(SpmdError) as caught:
+        sc.make_train_step(flattened_loss, donate=False)(state, padded)
+    for fact in ["the step's batch is masked", "input (8, 1, 8)", "(2 rows)", "pass the layer mask="]:
+        assert fact in str(caught.value)

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 
 import jax
 
-__all__ = ["UNKNOWN", "real_rows", "rows_of"]
+__all__ = ["UNKNOWN", "Unknown", "real_rows", "rows_of"]
 
 
-class _Unknown:
+class Unknown:
     """The marker of a model call whose rows are not the step's (a stack whose input has another row count)."""
 
     def __repr__(self) -> str:
@@ -28,19 +28,19 @@ class _Unknown:
 
 #: What :func:`real_rows` returns where the step's batch is masked but the rows a layer runs on cannot be matched to
 #: it (a pipeline stack given an input whose dimension 0 is not the batch's rows).
-UNKNOWN = _Unknown()
+UNKNOWN = Unknown()
 
-_ROWS: contextvars.ContextVar[jax.Array | _Unknown | None] = contextvars.ContextVar("spmdcomm_real_rows", default=None)
+_ROWS: contextvars.ContextVar[jax.Array | Unknown | None] = contextvars.ContextVar("spmdcomm_real_rows", default=None)
 
 
-def real_rows() -> jax.Array | _Unknown | None:
+def real_rows() -> jax.Array | Unknown | None:
     """The ``[rows]`` bool mask of the rows the model is running on, :data:`UNKNOWN`, or ``None`` (every row real:
     outside a step, or an unmasked batch)."""
     return _ROWS.get()
 
 
 @contextlib.contextmanager
-def rows_of(mask: jax.Array | _Unknown | None) -> Iterator[None]:
+def rows_of(mask: jax.Array | Unknown | None) -> Iterator[None]:
     """Within the block, :func:`real_rows` is ``mask``."""
     token = _ROWS.set(mask)
     try:

@@ -25,7 +25,7 @@ from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
 from spmdcomm.parallel.expert.report import expert_report
 from spmdcomm.parallel.expert.routing import MoEStats, RoutingName, check_routing, moe
 from spmdcomm.parallel.pipeline.schedule import PIPELINED, active_schedule
-from spmdcomm.parallel.real_rows import UNKNOWN, real_rows
+from spmdcomm.parallel.real_rows import Unknown, real_rows
 from spmdcomm.parallel.registry import Parallelism
 
 __all__ = [
@@ -292,10 +292,11 @@ def token_mask(fn: str, x: jax.Array, mask: Any) -> jax.Array | None:
             )
         given = mask if mask.dtype == jnp.bool_ else mask != 0
         given = jnp.broadcast_to(given.reshape(mask.shape + (1,) * (len(positions) - mask.ndim)), positions)
-    rows = real_rows()
-    if rows is None:
+    found = real_rows()
+    if found is None:
         return given
-    if rows is UNKNOWN or positions[:1] != rows.shape:
+    rows = None if isinstance(found, Unknown) else found
+    if rows is None or positions[:1] != rows.shape:
         if given is not None:
             return given
         raise SpmdError(
@@ -303,7 +304,7 @@ def token_mask(fn: str, x: jax.Array, mask: Any) -> jax.Array | None:
                 fn,
                 f"the step's batch is masked (padding rows), but this layer's input {x.shape} does not hold the "
                 "batch's rows on dimension 0"
-                + ("" if rows is UNKNOWN else f" ({rows.shape[0]} rows)")
+                + ("" if rows is None else f" ({rows.shape[0]} rows)")
                 + ", so the layer cannot tell which of its tokens are padding, and routing them would change the "
                 "capacity, the losses and the counts.",
                 fix="pass the layer mask=, True where a token is real (e.g. the batch's mask or token weights, "

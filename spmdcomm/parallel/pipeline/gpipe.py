@@ -16,7 +16,7 @@ from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import ShapeError, describe
 from spmdcomm.parallel.pipeline.pipeline import GROUPS, Pipeline, check_schedule, reorder_layers
 from spmdcomm.parallel.pipeline.schedule import PIPELINED, LayerFn, scan_layers
-from spmdcomm.parallel.real_rows import UNKNOWN, real_rows, rows_of
+from spmdcomm.parallel.real_rows import UNKNOWN, Unknown, real_rows, rows_of
 
 __all__ = ["pipelined", "stage_rows", "whole_state"]
 
@@ -109,7 +109,7 @@ def _micro_batch_rows(rows: Any, held: int, q: int, mb: int, axis: str) -> Calla
     """``f(i)``: the real-row mask of micro-batch ``i`` (``[mb]``, part ``i mod q`` of stage device ``i // q``'s
     rows), from this device's mask ``rows`` of its ``held`` rows (gathered over the stage axis: small); ``None`` for
     an unmasked batch, :data:`~spmdcomm.parallel.real_rows.UNKNOWN` when the stack's input is not the batch's rows."""
-    if rows is None or rows is UNKNOWN:
+    if rows is None or isinstance(rows, Unknown):
         return lambda i: rows
     if rows.shape[0] != held:
         return lambda i: UNKNOWN
