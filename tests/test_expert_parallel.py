@@ -85,10 +85,11 @@ def reference(initial):
     return one_device_step(initial)
 
 
-def one_device_step(initial):
+def one_device_step(initial, rows=ROWS):
     """``(new parameters, loss, load-balancing loss)`` of one SGD step from ``initial`` on one device, every expert
-    local, on the global batch (also the reference of tests/test_pipeline.py's two-process job)."""
-    plain, data = nn.unbox(initial), batch()
+    local, on the global batch's first ``rows`` rows (also the reference of tests/test_pipeline.py's two-process
+    job, which pads ``REAL_ROWS`` of them)."""
+    plain, data = nn.unbox(initial), jax.tree.map(lambda a: a[:rows], batch())
 
     def loss(p):
         out, found = MODEL.apply({"params": p}, data["x"], mutable=["moe"])
@@ -220,15 +221,21 @@ class NnxModel(nnx.Module):
 def nnx_loss(model, batch, *, rng, mask):
     out, found = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(model, batch["x"])
     balance = found["moe"]["load_balancing_loss"].get_value()[0]
-    return jnp.mean((out - batch["y"]) ** 2) + BALANCE * balance, {"balance": balance}
+    per_row = jnp.mean((out - batch["y"]) ** 2, axis=(1, 2))
+    return (jnp.mean(per_row) if mask is None else sc.masked_mean(per_row, mask)) + BALANCE * balance, {
+        "balance": balance
+    }
 
 
 @pytest.mark.slow
 def test_the_nnx_layer_in_a_step_on_data2_expert4_equals_one_device():
+    """On a padded batch: the NNX layer takes the step's row mask too (one device: the real rows alone)."""
     model, data = nnx_once(lambda: NnxModel(nnx.Rngs(0))), batch()
     state = sc.TrainState.create_nnx(model, tx=optax.sgd(LR), mesh=sc.make_mesh({"data": 2, "expert": 4}))
     assert state.params["moe"]["experts"]["up"]["kernel"].sharding.spec == jax.P("expert", None, None)
-    new, metrics = sc.make_train_step(sc.nnx_loss_fn(nnx_loss), donate=False)(state, data)
+    padded = sc.pad_batch(jax.tree.map(lambda a: a[:REAL_ROWS], data), 8)
+    new, metrics = sc.make_train_step(sc.nnx_loss_fn(nnx_loss), donate=False)(state, padded)
+    data = jax.tree.map(lambda a: a[:REAL_ROWS], data)
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -244,6 +251,9 @@ def test_the_nnx_layer_in_a_step_on_data2_expert4_equals_one_device():
     np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
     got = jax.tree.map(np.asarray, jax.device_get(new.full_params()))
     assert_trees_close(nnx.to_pure_dict(got), nnx.to_pure_dict(want), rtol=1e-5, atol=1e-6)
+    # The router's initializer, as the Linen layer's router_init.
+    layer = sc.nnx.MoE(NnxMlp, experts=2, features=D, k=1, router_init=nnx.initializers.ones, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(layer.router[...], np.ones((D, 2), np.float32))
 
 
 # ---- errors before anything compiles -----------------------------------------------------------------------------
@@ -417,6 +427,30 @@ def test_a_moe_layer_under_a_table_schedule_raises_while_tracing():
         sc.make_train_step(stacked_loss, donate=False)(state, data)
 
 
+@pytest.mark.slow
+def test_a_padded_batch_accumulated_in_two_micro_batches_equals_one_device_on_each_ones_real_rows(initial):
+    """accum_steps=2: each micro-batch's MoE runs on its real rows (capacity, losses), as one device accumulating
+    the same micro-batches given their real rows alone: micro-batch j holds row j of every device's two rows."""
+    state, *_ = trained("ddp-data2-expert4", initial)
+    padded = sc.pad_batch(jax.tree.map(lambda a: a[:REAL_ROWS], batch()), 8)
+    new, metrics = sc.make_train_step(masked_loss_fn, accum_steps=2, donate=False)(state, padded)
+    micro = [[r for r in range(j, ROWS, 2) if r < REAL_ROWS] for j in range(2)]
+    data = batch()
+
+    def loss(p):
+        task, balance = 0.0, 0.0
+        for rows in micro:
+            part = jax.tree.map(lambda a, rows=rows: a[np.array(rows)], data)
+            out, found = MODEL.apply({"params": p}, part["x"], mutable=["moe"])
+            task += jnp.sum(jnp.mean((out - part["y"]) ** 2, axis=(1, 2)))
+            balance += balance_loss(found["moe"]) * len(rows)  # a metric weighted by the micro-batch's rows
+        return task / REAL_ROWS + BALANCE * balance / REAL_ROWS, balance / REAL_ROWS
+
+    want, value, balance = jax.jit(functools.partial(sgd, jax.value_and_grad(loss, has_aux=True)))(nn.unbox(initial))
+    np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
+    assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
+
+
 # The expert axis across two processes: tests/test_pipeline.py's two-process job (tests/workers/mp_pipeline.py).
 
 
@@ -438,14 +472,7 @@ def test_a_padded_batch_trains_and_evaluates_as_one_device_on_the_real_rows_alon
     new, metrics = sc.make_train_step(masked_loss_fn, donate=False)(state, padded)
     evaluate = sc.make_eval_step(lambda p, b, **kw: masked_loss_fn(p, b, rng=None, **kw)[1])
     evaluated = evaluate(state, padded)
-    plain, data = nn.unbox(initial), jax.tree.map(lambda a: a[:REAL_ROWS], batch())
-
-    def loss(p):
-        out, found = MODEL.apply({"params": p}, data["x"], mutable=["moe"])
-        balance = balance_loss(found["moe"])
-        return jnp.mean((out - data["y"]) ** 2) + BALANCE * balance, balance
-
-    want, value, balance = jax.jit(functools.partial(sgd, jax.value_and_grad(loss, has_aux=True)))(plain)
+    want, value, balance = one_device_step(initial, REAL_ROWS)
     np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
     np.testing.assert_allclose(evaluated["balance"], balance, rtol=1e-5)
     assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)

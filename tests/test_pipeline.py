@@ -734,8 +734,8 @@ def test_nnx_batchnorm_in_a_stage_equals_one_device_with_one_micro_batch_at_a_ti
 @pytest.mark.slow
 def test_two_processes_with_the_stage_or_the_expert_axis_across_them_equal_one_device(launch, tmp_path):
     """One job (tests/workers/mp_pipeline.py): GPipe and 1F1B with the stage axis across the processes, then
-    tests/test_expert_parallel.py's MoE step with the expert axis across them."""
-    from tests.test_expert_parallel import MODEL, batch, one_device_step
+    tests/test_expert_parallel.py's MoE step with the expert axis across them, on a padded batch."""
+    from tests.test_expert_parallel import MODEL, REAL_ROWS, batch, one_device_step
 
     experts_init = jax.jit(MODEL.init)(jax.random.key(0), batch()["x"][:1])["params"]
     write_initial(tmp_path, pipeline=init(Net()), experts=experts_init)
@@ -749,7 +749,7 @@ def test_two_processes_with_the_stage_or_the_expert_axis_across_them_equal_one_d
             np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=f"{schedule} {name}")
         np.testing.assert_allclose(np.load(tmp_path / f"losses_{schedule}.npy"), expected_losses, rtol=1e-5)
     got = np.load(tmp_path / "params_experts.npz")
-    want, loss, _ = one_device_step(experts_init)
+    want, loss, _ = one_device_step(experts_init, REAL_ROWS)  # one device on the padded batch's real rows
     for path, x in jax.tree_util.tree_flatten_with_path(want)[0]:
         name = jax.tree_util.keystr(path)
         np.testing.assert_allclose(got[name], np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=f"experts {name}")
