@@ -91,6 +91,7 @@ from spmdcomm.collectives.attention import zigzag_order as zigzag_order
 # expert parallelism
 from spmdcomm.parallel.expert.layer import MoE as MoE
 from spmdcomm.parallel.expert.layer import ExpertParallel as ExpertParallel
+from spmdcomm.parallel.expert.metrics import moe_metrics as moe_metrics
 
 # what a compiled step communicates and holds
 from spmdcomm.explain.report import explain as explain

@@ -459,7 +459,7 @@ def masked_loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
     out, found = apply_fn({"params": params}, batch["x"], mutable=["moe"])
     balance = balance_loss(found["moe"])
     per_row = jnp.mean((out - batch["y"]) ** 2, axis=(1, 2))
-    return sc.masked_mean(per_row, mask) + BALANCE * balance, {"balance": balance}
+    return sc.masked_mean(per_row, mask) + BALANCE * balance, {"balance": balance, **sc.moe_metrics(found["moe"])}
 
 
 def test_a_padded_batch_trains_and_evaluates_as_one_device_on_the_real_rows_alone(initial):
@@ -475,6 +475,10 @@ def test_a_padded_batch_trains_and_evaluates_as_one_device_on_the_real_rows_alon
     want, value, balance = one_device_step(initial, REAL_ROWS)
     np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
     np.testing.assert_allclose(evaluated["balance"], balance, rtol=1e-5)
+    # The layer's statistics as scalar metrics: the real tokens' assignments, k = 2 each, none of the padding's.
+    counts = [metrics[f"moe/MoE_0/expert_counts/{j}"] for j in range(E)]
+    assert sum(counts) == 2 * REAL_ROWS * TOKENS and evaluated["moe/MoE_0/expert_counts/0"] == counts[0]
+    assert 0 < metrics["moe/MoE_0/dropped_fraction"] < 1
     assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
 
     def flattened_loss(params, batch, *, apply_fn, mask, **_):

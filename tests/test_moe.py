@@ -547,3 +547,34 @@ def test_a_token_mask_of_any_leading_shape_leaves_the_padding_out_and_a_bad_one_
         jax.eval_shape(lambda: layer.apply({"params": params}, x, np.ones((4, 3), bool)))
     for fact in ["mask has shape (4, 3)", "x has shape (4, 4, 8)", "(4,) (rows) or (4, 4) (tokens)"]:
         assert fact in str(caught.value)
+
+
+def test_moe_metrics_are_float_scalars_per_layer_with_one_per_expert_count():
+    """From a Linen stack's sown [L, m, ...] values and an NNX capture; a tree without statistics raises."""
+    stack = sc.PipelineStack(sc.MoE(Mlp(), experts=4, k=2), layers=2)
+    x = np.random.default_rng(6).standard_normal((6, D)).astype(np.float32)
+
+    @jax.jit
+    def sown(x):
+        variables = stack.init(jax.random.key(0), x)
+        return stack.apply(variables, x, mutable=["moe"])[1]["moe"]
+
+    found = sown(x)
+    metrics = sc.moe_metrics(found)
+    stats = found["layers"]  # the block is the layer: its statistics sit at the stack's "layers"
+    counts = np.asarray(stats["expert_counts"][0]).reshape(-1, 4).sum(0)  # [L, m, E] summed over layers
+    assert sorted(metrics) == sorted(
+        [f"moe/layers/{f}" for f in ("load_balancing_loss", "router_z_loss", "dropped_fraction")]
+        + [f"moe/layers/expert_counts/{j}" for j in range(4)]
+    )
+    assert all(v.shape == () and v.dtype == jnp.float32 for v in metrics.values())
+    np.testing.assert_array_equal([metrics[f"moe/layers/expert_counts/{j}"] for j in range(4)], counts)
+    assert counts.sum() == 2 * 2 * 6  # 2 layers, k = 2, 6 tokens
+    np.testing.assert_allclose(
+        metrics["moe/layers/load_balancing_loss"], np.mean(stats["load_balancing_loss"][0]), rtol=1e-6
+    )
+    layer = sc.nnx.MoE(NnxMlp, experts=4, features=D, rngs=nnx.Rngs(0))
+    _, captured = nnx.jit(lambda m, x: nnx.capture(lambda m, x: m(x), nnx.Intermediate)(m, x))(layer, x)
+    assert sum(v for n, v in sc.moe_metrics(captured, prefix="").items() if n.startswith("expert_counts")) == 12
+    with pytest.raises(SpmdError, match="no MoE statistics in the tree given"):
+        sc.moe_metrics({"loss": jnp.ones(())})

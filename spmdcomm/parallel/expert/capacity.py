@@ -32,12 +32,13 @@ def expert_capacity(tokens: int, experts: int, k: int, capacity_factor: float) -
     least 1 and at most ``tokens`` (a token chooses an expert once), for ``tokens`` real tokens in the global batch.
 
     Exact: ``capacity_factor`` is read as the nearest fraction with a denominator of at most 1000 (``1.1`` is
-    ``11 / 10``, not the binary float just above it), and the rest is integer arithmetic, so the capacity a masked
-    batch computes on the devices from its count of real tokens (:func:`moe`) is this one.
+    ``11 / 10``, not the binary float just above it, which would make 1.1 * 100 / 2 round up to 56), and the rest
+    is integer arithmetic, so the capacity a masked batch computes on the devices from its count of real tokens
+    (:func:`capacity_of`) is this one.
 
     Examples:
-      >>> expert_capacity(64, 8, 2, 1.25), expert_capacity(10, 1, 1, 1.1)
-      (20, 11)
+      >>> expert_capacity(64, 8, 2, 1.25), expert_capacity(100, 2, 1, 1.1)
+      (20, 55)
     """
     a, b = _factor(capacity_factor)
     return max(1, min(tokens, -(-(a * tokens * k) // (b * experts))))
