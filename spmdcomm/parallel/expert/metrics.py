@@ -64,7 +64,7 @@ def moe_metrics(sown: Any, *, prefix: str = "moe/") -> dict[str, jax.Array]:
     for (layer, field), values in found.items():
         name = f"{prefix}{layer}/{field}" if layer else f"{prefix}{field}"
         if field == "expert_counts":
-            counts = sum(v.reshape(-1, v.shape[-1]).sum(0) for v in values)
+            counts = jnp.concatenate([v.reshape(-1, v.shape[-1]) for v in values]).sum(0)
             metrics.update({f"{name}/{j}": c.astype(jnp.float32) for j, c in enumerate(counts)})
         else:
             metrics[name] = jnp.mean(jnp.stack([v.astype(jnp.float32).mean() for v in values]))
