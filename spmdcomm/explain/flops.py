@@ -87,8 +87,9 @@ class Work:
     by_scope: dict[str, float]
     conditionals: tuple[Conditional, ...] = ()
     unknown_loops: int = 0
-    _module: Module | None = dataclasses.field(default=None, repr=False, compare=False)
-    _shares: bool = dataclasses.field(default=False, repr=False, compare=False)
+    # The program, to count again with shares (:meth:`weighted`), and whether shares counted this one.
+    _module: Module | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _shares: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     @property
     def total(self) -> float:
@@ -97,12 +98,15 @@ class Work:
 
     @property
     def bound(self) -> str:
-        """``"exact"``; ``"upper"`` when a conditional whose branches differ counts at its largest branch;
-        ``"lower"`` when a loop of unknown trip count counts once; ``"estimate"`` for both (or branch shares)."""
-        upper = not self._shares and any(len(set(c.flops)) > 1 for c in self.conditionals)
-        lower = self.unknown_loops > 0
-        if self._shares and any(len(set(c.flops)) > 1 for c in self.conditionals):
+        """What :attr:`flops` is: ``"exact"``, an ``"upper"`` or ``"lower"`` bound, or an ``"estimate"``.
+
+        ``"upper"`` when a conditional whose branches differ counts at its largest branch; ``"lower"`` when a loop of
+        unknown trip count counts once; ``"estimate"`` for both, or for branches counted by shares.
+        """
+        differ = any(len(set(c.flops)) > 1 for c in self.conditionals)
+        if self._shares and differ:
             return "estimate"
+        upper, lower = differ, self.unknown_loops > 0
         return {(False, False): "exact", (True, False): "upper", (False, True): "lower"}.get((upper, lower), "estimate")
 
     def weighted(self, shares: Sequence[float] | Mapping[str, Sequence[float]]) -> Work:
@@ -170,7 +174,7 @@ def model_flops(parameters: int, tokens: int, *, layers: int = 0, context: int =
 
     Examples:
       >>> model_flops(1_000, 64), model_flops(1_000, 64, layers=2, context=16, width=8)
-      (384000, 582608)
+      (384000, 580608)
     """
     return 6 * parameters * tokens + 12 * layers * context * width * tokens
 
@@ -237,15 +241,16 @@ def _count(module: Module, devices: int, shares: Sequence[float] | Mapping[str, 
 
     result = tally(module.entry) if module.entry else _Tally()
     scopes = dict(sorted(result.scopes.items(), key=lambda kv: -kv[1]))
-    return Work(
+    work = Work(
         flops=_exact(result.flops),
         devices=devices,
         by_scope={k: _exact(v) for k, v in scopes.items()},
         conditionals=tuple(result.conditionals),
         unknown_loops=result.unknown_loops,
-        _module=module,
-        _shares=shares is not None,
     )
+    object.__setattr__(work, "_module", module)  # frozen: set once, here
+    object.__setattr__(work, "_shares", shares is not None)
+    return work
 
 
 def _own_flops(inst: _Instruction, shapes: dict[str, str]) -> int:

@@ -192,8 +192,11 @@ class Explanation:
 
     @functools.cached_property
     def work(self) -> Work:
-        """The FLOPs of the program's matrix multiplications and convolutions, read from :attr:`hlo` (per device,
-        summed over devices, by scope, and whether the count is exact or a bound: :class:`~spmdcomm.explain.Work`)."""
+        """The FLOPs of the program's matrix multiplications and convolutions, read from :attr:`hlo`.
+
+        Per device, summed over devices, by scope, and whether the count is exact or a bound
+        (:class:`~spmdcomm.explain.Work`); counted on first use.
+        """
         return count_work(self.hlo, self.devices)
 
     @property
@@ -207,8 +210,7 @@ class Explanation:
         return self.work.total
 
     def flops_ratio(self, reference: Explanation | float) -> float:
-        """How much work this program does for what ``reference`` does: :attr:`flops_total` divided by the
-        reference's.
+        """How much work this program does for what ``reference`` does: :attr:`flops_total` over the reference's.
 
         Compare a step on a mesh with the same step on one device for the same global batch: 1.0 means no work is
         repeated or wasted; above 1 is duplicated work (replicated compute, recomputation, padding). Against
