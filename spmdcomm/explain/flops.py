@@ -219,8 +219,8 @@ def _count(module: Module, devices: int, shares: Sequence[float] | Mapping[str, 
                 total.add(_Tally(own, {_scope(inst.attrs): own}))
             if inst.opcode == "while":
                 trips = _trip_count(inst.attrs)
-                loop = tally(_callee(inst.attrs, "body"))
-                total.add(loop, trips or 1, trips or 1)
+                runs = 1 if trips is None else trips  # unknown: once, a lower bound
+                total.add(tally(_callee(inst.attrs, "body")), runs, runs)
                 total.unknown_loops += trips is None
             elif inst.opcode == "conditional":
                 branches = [tally(b) for b in _branches(inst.attrs)]
