@@ -208,6 +208,8 @@ def test_fused_dots_in_a_loop_in_a_loop_and_a_call_compose_multiplicatively():
     work = count_work(hlo(FUSED_DOT, inner, outer, entry))
     assert work.flops == (5 * 3 + 3) * FUSED and work.total == 2 * work.flops and work.bound == "exact"
     assert work.by_scope == {"Net/Dense_0": work.flops}
+    never = entry.replace('{"n":"5"}', '{"n":"0"}')  # a loop that runs no iteration does no work
+    assert count_work(hlo(FUSED_DOT, inner, outer, never)).flops == 3 * FUSED
 
 
 def test_a_predicate_conditional_lists_its_branches_false_first():
