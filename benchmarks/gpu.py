@@ -22,9 +22,12 @@ stopped it, so that one failing section never costs the others:
   that each peak is its own (``None`` where the device has no statistics, as on CPU).
 - ``mfu``: model FLOPs utilisation in bfloat16 of ``examples/lm`` once it exists (until then its entry says it
   is not there), and of a stand-in: the benchmarks' transformer LM at a GPU size, our DDP step next to the plain
-  ``jax.jit`` step. Model FLOPs per step = 6 x (parameters that multiply activations) x tokens + 12 x layers x
-  sequence x width x tokens (attention); MFU = model FLOPs / step time / the GPU's bf16 dense peak (table
-  ``PEAK_BF16``, or ``--peak-tflops``). XLA's own count of the step's FLOPs is recorded next to it.
+  ``jax.jit`` step. The FLOPs per step are ``sc.explain``'s count of the plain step's compiled program (its matrix
+  multiplications: ``spmdcomm.explain.flops``); MFU = those FLOPs / step time / the GPU's bf16 dense peak (table
+  ``PEAK_BF16``, or ``--peak-tflops``). Next to them: our step's own count (``ours_vs_jit_flops``: work our step
+  adds), the formula's model FLOPs (6 x parameters that multiply activations x tokens + 12 x layers x sequence x
+  width x tokens for attention, ``spmdcomm.explain.model_flops``) and XLA's cost analysis (which counts a loop body
+  once).
 - ``attention``: one causal attention's forward and backward pass, ms and compiled temporaries, of
   ``jax.nn.dot_product_attention`` against ``sc.ring_attention`` and ``sc.all_to_all_attention`` over a one-device
   axis, at sequences of 4096 to 32768 tokens in bf16.
@@ -514,9 +517,11 @@ def model_flops(params: dict, layers: int, width: int, sequences: int, positions
         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
         if getattr(path[-1], "key", None) == "kernel"
     )
+    from spmdcomm.explain import model_flops as formula
+
     tokens = sequences * positions
-    dense = 6 * kernels * tokens
-    attention = 12 * layers * positions * width * tokens
+    dense = formula(kernels, tokens)
+    attention = formula(0, tokens, layers=layers, context=positions, width=width)
     return {"kernel_params": kernels, "tokens": tokens, "dense": dense, "attention": attention}
 
 
@@ -533,30 +538,38 @@ def mfu(flops_per_step: float, step_seconds: float, peak: float | None) -> float
 
 
 def measure_mfu(spec: LMSpec, peak: float | None, rounds: int, steps: int) -> dict:
-    """bfloat16 step time, model FLOPs and MFU of ``spec``'s model trained with Adam, for our DDP step on one
-    device and for the plain ``jax.jit`` step, interleaved over ``rounds`` (medians)."""
+    """bfloat16 step time, FLOPs and MFU of ``spec``'s model trained with Adam, for our DDP step on one device and
+    for the plain ``jax.jit`` step, interleaved over ``rounds`` (medians). The FLOPs per step are ``sc.explain``'s
+    count of the plain step's program (``flops_per_step``), next to our step's (``ours_flops_per_step``), the
+    formula's (``model_flops_per_step``) and XLA's cost analysis (``xla_flops_per_step``)."""
+    import spmdcomm as sc
+
     out = lm_flops(spec)
-    runs = {"ours (ddp)": _ours_lm(spec), "jax.jit": _jit_lm(spec)}
+    runs = {"ours (ddp)": _ours_lm(spec, explain=True), "jax.jit": _jit_lm(spec)}
+    jit_work = sc.explain(runs["jax.jit"].compiled)
+    out["flops_per_step"] = per_step = jit_work.flops
+    out["flops_bound"] = jit_work.work.bound
+    out["ours_flops_per_step"] = ours = runs["ours (ddp)"].flops
+    out["ours_vs_jit_flops"] = ours / per_step
+    out["flops_vs_model"] = per_step / out["model_flops_per_step"]
     for run in runs.values():
         run(2)  # compile and warm up
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(rounds):
         for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
             times[name].append(runs[name](steps) / steps)
-    per_step = out["model_flops_per_step"]
     out["xla_flops_per_step"] = xla = xla_flops(runs["jax.jit"].compiled)
     for name, ts in times.items():
         step_s = statistics.median(ts)
         out[name] = {
             "step_ms": step_s * 1e3,
-            "model_tflops_per_s": per_step / step_s / 1e12,
+            "tflops_per_s": per_step / step_s / 1e12,
             "mfu": mfu(per_step, step_s, peak),
             "xla_flops_utilisation": None if xla is None else mfu(xla, step_s, peak),
         }
         shown = "n/a (no peak known)" if out[name]["mfu"] is None else f"{out[name]['mfu']:.3f}"
         print(
-            f"{spec.name}, {name}: {step_s * 1e3:.2f} ms/step, {per_step / step_s / 1e12:.3f} model TFLOP/s, "
-            f"MFU {shown}",
+            f"{spec.name}, {name}: {step_s * 1e3:.2f} ms/step, {per_step / step_s / 1e12:.3f} TFLOP/s, MFU {shown}",
             flush=True,
         )
     out["ours_vs_jit_step_time"] = out["ours (ddp)"]["step_ms"] / out["jax.jit"]["step_ms"]
@@ -587,10 +600,11 @@ def lm_flops(spec: LMSpec) -> dict:
     return {"model": spec.name, "model_flops": flops, "model_flops_per_step": flops["dense"] + flops["attention"]}
 
 
-def _ours_lm(spec: LMSpec, *, weighted: bool = False) -> Callable[[int], float]:
+def _ours_lm(spec: LMSpec, *, weighted: bool = False, explain: bool = False) -> Callable[[int], float]:
     """``run(steps) -> seconds`` of our DDP step on one device, Adam, on one placed batch; ``run.call()`` is one
     step, returning its metrics. The loss: the mean over positions, then over the real sequences; with
-    ``weighted``, the token-weighted mean through ``sc.weighted`` of the batch's ``"weights"`` (one per target)."""
+    ``weighted``, the token-weighted mean through ``sc.weighted`` of the batch's ``"weights"`` (one per target); with
+    ``explain``, ``run.flops`` is ``sc.explain``'s FLOP count of the step (None without)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -607,12 +621,15 @@ def _ours_lm(spec: LMSpec, *, weighted: bool = False) -> Callable[[int], float]:
 
     state = sc.TrainState.create(params=spec.params, tx=optax.adam(1e-4), mesh=mesh)
     batch = jax.device_put(spec.batch, sc.data_sharding(mesh=mesh))
-    call = step_caller(sc.make_train_step(loss_fn), state, batch)
+    step = sc.make_train_step(loss_fn)
+    flops = sc.explain(step, state, batch).flops if explain else None  # before the first call consumes the state
+    call = step_caller(step, state, batch)
 
     def run(n: int) -> float:
         return time_calls(call, n)
 
     run.call = call  # type: ignore[attr-defined]
+    run.flops = flops  # type: ignore[attr-defined]
     return run
 
 
@@ -1055,8 +1072,9 @@ def _panel_mfu(ax, r: dict) -> None:
         ax.bar(names, [run[n]["mfu"] for n in names])
         ax.set_ylabel("MFU, bf16")
     else:
-        ax.bar(names, [run[n]["model_tflops_per_s"] for n in names])
-        ax.set_ylabel("model TFLOP/s (no peak known)")
+        # results written before the FLOPs came from sc.explain name the figure model_tflops_per_s
+        ax.bar(names, [run[n].get("tflops_per_s", run[n].get("model_tflops_per_s")) for n in names])
+        ax.set_ylabel("TFLOP/s (no peak known)")
     ax.set_title("stand-in LM" + ("" if isinstance(r.get("examples_lm"), dict) else "; " + str(r.get("examples_lm"))))
 
 

@@ -32,6 +32,9 @@ LAYER_NAMES = {
     "Explanation": "spmdcomm.explain",
     "Collective": "spmdcomm.explain",
     "DeviceMemory": "spmdcomm.explain",
+    "Work": "spmdcomm.explain",
+    "Conditional": "spmdcomm.explain",
+    "model_flops": "spmdcomm.explain",
     "Divergence": "spmdcomm.runtime",
     "debug_enabled": "spmdcomm.runtime",
 }

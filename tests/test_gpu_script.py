@@ -203,10 +203,14 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path):
     stand_in = mfu["stand_in"]
     assert stand_in["model_flops_per_step"] == stand_in["model_flops"]["dense"] + stand_in["model_flops"]["attention"]
     assert stand_in["model_flops"]["kernel_params"] == 14336  # 1 block of width 32, vocabulary 64: counted by hand
+    # The FLOPs per step are sc.explain's count of the plain jit step; our step does the same matmuls.
+    per_step = stand_in["flops_per_step"]
+    assert stand_in["flops_bound"] == "exact" and stand_in["ours_vs_jit_flops"] == 1.0
+    assert math.isclose(stand_in["flops_vs_model"], per_step / stand_in["model_flops_per_step"])
     for name in ("ours (ddp)", "jax.jit"):
         run = stand_in[name]
         assert run["step_ms"] > 0
-        assert math.isclose(run["mfu"], stand_in["model_flops_per_step"] / (run["step_ms"] / 1e3) / 0.5e12)
+        assert math.isclose(run["mfu"], per_step / (run["step_ms"] / 1e3) / 0.5e12)
     assert stand_in["xla_flops_per_step"] > 0
 
     suite = sections["suite"]["result"]

@@ -1,9 +1,10 @@
-"""What a compiled step communicates and how much device memory it holds, without running it.
+"""What a compiled step communicates, how much device memory it holds and how much work it does, without running it.
 
 :func:`explain` compiles a function for the given arguments (a train or eval step, an ``spmd`` function, a
 jitted or plain function) and reads the optimised HLO that XLA will run: every collective with its kind, how
-many there are, the bytes each moves, the dtypes, the device groups and the mesh axes those groups span; and
-the per-device memory XLA reserved for arguments, outputs, temporaries and code.
+many there are, the bytes each moves, the dtypes, the device groups and the mesh axes those groups span; the
+per-device memory XLA reserved for arguments, outputs, temporaries and code; and the FLOPs of its matrix
+multiplications and convolutions (:mod:`spmdcomm.explain.flops`).
 
 >>> f = sc.spmd(lambda x: sc.psum(x, "data"), in_specs=sc.P("data"), out_specs=sc.P())
 >>> report = sc.explain(f, np.ones((8, 1024), np.float32))
@@ -22,6 +23,7 @@ all-to-all, 1 for permute).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +31,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from spmdcomm._format import format_bytes as _format_bytes
+from spmdcomm._format import format_flops as _format_flops
 from spmdcomm.errors import SpmdError, describe
+from spmdcomm.explain.flops import Work, count_work
 from spmdcomm.explain.hlo import COLLECTIVE_KINDS, Collective
 from spmdcomm.explain.hlo import inventory as _inventory
 from spmdcomm.explain.hlo import parse_module as _parse_module
@@ -42,7 +46,7 @@ __all__ = ["explain", "Explanation", "Collective", "DeviceMemory", "PipelineRepo
 
 
 def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> Explanation:
-    """Compiles ``fn(*args, **kwargs)`` (without running it) and reports its collectives and memory.
+    """Compiles ``fn(*args, **kwargs)`` (without running it) and reports its collectives, memory and work.
 
     A train step is not run, so its donated state stays usable. Counts and bytes are per call and per
     device; a collective inside a loop counts once (see :attr:`Collective.where`).
@@ -155,9 +159,10 @@ class DeviceMemory:
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    """What :func:`explain` found: the program's collectives, in program order, and its per-device memory.
+    """What :func:`explain` found: the program's collectives, in program order, its per-device memory and its work.
 
-    ``str(explanation)`` (or :meth:`table`) prints an aligned table.
+    ``str(explanation)`` (or :meth:`table`) prints an aligned table. :attr:`work` (with :attr:`flops` and
+    :attr:`flops_total`) counts the FLOPs of the program's matrix multiplications and convolutions.
 
     Attributes:
       name: the function's name (its class name for a step object, the HLO module's name for a lowered or
@@ -184,6 +189,53 @@ class Explanation:
     state: StateMemory | None = None
     pipeline: PipelineReport | None = None
     sections: tuple[Any, ...] = ()
+
+    @functools.cached_property
+    def work(self) -> Work:
+        """The FLOPs of the program's matrix multiplications and convolutions, read from :attr:`hlo`.
+
+        Per device, summed over devices, by scope, and whether the count is exact or a bound
+        (:class:`~spmdcomm.explain.Work`); counted on first use.
+        """
+        return count_work(self.hlo, self.devices)
+
+    @property
+    def flops(self) -> float:
+        """The matmul and convolution FLOPs of one call, per device (``work.flops``; an ``int`` unless weighted)."""
+        return self.work.flops
+
+    @property
+    def flops_total(self) -> float:
+        """The matmul and convolution FLOPs of one call summed over the program's devices (``flops x devices``)."""
+        return self.work.total
+
+    def flops_ratio(self, reference: Explanation | float) -> float:
+        """How much work this program does for what ``reference`` does: :attr:`flops_total` over the reference's.
+
+        Compare a step on a mesh with the same step on one device for the same global batch: 1.0 means no work is
+        repeated or wasted; above 1 is duplicated work (replicated compute, recomputation, padding). Against
+        :func:`~spmdcomm.explain.model_flops` it is the ratio of the executed matmul FLOPs to the model's.
+
+        Args:
+          reference: another report (its :attr:`flops_total`) or a number of FLOPs for the whole global batch.
+
+        Returns:
+          ``flops_total / reference``.
+
+        Raises:
+          SpmdError: if the reference counts no FLOPs.
+        """
+        base = reference.flops_total if isinstance(reference, Explanation) else float(reference)
+        if not base > 0:
+            raise SpmdError(
+                describe(
+                    "Explanation.flops_ratio",
+                    f"the reference counts {base} FLOPs: there is nothing to compare with.",
+                    fix="compare with a program that multiplies matrices (the same step on one device), or a "
+                    "positive number of FLOPs.",
+                )
+            )
+        return self.flops_total / base
 
     def count(self, kind: str | None = None, *, over: str | None = None) -> int:
         """How many collectives of ``kind`` the program holds, per call.
@@ -223,7 +275,8 @@ class Explanation:
         Returns:
           One line naming the program, its devices and mesh; one row per collective (count, bytes, total, buffers,
           dtypes, axes, groups, where) with the totals (and, on a mesh of several axes, the totals over each
-          axis), or ``no collectives``; then the memory per device.
+          axis), or ``no collectives``; then the memory per device and the work (FLOPs per device and over all
+          devices, with the kind of bound where it is not exact).
         """
         mesh = "" if self.mesh is None else " (mesh " + " x ".join(f"{a}={n}" for a, n in self.mesh.shape.items()) + ")"
         lines = [f"{self.name} on {self.devices} device(s){mesh}"]
@@ -268,6 +321,7 @@ class Explanation:
             ("total", m.total_bytes),
         ]
         lines.append("memory per device: " + ", ".join(f"{k} {_format_bytes(v)}" for k, v in parts))
+        lines.append(_work_line(self.work))
         lines += [str(section) for section in self.sections]
         if self.state is not None:
             st = self.state
@@ -391,6 +445,21 @@ def _format_groups(c: Collective) -> str:
     else:
         text = ",".join("{" + ",".join(map(str, g)) + "}" for g in c.replica_groups)
     return text if len(text) <= 32 else text[:29] + "..."
+
+
+def _work_line(work: Work) -> str:
+    line = (
+        f"work: {_format_flops(work.flops)} per device, {_format_flops(work.total)} over {work.devices} "
+        f"device(s) (matmuls and convolutions)"
+    )
+    differ = sum(len(set(c.flops)) > 1 for c in work.conditionals)
+    notes = []
+    if work.bound in ("upper", "estimate") and differ:
+        notes.append(f"{differ} conditional(s) at their largest branch")
+    if work.unknown_loops:
+        notes.append(f"{work.unknown_loops} loop(s) of unknown trip count counted once")
+    bound = {"upper": "an upper bound", "lower": "a lower bound"}.get(work.bound, "an estimate")
+    return line if work.bound == "exact" else f"{line}; {bound}: {', '.join(notes)}"
 
 
 def _sections(state: TrainState, collectives: tuple[Collective, ...]) -> tuple[Any, ...]:
