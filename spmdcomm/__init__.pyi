@@ -101,6 +101,7 @@ from spmdcomm.errors import AxisError as AxisError
 from spmdcomm.errors import BackendError as BackendError
 from spmdcomm.errors import ReplicaDivergenceError as ReplicaDivergenceError
 from spmdcomm.errors import ReplicatedReductionWarning as ReplicatedReductionWarning
+from spmdcomm.errors import MissingLogicalRuleWarning as MissingLogicalRuleWarning
 from spmdcomm.errors import ShapeError as ShapeError
 from spmdcomm.errors import SpmdError as SpmdError
 from spmdcomm.errors import TracedCallError as TracedCallError

@@ -22,6 +22,7 @@ __all__ = [
     "TracedCallError",
     "ReplicatedReductionWarning",
     "CheckpointDamagedWarning",
+    "MissingLogicalRuleWarning",
     "ReplicaDivergenceError",
     "DistributedError",
     "CoordinatorError",
@@ -82,6 +83,16 @@ class CheckpointDamagedWarning(UserWarning):
     fall back to an older intact checkpoint, and when :func:`~spmdcomm.checkpoint.save_checkpoint` replaces a
     damaged checkpoint of the step it saves (as :func:`spmdcomm.fit` does after resuming from an older one). The
     message names each damaged step, the directory and what is damaged.
+    """
+
+
+class MissingLogicalRuleWarning(UserWarning):
+    """A parameter's logical axis name has no rule, so its dimension stays whole (not split), as Flax leaves it.
+
+    Emitted once by :meth:`TrainState.create <spmdcomm.TrainState.create>` (default
+    ``missing_logical_rules="warn"``), naming every such parameter, the logical name and the rule to add. Filter it
+    by category (``warnings.filterwarnings("ignore", category=sc.MissingLogicalRuleWarning)``), or add a rule such as
+    ``("mlp", None)``; ``missing_logical_rules="error"`` raises :class:`AxisError` instead.
     """
 
 

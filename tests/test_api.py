@@ -91,7 +91,8 @@ def test_every_public_function_and_class_is_defined_in_the_public_module_its_stu
         if obj.__module__.startswith("spmdcomm") and obj.__module__ != lines[n]
     }
     assert elsewhere == {}
-    assert sc.CheckpointDamagedWarning.__module__ == "spmdcomm.errors"  # with the other warnings and errors
+    warnings = (sc.CheckpointDamagedWarning, sc.ReplicatedReductionWarning, sc.MissingLogicalRuleWarning)
+    assert [w.__module__ for w in warnings] == ["spmdcomm.errors"] * 3  # with the other warnings and errors
 
 
 def test_the_subpackages_are_attributes_and_the_stub_names_each_one():

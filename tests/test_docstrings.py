@@ -6,6 +6,7 @@ every parameter in signature order, ``Returns:``/``Yields:`` where it gives some
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import re
@@ -184,3 +185,73 @@ def _gives_back(fn: object) -> bool:
         annotation = annotation.replace(" ", "")
         return annotation not in ("None", "Iterator[None]", "Generator[None,None,None]")
     return annotation is not None and annotation is not type(None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a result holds: each key a step, an evaluation or the loop puts in its result (read from the code that puts it
+# there, so that a new key fails here until the docstring names it) appears quoted (``"key"``) in the docstring.
+
+
+def _keys_in(module: str, function: str, *, sets: bool = False) -> set[str]:
+    """The string keys ``function`` of ``module`` (at any depth of nesting) writes: ``d["key"] = ...`` and the keys
+    of dict literals; with ``sets``, also the elements of set literals (the reserved names of the train step)."""
+    tree = ast.parse(inspect.getsource(importlib.import_module(module)))
+    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function]
+    keys = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store):
+            keys |= {n.slice.value} if isinstance(n.slice, ast.Constant) else set()
+        elif isinstance(n, ast.Dict):
+            keys |= {k.value for k in n.keys if isinstance(k, ast.Constant)}
+        elif sets and isinstance(n, ast.Set):
+            keys |= {e.value for e in n.elts if isinstance(e, ast.Constant)}
+    return {k for k in keys if isinstance(k, str)}
+
+
+def _train_metrics() -> set[str]:
+    return _keys_in("spmdcomm.train._train_body", "compile_train_step")
+
+
+def _eval_metrics() -> set[str]:
+    return _keys_in("spmdcomm.train.eval_step", "_compile")
+
+
+def _reserved_aux_names() -> set[str]:
+    # The names loss_fn's aux may not use: the step's own metrics, and "tokens" beside a token-weighted loss.
+    found = _keys_in("spmdcomm.train._train_body", "compile_train_step", sets=True)
+    return found | _keys_in("spmdcomm.train._model_call", "differentiable_loss", sets=True)
+
+
+def _fit_metrics() -> set[str]:
+    from spmdcomm.reliability import PHASES
+
+    return {f"time/{phase}" for phase in PHASES}
+
+
+# (whose docstring, which part of it, the keys it must name): the part is a section, or "" for the whole docstring.
+RESULT_KEYS = {
+    "sc.make_train_step": ("sc.make_train_step", "Returns", _train_metrics),
+    "train_step module: loss_fn's reserved aux names": ("spmdcomm.train.train_step", "", _reserved_aux_names),
+    "sc.make_eval_step": ("sc.make_eval_step", "Returns", _eval_metrics),
+    "EvalStep.__call__": ("spmdcomm.train.EvalStep.__call__", "Returns", _eval_metrics),
+    "sc.evaluate": ("sc.evaluate", "Returns", _eval_metrics),
+    "sc.fit": ("sc.fit", "", _fit_metrics),
+}
+
+
+def test_the_result_keys_are_read_from_the_code():
+    # A regression in the reading would make the test below vacuous.
+    assert {"examples", "tokens", "skipped", "loss_scale"} <= _train_metrics()
+    assert {"loss", "examples", "tokens"} <= _eval_metrics()
+    assert {"loss", "examples", "model_state", "skipped", "loss_scale", "tokens"} <= _reserved_aux_names()
+    assert {"time/compile", "time/devices"} <= _fit_metrics()
+
+
+@pytest.mark.parametrize("case", sorted(RESULT_KEYS))
+def test_each_key_of_a_result_is_named_in_its_docstring(case):
+    name, section, keys = RESULT_KEYS[case]
+    obj = OBJECTS[name] if name in OBJECTS else importlib.import_module(name)
+    doc = inspect.getdoc(obj) or ""
+    text = "\n".join(_sections(doc.splitlines(), [])[section]) if section else doc
+    missing = sorted(k for k in keys() if f'"{k}"' not in text)
+    assert missing == [], f"{name}'s {section or 'docstring'} does not name {missing}"

@@ -13,7 +13,8 @@ from jax import lax
 
 import spmdcomm as sc
 from spmdcomm import P
-from spmdcomm.explain.report import DeviceMemory, Explanation, _inventory, _memory, _parse_module
+from spmdcomm.explain.memory import DeviceMemory, device_memory
+from spmdcomm.explain.report import Explanation, _inventory, _parse_module
 
 N = jax.device_count()
 ALL = (tuple(range(N)),)
@@ -276,7 +277,7 @@ def test_unknown_memory_prints_as_not_available():
         def memory_analysis(self):
             return None
 
-    memory = _memory(NoAnalysis())
+    memory = device_memory(NoAnalysis())
     assert memory == DeviceMemory(None, None, None, None, None) and memory.total_bytes is None
     report = Explanation(name="p", devices=1, mesh=None, collectives=(), memory=memory, hlo="")
     assert str(report).splitlines()[-2:] == [

@@ -221,7 +221,7 @@ def test_a_box_with_its_own_rules_uses_them():
 def test_a_linen_logical_name_that_is_a_mesh_axis_still_needs_a_rule():
     # A logical box's names are all logical: without a rule, 'model' is a missing rule (whole, as Flax leaves it).
     params = {"w": nn.LogicallyPartitioned(np.zeros((8, 8), np.float32), ("embed", "model"))}
-    with pytest.warns(UserWarning, match=r"\['model'\] have no rule"):
+    with pytest.warns(sc.MissingLogicalRuleWarning, match=r"\['model'\] have no rule"):
         state = sc.TrainState.create(
             params=params, tx=optax.sgd(0.1), mesh=mesh(), logical_axis_rules=[("embed", None)]
         )
@@ -252,6 +252,7 @@ def test_a_logical_name_without_a_rule_leaves_its_dimension_whole_as_flax_does_w
         warnings.simplefilter("always")
         state = sc.TrainState.create(params=params, tx=optax.sgd(0.1), mesh=mesh(), logical_axis_rules=rules)
     assert len(caught) == 1, [str(w.message) for w in caught]
+    assert caught[0].category is sc.MissingLogicalRuleWarning
     for fact in [
         "['kv'] have no rule",
         "params['out']: 'kv'",
@@ -262,6 +263,19 @@ def test_a_logical_name_without_a_rule_leaves_its_dimension_whole_as_flax_does_w
         assert fact in str(caught[0].message), str(caught[0].message)
     for name, leaf in params.items():
         assert state.params[name].sharding.spec == nn.logical_to_mesh_axes(leaf.names, rules), name
+
+
+def test_the_missing_rule_warning_is_filtered_by_its_category():
+    # A named category (as ReplicatedReductionWarning), not message text: "ignore" silences this warning alone.
+    params = {"w": nn.LogicallyPartitioned(np.zeros((8, 8), np.float32), ("embed", "model"))}
+    assert issubclass(sc.MissingLogicalRuleWarning, UserWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=sc.MissingLogicalRuleWarning)
+        state = sc.TrainState.create(
+            params=params, tx=optax.sgd(0.1), mesh=mesh(), logical_axis_rules=[("embed", None)]
+        )
+    assert state.params["w"].sharding.spec == P(None, None)
 
 
 def test_missing_logical_rules_takes_warn_or_error():

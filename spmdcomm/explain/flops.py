@@ -45,10 +45,11 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
+from spmdcomm._format import format_flops
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.explain.hlo import _ARRAY, _OP_NAME, Module, _Instruction, parse_module
 
-__all__ = ["Work", "Conditional", "count_work", "model_flops"]
+__all__ = ["Work", "Conditional", "count_work", "model_flops", "work_line"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,3 +381,19 @@ def _int_list(attrs: str, key: str) -> list[int]:
 def _exact(flops: float) -> float:
     """Whole numbers as ``int`` (every count without shares is one)."""
     return int(flops) if float(flops).is_integer() else flops
+
+
+def work_line(work: Work) -> str:
+    """The report table's line for ``work``: per device, over the devices, and what makes it a bound."""
+    line = (
+        f"work: {format_flops(work.flops)} per device, {format_flops(work.total)} over {work.devices} "
+        f"device(s) (matmuls and convolutions)"
+    )
+    differ = sum(len(set(c.flops)) > 1 for c in work.conditionals)
+    notes = []
+    if work.bound in ("upper", "estimate") and differ:
+        notes.append(f"{differ} conditional(s) at their largest branch")
+    if work.unknown_loops:
+        notes.append(f"{work.unknown_loops} loop(s) of unknown trip count counted once")
+    bound = {"upper": "an upper bound", "lower": "a lower bound"}.get(work.bound, "an estimate")
+    return line if work.bound == "exact" else f"{line}; {bound}: {', '.join(notes)}"

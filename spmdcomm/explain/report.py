@@ -31,12 +31,12 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from spmdcomm._format import format_bytes as _format_bytes
-from spmdcomm._format import format_flops as _format_flops
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.explain.flops import Work, count_work
+from spmdcomm.explain.flops import Work, count_work, work_line
 from spmdcomm.explain.hlo import COLLECTIVE_KINDS, Collective
 from spmdcomm.explain.hlo import inventory as _inventory
 from spmdcomm.explain.hlo import parse_module as _parse_module
+from spmdcomm.explain.memory import DeviceMemory, device_memory
 from spmdcomm.parallel.pipeline.report import PipelineReport
 from spmdcomm.parallel.registry import registered
 from spmdcomm.train.memory import StateMemory
@@ -113,48 +113,12 @@ def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> 
         devices=devices,
         mesh=mesh,
         collectives=collectives,
-        memory=_memory(compiled),
+        memory=device_memory(compiled),
         hlo=text,
         state=None if state is None else state.memory(),
         pipeline=next((s for s in sections if isinstance(s, PipelineReport)), None),
         sections=sections,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceMemory:
-    """Per-device memory of a compiled program, from ``Compiled.memory_analysis()``, in bytes.
-
-    Each field is ``None`` where the backend does not report it.
-
-    Attributes:
-      argument_bytes: the program's arguments.
-      output_bytes: its outputs.
-      temp_bytes: its temporaries.
-      generated_code_bytes: its generated code.
-      alias_bytes: outputs that reuse a donated argument's buffer, so they are counted in both
-        ``argument_bytes`` and ``output_bytes``.
-    """
-
-    argument_bytes: int | None
-    output_bytes: int | None
-    temp_bytes: int | None
-    generated_code_bytes: int | None
-    alias_bytes: int | None
-
-    @property
-    def total_bytes(self) -> int | None:
-        """Arguments + outputs + temporaries + generated code - aliased (``None`` if any is unknown)."""
-        args, outs, temps, code, alias = (
-            self.argument_bytes,
-            self.output_bytes,
-            self.temp_bytes,
-            self.generated_code_bytes,
-            self.alias_bytes,
-        )
-        if args is None or outs is None or temps is None or code is None or alias is None:
-            return None
-        return args + outs + temps + code - alias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,7 +285,7 @@ class Explanation:
             ("total", m.total_bytes),
         ]
         lines.append("memory per device: " + ", ".join(f"{k} {_format_bytes(v)}" for k, v in parts))
-        lines.append(_work_line(self.work))
+        lines.append(work_line(self.work))
         lines += [str(section) for section in self.sections]
         if self.state is not None:
             st = self.state
@@ -416,25 +380,6 @@ def _name_of(fn: Any, module_name: str) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def _memory(compiled: jax.stages.Compiled) -> DeviceMemory:
-    try:
-        stats = compiled.memory_analysis()
-    except (NotImplementedError, RuntimeError):  # backends without the analysis raise one of these
-        stats = None
-
-    def get(name: str) -> int | None:
-        value = getattr(stats, name, None)
-        return None if value is None else int(value)
-
-    return DeviceMemory(
-        argument_bytes=get("argument_size_in_bytes"),
-        output_bytes=get("output_size_in_bytes"),
-        temp_bytes=get("temp_size_in_bytes"),
-        generated_code_bytes=get("generated_code_size_in_bytes"),
-        alias_bytes=get("alias_size_in_bytes"),
-    )
-
-
 # ------------------------------------------------------------------------------------------------
 # Formatting
 
@@ -445,21 +390,6 @@ def _format_groups(c: Collective) -> str:
     else:
         text = ",".join("{" + ",".join(map(str, g)) + "}" for g in c.replica_groups)
     return text if len(text) <= 32 else text[:29] + "..."
-
-
-def _work_line(work: Work) -> str:
-    line = (
-        f"work: {_format_flops(work.flops)} per device, {_format_flops(work.total)} over {work.devices} "
-        f"device(s) (matmuls and convolutions)"
-    )
-    differ = sum(len(set(c.flops)) > 1 for c in work.conditionals)
-    notes = []
-    if work.bound in ("upper", "estimate") and differ:
-        notes.append(f"{differ} conditional(s) at their largest branch")
-    if work.unknown_loops:
-        notes.append(f"{work.unknown_loops} loop(s) of unknown trip count counted once")
-    bound = {"upper": "an upper bound", "lower": "a lower bound"}.get(work.bound, "an estimate")
-    return line if work.bound == "exact" else f"{line}; {bound}: {', '.join(notes)}"
 
 
 def _sections(state: TrainState, collectives: tuple[Collective, ...]) -> tuple[Any, ...]:

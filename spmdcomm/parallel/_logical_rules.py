@@ -11,7 +11,7 @@ from typing import Any
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from spmdcomm.errors import AxisError, SpmdError, describe
+from spmdcomm.errors import AxisError, MissingLogicalRuleWarning, SpmdError, describe
 
 __all__ = ["LogicalNames", "LogicalRules", "step_axis_rules"]
 
@@ -193,8 +193,8 @@ class LogicalRules:
         return mapped, f" (the logical names {names} mapped to {mapped} by {where})"
 
     def warn_missing(self, mesh: Mesh) -> None:
-        """One warning naming every parameter whose logical name had no rule (its dimension was left whole), the
-        name and the rule to add; nothing when every name had one."""
+        """One :class:`~spmdcomm.errors.MissingLogicalRuleWarning` naming every parameter whose logical name had no
+        rule (its dimension was left whole), the name and the rule to add; nothing when every name had one."""
         if not self.unruled:
             return
         names = sorted({n for _, n in self.unruled})
@@ -208,7 +208,7 @@ class LogicalRules:
                 f"or ({names[0]!r}, 'model') to split over a mesh axis (the mesh's axes are "
                 f"{tuple(mesh.axis_names)}); TrainState.create(..., missing_logical_rules='error') raises instead.",
             ),
-            UserWarning,
+            MissingLogicalRuleWarning,
             stacklevel=4,
         )
 

@@ -1,4 +1,4 @@
-"""A data-parallel evaluation step: exact means over the real examples of the global batch."""
+"""A data-parallel evaluation step: exact means over the real examples (or tokens) of the global batch."""
 
 from __future__ import annotations
 
@@ -47,20 +47,24 @@ def make_eval_step(
 ) -> EvalStep:
     """Returns ``evaluate(state, batch) -> metrics``: exact means over the real examples of the global batch.
 
-    It runs on the state's mesh and data axis. Each metric is weighted by the block's real-example count, so
-    padded rows of a :class:`~spmdcomm.MaskedBatch` never count.
+    It runs on the state's mesh and data axis. A mean metric is weighted by the block's real-example count, so
+    padded rows of a :class:`~spmdcomm.MaskedBatch` never count; a :func:`~spmdcomm.weighted` metric carries its
+    own weight, and the step reports ``sum(total) / sum(weight)`` over the global batch (e.g. a mean over real
+    tokens).
 
     Args:
-      metric_fn: ``metric_fn(params, batch, *, apply_fn, model_state, mask)`` returns a dict of scalar means over
-        the real examples of this device's block (or a scalar, reported as ``"loss"``).
+      metric_fn: ``metric_fn(params, batch, *, apply_fn, model_state, mask)`` returns a dict of scalars, each a
+        mean over the real examples of this device's block or a :func:`~spmdcomm.weighted` ``(total, weight)``
+        over its tokens (or one such scalar, reported as ``"loss"``).
       backend: ``"shard_map"``, the one backend, as in :func:`~spmdcomm.make_train_step`.
       max_in_flight: as in :func:`~spmdcomm.make_train_step`.
       host_input: as in :func:`~spmdcomm.make_train_step`.
 
     Returns:
       The :class:`~spmdcomm.train.EvalStep` ``evaluate``; ``evaluate(state, batch)`` returns a dict of scalar
-      arrays: ``metric_fn``'s means over the real examples of the global batch, and ``"examples"``, the number of
-      real examples.
+      arrays: ``metric_fn``'s means over the real examples of the global batch (a weighted metric's over its
+      weight), ``"examples"``, the number of real examples, and, when the ``"loss"`` is weighted, ``"tokens"``,
+      its weight summed over the global batch.
 
     Raises:
       BackendError: when ``backend`` is not ``"shard_map"`` (``"pmap"`` names its retirement).
@@ -86,9 +90,11 @@ def make_eval_step(
 def evaluate(eval_step: EvalStep, state: TrainState, batches: Iterable[Any]) -> dict[str, float]:
     """Exact means of ``eval_step``'s metrics over every real example of ``batches`` (an evaluation set).
 
-    Each batch's means are weighted by its real-example count (``metrics["examples"]``), so a padded last batch
-    (:func:`~spmdcomm.pad_batch`, a :class:`~spmdcomm.Loader` over the eval set) counts only its real rows, and the
-    result equals the metrics of one batch holding the whole set. The sums are taken on the host in float64, one
+    Each batch's mean metrics are weighted by its real-example count (``metrics["examples"]``), and each
+    :func:`~spmdcomm.weighted` metric by its own global weight in that batch, so a padded last batch
+    (:func:`~spmdcomm.pad_batch`, a :class:`~spmdcomm.Loader` over the eval set) counts only its real rows (and
+    tokens), and the result equals the metrics of one batch holding the whole set. A metric whose weight over the
+    whole set is 0 is reported as 0.0. The sums are taken on the host in float64, one
     in-flight window behind the devices. Every process passes its own batches (as to the eval step); the result is
     the same on all.
 
@@ -98,8 +104,10 @@ def evaluate(eval_step: EvalStep, state: TrainState, batches: Iterable[Any]) -> 
       batches: an iterable of batches, each as the eval step takes it.
 
     Returns:
-      A dict of Python floats: each metric's mean over the real examples, and ``"examples"``, the number of real
-      examples seen.
+      A dict of Python floats: each metric's mean over the real examples (a weighted metric's mean over its
+      weight: ``sum(total) / sum(weight)`` over the set, a mean, not a sum), ``"examples"``, the number of real
+      examples seen, and, when ``metric_fn``'s ``"loss"`` is weighted, ``"tokens"``, its weight summed over the
+      set.
 
     Raises:
       SpmdError: when ``eval_step`` is not an evaluation step.
@@ -111,6 +119,16 @@ def evaluate(eval_step: EvalStep, state: TrainState, batches: Iterable[Any]) -> 
       >>> data = np.arange(10.0, dtype=np.float32)
       >>> sc.evaluate(mean_x, state, [sc.pad_batch(data[:8], 8), sc.pad_batch(data[8:], 8)])
       {'loss': 4.5, 'examples': 10.0}
+
+      A token-weighted loss is the mean over the set's weight (here its 10 real tokens), with ``"tokens"``:
+
+      >>> token_mean = sc.make_eval_step(
+      ...     lambda p, b, *, apply_fn, model_state, mask: sc.weighted(jnp.sum(b["x"] * b["w"]), jnp.sum(b["w"]))
+      ... )
+      >>> x = np.arange(16.0, dtype=np.float32).reshape(8, 2)
+      >>> w = (x < 5).astype(np.float32)  # 5 real tokens per batch
+      >>> sc.evaluate(token_mean, state, [{"x": x, "w": w}, {"x": x + 1, "w": w}])
+      {'loss': 2.5, 'examples': 16.0, 'tokens': 10.0}
     """
     if not isinstance(eval_step, EvalStep):
         raise SpmdError(
@@ -171,7 +189,8 @@ class EvalStep:
           batch: a pytree of arrays whose dimension 0 is the global batch, or a :class:`~spmdcomm.MaskedBatch`.
 
         Returns:
-          The metrics: means over the batch's real examples, and ``"examples"``, their number.
+          The metrics, as :func:`make_eval_step` returns them: means over the batch's real examples (a weighted
+          metric's over its weight), ``"examples"``, their number, and ``"tokens"`` with a weighted ``"loss"``.
 
         Raises:
           SpmdError: when ``state`` is not a :class:`~spmdcomm.TrainState` or lives on other devices than its mesh.

@@ -60,8 +60,10 @@ def fit(
     each writes its own shards, and process 0's data position is saved.
 
     Where each step's time goes: every step's metrics also hold the seconds it spent in each phase,
-    ``"time/data"`` (waiting for data), ``"time/dispatch"``, ``"time/devices"`` (waiting for the devices,
-    one in-flight window back), ``"time/save"``, ``"time/hooks"`` and ``"time/other"`` (:class:`spmdcomm.PhaseTimer`).
+    ``"time/data"`` (waiting for data), ``"time/compile"`` (tracing and compiling a step: the first, a new batch
+    shape), ``"time/dispatch"``, ``"time/devices"`` (waiting for the devices, one in-flight window back),
+    ``"time/sync"`` (in a barrier), ``"time/save"``, ``"time/hooks"`` and ``"time/other"``
+    (:class:`spmdcomm.PhaseTimer`; a phase unused in a step is 0.0).
 
     Args:
       step: the train step, from :func:`~spmdcomm.make_train_step`.

@@ -155,17 +155,17 @@ class TrainState:
             ("embed", None), ("mlp", "model")]``: each pair a logical name and a mesh axis, a tuple of mesh axes
             or ``None`` (not split). They map the names of ``nn.with_logical_partitioning`` boxes and of NNX
             sharding metadata as Flax's ``nn.logical_to_mesh_axes`` does (in order; a rule whose mesh axes another
-            dimension already uses is passed over; a name with no rule leaves its dimension whole, with one warning
-            naming each such parameter, name and the rule to add); data axes in the result are dropped (the strategy
-            splits parameters over those). ``None`` (default): the active ``nn.logical_axis_rules`` context's rules.
-            The state keeps them for the steps' tracing (:attr:`logical_axis_rules`).
+            dimension already uses is passed over; a name with no rule leaves its dimension whole, with one
+            :class:`~spmdcomm.MissingLogicalRuleWarning` naming each parameter, name and rule to add); data axes
+            are dropped (the strategy splits parameters over those). ``None`` (default): the active
+            ``nn.logical_axis_rules`` context's rules, kept for the steps' tracing (:attr:`logical_axis_rules`).
           pipeline: ``sc.Pipeline(microbatches=m, axis="stage", repeats=v)`` splits the leaves stacked by
             ``sc.PipelineStack`` (or given the spec ``P("stage", ...)``) over the stage axis, and the steps run them
             as a pipeline; the batch is split over the data axes and the stage axis. ``None`` (default): none.
           context: ``sc.ContextParallel(axis="context")`` splits dimension 1 (the tokens) of every batch leaf of two
             or more dimensions over the context axis inside the steps; the model's attention goes through
             ``sc.context_attention``. ``None`` (default): none.
-          missing_logical_rules: ``"warn"`` (default, as above) or ``"error"``: a logical name with no rule raises.
+          missing_logical_rules: ``"warn"`` (default: the warning above) or ``"error"``: a name with no rule raises.
           **parallelisms: the config of any other registered parallelism, by its keyword
             (:mod:`spmdcomm.parallel.registry`); one whose axis name is on the mesh runs without it, with its
             default config. Its logical axis name, if it has one, is mapped to its axis after the rules above.

@@ -2,8 +2,9 @@
 
 N devices (in one process or many) train exactly the model that one device trains on the global
 batch: every device runs ``loss_fn`` on its block of the batch, the gradients are summed over the
-data axis with weights ``real examples on this device / real examples on all devices`` by the state's
-strategy (:mod:`spmdcomm.parallel.data.strategies`), and every replica applies the same optax update.
+data axis with weights ``real examples on this device / real examples on all devices`` (a token-weighted loss:
+``1 / global weight``) by the state's strategy (:mod:`spmdcomm.parallel.data.strategies`), and every replica
+applies the same optax update.
 
 The ``loss_fn`` contract (keyword arguments after the first two)::
 
@@ -12,13 +13,17 @@ The ``loss_fn`` contract (keyword arguments after the first two)::
 * ``batch`` is this device's block (or micro-batch) of the global batch; ``mask`` is a bool
   vector of its length marking the real examples (all True unless the step got a
   :class:`~spmdcomm.MaskedBatch`).
-* ``loss`` is a float scalar: the MEAN over the block's real examples (:func:`~spmdcomm.masked_mean`
-  helps). The step weighs it by the block's real-example count, so the result is the exact global mean,
-  padding excluded.
-* ``aux`` is a dict of scalar metrics (means over the block's real examples, averaged like the
-  loss) and, under the key ``"model_state"``, the new mutable model state (e.g. Flax
-  ``batch_stats``), which the step averages over the data axis. Names the step reports itself
-  (``"loss"``, ``"examples"``, ``"skipped"``, ``"loss_scale"``, the optimizer's hyperparameters) are refused.
+* ``loss`` is either a float scalar, the MEAN over the block's real examples (:func:`~spmdcomm.masked_mean`
+  helps), which the step weighs by the block's real-example count; or a token-weighted
+  :func:`~spmdcomm.weighted` ``(total, weight)``, a SUM over the block's tokens and its weight, which the step
+  divides by the weight summed over the whole global batch. Either way the result is the exact global mean
+  (per example, or per unit of weight), padding excluded.
+* ``aux`` is a dict of scalar metrics (each a mean over the block's real examples or a
+  :func:`~spmdcomm.weighted`, averaged by its own rule) and, under the key ``"model_state"``, the new mutable
+  model state (e.g. Flax ``batch_stats``), which the step averages over the data axis. Names the step reports
+  itself are refused with :class:`~spmdcomm.errors.SpmdError`: ``"loss"``, ``"examples"``, ``"tokens"`` (with a
+  token-weighted loss), ``"skipped"`` (with ``skip_nonfinite`` or a loss scale), ``"loss_scale"`` (with a loss
+  scale) and the optimizer's hyperparameters.
 * ``step``: if ``loss_fn`` names a keyword parameter ``step``, it also gets the state's step count
   before this update (an int32 scalar), e.g. for a schedule inside the loss.
 * With ``TrainState.create(..., loss_scale="dynamic")`` the step multiplies the loss by the state's scale before
@@ -135,7 +140,9 @@ def make_train_step(
     Returns:
       The :class:`~spmdcomm.train.TrainStep` ``step``; ``step(state, batch)`` returns the new state and
       ``metrics``, a dict of scalar arrays: the loss and ``aux`` metrics (means over the real examples of the
-      global batch), ``"examples"`` (real examples in the global batch), with ``skip_nonfinite`` or a loss scale
+      global batch; a :func:`~spmdcomm.weighted` one, its global ``sum(total) / sum(weight)``), ``"examples"``
+      (real examples in the global batch), with a token-weighted loss ``"tokens"`` (the loss's weight summed over
+      the global batch), with ``skip_nonfinite`` or a loss scale
       ``"skipped"`` (1.0 for a skipped step), with a loss scale ``"loss_scale"`` (the scale this step used), and
       the scalar hyperparameters of any ``optax.inject_hyperparams`` in ``tx`` as this step used them (e.g.
       ``"learning_rate"``).

@@ -87,8 +87,10 @@ class Pipeline(Schedule):
         backward pass as soon as its forward pass leaves the last stage, torch's ``Schedule1F1B``; with
         ``repeats=v`` torch's ``ScheduleInterleaved1F1B``, also named ``"interleaved_1f1b"``); ``"zb-h1"`` (1F1B
         with the backward pass split into input and weight gradients, the weight gradients filling the bubble,
-        torch's ``ScheduleInterleavedZeroBubble``). The last two: model state only inside the stack (BatchNorm's
-        statistics there follow GPipe's rule), a per-row mean loss.
+        torch's ``ScheduleInterleavedZeroBubble``). The last two take any loss the step takes (a per-row mean or
+        :func:`~spmdcomm.weighted`) and model state only inside the stack (BatchNorm's statistics there follow
+        GPipe's rule); they refuse a context or expert axis, MoE layers and a stack whose block sows (use
+        ``"gpipe"``).
 
     Raises:
       SpmdError: for a non-positive ``microbatches`` or ``repeats``, an ``axis`` that is not a string, or an
@@ -167,8 +169,9 @@ class Pipeline(Schedule):
         Returns:
           GPipe: ``v m + p - 1``: the backward pass is autodiff of the whole loop, so every tick's (bubbles' too)
           are kept until it starts; with ``remat`` each is the tick's stage input, without it every layer's
-          activations. The tables' schedules: ``v p``, every layer's activations (``p`` micro-batches' worth;
-          1F1B's stage ``s`` keeps ``v p - s``).
+          activations. The tables' schedules: ``v p``, every layer's activations (``p`` micro-batches' worth), the
+          peak of stage 0; 1F1B's stage ``s`` keeps ``v p - s`` and ZB-H1's every stage ``v p``
+          (``table(stages).in_flight_per_stage``).
         """
         if self.schedule == "gpipe":
             return self.ticks(stages)

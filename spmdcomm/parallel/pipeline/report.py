@@ -28,13 +28,14 @@ class PipelineReport:
       bubble: its idle fraction (:meth:`~spmdcomm.Pipeline.bubble`: GPipe and 1F1B ``(p - 1) / (v m + p - 1)``,
         ZB-H1 less).
       in_flight: how many micro-batch chunks' activations (``1 / v`` of a stage's layers each) a stage device keeps
-        at once for the backward pass (:meth:`~spmdcomm.Pipeline.in_flight`: GPipe ``v m + p - 1``, one per tick;
-        1F1B and ZB-H1 ``v p``).
+        at once for the backward pass, the most of any stage (:meth:`~spmdcomm.Pipeline.in_flight`: GPipe
+        ``v m + p - 1``, one per tick; 1F1B and ZB-H1 ``v p``, on stage 0; 1F1B's stage ``s`` keeps ``v p - s``).
       kept: what it keeps of each: ``"stage input"`` under GPipe with ``remat`` (the layers are recomputed from
-        it), else ``"every layer's activations"`` (ZB-H1: and each layer's output cotangent between its input and
-        weight gradients).
-      recomputed: forward passes of the stack the backward pass runs again (1 under GPipe with ``remat``, else 0;
-        ZB-H1's weight gradient recomputes the cotangents inside each layer, which this does not count).
+        it), else ``"every layer's activations"`` (ZB-H1: and the cotangents its weight gradients read, kept from
+        each layer's input gradient to its weight gradient).
+      recomputed: forward passes of the stack the backward pass runs again (1 under GPipe with ``remat``, else 0).
+        No schedule's backward pass runs an equation twice: ZB-H1's weight gradient reads the cotangents its input
+        gradient kept (:mod:`spmdcomm.parallel.pipeline.split`).
       stacked_bytes: the bytes of the stacked layers' parameters on one device.
       stack_bytes: the bytes of the whole stack (every layer).
       permutes: collective-permutes over the stage axis per step (each counted once, as in the table).

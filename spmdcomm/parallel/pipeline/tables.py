@@ -15,13 +15,16 @@ neighbour for the next unit. The actions (torch's ``_ComputationType``):
 A schedule is a greedy list scheduler over these actions, its order and a limit on the micro-batches in flight
 per stage (residuals kept until freed):
 
-- ``"1f1b"`` (torch's ``Schedule1F1B``, with ``v > 1`` ``ScheduleInterleaved1F1B``): a ready ``B`` first, else a
-  ``F`` while fewer than ``v (p - s)`` micro-batch chunks are in flight on stage ``s``; forwards in Megatron's
-  interleaved order (``p`` micro-batches through chunk 0, the same through chunk 1, ...). A stage keeps at most
-  ``v p`` chunks of activations (``p`` micro-batches' worth: stage 0; stage ``s`` ``v (p - s)``).
-- ``"zb-h1"`` (Qi et al. 2023, torch's ``ScheduleInterleavedZeroBubble``): a ready ``I`` first, else a ``F`` under
-  the same limit, else the oldest pending ``W``: the weight gradients fill the units 1F1B leaves idle, at 1F1B's
-  memory.
+- ``"1f1b"`` (torch's ``Schedule1F1B``, with ``v > 1`` ``ScheduleInterleaved1F1B``): Megatron's fixed order per
+  stage, ``v p - s - 1`` forwards on stage ``s``, then a ``F`` and a ``B`` in turn, then the last ``B`` actions;
+  forwards in Megatron's interleaved order (``p`` micro-batches through chunk 0, the same through chunk 1, ...).
+  Stage ``s`` keeps at most ``v p - s`` chunks of activations (stage 0 ``v p``: ``p`` micro-batches' worth).
+- ``"zb-h1"`` (Qi et al. 2023, torch's ``ScheduleInterleavedZeroBubble``): a ready ``I`` first, else a ``F`` while
+  the stage keeps fewer than ``v p`` chunks, else the oldest pending ``W``: the weight gradients fill the units
+  1F1B leaves idle. Every stage keeps up to ``v p`` chunks (1F1B's stage-0 peak, on every stage), and the
+  cotangents each ``W`` reads wait from its ``I``.
+
+:attr:`Table.in_flight_per_stage` gives each stage's peak, :attr:`Table.in_flight` the largest.
 
 The bubble is measured on the table in these units (``F = I = W = 1``, ``B = 2``): the idle fraction of the
 stages' units.
@@ -32,6 +35,8 @@ stages' units.
 >>> z = table("zb-h1", stages=4, microbatches=8, repeats=1)
 >>> z.units, z.in_flight, round(z.bubble, 3)
 (29, 4, 0.172)
+>>> t.in_flight_per_stage, z.in_flight_per_stage
+([4, 3, 2, 1], [4, 4, 4, 4])
 """
 
 from __future__ import annotations

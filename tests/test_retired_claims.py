@@ -1,0 +1,95 @@
+"""No page or docstring repeats a claim that a change (recorded in CHANGELOG.md) made false.
+
+Each entry of ``RETIRED`` is a sentence as it once stood, a pattern that finds it (and its rewordings), and the
+words of the CHANGELOG entry that retired it. README.md, docs/*.md, benchmarks/README.md and every module of
+spmdcomm (docstrings and comments) are read with their line breaks joined, so a sentence is found across lines.
+CHANGELOG.md itself is history and is not read. When a change makes a documented sentence false, add it here
+with the change's CHANGELOG words: the test then finds every place that still says it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHANGELOG = ROOT / "CHANGELOG.md"
+SOURCES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "benchmarks" / "README.md",
+    *sorted((ROOT / "spmdcomm").rglob("*.py")),
+]
+
+# name: (the sentence as it stood, a pattern for it, the words of the CHANGELOG entry that made it false)
+RETIRED = {
+    "sharded: no pipeline": (
+        "There is no pipeline parallelism: nothing schedules micro-batches over stages of a model.",
+        r"there is no pipeline parallelism",
+        "- **Pipeline parallelism** (`docs/pipeline.md`)",
+    ),
+    "sharded: undivided leaves stay whole": (
+        "Leaves that no dimension divides stay whole on every device (a 10-entry bias on 8 devices): no padding,",
+        r"leaves that no dimension divides stay whole",
+        "stored padded on the dimension padding grows least",
+    ),
+    "pipeline: table schedules need a per-row mean loss": (
+        "The last two: model state only inside the stack, a per-row mean loss.",
+        r"a per-row mean loss\.",
+        "The table schedules run BatchNorm and token-weighted losses",
+    ),
+    "pipeline: ZB-H1 recomputes cotangents": (
+        "ZB-H1's weight gradient recomputes the cotangents inside each layer, which this does not count",
+        r"ZB-H1's weight gradient recomputes",
+        "ZB-H1 recomputes nothing",
+    ),
+    "pipeline: 1F1B's limit v (p - s)": (
+        "a F while fewer than ``v (p - s)`` micro-batch chunks are in flight on stage ``s``",
+        r"`+v \(p - s\)`+",
+        "1F1B's stage `s` keeps `v p - s` chunks, ZB-H1's every stage `v p`",
+    ),
+    "eval: every metric weighted by examples": (
+        "Each metric is weighted by the block's real-example count, so padded rows never count.",
+        r"each metric is weighted by the block's real-example count",
+        "`sc.evaluate` weighs each token-weighted metric by its own weight",
+    ),
+    "train: the loss is a mean": (
+        "``loss`` is a float scalar: the MEAN over the block's real examples",
+        r"loss`+ is a float scalar: the mean",
+        "`loss_fn` (and any `aux` metric, and `metric_fn`) may return `sc.weighted(total, weight)`",
+    ),
+    "ddp: float16 skips at any device count": (
+        "those of a single-device DynamicScale program on the whole batch, masked or not, at any device count",
+        r"masked or not, at any device count",
+        "a float16 weight gradient summed over one device's rows can overflow",
+    ),
+}
+
+
+def _text(path: Path) -> str:
+    return " ".join(path.read_text(encoding="utf-8").split())
+
+
+def test_the_sources_are_found():
+    names = {p.name for p in SOURCES}
+    assert {"README.md", "sharded.md", "pipeline.md", "train_step.py", "eval_step.py"} <= names
+
+
+@pytest.mark.parametrize("name", sorted(RETIRED))
+def test_the_pattern_finds_the_retired_sentence(name):
+    sentence, pattern, _ = RETIRED[name]
+    assert re.search(pattern, sentence, flags=re.I)
+
+
+@pytest.mark.parametrize("name", sorted(RETIRED))
+def test_the_changelog_records_the_change(name):
+    assert RETIRED[name][2] in _text(CHANGELOG)
+
+
+@pytest.mark.parametrize("name", sorted(RETIRED))
+def test_no_page_or_docstring_repeats_the_retired_claim(name):
+    pattern = re.compile(RETIRED[name][1], flags=re.I)
+    found = [str(p.relative_to(ROOT)) for p in SOURCES if pattern.search(_text(p))]
+    assert found == [], f"{found} still say what {RETIRED[name][2]!r} (CHANGELOG.md) made false"
