@@ -167,7 +167,8 @@ def test_explain_lists_the_moe_layers_all_to_alls_and_expert_bytes_per_device(in
         assert section.padded and section.all_to_alls >= 4 and section.all_to_all_bytes > 0
         text = str(report)
         assert "experts over 'expert' (4 devices): 1 MoE layer; all-to-alls over 'expert': " in text
-        assert f"params['MoE_0']['experts']: 8 experts, {8 // share} per device" in text and "padded" in text
+        split = "" if share == 4 else ", each split 2 ways over the data axes"  # FSDP: half of 2 experts each
+        assert f"params['MoE_0']['experts']: 8 experts, 2 per device{split}; parameters" in text and "padded" in text
         # Every all-to-all over the axis, forward and backward, is attributed to the one MoE layer.
         assert section.per_layer == (("MoE_0", section.all_to_alls, section.all_to_all_bytes),)
         assert f"layer MoE_0: {section.all_to_alls} all-to-alls over 'expert'" in text

@@ -19,8 +19,9 @@ class ExpertReport:
 
     Attributes:
       axis: the expert axis; ``size``: its devices ``e``.
-      layers: ``(path, experts, bytes per device, bytes)`` of each MoE layer's stacked experts: ``1 / e`` of them
-        per device, ``1 / (e N)`` under FSDP over ``N`` devices.
+      layers: ``(path, experts, bytes per device, bytes)`` of each MoE layer's stacked experts: ``E / e`` experts
+        per device, ``1 / e`` of the bytes; under FSDP over ``N`` data devices each of those experts is split ``N``
+        ways too (``1 / (e N)`` of the bytes), which the text says.
       all_to_alls: all-to-alls over the axis per step (forward and backward, every layer), and ``all_to_all_bytes``
         their message bytes per device.
       padded: the program moves the routed rows with the padded fallback (dense all-to-alls: every device is sent
@@ -46,8 +47,8 @@ class ExpertReport:
             f"over {self.axis!r}: {self.all_to_alls} ({format_bytes(self.all_to_all_bytes)} per device), {kind}"
         ]
         lines += [
-            f"  {path}: {experts} experts, {experts * mine // max(whole, 1)} per device; parameters "
-            f"{format_bytes(mine)} per device of {format_bytes(whole)}"
+            f"  {path}: {experts} experts, {experts // self.size} per device{_split(mine * self.size, whole)}; "
+            f"parameters {format_bytes(mine)} per device of {format_bytes(whole)}"
             for path, experts, mine, whole in self.layers
         ]
         lines += [
@@ -96,3 +97,10 @@ def _per_layer(moves: list[Any]) -> tuple[tuple[str, int, int], ...]:
         entry[0] += c.count
         entry[1] += c.total_bytes
     return tuple((layer, count, sent) for layer, (count, sent) in by.items())
+
+
+def _split(held: int, whole: int) -> str:
+    """``", each split N ways"`` where a device's experts are themselves split (FSDP: ``held`` bytes of the expert
+    group on the expert axis, ``whole`` in all), else nothing."""
+    ways = whole // max(held, 1)
+    return f", each split {ways} ways over the data axes" if ways > 1 else ""
