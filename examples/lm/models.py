@@ -98,7 +98,9 @@ class Block(nn.Module):
         y = _norm(self.dtype, "mlp_norm")(x)
         if self.experts:
             # Each token through its top_k experts; on a mesh with an "expert" axis the experts are split over it.
-            y = sc.MoE(Mlp(self.hidden, self.width, self.dtype), experts=self.experts, k=self.top_k, name="moe")(y)
+            # Packed rows' padding (segment 0) is not routed: no capacity slot, no count, no load-balancing term.
+            moe = sc.MoE(Mlp(self.hidden, self.width, self.dtype), experts=self.experts, k=self.top_k, name="moe")
+            y = moe(y, None if segments is None else segments > 0)
         else:
             y = Mlp(self.hidden, self.width, self.dtype, name="mlp")(y)
         return x + y if segments is None else jnp.concatenate([x + y, carried], axis=-1)
