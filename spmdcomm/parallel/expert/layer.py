@@ -23,7 +23,7 @@ from spmdcomm._format import LAYER_SCOPE
 from spmdcomm.collectives.ragged import RaggedImplementation
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
 from spmdcomm.parallel.expert.report import expert_report
-from spmdcomm.parallel.expert.routing import MoEStats, RoutingName, check_routing, moe
+from spmdcomm.parallel.expert.routing import Experts, MoEStats, RoutingName, check_routing, moe
 from spmdcomm.parallel.pipeline.schedule import PIPELINED, active_schedule
 from spmdcomm.parallel.real_rows import Unknown, real_rows
 from spmdcomm.parallel.registry import Parallelism
@@ -173,6 +173,10 @@ class MoE(nn.Module):
       token_axes: every axis that splits the tokens, in the global batch's order (default: ``axis_name``).
       implementation: of the all-to-alls: ``"auto"``, ``"native"`` or ``"padded"``.
       router_init: the router kernel's initializer.
+      grouped: run each local expert on the rows it received only (default; the work of the routed rows:
+        :mod:`~spmdcomm.parallel.expert.grouped`), or, ``False``, on a static buffer of ``B`` rows per expert
+        (``n T`` rows dropless: the work of every expert on every token of the expert axis), which forward-mode
+        differentiation (``jax.jvp``) also takes.
       parent: Flax's module parent.
       name: Flax's module name.
 
@@ -193,6 +197,7 @@ class MoE(nn.Module):
     token_axes: tuple[str, ...] | None = None
     implementation: RaggedImplementation = "auto"
     router_init: Callable[..., Any] = nn.initializers.normal(0.02)
+    grouped: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
@@ -218,7 +223,8 @@ class MoE(nn.Module):
             self.param("experts", lambda _: stacked_boxes("MoE", created))
         # Read without Flax's shape check: inside a mapping this device holds E / n of the experts.
         params = meta.unbox(self.get_variable("params", "experts"))
-        run = lambda buf: jax.vmap(lambda p, rows: cast(jax.Array, expert.apply({"params": p}, rows)))(params, buf)
+        one = lambda p, rows: cast(jax.Array, expert.apply({"params": p}, rows))
+        run = Experts(params, one) if self.grouped else lambda buf: jax.vmap(one)(params, buf)
         axis, tokens = None, None
         if not self.is_initializing():
             axis, tokens = step_split("MoE", self.axis_name, self.token_axes, self.capacity_factor)
@@ -237,7 +243,7 @@ def moe_rows(
     layer: Any,
     x: jax.Array,
     router: jax.Array,
-    run: Callable[[jax.Array], jax.Array],
+    run: Experts | Callable[[jax.Array], jax.Array],
     *,
     experts: int,
     axis: str | None,

@@ -11,7 +11,7 @@ from flax import nnx
 
 from spmdcomm.collectives.ragged import RaggedImplementation
 from spmdcomm.parallel.expert.layer import EXPERT, moe_rows, step_split, token_mask
-from spmdcomm.parallel.expert.routing import RoutingName, check_routing
+from spmdcomm.parallel.expert.routing import Experts, RoutingName, check_routing
 
 __all__ = ["MoE"]
 
@@ -46,6 +46,8 @@ class MoE(nnx.Module):
       token_axes: every axis that splits the tokens, in the global batch's order (default: ``axis_name``).
       implementation: of the all-to-alls: ``"auto"``, ``"native"`` or ``"padded"``.
       router_init: the router kernel's initializer, ``init(key, (features, E), float32)`` (default: normal, 0.02).
+      grouped: each local expert on the rows it received only (default), or, ``False``, on a static buffer, as
+        :class:`spmdcomm.MoE`'s ``grouped``.
       rngs: the ``nnx.Rngs`` the router and experts are initialised from.
 
     Raises:
@@ -72,11 +74,13 @@ class MoE(nnx.Module):
         token_axes: tuple[str, ...] | None = None,
         implementation: RaggedImplementation = "auto",
         router_init: Callable[..., jax.Array] = ROUTER_INIT,
+        grouped: bool = True,
         rngs: nnx.Rngs,
     ) -> None:
         check_routing("nnx.MoE", experts=experts, k=k, routing=routing, capacity_factor=capacity_factor)
         self.num_experts, self.k, self.routing, self.capacity_factor = experts, k, routing, capacity_factor
         self.axis_name, self.token_axes, self.implementation = axis_name, token_axes, implementation
+        self.grouped = grouped
         self.router = nnx.Param(router_init(rngs.params(), (features, experts), jnp.float32))
 
         @nnx.split_rngs(splits=experts)
@@ -104,7 +108,8 @@ class MoE(nnx.Module):
         """
         x = jnp.asarray(x)
         graphdef, state = nnx.split(self.experts)
-        run = lambda buf: jax.vmap(lambda s, rows: nnx.merge(graphdef, s)(rows))(state, buf)
+        one = lambda s, rows: nnx.merge(graphdef, s)(rows)
+        run = Experts(state, one) if self.grouped else lambda buf: jax.vmap(one)(state, buf)
         axis, tokens = step_split("nnx.MoE", self.axis_name, self.token_axes, self.capacity_factor)
         real = token_mask("nnx.MoE", x, mask)
         y, stats = moe_rows(

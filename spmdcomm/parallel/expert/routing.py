@@ -33,10 +33,12 @@ from spmdcomm.parallel.expert.capacity import (
     expert_capacity,
     psum_over,
 )
+from spmdcomm.parallel.expert.grouped import grouped_apply, tile_rows
 
 __all__ = [
     "ROUTINGS",
     "MoEStats",
+    "Experts",
     "moe",
     "Routing",
     "Slots",
@@ -62,6 +64,15 @@ class Routing(NamedTuple):
     weights: jax.Array
     probs: jax.Array
     logits: jax.Array
+
+
+class Experts(NamedTuple):
+    """The local experts as parameters and a function, for :func:`moe` to run each on the rows it received only
+    (:func:`~spmdcomm.parallel.expert.grouped.grouped_apply`): every leaf of ``params`` is ``[E / n, ...]``, and
+    ``apply(one_expert_params, rows [b, d]) -> [b, d_out]`` runs one expert row by row."""
+
+    params: Any
+    apply: Callable[[Any, jax.Array], jax.Array]
 
 
 class MoEStats(NamedTuple):
@@ -181,7 +192,7 @@ def check_routing(fn: str, *, experts: int, k: int, routing: str, capacity_facto
 def moe(
     x: jax.Array,
     logits: jax.Array,
-    apply_experts: Callable[[jax.Array], jax.Array],
+    apply_experts: Experts | Callable[[jax.Array], jax.Array],
     *,
     experts: int,
     k: int,
@@ -207,8 +218,10 @@ def moe(
     Args:
       x: ``[T, d]`` tokens of this device.
       logits: ``[T, E]`` router logits of those tokens.
-      apply_experts: maps a buffer ``[E / n, B, d]`` to ``[E / n, B, d_out]``, local expert ``l`` on row block
-        ``l``, each row on its own (rows that hold no token are discarded).
+      apply_experts: the local :class:`Experts`, each run on the rows it received only (grouped: the work of the
+        routed rows), or a function mapping a buffer ``[E / n, B, d]`` to ``[E / n, B, d_out]``, local expert ``l``
+        on row block ``l``, each row on its own (rows that hold no token are discarded): every expert runs on ``B``
+        rows, whatever the routing.
       experts: ``E``, over all devices.
       k: experts per token.
       routing: ``"softmax_topk"`` or ``"topk_softmax"`` (:func:`~spmdcomm.parallel.expert.routing.route`).
@@ -263,7 +276,10 @@ def moe(
     order = jnp.argsort(dest, stable=True)
     send_sizes = jnp.sum(jax.nn.one_hot(dest, n + 1, dtype=jnp.int32)[:, :n], axis=0)
     rows = x[order // k]
-    where = jnp.stack([(r.experts % local).reshape(-1), slots.group_slot.reshape(-1)], axis=-1)[order]
+    grouped = isinstance(apply_experts, Experts)
+    # Each assignment's local expert, and (for the buffer) its slot there.
+    columns = [(r.experts % local).reshape(-1)] + ([] if grouped else [slots.group_slot.reshape(-1)])
+    where = jnp.stack(columns, axis=-1)[order]
     bound = min(n * tokens * k, local * buffer)
     if axis_name is None:
         (got, got_where), recv_sizes = (rows, where), send_sizes
@@ -272,10 +288,17 @@ def moe(
             (rows, where), send_sizes, axis_name, out_rows=bound, implementation=implementation
         )
     received = jnp.arange(got.shape[0]) < jnp.sum(recv_sizes)
-    expert_of, slot_of = jnp.where(received, got_where[:, 0], local), got_where[:, 1]  # row `local`: out of range
-    held = jnp.zeros((local, buffer) + x.shape[1:], x.dtype).at[expert_of, slot_of].set(got, mode="drop")
-    done = apply_experts(held)
-    back = jnp.where(received[:, None], done.at[expert_of, slot_of].get(mode="fill", fill_value=0), 0)
+    if isinstance(apply_experts, Experts):
+        # Tiles sized for the rows a device receives on average (T k), not for the bound (n T k, any routing).
+        tile = tile_rows(tokens * k, local)
+        with jax.named_scope("grouped_experts"):
+            back = grouped_apply(apply_experts.apply, apply_experts.params, got, got_where[:, 0], received, tile=tile)
+    else:
+        expert_of, slot_of = jnp.where(received, got_where[:, 0], local), got_where[:, 1]  # row `local`: dropped
+        held = jnp.zeros((local, buffer) + x.shape[1:], x.dtype).at[expert_of, slot_of].set(got, mode="drop")
+        with jax.named_scope("buffered_experts"):
+            done = apply_experts(held)
+        back = jnp.where(received[:, None], done.at[expert_of, slot_of].get(mode="fill", fill_value=0), 0)
     if axis_name is not None:
         back, _ = ragged_all_to_all(back, recv_sizes, axis_name, out_rows=tokens * k, implementation=implementation)
     per_assignment = back[jnp.argsort(order)].reshape(tokens, k, -1)
