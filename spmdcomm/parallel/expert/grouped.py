@@ -3,9 +3,9 @@ expert (:func:`grouped_apply`).
 
 A device holding ``L`` experts gets a variable number of rows for each (the routing decides), within a static bound
 of ``R`` rows. :func:`grouped_apply` sorts the rows by expert, pads each expert's group to whole tiles of ``b`` rows
-(at most ``R / b + L`` tiles), and runs a ``lax.scan`` over the tiles, each tile through its one expert (with the
-expert's parameters picked by index, never copied per row), skipping the tiles no row reached. The work done is the
-received rows' plus at most ``b - 1`` padding rows per expert (MegaBlocks' and megablox's block-sparse form, in
+(at most ``R / b + L`` tiles), and runs a ``lax.scan`` over the tiles, each tile through its one expert (the expert's
+parameters picked by index, never copied per row or per tile), skipping the tiles no row reached. The work done is
+the received rows' plus at most ``b - 1`` padding rows per expert (MegaBlocks' and megablox's block-sparse form, in
 plain JAX), against ``L * B`` rows for a static buffer of ``B`` rows per expert.
 
 ``jax.lax.ragged_dot`` expresses the same for a matmul, but XLA:CPU runs it as a dense matmul against every group
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from spmdcomm._jax_compat import vary, varying_axes
+from spmdcomm.errors import SpmdError
 
 __all__ = ["grouped_apply", "tile_rows"]
 
@@ -106,12 +107,31 @@ def _tiles(apply: Callable[[Any, jax.Array], jax.Array], params: Any, tiles: jax
     out_axes = frozenset().union(tiles_axes, varying_axes(which), *map(varying_axes, jax.tree.leaves(params)))
     typed_apply = lambda p, rows: vary(apply(p, rows), tuple(sorted(out_axes)))
 
-    def one(params: Any, rows: jax.Array, e: jax.Array) -> tuple[jax.Array, Any]:
-        mine = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, e, keepdims=False), params)
-        return jax.vjp(typed_apply, mine, rows)
+    def pick(params: Any, e: jax.Array) -> Any:
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, e, keepdims=False), params)
 
-    # The structure of a tile's saved vjp, traced from real inputs: its static part holds their manual-axis types.
-    vjp_def = jax.tree.structure(jax.eval_shape(lambda p, t, w: one(p, t[0], w[0])[1], params, tiles, which))
+    def one(params: Any, rows: jax.Array, e: jax.Array) -> tuple[jax.Array, Any, list[jax.Array], tuple[int, ...]]:
+        """A tile's output, its vjp, the vjp's leaves to save and where the expert's own parameters sit among the
+        leaves (``j`` for parameter leaf ``j``, -1 for a saved one): those are taken again from ``params`` in the
+        backward pass, not saved per tile (a copy of the expert's weights for every tile)."""
+        mine = pick(params, e)
+        out, vjp = jax.vjp(typed_apply, mine, rows)
+        index = {id(leaf): j for j, leaf in enumerate(jax.tree.leaves(mine))}
+        leaves = jax.tree.leaves(vjp)
+        where = tuple(index.get(id(leaf), -1) for leaf in leaves)
+        return out, vjp, [leaf for leaf, j in zip(leaves, where, strict=True) if j < 0], where
+
+    # The tile's vjp structure (its static part holds the inputs' manual-axis types) and the parameters' places in
+    # it, traced once from real inputs; every tile's trace is the same program.
+    traced: dict[str, Any] = {}
+
+    def probe(params: Any, tiles: jax.Array, which: jax.Array) -> jax.Array:
+        out, vjp, _, traced["where"] = one(params, tiles[0], which[0])
+        traced["def"] = jax.tree.structure(vjp)
+        return out
+
+    jax.eval_shape(probe, params, tiles, which)
+    vjp_def, where = traced["def"], traced["where"]
 
     @jax.custom_vjp
     def run(params: Any, tiles: jax.Array, which: jax.Array) -> jax.Array:
@@ -122,8 +142,10 @@ def _tiles(apply: Callable[[Any, jax.Array], jax.Array], params: Any, tiles: jax
             rows, e = inputs
 
             def compute(rows: jax.Array) -> Any:
-                out, vjp = one(params, rows, e)
-                return out, jax.tree.leaves(vjp)
+                out, _, saved, places = one(params, rows, e)
+                if places != where:
+                    raise SpmdError(f"grouped experts: a tile traced its vjp differently ({places} != {where}).")
+                return out, saved
 
             return None, lax.cond(e < local, compute, lambda rows: _zeros(jax.eval_shape(compute, rows)), rows)
 
@@ -135,7 +157,9 @@ def _tiles(apply: Callable[[Any, jax.Array], jax.Array], params: Any, tiles: jax
         cotangent = _typed_as(cotangent, out_axes)
 
         def step(grads: Any, saved: Any, ct: jax.Array, e: jax.Array) -> tuple[Any, jax.Array]:
-            d_params, d_rows = jax.tree.unflatten(vjp_def, saved)(ct)
+            mine, rest = jax.tree.leaves(pick(params, e)), iter(saved)
+            leaves = [mine[j] if j >= 0 else next(rest) for j in where]
+            d_params, d_rows = jax.tree.unflatten(vjp_def, leaves)(ct)
             # In place: only this expert's rows of the accumulated gradient change.
             grads = jax.tree.map(lambda g, d: g.at[e].add(d.astype(g.dtype)), grads, d_params)
             return grads, d_rows.astype(tile.dtype)
