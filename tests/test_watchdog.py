@@ -383,7 +383,9 @@ def test_every_process_names_the_stuck_one_and_the_job_exits_with_the_stuck_code
     assert re.search(r"^\[rank 0\] spmdcomm\.Watchdog: process 0 completed no step for [\d.]+ s", err, re.M) or (
         re.search(r"^\[rank 1\] spmdcomm\.Watchdog: process 1 completed no step for [\d.]+ s", err, re.M)
     )
-    assert "Stuck: process 1 (waiting for data). Every process exits with status 75" in err
+    assert re.search(
+        r"Stuck: process 1 \(waiting for data for [\d.]+ s, last completed step 2\)\. Every process exits", err
+    )
     # The stuck process shows where its training thread is.
     assert re.search(r"^\[rank 1\]\s+time\.sleep\(1e9\)$", err, re.M), err
     assert "exited with status 75" in err
@@ -419,6 +421,43 @@ def test_a_process_that_cannot_reach_the_coordination_service_still_exits(launch
 @pytest.mark.multiprocess
 def test_the_launcher_restarts_a_job_the_watchdog_ended(launch):
     res = launch("mp_watchdog.py", "stuck-once", TIMEOUT, max_restarts=1)
-    assert "Stuck: process 1 (waiting for data)" in res.stderr
+    assert "Stuck: process 1 (waiting for data for " in res.stderr
     assert re.search(r"exited with status 75.*\n(.*\n)*.*restart 1 of 1", res.stderr), res.stderr
     assert sorted(re.findall(r"^\[rank (\d)\] DONE after attempt 1$", res.stdout, re.M)) == ["0", "1"]
+
+
+def attempts(err):
+    """Per attempt of tests/workers/blame_job.py, its plan entry and the lines its processes printed."""
+    found = []
+    for line in err.splitlines():
+        started = re.match(r"^\[rank 0\] PLAN \d+ (\S+)$", line)
+        if started:
+            found.append((started.group(1), []))
+        elif found:
+            found[-1][1].append(line)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fit_names_the_rank_stalled_in_a_host_callback_or_its_data_and_not_the_rank_that_waits(launch, tmp_path):
+    # One job, restarted once: rank 0 stalls in a jax.debug.callback inside its step, then in its data source
+    # (test_every_process_names_the_stuck_one... stalls rank 1's data). Before the fix, the callback stall named the
+    # waiting rank, whose next dispatch blocks behind the collective, in 8 runs of 10.
+    res = launch("blame_job.py", tmp_path / "ckpt", "--plan", "callback:0:5,data:0:6", max_restarts=1, returncode=75)
+    runs = attempts(res.stderr)
+    assert [entry for entry, _ in runs] == ["callback:0:5", "data:0:6"], res.stderr
+    for (entry, lines), doing in zip(runs, ["in a host callback", "waiting for data"]):
+        text = "\n".join(lines)
+        headlines = re.findall(r"^\[rank (\d)\] spmdcomm\.Watchdog: .*? Stuck: (.*?)\. Every process", text, re.M)
+        assert sorted(rank for rank, _ in headlines) == ["0", "1"], text
+        for _, named in headlines:
+            assert re.fullmatch(rf"process 0 \({doing}.* for [\d.]+ s, last completed step \d+\)", named), text
+        for rank, rows in tables(text).items():
+            assert rows[0][2].startswith(doing) and rows[0][4], (entry, rank, rows)
+            assert not rows[1][4], (entry, rank, rows)
+        assert re.search(r"^\[rank 1\] 1 .*  waiting for process 0$", text, re.M), text
+    # The stalled process shows where its callback runs.
+    assert re.search(
+        r"^\[rank 0\] Host callback of process 0:\n(\[rank 0\] .*\n)*?\[rank 0\]\s+time\.sleep\(1e9\)", res.stderr, re.M
+    )
