@@ -6,7 +6,8 @@ step). While it runs, the step cannot finish, and the other processes wait for t
 collective: so a callback that does not return makes this process the culprit even though its training thread
 only waits for its devices. No phase of the training loop can say so (the loop's thread is elsewhere), so
 :class:`HostCallbacks` looks for JAX's callback frames in every thread's Python stack (``sys._current_frames``),
-which works on every backend: the callbacks of all of them enter Python through the same JAX functions.
+which works on every backend: the callbacks of all of them enter Python through the same JAX functions
+(:func:`spmdcomm._jax_compat.is_host_callback_code`, which names them).
 
 >>> watch = HostCallbacks()
 >>> watch.sample() is None  # no callback runs in this process now
@@ -22,13 +23,10 @@ import traceback
 from types import FrameType
 from typing import NamedTuple
 
+from spmdcomm._jax_compat import is_host_callback_code
+
 __all__ = ["HostCallbacks", "InFlight", "stack_of"]
 
-# The functions through which JAX runs a host callback at run time (jax/_src/callback.py and debugging.py, JAX
-# 0.10): every callback of a compiled program enters Python through ``_wrapped_callback``, an eager one through
-# its primitive's ``*_impl``. Matched by file and name, not imported: they are private and may move.
-_CALLBACK_FILES = ("jax/_src/callback.py", "jax/_src/debugging.py")
-_CALLBACK_FUNCTIONS = frozenset({"_wrapped_callback", "debug_callback_impl", "pure_callback_impl", "io_callback_impl"})
 _STACK_FRAMES = 12
 
 
@@ -77,8 +75,7 @@ def _callback_frame(frame: FrameType | None) -> FrameType | None:
     """The outermost frame of a JAX host-callback function in the stack that ends at ``frame``, if any."""
     found = None
     while frame is not None:
-        code = frame.f_code
-        if code.co_name in _CALLBACK_FUNCTIONS and code.co_filename.replace("\\", "/").endswith(_CALLBACK_FILES):
+        if is_host_callback_code(frame.f_code):
             found = frame
         frame = frame.f_back
     return found
