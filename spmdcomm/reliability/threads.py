@@ -47,20 +47,25 @@ class HostCallbacks:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._seen: dict[tuple[int, int], InFlight] = {}  # (thread, id of the callback's frame) -> when first seen
+        # (thread, id of the callback's frame) -> when first seen, and the frame itself: held until the next sample,
+        # so that a later call's frame cannot take its address and pass for the same callback.
+        self._seen: dict[tuple[int, int], tuple[InFlight, FrameType]] = {}
 
     def sample(self) -> InFlight | None:
         """The oldest host callback running now, or None when none runs."""
         now, wall = time.monotonic(), time.time()
         running = {
-            (thread, id(frame)): thread
+            (thread, id(frame)): (thread, frame)
             for thread, top in sys._current_frames().items()
             if (frame := _callback_frame(top)) is not None
         }
         with self._lock:
-            # A frame object lives as long as its call, so the key names one callback for as long as it runs.
-            self._seen = {key: self._seen.get(key) or InFlight(now, wall, thread) for key, thread in running.items()}
-            return min(self._seen.values(), default=None)
+            # A running call keeps its frame object, so the key names one callback for as long as it runs.
+            self._seen = {
+                key: self._seen.get(key) or (InFlight(now, wall, thread), frame)
+                for key, (thread, frame) in running.items()
+            }
+            return min((seen for seen, _ in self._seen.values()), default=None)
 
 
 def stack_of(thread: int) -> str:

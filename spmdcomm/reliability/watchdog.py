@@ -39,9 +39,8 @@ Which processes are stuck (:func:`~spmdcomm.reliability.verdicts.stuck_processes
 their state, then those that stopped in their own work for at least half the timeout: a phase that does not wait
 for the others (waiting for data, a hook, your code), or a host callback that has not returned (found in the
 process's thread stacks: :mod:`spmdcomm.reliability.threads`); never one that waits for devices, in a barrier, in
-a save or in a blocked dispatch. When every process waits, those with the lowest last completed step (a hang
-inside the devices). Each row of the table says what the process is doing, for how long, and its verdict: why it
-is stuck, or whom it waits for.
+a save or in a blocked dispatch. When every process waits, all of them (a hang inside the devices). Each row of
+the table says what the process is doing, for how long, and its verdict: why it is stuck, or whom it waits for.
 
 >>> import spmdcomm as sc
 >>> timer = sc.PhaseTimer()
