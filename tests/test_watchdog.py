@@ -14,6 +14,7 @@ from timing import LATE_S
 
 import spmdcomm as sc
 from spmdcomm.reliability.phases import Progress
+from spmdcomm.reliability.threads import HostCallbacks, stack_of
 from spmdcomm.reliability.verdicts import (
     ProcessState,
     compiling_process,
@@ -208,6 +209,44 @@ def test_bad_settings_are_refused(kwargs, message):
 def test_the_watchdog_watches_a_phase_timer():
     with pytest.raises(sc.SpmdError, match=r"^spmdcomm\.Watchdog: timer is a dict, not a PhaseTimer"):
         sc.Watchdog({}, timeout=10)
+
+
+def test_a_host_callback_that_runs_is_found_in_its_thread_and_timed_from_when_it_was_first_seen():
+    release = threading.Event()
+    ran = jax.jit(lambda x: (jax.debug.callback(lambda _: release.wait(GIVE_UP), x), x + 1)[1])
+    watch = HostCallbacks()
+    release.set()
+    ran(np.float32(0)).block_until_ready()  # compiled; the callback returned at once
+    assert watch.sample() is None
+    release.clear()
+    caller = threading.Thread(target=lambda: ran(np.float32(1)).block_until_ready())
+    caller.start()
+    deadline = time.monotonic() + GIVE_UP
+    while (first := watch.sample()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert first is not None, "the running callback was not found"
+    time.sleep(0.05)
+    assert watch.sample() == first  # the same callback: its start does not move
+    assert "release.wait(GIVE_UP)" in stack_of(first.thread)
+    release.set()
+    caller.join()
+    assert watch.sample() is None
+
+
+def test_fit_passes_the_watchdog_settings_and_refuses_them_without_a_watchdog():
+    state = sc.TrainState.create(params={"c": np.float32(0.0)}, tx=optax.sgd(0.1))
+    step = sc.make_train_step(lambda params, batch, **_: sc.masked_mean((batch - params["c"]) ** 2, _["mask"]))
+    batches = [np.ones(8, np.float32)] * 2
+    with pytest.raises(sc.SpmdError, match=r"^spmdcomm\.fit: watchdog_first_step_timeout is the first step's"):
+        sc.fit(step, state, batches, watchdog_first_step_timeout=60)
+    with pytest.raises(sc.SpmdError, match=r"^spmdcomm\.Watchdog: interval=0 is not a positive number"):
+        sc.fit(step, state, batches, watchdog_timeout=60, watchdog_interval=0)
+    with pytest.raises(sc.SpmdError, match=r"^spmdcomm\.Watchdog: first_step_timeout=-1 is not a positive number"):
+        sc.fit(step, state, batches, watchdog_timeout=60, watchdog_first_step_timeout=-1)
+    _, history = sc.fit(
+        step, state, batches, watchdog_timeout=60, watchdog_first_step_timeout=600, watchdog_interval=0.1
+    )
+    assert len(history) == 2
 
 
 # ---- in-process: on_stuck="raise" and a callable (the process goes on) ------------------------------------------
