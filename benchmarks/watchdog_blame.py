@@ -2,7 +2,8 @@
 timeout 4 s) stalls forever, in a ``jax.debug.callback`` inside its step or in its data source; the script counts
 how often the watchdog's report names that rank alone, both ranks, or the healthy rank alone.
 
-Every stall is one attempt of one job restarted by ``spmdcomm-launch --max-restarts`` (``watchdog_blame_job.py``):
+Every stall is one attempt of one job restarted by ``spmdcomm-launch --max-restarts`` (``tests/workers/blame_job.py``,
+also run by ``tests/test_watchdog.py``):
 the scenarios (kind x rank) are interleaved and the stalled step varies from attempt to attempt.
 
 Usage: python benchmarks/watchdog_blame.py [--reps 10] [--json results/watchdog_blame.json]
@@ -20,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+JOB = Path(__file__).resolve().parents[1] / "tests" / "workers" / "blame_job.py"
 SCENARIOS = [("callback", 1), ("callback", 0), ("data", 1), ("data", 0)]
 HEADLINE = re.compile(r"^\[rank (\d)\] spmdcomm\.Watchdog: .*?Stuck: (.*?)\. (?:Every process|Process \d)", re.M)
 
@@ -64,7 +65,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as ckpt:
         command = [sys.executable, "-m", "spmdcomm.launch", "-n", "2", "--devices-per-process", "2"]
         command += ["--max-restarts", str(len(entries) - 1), "--timeout", "120", "--grace", "2"]
-        command += [str(HERE / "watchdog_blame_job.py"), ckpt, "--plan", ",".join(entries)]
+        command += [str(JOB), ckpt, "--plan", ",".join(entries)]
         job = subprocess.run(command, capture_output=True, text=True, timeout=60 * len(entries), env=os.environ)
     results = verdicts(job.stderr)
     table: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
