@@ -2,7 +2,8 @@
 
 JAX has no public API for a few things spmdcomm needs: whether the current ``shard_map`` trace checks
 varying manual axes, the coordination-service client of a multi-process job, whether the backends have
-started, cluster auto-detection, and which axis a collective asked for when JAX failed on an unbound one. Those
+started, cluster auto-detection, which axis a collective asked for when JAX failed on an unbound one, and which
+functions run a host callback (for the watchdog, which looks for them in thread stacks). Those
 accesses live here and nowhere else in spmdcomm (one exception, FSDP's ``jax.checkpoint`` policy naming
 primitives, is in docs/architecture.md; ``tests/test_architecture.py`` checks both), so a JAX upgrade that moves
 one of them breaks exactly one function, which then raises a clear error naming the installed JAX version and the
@@ -15,7 +16,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Sequence
-from types import TracebackType
+from types import CodeType, TracebackType
 from typing import Any
 
 import jax
@@ -32,6 +33,7 @@ __all__ = [
     "check_vma_enabled",
     "collective_axes_in_traceback",
     "coordination_client",
+    "is_host_callback_code",
     "jax_version",
     "jax_version_supported",
     "varying_axes",
@@ -134,6 +136,15 @@ def collective_axes_in_traceback(tb: TracebackType | None) -> list[str]:
     return names
 
 
+def is_host_callback_code(code: CodeType) -> bool:
+    """Whether ``code`` is one of the functions through which JAX runs a host callback (``jax.debug.callback``,
+    ``pure_callback``, ``io_callback``) at run time: every callback of a compiled program enters Python through
+    ``_wrapped_callback`` of ``jax/_src/callback.py``, an eager one through its primitive's ``*_impl``. Matched by
+    file and name (private, JAX 0.10); a JAX that renames them makes this False, and a stalled callback then reads as
+    a hang inside the devices."""
+    return code.co_name in _CALLBACK_FUNCTIONS and code.co_filename.replace("\\", "/").endswith(_CALLBACK_FILES)
+
+
 def coordination_client() -> Any | None:
     """JAX's coordination-service client of this job (barriers, a key-value store); None before joining."""
     global_state = _private("jax._src.distributed", "global_state")
@@ -185,6 +196,9 @@ def auto_detect_cluster(
 
 
 # ------------------------------------------------------------------------------------------------
+
+_CALLBACK_FILES = ("jax/_src/callback.py", "jax/_src/debugging.py")
+_CALLBACK_FUNCTIONS = frozenset({"_wrapped_callback", "debug_callback_impl", "pure_callback_impl", "io_callback_impl"})
 
 _check_vma_flag: Any = None  # JAX's check_vma config state, found on first use
 

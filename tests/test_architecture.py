@@ -23,7 +23,8 @@ COMPAT = "spmdcomm/_jax_compat.py"
 # variables of a frame (f_locals, f_globals) and a traceback's frames are read in _jax_compat only.
 FRAME_READERS = {
     "spmdcomm/runtime/transport.py": "call_site: the caller's file:line, for messages",
-    "spmdcomm/reliability/watchdog.py": "the stuck thread's stack, printed in the watchdog's table",
+    "spmdcomm/reliability/threads.py": "the stuck thread's stack, printed in the watchdog's table, and the host "
+    "callbacks running in the process (frames of JAX's callback functions, by name)",
 }
 # Names of JAX primitives that JAX's public API (jax.extend.core.primitives) does not export.
 INTERNAL_PRIMITIVES = frozenset({"pvary", "pcast", "custom_vjp_call_jaxpr", "copy_p"})

@@ -14,21 +14,29 @@ from timing import LATE_S
 
 import spmdcomm as sc
 from spmdcomm.reliability.phases import Progress
+from spmdcomm.reliability.threads import HostCallbacks, stack_of
 from spmdcomm.reliability.verdicts import (
     ProcessState,
     compiling_process,
+    describe_stuck,
     format_table,
     overdue,
     stuck_processes,
+    verdict_of,
 )
 
 TIMEOUT = 5  # the watchdog's, in the jobs below
 # A row of the table: process, host, last step, phase, seconds in phase, mark.
-ROW = re.compile(r"^\[rank (\d)\] (\d+)\s+(\S+)\s+(\S+)\s+(.+?)\s{2,}([\d.?]+)(\s+<- stuck)?$", re.M)
+ROW = re.compile(
+    r"^\[rank (\d)\] (\d+)\s+(\S+)\s+(\S+)\s+(.+?)\s{2,}([\d.?]+)(?:\s{2,}(<- stuck.*|waiting for .*))?$", re.M
+)
 
 
-def state(process, step, phase, seconds=1.0):
-    return ProcessState(process, "host", step, phase, seconds)
+STALL = 2.0  # stalled_after below: half a 4 s timeout
+
+
+def state(process, step, phase, seconds=1.0, callback=None):
+    return ProcessState(process, "host", step, phase, seconds, None, callback)
 
 
 @pytest.mark.parametrize(
@@ -36,25 +44,89 @@ def state(process, step, phase, seconds=1.0):
     [
         # a process behind the others, busy with its own work: the cause
         ({0: state(0, 5, "devices"), 1: state(1, 4, "data")}, 2, [1]),
-        # the same step, one waits for the others inside a collective, one does not
-        ({0: state(0, 4, "devices"), 1: state(1, 4, "dispatch")}, 2, [1]),
+        # a dispatch that lasts waits (behind devices that wait for a peer): never the cause by itself
+        ({0: state(0, 4, "devices"), 1: state(1, 4, "dispatch")}, 2, [0, 1]),
         # a checkpoint save is collective: one process saving step 8 waits for the one whose data never came
         ({0: state(0, 7, "data"), 1: state(1, 7, "save")}, 2, [0]),
         ({0: state(0, 7, "save"), 1: state(1, 7, "save")}, 2, [0, 1]),
-        # everyone waits at the lowest step: a hang inside the devices or a barrier names all of them
-        ({0: state(0, 4, "devices"), 1: state(1, 4, "sync"), 2: state(2, 6, "devices")}, 3, [0, 1]),
+        # everyone waits: a hang inside the devices or a barrier names all of them, whatever their steps
+        ({0: state(0, 4, "devices"), 1: state(1, 4, "sync"), 2: state(2, 6, "devices")}, 3, [0, 1, 2]),
+        # working ones that just began (no stall yet): those behind
+        ({0: state(0, 0, "data"), 1: state(1, None, "other"), 2: state(2, None, "devices")}, 3, [1]),
         # a process without a report comes first; the waiting ones are its victims
         ({0: state(0, 4, "devices"), 1: state(1, 4, "devices")}, 3, [2]),
-        ({0: state(0, 4, "devices"), 1: state(1, 4, "data")}, 3, [2, 1]),
-        # no step completed yet counts as the lowest
-        ({0: state(0, 0, "data"), 1: state(1, None, "other")}, 2, [1]),
+        ({0: state(0, 4, "devices"), 1: state(1, 4, "data", 5.0)}, 3, [2, 1]),
         ({}, 2, [0, 1]),
         # a compilation past its allowance is the process's own work
         ({0: state(0, 4, "devices"), 1: state(1, 4, "compile")}, 2, [1]),
     ],
 )
-def test_stuck_processes_are_the_ones_behind_that_do_not_wait_for_others(states, n, stuck):
-    assert stuck_processes(states, n) == stuck
+def test_stuck_processes_are_the_ones_that_stopped_in_their_own_work_never_waiting_ones(states, n, stuck):
+    assert stuck_processes(states, n, stalled_after=STALL) == stuck
+
+
+def interleavings():
+    """The states the watchdog reads when rank ``r`` of 2 stalls in a host callback or in its data source, in
+    every interleaving of the healthy rank (blocked in the next dispatch, fetching metrics, in a save, or just
+    back from a phase of its own), with the stalled rank's training thread anywhere the loop can be."""
+    cases = []
+    for r in (0, 1):
+        o = 1 - r
+        # the healthy rank: (last step relative to the stalled one's, phase, seconds in it)
+        healthy = [(-1, "dispatch", 4.2), (0, "dispatch", 4.1), (1, "devices", 4.0), (0, "save", 3.9), (0, "data", 0.1)]
+        healthy += [(2, "devices", 3.5), (-1, "hooks", 0.3), (0, "other", 0.01)]
+        for d, phase, seconds in healthy:
+            other = state(o, 10 + d, phase, seconds)
+            # a callback that does not return, seen from each phase the stalled rank's training thread waits in
+            for own in ("devices", "dispatch", "save", "data", "other"):
+                busy = own not in ("devices", "dispatch", "save")
+                cases.append(
+                    pytest.param(
+                        {r: state(r, 10, own, 0.2 if busy else 4.3, callback=4.1), o: other},
+                        [r],
+                        id=f"callback-{own}-on-{r}-other-{phase}{d:+d}",
+                    )
+                )
+            cases.append(
+                pytest.param({r: state(r, 10, "data", 4.2), o: other}, [r], id=f"data-on-{r}-other-{phase}{d:+d}")
+            )
+    # both ranks stalled: both named, whichever is ahead
+    cases += [
+        pytest.param(
+            {0: state(0, 9, "devices", 4.0, 4.0), 1: state(1, 11, "dispatch", 4.0, 3.2)}, [0, 1], id="two-cbs"
+        ),
+        pytest.param({0: state(0, 10, "data", 4.0), 1: state(1, 12, "data", 2.5)}, [0, 1], id="two-data"),
+        pytest.param({0: state(0, 10, "data", 4.0), 1: state(1, 10, "devices", 4.0, 3.0)}, [0, 1], id="data-and-cb"),
+        # a callback that just began is no stall (the step's callbacks run all the time); the stalled data is
+        pytest.param({0: state(0, 10, "data", 4.2), 1: state(1, 11, "devices", 4.0, 0.4)}, [0], id="cb-just-began"),
+        # nobody stopped in their own work (a hang inside the devices): all of them, whatever their steps
+        pytest.param({0: state(0, 10, "dispatch", 4.2), 1: state(1, 11, "devices", 4.1)}, [0, 1], id="device-hang"),
+        pytest.param({0: state(0, 10, "devices", 4.2), 1: state(1, 10, "devices", 4.1)}, [0, 1], id="all-wait"),
+        # ...unless one behind works, if only for a moment
+        pytest.param({0: state(0, 10, "data", 0.5), 1: state(1, 10, "dispatch", 4.1)}, [0], id="brief-data"),
+    ]
+    return cases
+
+
+@pytest.mark.parametrize("states,stuck", interleavings())
+def test_the_rank_that_stalled_in_a_callback_or_its_data_is_named_in_every_interleaving(states, stuck):
+    assert stuck_processes(states, 2, stalled_after=STALL) == stuck
+
+
+def test_the_table_says_what_each_process_does_for_how_long_and_whom_the_waiting_ones_wait_for():
+    states = {0: state(0, 10, "dispatch", 4.2), 1: state(1, 11, "devices", 4.3, callback=4.1)}
+    stuck = stuck_processes(states, 2, stalled_after=STALL)
+    assert format_table(states, 2, stuck=stuck).splitlines() == [
+        "process  host  last step  doing                                     seconds  verdict",
+        "0        host  10         dispatching                               4.2      waiting for process 1",
+        "1        host  11         in a host callback (waiting for devices)  4.1      <- stuck: a host callback has "
+        "run 4.1 s",
+    ]
+    assert describe_stuck(1, states) == (
+        "process 1 (in a host callback (waiting for devices) for 4.1 s, last completed step 11)"
+    )
+    assert verdict_of(0, {0: state(0, 1, "devices")}, [0]).startswith("<- stuck: waits with the others")
+    assert verdict_of(1, {0: state(0, 1, "data", 3.0)}, [0, 2]) == "waiting for processes 0, 2"
 
 
 def progress(step, phase, *, phase_start=0.0, step_start=0.0, compile_end=None):
@@ -110,10 +182,10 @@ def test_a_process_that_compiles_or_just_compiled_holds_the_others_up_legitimate
 def test_table_has_one_aligned_row_per_process_and_marks_the_stuck_ones():
     states = {0: ProcessState(0, "node-a", 12, "devices", 10.25), 2: ProcessState(2, "b", None, "eval", 3.0)}
     assert format_table(states, 3, stuck=[1]) == (
-        "process  host    last step  phase                seconds in phase\n"
-        "0        node-a  12         waiting for devices  10.2\n"
-        "1        ?       ?          no report            ?                 <- stuck\n"
-        "2        b       none       eval                 3.0"
+        "process  host    last step  doing                seconds  verdict\n"
+        "0        node-a  12         waiting for devices  10.2     waiting for process 1\n"
+        "1        ?       ?          no report            ?        <- stuck\n"
+        "2        b       none       eval                 3.0      waiting for process 1"
     )
     assert "1        ?       ?          unknown" in format_table(states, 3, stuck=[], absent="unknown")
 
@@ -137,6 +209,44 @@ def test_bad_settings_are_refused(kwargs, message):
 def test_the_watchdog_watches_a_phase_timer():
     with pytest.raises(sc.SpmdError, match=r"^spmdcomm\.Watchdog: timer is a dict, not a PhaseTimer"):
         sc.Watchdog({}, timeout=10)
+
+
+def test_a_host_callback_that_runs_is_found_in_its_thread_and_timed_from_when_it_was_first_seen():
+    release = threading.Event()
+    ran = jax.jit(lambda x: (jax.debug.callback(lambda _: release.wait(GIVE_UP), x), x + 1)[1])
+    watch = HostCallbacks()
+    release.set()
+    ran(np.float32(0)).block_until_ready()  # compiled; the callback returned at once
+    assert watch.sample() is None
+    release.clear()
+    caller = threading.Thread(target=lambda: ran(np.float32(1)).block_until_ready())
+    caller.start()
+    deadline = time.monotonic() + GIVE_UP
+    while (first := watch.sample()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert first is not None, "the running callback was not found"
+    time.sleep(0.05)
+    assert watch.sample() == first  # the same callback: its start does not move
+    assert "release.wait(GIVE_UP)" in stack_of(first.thread)
+    release.set()
+    caller.join()
+    assert watch.sample() is None
+
+
+def test_fit_passes_the_watchdog_settings_and_refuses_them_without_a_watchdog():
+    state = sc.TrainState.create(params={"c": np.float32(0.0)}, tx=optax.sgd(0.1))
+    step = sc.make_train_step(lambda params, batch, **_: sc.masked_mean((batch - params["c"]) ** 2, _["mask"]))
+    batches = [np.ones(8, np.float32)] * 2
+    with pytest.raises(sc.SpmdError, match=r"^spmdcomm\.fit: watchdog_first_step_timeout is the first step's"):
+        sc.fit(step, state, batches, watchdog_first_step_timeout=60)
+    with pytest.raises(sc.SpmdError, match=r"^spmdcomm\.Watchdog: interval=0 is not a positive number"):
+        sc.fit(step, state, batches, watchdog_timeout=60, watchdog_interval=0)
+    with pytest.raises(sc.SpmdError, match=r"^spmdcomm\.Watchdog: first_step_timeout=-1 is not a positive number"):
+        sc.fit(step, state, batches, watchdog_timeout=60, watchdog_first_step_timeout=-1)
+    _, history = sc.fit(
+        step, state, batches, watchdog_timeout=60, watchdog_first_step_timeout=600, watchdog_interval=0.1
+    )
+    assert len(history) == 2
 
 
 # ---- in-process: on_stuck="raise" and a callable (the process goes on) ------------------------------------------
@@ -166,10 +276,11 @@ def test_on_stuck_raise_raises_in_the_training_thread_and_the_process_goes_on(ca
     message = str(info.value)
     assert re.match(
         rf"^spmdcomm\.Watchdog: process 0 completed no step for [\d.]+ s after the last completed step "
-        rf"\(timeout {STUCK_AFTER:g} s\)\. Stuck: process 0 \(waiting for data\)\.\n",
+        rf"\(timeout {STUCK_AFTER:g} s\)\. Stuck: process 0 "
+        rf"\(waiting for data for [\d.]+ s, last completed step 1\)\.\n",
         message,
     ), message
-    assert re.search(r"^0 +\S+ +1 +waiting for data +[\d.]+ +<- stuck$", message, re.M), message
+    assert re.search(r"^0 +\S+ +1 +waiting for data +[\d.]+ +<- stuck: waiting for data for [\d.]+ s$", message, re.M)
     assert info.value.stuck == [0] and isinstance(info.value, sc.DistributedError)
     err = capfd.readouterr().err
     assert "Process 0 raises StuckStepError in its training thread (on_stuck='raise')." in err
@@ -192,7 +303,7 @@ def test_on_stuck_callable_gets_the_error_once_and_the_loop_decides():
     assert fired.is_set(), "the watchdog never called on_stuck"
     ((error, thread),) = got
     assert type(error) is sc.StuckStepError and error.stuck == [0]
-    assert "Stuck: process 0 (waiting for data)." in str(error)
+    assert re.search(r"Stuck: process 0 \(waiting for data for [\d.]+ s, last completed step 1\)\.", str(error))
     assert thread != threading.get_ident()  # called from the watchdog's thread, not the training thread
     assert all(not t.is_alive() for t in watchdog._threads)
 
@@ -231,7 +342,8 @@ def test_a_compilation_longer_than_the_timeout_is_no_stall_and_a_stall_after_it_
     message = str(info.value)
     assert re.match(
         r"^spmdcomm\.Watchdog: process 0 completed no step for [\d.]+ s after its last compilation ended "
-        rf"\(timeout {STUCK_AFTER:g} s\)\. Stuck: process 0 \(waiting for data\)\.\n",
+        rf"\(timeout {STUCK_AFTER:g} s\)\. Stuck: process 0 "
+        rf"\(waiting for data for [\d.]+ s, last completed step 2\)\.\n",
         message,
     ), message
 
@@ -253,10 +365,10 @@ def test_a_compilation_past_its_own_allowance_is_named_as_compiling():
     ((error,),) = [got]
     assert re.match(
         rf"^spmdcomm\.Watchdog: process 0 compiled for [\d.]+ s \(compile timeout {2 * STUCK_AFTER:g} s\)\. "
-        r"Stuck: process 0 \(compiling\)\.\n",
+        r"Stuck: process 0 \(compiling for [\d.]+ s, last completed step none\)\.\n",
         str(error),
     ), error
-    assert re.search(r"^0 +\S+ +none +compiling +[\d.]+ +<- stuck$", str(error), re.M), error
+    assert re.search(r"^0 +\S+ +none +compiling +[\d.]+ +<- stuck: compiling for [\d.]+ s$", str(error), re.M), error
 
 
 def test_train_and_eval_steps_report_their_compilations_inside_the_loops_phases():
@@ -285,7 +397,7 @@ def tables(out):
     """{rank: {process: (host, step, phase, seconds, stuck)}} from each rank's printed table."""
     found = {}
     for rank, process, host, step, phase, seconds, mark in ROW.findall(out):
-        found.setdefault(int(rank), {})[int(process)] = (host, step, phase, seconds, bool(mark))
+        found.setdefault(int(rank), {})[int(process)] = (host, step, phase, seconds, mark.startswith("<- stuck"))
     return found
 
 
@@ -310,7 +422,9 @@ def test_every_process_names_the_stuck_one_and_the_job_exits_with_the_stuck_code
     assert re.search(r"^\[rank 0\] spmdcomm\.Watchdog: process 0 completed no step for [\d.]+ s", err, re.M) or (
         re.search(r"^\[rank 1\] spmdcomm\.Watchdog: process 1 completed no step for [\d.]+ s", err, re.M)
     )
-    assert "Stuck: process 1 (waiting for data). Every process exits with status 75" in err
+    assert re.search(
+        r"Stuck: process 1 \(waiting for data for [\d.]+ s, last completed step 2\)\. Every process exits", err
+    )
     # The stuck process shows where its training thread is.
     assert re.search(r"^\[rank 1\]\s+time\.sleep\(1e9\)$", err, re.M), err
     assert "exited with status 75" in err
@@ -346,6 +460,43 @@ def test_a_process_that_cannot_reach_the_coordination_service_still_exits(launch
 @pytest.mark.multiprocess
 def test_the_launcher_restarts_a_job_the_watchdog_ended(launch):
     res = launch("mp_watchdog.py", "stuck-once", TIMEOUT, max_restarts=1)
-    assert "Stuck: process 1 (waiting for data)" in res.stderr
+    assert "Stuck: process 1 (waiting for data for " in res.stderr
     assert re.search(r"exited with status 75.*\n(.*\n)*.*restart 1 of 1", res.stderr), res.stderr
     assert sorted(re.findall(r"^\[rank (\d)\] DONE after attempt 1$", res.stdout, re.M)) == ["0", "1"]
+
+
+def attempts(err):
+    """Per attempt of tests/workers/blame_job.py, its plan entry and the lines its processes printed."""
+    found = []
+    for line in err.splitlines():
+        started = re.match(r"^\[rank 0\] PLAN \d+ (\S+)$", line)
+        if started:
+            found.append((started.group(1), []))
+        elif found:
+            found[-1][1].append(line)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fit_names_the_rank_stalled_in_a_host_callback_or_its_data_and_not_the_rank_that_waits(launch, tmp_path):
+    # One job, restarted once: rank 0 stalls in a jax.debug.callback inside its step, then in its data source
+    # (test_every_process_names_the_stuck_one... stalls rank 1's data). Before the fix, the callback stall named the
+    # waiting rank, whose next dispatch blocks behind the collective, in 8 runs of 10.
+    res = launch("blame_job.py", tmp_path / "ckpt", "--plan", "callback:0:5,data:0:6", max_restarts=1, returncode=75)
+    runs = attempts(res.stderr)
+    assert [entry for entry, _ in runs] == ["callback:0:5", "data:0:6"], res.stderr
+    for (entry, lines), doing in zip(runs, ["in a host callback", "waiting for data"]):
+        text = "\n".join(lines)
+        headlines = re.findall(r"^\[rank (\d)\] spmdcomm\.Watchdog: .*? Stuck: (.*?)\. Every process", text, re.M)
+        assert sorted(rank for rank, _ in headlines) == ["0", "1"], text
+        for _, named in headlines:
+            assert re.fullmatch(rf"process 0 \({doing}.* for [\d.]+ s, last completed step \d+\)", named), text
+        for rank, rows in tables(text).items():
+            assert rows[0][2].startswith(doing) and rows[0][4], (entry, rank, rows)
+            assert not rows[1][4], (entry, rank, rows)
+        assert re.search(r"^\[rank 1\] 1 .*  waiting for process 0$", text, re.M), text
+    # The stalled process shows where its callback runs.
+    assert re.search(
+        r"^\[rank 0\] Host callback of process 0:\n(\[rank 0\] .*\n)*?\[rank 0\]\s+time\.sleep\(1e9\)", res.stderr, re.M
+    )

@@ -35,9 +35,12 @@ How it works, and what it costs:
   for the service are bounded (by ``_SERVICE_SECONDS`` and ``_EXIT_SECONDS``): a process that cannot reach it
   prints its own row only and still acts, within ``timeout + interval + 6`` seconds of its last completed step.
 
-Which processes are stuck: those that never reported their state, and among the processes with the lowest
-last completed step those that are not waiting for the others (:data:`~spmdcomm.reliability.phases.WAITING_PHASES`:
-waiting for devices, in a barrier, saving); when all of those wait, all of them (a hang inside the devices).
+Which processes are stuck (:func:`~spmdcomm.reliability.verdicts.stuck_processes`): those that never reported
+their state, then those that stopped in their own work for at least half the timeout: a phase that does not wait
+for the others (waiting for data, a hook, your code), or a host callback that has not returned (found in the
+process's thread stacks: :mod:`spmdcomm.reliability.threads`); never one that waits for devices, in a barrier, in
+a save or in a blocked dispatch. When every process waits, all of them (a hang inside the devices). Each row of
+the table says what the process is doing, for how long, and its verdict: why it is stuck, or whom it waits for.
 
 >>> import spmdcomm as sc
 >>> timer = sc.PhaseTimer()
@@ -58,17 +61,17 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal, NoReturn
 
 from spmdcomm.errors import DistributedError, SpmdError, describe
 from spmdcomm.reliability.phases import COMPILE_PHASE, PhaseTimer
+from spmdcomm.reliability.threads import HostCallbacks, stack_of
 from spmdcomm.reliability.verdicts import (
     ProcessState,
     compiling_process,
-    describe_phase,
+    describe_stuck,
     format_table,
     overdue,
     seconds_since,
@@ -192,6 +195,7 @@ class Watchdog:
         self._client = coordination_client("Watchdog") if self._n > 1 else None
         self._prefix = f"spmdcomm/watchdog/{next(_INSTANCES)}/"
         self._alarm: dict[str, Any] | None = None
+        self._callbacks = HostCallbacks()
         self._wake, self._closed = threading.Event(), threading.Event()
         targets = [self._monitor] + ([self._publish] if self._client is not None else [])
         self._threads = [
@@ -227,6 +231,7 @@ class Watchdog:
             if self._alarm is not None:
                 self._fire(f"process {self._alarm['process']} raised the alarm: {self._alarm['why']}")
                 return
+            self._callbacks.sample()  # every interval, so that a callback's time is known to within one
             p = self._timer.snapshot()
             late = overdue(p, self._timer.clock(), self._timeouts, self._compile_timeout)
             if late is None or (p.phase != COMPILE_PHASE and self._other_compiles()):
@@ -252,13 +257,14 @@ class Watchdog:
         client, published = self._client, None
         assert client is not None  # __init__ starts this thread only for a multi-process job, which has a client
         while not self._closed.wait(self._interval):
-            p = self._timer.snapshot()
+            p, callback = self._timer.snapshot(), self._callbacks.sample()
             state = {
                 "host": self._host,
                 "step": p.step,
                 "phase": p.phase,
                 "since": p.phase_start_wall,
                 "compiled": p.compile_end_wall,
+                "callback": None if callback is None else callback.began_wall,
             }
             if state != published and self._set(client, f"state/{self._me}", json.dumps(state)):
                 published = state
@@ -276,10 +282,16 @@ class Watchdog:
 
     def _fire(self, why: str) -> None:
         """Prints the table, meets the other processes for a bounded time, and does what ``on_stuck`` says."""
-        p = self._timer.snapshot()
+        p, callback = self._timer.snapshot(), self._callbacks.sample()
         now = self._timer.clock()
         own = ProcessState(
-            self._me, self._host, p.step, p.phase, now - p.phase_start, seconds_since(p.compile_end, now)
+            self._me,
+            self._host,
+            p.step,
+            p.phase,
+            now - p.phase_start,
+            seconds_since(p.compile_end, now),
+            None if callback is None else time.monotonic() - callback.began,
         )
         states = {self._me: own}
         unknown = None  # why the other processes' state is unknown
@@ -298,11 +310,9 @@ class Watchdog:
             else:
                 unknown = f"the coordination service {error}"
         if unknown is None:
-            stuck = stuck_processes(states, self._n)
-            named = ", ".join(
-                f"process {q} ({describe_phase(states[q].phase)})" if q in states else f"process {q} (no report)"
-                for q in stuck
-            )
+            # A process in a phase of its own for less than half the timeout has just begun it: not the stall.
+            stuck = stuck_processes(states, self._n, stalled_after=self._timeouts[1] / 2)
+            named = ", ".join(describe_stuck(q, states) for q in stuck)
         else:
             stuck, named = [], f"unknown ({unknown}, so the other processes' state is unknown)"
         if self._on_stuck == "exit":
@@ -316,7 +326,9 @@ class Watchdog:
             action = f"Process {self._me} hands a StuckStepError to its on_stuck function."
         table = format_table(states, self._n, stuck=stuck, absent="no report" if unknown is None else "unknown")
         headline = f"spmdcomm.Watchdog: {why}. Stuck: {named}."
-        lines = [f"{headline} {action}", table, f"Training thread of process {self._me}:", _stack(p.thread)]
+        lines = [f"{headline} {action}", table, f"Training thread of process {self._me}:", stack_of(p.thread)]
+        if callback is not None and callback.thread != p.thread:
+            lines += [f"Host callback of process {self._me}:", stack_of(callback.thread)]
         sys.stdout.flush()
         sys.stderr.write("\n".join(lines) + "\n")
         sys.stderr.flush()
@@ -357,7 +369,6 @@ _INSTANCES = itertools.count(1)
 _SERVICE_SECONDS = 2.0
 _EXIT_SECONDS = 3.0
 _COORDINATOR_LINGER_SECONDS = 1.0
-_STACK_FRAMES = 12
 
 
 def _raise_in_thread(thread: int, error: StuckStepError) -> None:
@@ -370,13 +381,6 @@ def _raise_in_thread(thread: int, error: StuckStepError) -> None:
     )
     if ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(carried)) != 1:
         sys.stderr.write("spmdcomm.Watchdog: the training thread has ended; nothing to raise StuckStepError in.\n")
-
-
-def _stack(thread: int) -> str:
-    frame = sys._current_frames().get(thread)
-    if frame is None:
-        return "  (the thread has ended)"
-    return "".join(traceback.format_stack(frame)[-_STACK_FRAMES:]).rstrip()
 
 
 def _bounded(call: Callable[[], Any], seconds: float) -> tuple[Any, str | None]:

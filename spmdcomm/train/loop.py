@@ -39,6 +39,8 @@ def fit(
     max_to_keep: int | None = None,
     watchdog_timeout: float | None = None,
     watchdog_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
+    watchdog_first_step_timeout: float | None = None,
+    watchdog_interval: float = 1.0,
     preemption: bool | None = None,
     metrics_log: str | os.PathLike[str] | None = None,
     tensorboard_dir: str | os.PathLike[str] | None = None,
@@ -82,11 +84,17 @@ def fit(
         ``checkpoint_dir``.
       max_to_keep: keep the newest this many checkpoints; ``None`` (default): all. Needs ``checkpoint_dir``.
       watchdog_timeout: seconds; starts a :class:`spmdcomm.Watchdog`: when a step takes longer, compilation left
-        out (the first step gets 10x, for the data source's start), every process prints one table naming the
-        stuck process(es) and their phase, and exits with status :data:`spmdcomm.STUCK_EXIT_CODE` (75), so that
-        ``spmdcomm-launch --max-restarts`` restarts the job. ``None`` (default): no watchdog.
+        out, every process prints one table naming the stuck process(es), what each process was doing and for
+        how long, and exits with status :data:`spmdcomm.STUCK_EXIT_CODE` (75), so that ``spmdcomm-launch
+        --max-restarts`` restarts the job. ``None`` (default): no watchdog.
       watchdog_compile_timeout: seconds a compilation of the train or eval step may take on any process before
         the watchdog calls it stuck (30 minutes by default); while one process compiles, the others wait for it.
+      watchdog_first_step_timeout: seconds the first step of this call may take, from the start of ``fit``
+        (restoring a checkpoint and compiling left out); ``None`` (default): 10x ``watchdog_timeout``, for a
+        data source's start (worker processes, opening files, filling a prefetch queue).
+      watchdog_interval: seconds between the watchdog's checks and publications of this process's state (1 s by
+        default): a stall is reported between ``watchdog_timeout`` and ``watchdog_timeout + watchdog_interval``
+        after it began, at a cost of two small coordination-service calls per interval.
       preemption: makes SIGTERM stop every process at one agreed step, save a checkpoint there and raise
         :class:`Preempted` (default: on with a ``checkpoint_dir``; create ``fit`` in the main thread). ``True``
         needs ``checkpoint_dir``.
@@ -146,10 +154,23 @@ def fit(
             watchdog = Watchdog(
                 timer,
                 timeout=watchdog_timeout,
-                first_step_timeout=10 * watchdog_timeout,
+                first_step_timeout=(
+                    10 * watchdog_timeout if watchdog_first_step_timeout is None else watchdog_first_step_timeout
+                ),
                 compile_timeout=watchdog_compile_timeout,
+                interval=watchdog_interval,
             )
             stack.enter_context(watchdog)
+        elif watchdog_first_step_timeout is not None:
+            raise SpmdError(
+                describe(
+                    "fit",
+                    "watchdog_first_step_timeout is the first step's allowance of the watchdog that "
+                    "watchdog_timeout starts, and watchdog_timeout is None.",
+                    fix="pass watchdog_timeout=<seconds a step may take> too, or leave out "
+                    "watchdog_first_step_timeout.",
+                )
+            )
         stop = stack.enter_context(Preemption()) if _wants_preemption(preemption, checkpoints) else None
         writer = None
         if metrics_log is not None or tensorboard_dir is not None:
