@@ -197,6 +197,8 @@ def test_a_stalled_rank_is_named_by_every_process_and_a_restart_completes_bitwis
 def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bitwise(
     launch, tmp_path, straight, initial
 ):
+    """The saves are asynchronous: each process's stop waits for its save in flight (a periodic one, or the stop's
+    own) before it exits, and the relaunch's saves write in the background too."""
     ready = random.Random(SEED + 3).choice([s for s in range(3, 10) if mid_epoch(s)])
 
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
@@ -205,6 +207,7 @@ def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bi
         ckpt,
         resumed,
         *initial,
+        "--async-save",
         "--ready-at",
         ready,
         grace=GRACE_SECONDS,  # the launcher's default grace period covers agreeing, the steps in flight and the save
@@ -223,7 +226,7 @@ def test_sigterm_to_the_launcher_saves_at_one_agreed_step_and_a_relaunch_ends_bi
     assert sc.checkpoint_extra(ckpt)["data"] == position
     assert not resumed.exists()
 
-    res = launch("recovery_job.py", ckpt, resumed, *initial)
+    res = launch("recovery_job.py", ckpt, resumed, *initial, "--async-save")
     done = lines(r"^\[rank (\d)\] DONE attempt 0: trained (\d+) steps from step (\d+) to step (\d+)$", res.stdout)
     assert sorted(done) == [(r, str(STEPS - stop), str(stop), str(STEPS)) for r in "01"], res.stdout
     assert_bitwise(resumed, straight)
@@ -249,7 +252,8 @@ class SigtermBefore:
 
 def test_a_stop_agreed_right_after_a_periodic_save_exits_with_that_checkpoint(tmp_path):
     """The stop step is the step fit has just saved: fit exits 143 keeping that checkpoint (saving the same
-    step again used to fail in orbax with StepAlreadyExistsError), and the resumed run ends bitwise."""
+    step again used to fail in orbax with StepAlreadyExistsError), and the resumed run ends bitwise. The saves are
+    asynchronous: the stop waits for the save of step 4, still in flight, before fit exits."""
     mesh = sc.data_mesh(devices=jax.devices()[:2])
     step = sc.make_train_step(job.loss_fn)
 
@@ -260,12 +264,21 @@ def test_a_stop_agreed_right_after_a_periodic_save_exits_with_that_checkpoint(tm
 
     straight, _ = sc.fit(step, job.fresh_state(mesh), loader())
     with pytest.raises(SystemExit) as stopped:
-        sc.fit(SigtermBefore(step, 4), job.fresh_state(mesh), loader(), checkpoint_dir=tmp_path, save_every=2)
+        sc.fit(
+            SigtermBefore(step, 4),
+            job.fresh_state(mesh),
+            loader(),
+            checkpoint_dir=tmp_path,
+            save_every=2,
+            async_save=True,
+        )
     assert stopped.value.code == sc.PREEMPTED_EXIT_CODE
     assert sc.latest_checkpoint_step(tmp_path) == 4
     assert sc.checkpoint_extra(tmp_path)["data"] == {"epoch": 0, "batch": 4, "global_batch_size": job.GLOBAL_BATCH}
 
-    state, history = sc.fit(step, job.fresh_state(mesh), loader(), checkpoint_dir=tmp_path, save_every=2)
+    state, history = sc.fit(
+        step, job.fresh_state(mesh), loader(), checkpoint_dir=tmp_path, save_every=2, async_save=True
+    )
     assert len(history) == PER_EPOCH - 4
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     for (path, got), want in zip(leaves, jax.tree.leaves(straight), strict=True):

@@ -262,11 +262,13 @@ def test_loader_names_itself_the_axis_and_the_mesh_when_the_axis_is_missing(axis
 
 
 @pytest.mark.parametrize(
-    ("stop_after", "save_every"),
-    [(7, 4), (13, 3), (3, 4)],
-    ids=["mid-epoch", "epoch-boundary", "before-first-save"],
+    ("stop_after", "save_every", "async_save"),
+    [(7, 4, False), (13, 3, True), (3, 4, False)],
+    ids=["mid-epoch", "epoch-boundary-async", "before-first-save"],
 )
-def test_fit_stopped_after_any_step_resumes_bitwise(tmp_path, step, straight, stop_after, save_every):
+def test_fit_stopped_after_any_step_resumes_bitwise(tmp_path, step, straight, stop_after, save_every, async_save):
+    """With ``async_save``, the interrupted run raises while its last save may still be writing: fit finishes that
+    save before the exception leaves it."""
     ckpt = tmp_path / "ckpt"
     with pytest.raises(Interrupted):
         sc.fit(
@@ -275,6 +277,7 @@ def test_fit_stopped_after_any_step_resumes_bitwise(tmp_path, step, straight, st
             job.loader(mesh()),
             checkpoint_dir=ckpt,
             save_every=save_every,
+            async_save=async_save,
         )
     saved = stop_after // save_every * save_every
     assert sc.latest_checkpoint_step(ckpt) == (saved or None)
@@ -284,7 +287,13 @@ def test_fit_stopped_after_any_step_resumes_bitwise(tmp_path, step, straight, st
 
     # The restarted script builds everything afresh, as a new process would.
     state, history = sc.fit(
-        step, job.fresh_state(mesh()), job.loader(mesh()), checkpoint_dir=ckpt, save_every=save_every, max_to_keep=2
+        step,
+        job.fresh_state(mesh()),
+        job.loader(mesh()),
+        checkpoint_dir=ckpt,
+        save_every=save_every,
+        max_to_keep=2,
+        async_save=async_save,
     )
     assert len(history) == STEPS - saved
     assert_bitwise(host_leaves(state), straight)
@@ -305,8 +314,10 @@ def test_fit_refuses_what_it_cannot_resume(tmp_path, step):
     batches = list(job.loader(mesh(), prefetch=0))[:2]
     with pytest.raises(sc.SpmdError, match=r"fit: data is a list, which cannot resume.*sc\.Loader\(dataset, sampler"):
         sc.fit(step, state, batches, checkpoint_dir=tmp_path)
-    with pytest.raises(sc.SpmdError, match=r"fit: save_every and max_to_keep need a checkpoint_dir"):
+    with pytest.raises(sc.SpmdError, match=r"fit: save_every, max_to_keep and async_save need a checkpoint_dir"):
         sc.fit(step, state, batches, save_every=2)
+    with pytest.raises(sc.SpmdError, match=r"fit: save_every, max_to_keep and async_save need a checkpoint_dir"):
+        sc.fit(step, state, batches, async_save=True)
     for bad in (0, True, 1.5):
         with pytest.raises(sc.SpmdError, match=rf"fit: save_every={bad!r} must be a positive int or None"):
             sc.fit(step, state, job.loader(mesh()), checkpoint_dir=tmp_path, save_every=bad)

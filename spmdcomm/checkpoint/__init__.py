@@ -1,6 +1,8 @@
 """Layer 7 (beside ``spmdcomm.train``), checkpoints: saving and restoring a ``TrainState`` with orbax-checkpoint,
-choosing the newest intact checkpoint, and what it holds of a state."""
+choosing the newest intact checkpoint, what it holds of a state, and saves written in the background
+(:class:`CheckpointSave`)."""
 
+from spmdcomm.checkpoint._async import CheckpointSave
 from spmdcomm.checkpoint.checkpoint import (
     checkpoint_extra,
     latest_checkpoint_step,
@@ -15,4 +17,5 @@ __all__ = [
     "restore_checkpoint",
     "save_checkpoint",
     "CheckpointDamagedWarning",
+    "CheckpointSave",
 ]

@@ -4,14 +4,18 @@ restores onto any strategy and device count."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
+
+from spmdcomm.errors import SpmdError, describe
 
 if TYPE_CHECKING:
     from spmdcomm.train.state import TrainState
 
-__all__ = ["arrays", "targets", "unpadded", "stored", "with_arrays"]
+__all__ = ["arrays", "targets", "unpadded", "stored", "with_arrays", "check_leaves", "leaf_name"]
 
 
 def arrays(state: TrainState) -> dict[str, Any]:
@@ -93,3 +97,43 @@ def with_arrays(state: TrainState, arrays: dict[str, Any]) -> TrainState:
     if "loss_scale" in arrays:
         arrays["loss_scale"] = state.loss_scale.replace(**arrays["loss_scale"])
     return state.replace(**arrays)
+
+
+def check_leaves(directory: str | os.PathLike[str], step: int, saved: Any, state: TrainState) -> None:
+    """Raises unless the checkpoint holds exactly the template's leaves, with the same shapes and dtypes."""
+    stored = {m.name: m for m in jax.tree.leaves(dict(saved)) if hasattr(m, "shape")}
+    wanted = {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(targets(state))[0]}
+    problems = [f"{name}: missing from the checkpoint" for name in wanted if name not in stored]
+    problems += [f"{name}: in the checkpoint, not in the template" for name in stored if name not in wanted]
+    for name, leaf in wanted.items():
+        if name not in stored or jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+            continue  # typed PRNG keys are stored as key data and checked by orbax
+        have = stored[name]
+        if tuple(have.shape) != tuple(leaf.shape) or np.dtype(have.dtype) != np.dtype(leaf.dtype):
+            problems.append(
+                f"{name}: the checkpoint has {np.dtype(have.dtype).name}{list(have.shape)}, the template "
+                f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+            )
+    if problems:
+        # The parameters first: an optimizer leaf differs because its parameter does.
+        problems.sort(key=lambda p: not p.startswith("params."))
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise SpmdError(
+            describe(
+                "restore_checkpoint",
+                f"checkpoint {step} in {os.fspath(directory)!r} does not match the template state: {shown}.",
+                fix="build the template from the same model configuration and optax transformation the checkpoint "
+                "was trained with (the strategy and device count may differ).",
+            )
+        )
+
+
+def leaf_name(path: tuple[Any, ...]) -> str:
+    """A leaf's dotted name as orbax records it (``params.Dense_0.kernel``, ``opt_state.0.mu.Dense_0.bias``)."""
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return ".".join(parts)

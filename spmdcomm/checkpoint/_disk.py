@@ -44,6 +44,21 @@ def first_line(e: BaseException) -> str:
     return lines[0][:300] if lines else type(e).__name__
 
 
+def innermost(e: BaseException) -> str:
+    """The first line of the error at the bottom of ``e``'s chain (orbax wraps tensorstore's, which names the key
+    and the problem), with its type."""
+    for _ in range(_CHAIN_DEPTH):
+        inner = e.__cause__ or e.__context__
+        if inner is None:
+            break
+        e = inner
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
+# How far down an exception chain the cause of a failed read is looked for (the chains are a few links long).
+_CHAIN_DEPTH = 10
+
+
 def _read_json(path: Path, name: str, problems: list[str]) -> dict[str, Any] | None:
     """The JSON object in file ``path/name``, or None after adding its problem to ``problems``."""
     what = _FILES.get(name) or _FILES.get(os.path.dirname(name), "")

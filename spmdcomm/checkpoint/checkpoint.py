@@ -44,14 +44,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import jax
-import numpy as np
 
-from spmdcomm.checkpoint._arrays import arrays, stored, targets, unpadded, with_arrays
+from spmdcomm.checkpoint._arrays import arrays, check_leaves, stored, targets, unpadded, with_arrays
+from spmdcomm.checkpoint._async import CheckpointSave, started, wait_for_save_in_flight
 from spmdcomm.checkpoint._choice import chosen_step, make_room
-from spmdcomm.checkpoint._disk import first_line
+from spmdcomm.checkpoint._disk import innermost
 from spmdcomm.errors import CheckpointDamagedWarning, SpmdError, check_not_deleted, describe
 from spmdcomm.parallel.data.strategies import BY_NAME
 
@@ -67,6 +67,26 @@ __all__ = [
 ]
 
 
+@overload
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    state: TrainState,
+    *,
+    step: int | None = ...,
+    max_to_keep: int | None = ...,
+    extra: dict[str, Any] | None = ...,
+    asynchronous: Literal[False] = ...,
+) -> int: ...
+@overload
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    state: TrainState,
+    *,
+    step: int | None = ...,
+    max_to_keep: int | None = ...,
+    extra: dict[str, Any] | None = ...,
+    asynchronous: Literal[True],
+) -> CheckpointSave: ...
 def save_checkpoint(
     directory: str | os.PathLike[str],
     state: TrainState,
@@ -74,12 +94,16 @@ def save_checkpoint(
     step: int | None = None,
     max_to_keep: int | None = None,
     extra: dict[str, Any] | None = None,
-) -> int:
+    asynchronous: bool = False,
+) -> int | CheckpointSave:
     """Saves ``state`` as checkpoint ``step`` (default ``state.step``) under ``directory``.
 
-    Blocks until the checkpoint is complete; no orbax thread is left working on ``directory``. Every process must
-    call it (each writes its own shards). A damaged checkpoint of the same step is replaced, with a
-    :class:`CheckpointDamagedWarning`.
+    Blocks until the checkpoint is complete; no orbax thread is left working on ``directory``. With
+    ``asynchronous=True`` it returns once the state is copied to host memory (on CPU: referenced) and the files are
+    written in the background while training goes on (orbax's asynchronous checkpointing), with a
+    :class:`~spmdcomm.checkpoint.CheckpointSave` handle. A process has at most one save in flight: every save first
+    waits for the previous one, and raises its error if it failed. Every process must call it (each writes its
+    own shards). A damaged checkpoint of the same step is replaced, with a :class:`CheckpointDamagedWarning`.
 
     Args:
       directory: the checkpoint directory (created when missing); the checkpoint goes to ``directory/step``.
@@ -89,13 +113,18 @@ def save_checkpoint(
       extra: a small JSON-serialisable dict saved in the same checkpoint (atomically with the arrays; process 0's
         is written), read back by :func:`checkpoint_extra`: e.g. the data position that :func:`spmdcomm.fit`
         records. ``None`` (default): none.
+      asynchronous: ``True``: write in the background and return a handle (its ``wait()`` blocks until the
+        checkpoint is complete and raises the background write's error; ``done()`` polls). The checkpoint becomes
+        the latest only once complete: a failed save, or a process killed while it writes, leaves the previous
+        complete checkpoint the latest. ``False`` (default): return once the checkpoint is complete.
 
     Returns:
-      The step saved.
+      The step saved; with ``asynchronous=True``, a :class:`~spmdcomm.checkpoint.CheckpointSave` of it.
 
     Raises:
       SpmdError: when ``state`` is not a :class:`~spmdcomm.TrainState`, ``extra`` is not a dict JSON stores
-        unchanged, or an intact checkpoint of the same step is already there.
+        unchanged, an intact checkpoint of the same step is already there, or this process's previous asynchronous
+        save failed (naming its step, directory and cause; nothing is saved then).
       DeletedArrayError: when ``state`` was consumed by a donating step.
       ImportError: when orbax-checkpoint cannot be imported.
     """
@@ -111,11 +140,19 @@ def save_checkpoint(
     )
     step = int(jax.device_get(state.step)) if step is None else int(step)
     extra = _json_dict("save_checkpoint", extra)
-    with _manager("save_checkpoint", directory, writing=True, max_to_keep=max_to_keep) as mgr:
+    wait_for_save_in_flight()  # at most one save in flight; its error is raised here, before anything is written
+    mgr = _manager("save_checkpoint", directory, writing=True, max_to_keep=max_to_keep, asynchronous=asynchronous)
+    try:
         make_room(directory, mgr, step)
         args = ocp.args.StandardSave(arrays(unpadded(state)), custom_metadata=_layout_of(state))
         # Orbax's save first waits for its removal of unfinished saves, so no thread of it outlives this block.
         mgr.save(step, args=args, custom_metadata=extra, force=True)
+    except BaseException:
+        mgr.close()
+        raise
+    if asynchronous:  # the handle closes the manager once the background write ends
+        return started(CheckpointSave(mgr, directory, step))
+    with mgr:
         mgr.wait_until_finished()
     return step
 
@@ -165,7 +202,7 @@ def restore_checkpoint(
             return state
         saved = mgr.item_metadata(step)
         _check_format(directory, step, saved.custom_metadata or {})
-        _check_leaves(directory, step, saved, state)
+        check_leaves(directory, step, saved, state)
         # Each leaf is read straight into the template's sharding: every process reads only its blocks, whatever
         # strategy or device count wrote them.
         target = targets(state)
@@ -176,7 +213,7 @@ def restore_checkpoint(
                 describe(
                     "restore_checkpoint",
                     f"reading the arrays of checkpoint {step} in {os.fspath(directory)!r} failed: "
-                    f"{_innermost(e)}. Its metadata, index and data files are all there, so "
+                    f"{innermost(e)}. Its metadata, index and data files are all there, so "
                     "when this is a read or decoding error, the bytes of a data file were damaged after the save.",
                     fix=f"restore another checkpoint (step=...; the directory has steps {sorted(mgr.all_steps())}), "
                     f"or delete checkpoint {step} so that the newest intact one is used.",
@@ -225,14 +262,20 @@ def checkpoint_extra(directory: str | os.PathLike[str], *, step: int | None = No
 
 
 def _manager(
-    fn: str, directory: str | os.PathLike[str], *, writing: bool = False, max_to_keep: int | None = None
+    fn: str,
+    directory: str | os.PathLike[str],
+    *,
+    writing: bool = False,
+    max_to_keep: int | None = None,
+    asynchronous: bool = False,
 ) -> Any:
     """An orbax manager of ``directory``. Only a writing one creates the directory and removes unfinished saves
-    (in a background thread, which its save waits for); a reading one starts no thread that outlives it."""
+    (in a background thread, which its save waits for); a reading one starts no thread that outlives it. An
+    asynchronous one writes its save, renames it complete and removes old steps in a background thread."""
     ocp = _orbax(fn)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
-        enable_async_checkpointing=False,
+        enable_async_checkpointing=asynchronous,
         cleanup_tmp_directories=writing,
         create=writing,
     )
@@ -255,21 +298,6 @@ def _orbax(fn: str) -> Any:
             )
         ) from e
     return ocp
-
-
-def _innermost(e: BaseException) -> str:
-    """The first line of the error at the bottom of ``e``'s chain (orbax wraps tensorstore's, which names the key
-    and the problem), with its type."""
-    for _ in range(_CHAIN_DEPTH):
-        inner = e.__cause__ or e.__context__
-        if inner is None:
-            break
-        e = inner
-    return f"{type(e).__name__}: {first_line(e)}"
-
-
-# How far down an exception chain the cause of a failed read is looked for (the chains are a few links long).
-_CHAIN_DEPTH = 10
 
 
 def _json_dict(fn: str, extra: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -329,43 +357,3 @@ def _check_format(directory: str | os.PathLike[str], step: int, saved: dict[str,
                 "DDP checkpoints of 0.2 restore here into any strategy.",
             )
         )
-
-
-def _check_leaves(directory: str | os.PathLike[str], step: int, saved: Any, state: TrainState) -> None:
-    """Raises unless the checkpoint holds exactly the template's leaves, with the same shapes and dtypes."""
-    stored = {m.name: m for m in jax.tree.leaves(dict(saved)) if hasattr(m, "shape")}
-    wanted = {_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(targets(state))[0]}
-    problems = [f"{name}: missing from the checkpoint" for name in wanted if name not in stored]
-    problems += [f"{name}: in the checkpoint, not in the template" for name in stored if name not in wanted]
-    for name, leaf in wanted.items():
-        if name not in stored or jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
-            continue  # typed PRNG keys are stored as key data and checked by orbax
-        have = stored[name]
-        if tuple(have.shape) != tuple(leaf.shape) or np.dtype(have.dtype) != np.dtype(leaf.dtype):
-            problems.append(
-                f"{name}: the checkpoint has {np.dtype(have.dtype).name}{list(have.shape)}, the template "
-                f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
-            )
-    if problems:
-        # The parameters first: an optimizer leaf differs because its parameter does.
-        problems.sort(key=lambda p: not p.startswith("params."))
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise SpmdError(
-            describe(
-                "restore_checkpoint",
-                f"checkpoint {step} in {os.fspath(directory)!r} does not match the template state: {shown}.",
-                fix="build the template from the same model configuration and optax transformation the checkpoint "
-                "was trained with (the strategy and device count may differ).",
-            )
-        )
-
-
-def _name(path: tuple[Any, ...]) -> str:
-    """A leaf's dotted name as orbax records it (``params.Dense_0.kernel``, ``opt_state.0.mu.Dense_0.bias``)."""
-    parts = []
-    for key in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-    return ".".join(parts)

@@ -9,10 +9,12 @@ import contextlib
 import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
+from types import TracebackType
 from typing import Any
 
 import jax
 
+from spmdcomm.checkpoint._async import CheckpointSave
 from spmdcomm.checkpoint.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.reliability.metrics import MetricsWriter
@@ -37,6 +39,7 @@ def fit(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     save_every: int | None = None,
     max_to_keep: int | None = None,
+    async_save: bool = False,
     watchdog_timeout: float | None = None,
     watchdog_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
     watchdog_first_step_timeout: float | None = None,
@@ -59,7 +62,10 @@ def fit(
     yet handed out) and ``load_state_dict()``, such as :class:`spmdcomm.Loader`. ``state`` is the template the
     checkpoint is restored into (see :func:`spmdcomm.restore_checkpoint`). Each save is atomic (a process killed
     while saving leaves the previous checkpoint as the latest), and every process must call ``fit`` alike:
-    each writes its own shards, and process 0's data position is saved.
+    each writes its own shards, and process 0's data position is saved. With ``async_save=True`` each save writes
+    in the background while the next steps run (see :func:`spmdcomm.save_checkpoint`); a save waits for the
+    previous one and raises its error, and ``fit`` waits for the last one before it returns or stops for a
+    preemption.
 
     Where each step's time goes: every step's metrics also hold the seconds it spent in each phase,
     ``"time/data"`` (waiting for data), ``"time/compile"`` (tracing and compiling a step: the first, a new batch
@@ -83,6 +89,9 @@ def fit(
       save_every: save every this many steps (by ``state.step``); ``None`` (default): only at the end. Needs
         ``checkpoint_dir``.
       max_to_keep: keep the newest this many checkpoints; ``None`` (default): all. Needs ``checkpoint_dir``.
+      async_save: ``True``: a save blocks the loop only while the state is copied to host memory, and writes in
+        the background (at most one save in flight: the next save first waits for it); ``"time/save"`` then counts
+        that copy and any wait. ``False`` (default): each save blocks until complete. Needs ``checkpoint_dir``.
       watchdog_timeout: seconds; starts a :class:`spmdcomm.Watchdog`: when a step takes longer, compilation left
         out, every process prints one table naming the stuck process(es), what each process was doing and for
         how long, and exits with status :data:`spmdcomm.STUCK_EXIT_CODE` (75), so that ``spmdcomm-launch
@@ -114,7 +123,9 @@ def fit(
       SpmdError: for an invalid argument (``max_steps``, ``save_every`` or ``max_to_keep`` not a positive int,
         either of the last two or ``preemption=True`` without ``checkpoint_dir``, ``data`` that cannot resume,
         a hook that is not a :class:`Hook`, or an epoch hook over data that counts no epochs), a checkpoint
-        without a data position, or a hook whose result is not a dict or names a metric already reported.
+        without a data position, a hook whose result is not a dict or names a metric already reported, or (with
+        ``async_save``) a save that failed in the background, naming its step and directory (raised by the next
+        save or at the end; when the loop raises first, the save's error is added to that exception as a note).
 
     Examples:
       >>> import optax
@@ -130,13 +141,15 @@ def fit(
     hooks = check_hooks(hooks, data)
     checkpoints = None
     if checkpoint_dir is not None:
-        checkpoints = _Checkpoints(checkpoint_dir, data, save_every=save_every, max_to_keep=max_to_keep)
+        checkpoints = _Checkpoints(
+            checkpoint_dir, data, save_every=save_every, max_to_keep=max_to_keep, asynchronous=async_save
+        )
         state = checkpoints.resume(state)
-    elif save_every is not None or max_to_keep is not None:
+    elif save_every is not None or max_to_keep is not None or async_save:
         raise SpmdError(
             describe(
                 "fit",
-                "save_every and max_to_keep need a checkpoint_dir.",
+                "save_every, max_to_keep and async_save need a checkpoint_dir.",
                 fix="pass checkpoint_dir=<a directory every process can reach>, or leave them out.",
             )
         )
@@ -177,6 +190,8 @@ def fit(
             writer = stack.enter_context(MetricsWriter(metrics_log, tensorboard_dir=tensorboard_dir))
         source = iter(data)
         stack.callback(getattr(source, "close", lambda: None))
+        if checkpoints is not None:  # closed first: a save in flight ends before the watchdog and the loader stop
+            stack.push(checkpoints.exit)
 
         def drain(keep: int) -> None:
             with timer.phase("devices"):
@@ -195,9 +210,10 @@ def fit(
             if stop is not None and stop.should_stop(first + i):
                 assert checkpoints is not None  # _wants_preemption watches for a stop only with checkpoints
                 drain(0)
-                if not checkpoints.saved_last:  # a stop right after a periodic save (or the resume) keeps that one
-                    with timer.phase("save"):
+                with timer.phase("save"):
+                    if not checkpoints.saved_last:  # a stop right after a periodic save (or the resume) keeps that one
                         checkpoints.save(state)
+                    checkpoints.wait()  # the process exits next: not before its checkpoint is complete
                 raise Preempted(first + i)
             if max_steps is not None and first + i >= max_steps:
                 break
@@ -221,14 +237,17 @@ def fit(
                 # The steps before this one are reported before their state is saved: a run killed after the
                 # save does not train them again, so their records must not wait in the window.
                 drain(1)
-                with timer.phase("save"):  # blocks until the checkpoint is complete
+                with timer.phase("save"):  # blocks until the checkpoint is complete (or copied, with async_save)
                     checkpoints.save(state)
             times[i] = timer.end_step(first + i + 1)
             if saving:
                 drain(0)
         drain(0)
-        if checkpoints is not None and not checkpoints.saved_last:
-            checkpoints.save(state)
+        if checkpoints is not None:
+            with timer.phase("save"):
+                if not checkpoints.saved_last:
+                    checkpoints.save(state)
+                checkpoints.wait()
     return state, history
 
 
@@ -266,7 +285,9 @@ def _wants_preemption(preemption: bool | None, checkpoints: Any) -> bool:
 class _Checkpoints:
     """``fit``'s checkpoints: what to restore at the start, when to save, and the data position saved with each."""
 
-    def __init__(self, directory: str | os.PathLike[str], data: Any, *, save_every: Any, max_to_keep: Any):
+    def __init__(
+        self, directory: str | os.PathLike[str], data: Any, *, save_every: Any, max_to_keep: Any, asynchronous: Any
+    ):
         if not all(callable(getattr(data, name, None)) for name in ("state_dict", "load_state_dict")):
             raise SpmdError(
                 describe(
@@ -282,8 +303,12 @@ class _Checkpoints:
             optional_positive(name, value)
         self.directory = directory
         self.data = data
+        if not isinstance(asynchronous, bool):
+            raise SpmdError(describe("fit", f"async_save={asynchronous!r} is not a bool.", fix="pass True or False."))
         self.save_every = save_every
         self.max_to_keep = max_to_keep
+        self.asynchronous = asynchronous
+        self.in_flight: CheckpointSave | None = None
         self.step = 0  # state.step of the newest state the loop holds, counted on the host
         self.saved_last = False  # whether that state is saved
 
@@ -317,11 +342,28 @@ class _Checkpoints:
         return self.save_every is not None and self.step % self.save_every == 0
 
     def save(self, state: TrainState) -> None:
-        save_checkpoint(
-            self.directory,
-            state,
-            step=self.step,
-            max_to_keep=self.max_to_keep,
-            extra={"data": self.data.state_dict()},
-        )
+        """Saves ``state`` (in the background with ``async_save``, after the previous save is complete)."""
+        options: dict[str, Any] = {"step": self.step, "max_to_keep": self.max_to_keep}
+        extra = {"data": self.data.state_dict()}
+        self.in_flight = None  # save_checkpoint waits for it, and raises its error
+        if self.asynchronous:
+            self.in_flight = save_checkpoint(self.directory, state, **options, extra=extra, asynchronous=True)
+        else:
+            save_checkpoint(self.directory, state, **options, extra=extra)
         self.saved_last = True
+
+    def wait(self) -> None:
+        """Waits for the save in flight, if any; raises its error."""
+        save, self.in_flight = self.in_flight, None
+        if save is not None:
+            save.wait()
+
+    def exit(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        """When the loop raised: waits for the save in flight (its state was complete) and adds its error, if any,
+        to the loop's exception as a note, so that neither is lost."""
+        if error is None:
+            return
+        try:
+            self.wait()
+        except SpmdError as e:
+            error.add_note(str(e))

@@ -4,6 +4,7 @@ padded) for ``--epochs`` epochs through ``sc.fit`` with a checkpoint directory, 
 
 Usage: python recovery_job.py CKPT_DIR OUT_FILE [--epochs N] [--save-every N] [--watchdog-timeout S]
                               [--fault ATTEMPT:RANK:STEP:KIND ...] [--ready-at STEP] [--initial DIR]
+                              [--async-save]
 
 CKPT_DIR "-" runs without checkpoints (the uninterrupted reference run). Process 0 writes every leaf of the
 final state to OUT_FILE (.npz). Each ``--fault`` acts on attempt ATTEMPT (``sc.restart_count()``) in process
@@ -21,6 +22,8 @@ RANK only:
 
 ``--initial DIR``: the initial variables come from DIR (``ddp_models.write_initial(DIR, variables=...)``), not from
 compiling the model's init in every process (processes other than 0 read no compilation cache).
+
+``--async-save``: ``fit(..., async_save=True)``: the saves write in the background.
 
 ``--ready-at STEP``: on attempt 0 every process prints ``READY at step STEP`` once its data source hands over
 that step's batch, and from then on waits 0.3 s before each batch, so that the test can send SIGTERM while
@@ -142,6 +145,7 @@ def main() -> None:
     parser.add_argument("--fault", action="append", default=[])
     parser.add_argument("--ready-at", type=int)
     parser.add_argument("--initial", type=Path)
+    parser.add_argument("--async-save", action="store_true")
     args = parser.parse_args()
     sc.initialize()
     attempt, me = sc.restart_count(), sc.process_index()
@@ -162,7 +166,7 @@ def main() -> None:
     step = Steps(sc.make_train_step(loss_fn), mine.get("kill"))
     options = {"watchdog_timeout": args.watchdog_timeout}
     if args.ckpt_dir != "-":
-        options.update(checkpoint_dir=args.ckpt_dir, save_every=args.save_every)
+        options.update(checkpoint_dir=args.ckpt_dir, save_every=args.save_every, async_save=args.async_save)
     try:
         variables = None if args.initial is None else read_initial(args.initial)["variables"]
         state, history = sc.fit(step, job.fresh_state(mesh, variables), data, **options)
