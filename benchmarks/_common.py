@@ -318,6 +318,23 @@ def plot_moe(result: dict, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def plot_flops(result: dict, path: Path) -> Path:
+    """Per layout, the matmul FLOPs over the mesh against the one-device step's and against the model FLOPs."""
+    plt = _pyplot()
+    rows = result["rows"]
+    names = [f"{r['layout']} ({r['mesh']})" for r in rows]
+    fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(rows) + 1.6), layout="constrained")
+    ys = range(len(rows))
+    ax.barh([y - 0.2 for y in ys], [r["vs_one_device"] for r in rows], height=0.4, label="vs one device")
+    ax.barh([y + 0.2 for y in ys], [r["vs_model_flops"] for r in rows], height=0.4, label="vs model FLOPs")
+    ax.axvline(1.0, color="gray", ls="--")
+    ax.set_yticks(list(ys), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set(title=f"examples/lm step: matmul FLOPs over the mesh, {result['date']}", xlabel="ratio")
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
 def train_step_rows(result: dict) -> list[tuple[str, float]]:
     """(configuration, samples/s) pairs from benchmarks/train_step.py's flat JSON (ratios and bytes left out)."""
     skip = ("ratio", "bytes", "(ms)")
@@ -336,6 +353,7 @@ PLOTS = {
     "pipeline": plot_pipeline,
     "context": plot_context,
     "moe": plot_moe,
+    "flops": plot_flops,
 }
 
 

@@ -9,7 +9,8 @@ loader latency for prefetch, samples/s per train-step configuration, memory per 
 relative to DDP per data-parallel strategy, and for the pipeline its stack bytes per device, its temporaries
 against the micro-batch count and its step time against DDP's with the bubble formula.
 relative to DDP per data-parallel strategy, tokens/s, temporaries and bytes over the context axis against the
-sequence length for context parallelism, and tokens/s and temporaries of the MoE layer and the MoE LM step.
+sequence length for context parallelism, tokens/s and temporaries of the MoE layer and the MoE LM step, and the
+LM step's matmul FLOPs over the mesh per layout against one device's and the model FLOPs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ BENCHMARKS = {
     "pipeline": ["pipeline.py", "--rounds", "5"],
     "context": ["context.py", "--rounds", "3", "--lengths", "128,512,1024"],
     "moe": ["moe.py", "--rounds", "5"],
+    "flops": ["flops.py"],
 }
 SMOKE = {
     "collectives": [
@@ -91,6 +93,8 @@ SMOKE = {
         "ring4,a2a4",
     ],
     "moe": ["moe.py", "--smoke"],
+    # The layout whose count a fix pinned (tensor parallelism's head) against one device, at a tiny size.
+    "flops": ["flops.py", "--smoke", "--layouts", "tensor"],
 }
 
 

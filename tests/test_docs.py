@@ -318,7 +318,7 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
         env=env,
         timeout=480,
     )
-    names = ("collectives", "prefetch", "train_step", "strategies", "pipeline", "context", "moe")
+    names = ("collectives", "prefetch", "train_step", "strategies", "pipeline", "context", "moe", "flops")
     results = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in names}
     ops = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
     assert {r["op"] for r in results["collectives"]["rows"]} == ops
@@ -365,6 +365,9 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
     assert set(lm) == {"ours", "jit+NamedSharding gshard"} and all(r["tokens_per_s"] > 0 for r in lm.values())
     # The same function (capacity 1.25 in both): the same loss.
     assert abs(lm["ours"]["loss"] - lm["jit+NamedSharding gshard"]["loss"]) < 1e-5 * abs(lm["ours"]["loss"])
+    flops = {row["layout"]: row for row in results["flops"]["rows"]}
+    assert set(flops) == {"one device", "tensor"} and flops["one device"]["vs_model_flops"] == 1.0
+    assert flops["tensor"]["vs_one_device"] == 1.0 and flops["tensor"]["bound"] == "exact"
     for name in results:
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 

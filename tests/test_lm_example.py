@@ -22,6 +22,7 @@ import optax
 import pytest
 
 import spmdcomm as sc
+from spmdcomm.explain import model_flops
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lm"
 MODULES = ("input_pipeline", "models", "train")
@@ -153,6 +154,38 @@ def test_repeats_need_a_stage_axis():
     mesh = sc.make_mesh({"data": 4, "model": 2})
     with pytest.raises(ValueError, match="--repeats 2: repeats are a pipeline's"):
         lm.train.build_state(lm.train.Config(mesh="data=4,model=2", repeats=2), mesh)
+
+
+def test_tensor_parallelism_repeats_no_matmul_of_the_one_device_step():
+    """On ``data=4,model=2`` the step's matmul FLOPs summed over the 8 devices are the dense model's
+    (``model_flops``: ``6 x kernel parameters x tokens`` plus attention), which is what the one-device step counts:
+    the blocks split by heads and MLP units, the tied embedding and head by vocabulary rows. With the table whole
+    on every model device (``("vocab", None)``) both model devices computed the whole head, forward and backward:
+    1.034 times the one-device work at the example's default size (issue 47)."""
+    config = lm.train.Config(width=32, layers=2, heads=4, seq_len=16, batch_size=8, mesh="data=4,model=2")
+    tokens = config.batch_size * config.seq_len
+    batch = {"inputs": np.zeros((8, 16), np.int32), "targets": np.zeros((8, 16), np.int32)}
+    model = lm.train.make_model(config)
+    # Zeros of the initial parameters' shapes, boxed with their logical names: explain runs nothing, and the model's
+    # own initialisation would cost a compile.
+    shapes = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
+    params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    mesh = sc.make_mesh({"data": 4, "model": 2})
+    state = sc.TrainState.create(
+        params=params,
+        tx=optax.sgd(0.1),  # the example's AdamW multiplies no matrices either, and costs compiles to set up
+        apply_fn=model.apply,
+        mesh=mesh,
+        logical_axis_rules=lm.models.logical_axis_rules(mesh.axis_names),
+    )
+    assert state.params["embed"]["embedding"].sharding.spec == jax.P("model", None)
+    report = sc.explain(sc.make_train_step(lm.models.make_loss_fn()), state, batch)
+    leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(params))
+    kernels = sum(x.size for path, x in leaves if path[-1].key in ("kernel", "embedding"))  # the tied head's too
+    dense = model_flops(kernels, tokens, layers=config.layers, context=config.seq_len, width=config.width)
+    assert report.work.bound == "exact" and report.flops_total == dense
+    head = 6 * tokens * 256 * config.width  # the tied head: logits, their gradient by the input and by the table
+    assert report.work.by_scope["Transformer/embed.attend"] * 8 == head
 
 
 # About 5 s of training on 2 cores: 4.4, 3.9 and 3.8 bits/byte after 10, 20 and 30 steps, the baseline 4.3. One

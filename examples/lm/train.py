@@ -165,22 +165,36 @@ def datasets(config: Config, corpus: input_pipeline.Corpus) -> tuple[dict[str, A
     return input_pipeline.next_bytes(windows), input_pipeline.next_bytes(val)
 
 
-def build_state(config: Config, mesh: Mesh) -> tuple[sc.TrainState, sc.TrainStep]:
+def build_state(
+    config: Config, mesh: Mesh, *, params: Any = None, pipeline: sc.Pipeline | None = None
+) -> tuple[sc.TrainState, sc.TrainStep]:
     """The train state on ``mesh`` (the strategy over its data axes, the model's logical names mapped to its
     model axis, a pipeline over a ``"stage"`` axis, a context split over a ``"context"`` axis) and the train step.
 
     ``config.microbatches`` is the pipeline's micro-batches on a mesh with a ``"stage"`` axis, and gradient
     accumulation's otherwise.
 
+    Args:
+      config: what to build.
+      mesh: the devices and their axes.
+      params: the initial parameters, boxed with their logical names as :func:`init_params` returns them (its by
+        default); a caller that builds states on several meshes initialises once.
+      pipeline: on a mesh with a ``"stage"`` axis, the schedule (e.g. ``schedule="1f1b"``, ``remat=False``);
+        default GPipe with remat, ``config.microbatches`` micro-batches and ``config.repeats`` repeats.
+
     Raises:
-      ValueError: for ``config.repeats`` other than 1 without a ``"stage"`` axis (a pipeline's setting).
+      ValueError: for ``config.repeats`` other than 1, or a ``pipeline``, without a ``"stage"`` axis (a pipeline's
+        settings).
     """
     pipelined = PIPELINE_AXIS in mesh.axis_names
     if config.repeats != 1 and not pipelined:
         raise ValueError(f"--repeats {config.repeats}: repeats are a pipeline's, and the mesh has no 'stage' axis")
+    if pipeline is not None and not pipelined:
+        raise ValueError(f"{pipeline}: the mesh has no 'stage' axis to pipeline over")
     model = make_model(config)
-    params = init_params(config)
-    pipeline = sc.Pipeline(config.microbatches, PIPELINE_AXIS, config.repeats) if pipelined else None
+    params = init_params(config) if params is None else params
+    if pipelined and pipeline is None:
+        pipeline = sc.Pipeline(config.microbatches, PIPELINE_AXIS, config.repeats)
     state = sc.TrainState.create(
         params=params,
         tx=make_optimizer(config),
