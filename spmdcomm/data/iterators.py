@@ -51,8 +51,7 @@ RESUMES: tuple[str, ...] = ("state", "skip")
 
 
 class IteratorLoader:
-    """A loader over any iterable of host batches (Grain, tf.data, torch, a generator), prefetched and resumable
-    where the source allows.
+    """A loader over any iterable of host batches (Grain, tf.data, torch, a generator), resumable where it can be.
 
     Iterating yields the source's batches, placed on the mesh ``prefetch`` batches ahead (as
     :func:`spmdcomm.prefetch_to_device` places them) or, with ``prefetch=0``, as they come (the train step places
@@ -135,8 +134,11 @@ class IteratorLoader:
 
     @property
     def resumable(self) -> bool:
-        """Whether a saved position can be restored: ``resume="skip"``, or an iterator with ``get_state`` and
-        ``set_state``. Makes the source's iterator when there is none yet."""
+        """Whether a saved position can be restored.
+
+        True with ``resume="skip"``, or for an iterator with ``get_state`` and ``set_state``. Makes the source's
+        iterator when there is none yet.
+        """
         return self.resume == "skip" or _has_state(self._source_iterator())
 
     def __iter__(self) -> Iterator[Any]:

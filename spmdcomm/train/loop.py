@@ -299,10 +299,13 @@ class _Checkpoints:
     ):
         resumable = as_resumable(data)
         if resumable is None or (isinstance(resumable, IteratorLoader) and not resumable.resumable):
+            what = f"a {type(data).__name__}"
+            if isinstance(data, IteratorLoader):
+                what = f"an IteratorLoader over a {type(data.source).__name__}"
             raise SpmdError(
                 describe(
                     "fit",
-                    f"data is a {type(data).__name__}, which cannot resume: with checkpoint_dir, a restarted "
+                    f"data is {what}, which cannot resume: with checkpoint_dir, a restarted "
                     "run must skip the batches the restored state has trained on, so data needs "
                     "state_dict() and load_state_dict(), or an iterator with get_state() and set_state() (Grain's).",
                     fix="pass sc.Loader(dataset, sampler, batch_size=...), a Grain DataLoader or dataset, or "
