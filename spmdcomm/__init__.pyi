@@ -50,6 +50,7 @@ from spmdcomm.data.sampler import ShardedSampler as ShardedSampler
 from spmdcomm.data.batches import take_batches as take_batches
 from spmdcomm.data.batches import join_batches as join_batches
 from spmdcomm.data.loader import Loader as Loader
+from spmdcomm.data.iterators import IteratorLoader as IteratorLoader
 from spmdcomm.data.prefetch import prefetch_to_device as prefetch_to_device
 
 # data-parallel training

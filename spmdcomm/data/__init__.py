@@ -1,6 +1,7 @@
 """Layer 3, data: padded batches, samplers, placing host input on devices, prefetching and the loader."""
 
 from spmdcomm.data.batches import MaskedBatch, join_batches, pad_batch, take_batches, unpad
+from spmdcomm.data.iterators import IteratorLoader
 from spmdcomm.data.loader import Loader
 from spmdcomm.data.placement import shard_batch
 from spmdcomm.data.prefetch import Prefetcher, prefetch_to_device
@@ -17,6 +18,7 @@ __all__ = [
     "take_batches",
     "join_batches",
     "Loader",
+    "IteratorLoader",
     "prefetch_to_device",
     "aligned_empty",
     "Prefetcher",

@@ -16,6 +16,7 @@ import jax
 
 from spmdcomm.checkpoint._async import CheckpointSave
 from spmdcomm.checkpoint.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
+from spmdcomm.data.iterators import IteratorLoader, as_resumable, restore_position, saved_position
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.reliability.metrics import MetricsWriter
 from spmdcomm.reliability.phases import PhaseTimer
@@ -59,10 +60,15 @@ def fit(
     ``save_every`` steps (counted by ``state.step``, so a restarted run saves at the same steps) and at
     the end. A restarted run then ends with bitwise the parameters of one that never stopped. ``data`` must
     then be able to resume: an object with ``state_dict()`` (a JSON-serialisable position of the next batch not
-    yet handed out) and ``load_state_dict()``, such as :class:`spmdcomm.Loader`. ``state`` is the template the
-    checkpoint is restored into (see :func:`spmdcomm.restore_checkpoint`). Each save is atomic (a process killed
-    while saving leaves the previous checkpoint as the latest), and every process must call ``fit`` alike:
-    each writes its own shards, and process 0's data position is saved. With ``async_save=True`` each save writes
+    yet handed out) and ``load_state_dict()``, such as :class:`spmdcomm.Loader` or
+    :class:`spmdcomm.IteratorLoader`, or a Grain ``DataLoader``, ``MapDataset``, ``IterDataset`` or iterator (any
+    iterable whose iterator has ``get_state()`` and ``set_state()``: its state is saved in the checkpoint). A list,
+    generator or other iterable without them raises (wrap it in ``IteratorLoader(data, resume="skip")`` when the
+    script builds the same batches on every start). ``state`` is the template the checkpoint is restored into
+    (see :func:`spmdcomm.restore_checkpoint`). Each save is atomic (a process killed while saving leaves the
+    previous checkpoint as the latest), and every process must call ``fit`` alike: each writes its own shards, and
+    process 0's data position is saved (an ``IteratorLoader``'s or Grain source's: every process's, as each reads
+    its own shard; a restart then needs the same number of processes). With ``async_save=True`` each save writes
     in the background while the next steps run (see :func:`spmdcomm.save_checkpoint`); a save waits for the
     previous one and raises its error, and ``fit`` waits for the last one before it returns or stops for a
     preemption.
@@ -76,7 +82,8 @@ def fit(
     Args:
       step: the train step, from :func:`~spmdcomm.make_train_step`.
       state: the state to train from; with ``checkpoint_dir``, also the template a checkpoint is restored into.
-      data: an iterable of batches (resumable with ``checkpoint_dir``, see above).
+      data: an iterable of batches (resumable with ``checkpoint_dir``, see above; a Grain source is read without
+        prefetch: wrap it in :class:`spmdcomm.IteratorLoader` with ``prefetch=2`` to place batches ahead).
       max_steps: ends the run once ``state.step`` (the global step count, restored with a checkpoint) reaches it,
         even with batches left; the data's position then names the first batch not trained on. ``None``
         (default): run until ``data`` ends.
@@ -121,7 +128,8 @@ def fit(
         :data:`spmdcomm.PREEMPTED_EXIT_CODE` (143); uncaught, the process ends with that status (the launcher
         and schedulers read it as "preempted, restart me"); the next start resumes from the checkpoint.
       SpmdError: for an invalid argument (``max_steps``, ``save_every`` or ``max_to_keep`` not a positive int,
-        either of the last two or ``preemption=True`` without ``checkpoint_dir``, ``data`` that cannot resume,
+        either of the last two or ``preemption=True`` without ``checkpoint_dir``, ``data`` that cannot resume (or a
+        checkpoint's data position saved by another kind of source or number of processes),
         a hook that is not a :class:`Hook`, or an epoch hook over data that counts no epochs), a checkpoint
         without a data position, a hook whose result is not a dict or names a metric already reported, or (with
         ``async_save``) a save that failed in the background, naming its step and directory (raised by the next
@@ -144,6 +152,7 @@ def fit(
         checkpoints = _Checkpoints(
             checkpoint_dir, data, save_every=save_every, max_to_keep=max_to_keep, asynchronous=async_save
         )
+        data = checkpoints.data  # a Grain source, wrapped to save its iterator's state
         state = checkpoints.resume(state)
     elif save_every is not None or max_to_keep is not None or async_save:
         raise SpmdError(
@@ -288,21 +297,26 @@ class _Checkpoints:
     def __init__(
         self, directory: str | os.PathLike[str], data: Any, *, save_every: Any, max_to_keep: Any, asynchronous: Any
     ):
-        if not all(callable(getattr(data, name, None)) for name in ("state_dict", "load_state_dict")):
+        resumable = as_resumable(data)
+        if resumable is None or (isinstance(resumable, IteratorLoader) and not resumable.resumable):
+            what = f"a {type(data).__name__}"
+            if isinstance(data, IteratorLoader):
+                what = f"an IteratorLoader over a {type(data.source).__name__}"
             raise SpmdError(
                 describe(
                     "fit",
-                    f"data is a {type(data).__name__}, which cannot resume: with checkpoint_dir, a restarted "
+                    f"data is {what}, which cannot resume: with checkpoint_dir, a restarted "
                     "run must skip the batches the restored state has trained on, so data needs "
-                    "state_dict() and load_state_dict().",
-                    fix="pass sc.Loader(dataset, sampler, batch_size=...) (or another source with state_dict "
-                    "and load_state_dict), or leave checkpoint_dir out and checkpoint yourself.",
+                    "state_dict() and load_state_dict(), or an iterator with get_state() and set_state() (Grain's).",
+                    fix="pass sc.Loader(dataset, sampler, batch_size=...), a Grain DataLoader or dataset, or "
+                    "sc.IteratorLoader(data, resume='skip') if the script builds the same batches in the same order "
+                    "on every start; or leave checkpoint_dir out and checkpoint yourself.",
                 )
             )
         for name, value in (("save_every", save_every), ("max_to_keep", max_to_keep)):
             optional_positive(name, value)
         self.directory = directory
-        self.data = data
+        self.data = resumable
         if not isinstance(asynchronous, bool):
             raise SpmdError(describe("fit", f"async_save={asynchronous!r} is not a bool.", fix="pass True or False."))
         self.save_every = save_every
@@ -331,7 +345,7 @@ class _Checkpoints:
                 )
             )
         state = restore_checkpoint(self.directory, state, step=latest)
-        self.data.load_state_dict(extra["data"])
+        restore_position(self.data, extra["data"])
         self.step, self.saved_last = int(jax.device_get(state.step)), True
         return state
 
@@ -344,7 +358,7 @@ class _Checkpoints:
     def save(self, state: TrainState) -> None:
         """Saves ``state`` (in the background with ``async_save``, after the previous save is complete)."""
         options: dict[str, Any] = {"step": self.step, "max_to_keep": self.max_to_keep}
-        extra = {"data": self.data.state_dict()}
+        extra = {"data": saved_position(self.data)}
         self.in_flight = None  # save_checkpoint waits for it, and raises its error
         if self.asynchronous:
             self.in_flight = save_checkpoint(self.directory, state, **options, extra=extra, asynchronous=True)
