@@ -135,7 +135,8 @@ class GShardMoE(nn.Module):
     mesh: object = None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, mask=None):
+        assert mask is None, "unpacked windows only: every token routed"
         h = x.reshape(-1, x.shape[-1])
         router = self.param("router", nn.initializers.normal(0.02), (h.shape[-1], self.experts), jnp.float32)
         expert = self.expert.clone(parent=None)
