@@ -284,3 +284,62 @@ def lm_gshard_rows(args, devices, models, model, params):
     for row in out:
         row["speed_vs_ours"] = row["tokens_per_s"] / out[0]["tokens_per_s"]
     return out
+
+
+class _Elementwise(nn.Module):
+    """An expert without a matmul (one bias, a GELU): the grouped layer's routing, sorting and scan alone."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.gelu(x + self.param("bias", nn.initializers.normal(), (self.width,)))
+
+
+def breakdown_rows(args, devices):
+    """Where the MoE layer's time goes: forward, and forward + backward, of the layer at two settings, interleaved.
+    ``expert``: the layer section's (``tokens`` per device, the experts split over ``expert``), grouped and buffer.
+    ``data``: one MoE MLP of the LM's ``{"data": 8}`` step (``lm_windows * lm_length`` tokens per device of
+    ``lm_width`` features, every expert local), grouped, buffer, grouped with an expert that does no matmul, and the
+    dense MLP with the same active parameters (hidden ``k * 4 * lm_width``)."""
+    rng = np.random.default_rng(0)
+    calls, out = {}, []
+    lm_width, lm_tokens = args.lm_width, args.lm_windows * args.lm_length
+    settings = [
+        ("expert", args.tokens, args.width, args.hidden),
+        ("data", lm_tokens, lm_width, MLP_RATIO * lm_width),
+    ]
+    for axis, tokens, width, hidden in settings:
+        mesh = sc.make_mesh({axis: devices})
+        x = rng.standard_normal((devices * tokens, width)).astype(np.float32)
+        xs = jax.device_put(x, NamedSharding(mesh, jax.P(axis)))
+        on = None if axis == "data" else axis
+        layers = {
+            "moe grouped": sc.MoE(Mlp(width, hidden), experts=args.experts, k=K, axis_name=on),
+            "moe buffer": sc.MoE(Mlp(width, hidden), experts=args.experts, k=K, axis_name=on, grouped=False),
+        }
+        if axis == "data":
+            layers["moe grouped, expert without matmul"] = sc.MoE(_Elementwise(width), experts=args.experts, k=K)
+            layers["dense mlp, same active params"] = Mlp(width, K * hidden)
+        for name, layer in layers.items():
+            params = nn.unbox(init_params(layer, x[:1]))
+            spec = {"router": jax.P(), "experts": jax.P(on)} if isinstance(layer, sc.MoE) else jax.P()
+            fn = jax.shard_map(
+                lambda p, x, layer=layer: layer.apply({"params": p}, x),
+                mesh=mesh,
+                in_specs=(spec, jax.P(axis)),
+                out_specs=jax.P(axis),
+            )
+            grad = jax.grad(lambda p, x, fn=fn: jnp.sum(fn(p, x) ** 2), (0, 1))
+            row = {"setting": f"{axis} {devices}", "variant": name, "tokens_per_device": tokens}
+            for part, f in (("forward", fn), ("forward+backward", grad)):
+                compiled = jax.jit(f).lower(params, xs).compile()
+                calls[(axis, name, part)] = functools.partial(compiled, params, xs)
+                row[f"{part}_temp_bytes"] = compiled.memory_analysis().temp_size_in_bytes
+            out.append(row)
+    times = interleaved(calls, args.rounds, args.steps)
+    for row in out:
+        axis = row["setting"].split()[0]
+        for part in ("forward", "forward+backward"):
+            row[f"{part}_ms"] = 1e3 * float(np.median(times[(axis, row["variant"], part)])) / args.steps
+    return out

@@ -51,6 +51,11 @@ The LM steps (``--skip-lm`` leaves them out, ``--lm-only`` the layer): examples/
   loss's gradient and the update with the experts placed ``P("expert")`` and XLA choosing the collectives: tokens/s,
   temporaries, collective bytes, FLOPs and the two losses (equal within float32 rounding).
 
+``breakdown`` (beyond the smoke setting, with the LM): where the layer's time goes, forward and forward + backward
+(ms per call, interleaved) at two settings: the layer section's (``expert`` 8), grouped and buffer; and one MoE MLP of
+the LM's ``{"data": 8}`` step (every expert local), grouped, buffer, grouped with an expert that does no matmul (the
+routing, sorting and scan alone) and the dense MLP with the same active parameters.
+
 ``--smoke`` runs tiny sizes, one round of one step, and the LM's MoE on ``{"data": 8}`` only; its programs compile
 without XLA:CPU's backend optimisation (a third less compile time).
 """
@@ -82,6 +87,7 @@ from _moe import (  # noqa: E402
     FACTOR,
     K,
     Mlp,
+    breakdown_rows,
     by_kind,
     gshard_moe,
     init_params,
@@ -197,6 +203,7 @@ def main() -> None:
     if not args.skip_lm:
         models = lm_models(args)  # examples/lm's module, its MoE LM and the parameters every MoE variant starts from
         lm, lm_gshard = lm_rows(args, args.devices, *models), lm_gshard_rows(args, args.devices, *models)
+    breakdown = [] if args.smoke or args.skip_lm or args.lm_only else breakdown_rows(args, args.devices)
     args_kept = {k: v for k, v in vars(args).items() if k != "json"}  # the output's path is this machine's
     result = {
         **run_facts(),
@@ -205,6 +212,7 @@ def main() -> None:
         "rows": rows,
         "lm": lm,
         "lm_gshard": lm_gshard,
+        "breakdown": breakdown,
     }
     if rows:
         print(f"expert parameters: {expert_bytes['per_device']} bytes per device of {expert_bytes['all']}")
@@ -239,6 +247,10 @@ def main() -> None:
             f"  {row['variant']:38} {row['tokens_per_s']:9.0f} {row['speed_vs_ours']:8.2f} "
             f"{row['temp_bytes'] / 2**20:8.2f} {row['loss']:9.6f}  {row['collective_bytes']}"
         )
+    if breakdown:
+        print("where the layer's time goes (ms per call):           forward  fwd+bwd")
+    for row in breakdown:
+        print(f"  {row['setting']:9} {row['variant']:40} {row['forward_ms']:8.2f} {row['forward+backward_ms']:8.2f}")
     write_json(args.json, result)
 
 
