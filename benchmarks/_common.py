@@ -302,9 +302,14 @@ def plot_context(result: dict, path: Path) -> Path:
 
 
 def plot_moe(result: dict, path: Path) -> Path:
-    """Tokens/s and compiled temporaries per variant: the MoE layer's four, then the LM step's two."""
+    """Tokens/s and compiled temporaries per variant: the MoE layer's, the MoE LM's against the dense LMs', and
+    the MoE LM step against the GShard step."""
     plt = _pyplot()
-    groups = [("MoE layer", result["rows"]), ("LM step", result.get("lm", []))]
+    groups = [
+        ("MoE layer", result["rows"]),
+        ("LM step", result.get("lm", [])),
+        ("LM vs GShard", result.get("lm_gshard", [])),
+    ]
     groups = [(title, rows) for title, rows in groups if rows]
     fig, axes = plt.subplots(2, len(groups), figsize=(5.2 * len(groups), 6.4), squeeze=False, layout="constrained")
     for col, (title, rows) in enumerate(groups):

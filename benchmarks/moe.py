@@ -1,112 +1,129 @@
 """Expert parallelism: a mixture-of-experts layer's forward and backward pass on 8 fake CPU devices, ``sc.MoE`` with its
-experts split over an ``expert`` axis against the two programs a JAX user writes instead.
+experts split over an ``expert`` axis against the programs a JAX user writes instead; and the MoE LM's train step
+against the dense LMs with its active and its total parameters.
 
 Run: ``python benchmarks/moe.py [--tokens 256] [--experts 8] [--width 128] [--hidden 256] [--rounds 5] [--steps 4]
-[--smoke] [--json PATH]``.
+[--skip-lm | --lm-only] [--smoke] [--json PATH]``.
 
 The layer: ``E`` experts, each a GELU MLP ``width -> hidden -> width``, top-2 routing (softmax then top-k), a global
 batch of ``8 * tokens`` tokens of ``width`` features. Each variant computes the layer's output and the gradients of
 ``sum(y * cotangent)`` with respect to the router, the experts and the input, on the same 8 devices:
 
-- ``ours dropless`` / ``ours capacity 1.25``: ``sc.MoE(axis_name="expert")`` inside ``jax.shard_map``, each device
+- ``ours dropless``: ``sc.MoE(axis_name="expert")`` (grouped, the default) inside ``jax.shard_map``, each device
   holding ``E / 8`` experts and ``tokens`` tokens; the tokens move with two ``sc.ragged_all_to_all`` (the padded
-  implementation on CPU) and its transposes;
-- ``gshard einsum capacity 1.25``: the GShard program under ``jax.jit`` with ``NamedSharding``: one-hot dispatch and
-  combine tensors ``[N, E, C]`` and einsums, the expert dimension of the weights and of the dispatched tokens split
-  over ``expert`` (``with_sharding_constraint``), XLA choosing the collectives;
+  implementation on CPU) and its transposes, and each local expert runs on the rows it received (tiles of rows
+  sorted by expert, a scan that skips the empty tiles);
+- ``ours dropless buffer``: the same with ``grouped=False``: each local expert runs on a static buffer of every
+  token of the expert axis (``8 * tokens`` rows, ``E / k`` times the routed rows);
+- ``ours capacity 1.25``: grouped, with the capacity rule (one capacity over the global batch);
+- ``gshard einsum, per-device groups, capacity 1.25``: the GShard paper's program under ``jax.jit`` with
+  ``NamedSharding``: each device's tokens one group with its own capacity, one-hot dispatch and combine tensors
+  ``[G, S, E, C]`` and einsums, the groups and then the experts split over ``expert`` (``with_sharding_constraint``),
+  XLA choosing the collectives. It drops other assignments than ours (a capacity per group): it is compared with the
+  one-device layer run on each device's tokens with capacity 1.25;
+- ``gshard einsum, one global capacity 1.25``: the same einsums with one group, the global batch (our capacity
+  rule: it drops what ``ours capacity 1.25`` drops);
 - ``all-gather experts``: every device all-gathers every expert's weights and runs its own tokens through their
   experts on its own (the one-device layer), the gradients reduce-scattered back.
 
-Reported per variant: tokens/s (the median over rounds, the variants interleaved, at most 8 calls in flight), the
-compiled program's temporaries per device (``memory_analysis().temp_size_in_bytes``), its all-to-all and all-gather
-bytes per device (``sc.explain``), the expert parameter bytes each device holds (measured on the placed arrays: 1/8 of
-the experts for the split variants), and the output's largest difference from the one-device layer (the GShard
-variant, which drops by its own capacity rule, is compared with ``ours capacity``).
+Reported per variant: tokens/s and ms per call (the median over rounds, the variants interleaved, at most 8 calls in
+flight), the compiled program's temporaries per device (``memory_analysis().temp_size_in_bytes``), its all-to-all
+and all-gather bytes per device (``sc.explain``), the counted matmul FLOPs summed over the devices
+(``sc.explain(...).flops_total``; ``flops_bound``: exact, or an upper bound where a ``lax.cond`` counts at its largest
+branch), the expert matmuls' FLOPs against the routed rows' ``2 * 3 * k * N * (2 width hidden)`` (forward and
+backward; the grouped scan counted at its static bound, every tile; ``executed_expert_flops_vs_routed``: each tile
+counted as often as it runs for this routing, ``Work.weighted``), the expert parameter bytes each device holds
+(measured on the placed arrays: 1/8 of the experts for the split variants), and the output's largest difference from
+the one-device layer.
 
-The LM step (``--lm``, on by default; ``--lm-only`` skips the layer): examples/lm's ``Transformer`` with a MoE MLP in
-every block (``E`` experts, top-2, capacity factor 1.25 in both variants, so that they compute the same function),
-one AdamW train step on ``8 * lm_windows`` windows of ``lm_length`` bytes:
+The LM steps (``--skip-lm`` leaves them out, ``--lm-only`` the layer): examples/lm's ``Transformer``, AdamW, one
+``sc.make_train_step`` step on ``8 * lm_windows`` windows of ``lm_length`` bytes, the rows interleaved:
 
-- ``ours``: ``sc.make_train_step`` on a state over a mesh ``{"expert": 8}`` (the experts and the batch split over it);
-- ``jit+NamedSharding gshard``: the same model with each ``sc.MoE`` replaced by the GShard one-hot einsum layer (the
-  same parameters), ``jax.jit`` of the loss's gradient and the update with the experts placed ``P("expert")``, the
-  batch ``P("expert")`` and XLA choosing the collectives.
+- ``lm``: the MoE LM (every block's MLP ``E`` experts of ``4 * lm_width`` hidden units, top-2, dropless, grouped) on
+  ``{"data": 8}`` (every expert on every device), and, beyond the smoke setting, on ``{"expert": 8}`` and
+  ``{"data": 2, "expert": 4}``; the dense LM with the same active parameters (MLP hidden ``k * 4 * lm_width``: the
+  same matmul work per token as the k experts, the router's aside) and the dense LM with the same total parameters
+  (MLP hidden ``E * 4 * lm_width``), both on ``{"data": 8}``. Reported: tokens/s, the MoE's time over each dense
+  LM's (``time_vs_dense_active``, ``time_vs_dense_total``), the counted FLOPs and their ratios
+  (``flops_vs_dense_active``, ``flops_vs_dense_total``), parameters, temporaries, collective bytes, losses;
+- ``lm_gshard``: ours (capacity 1.25, ``{"expert": 8}``) against the same model with each ``sc.MoE`` replaced by
+  the GShard one-hot einsum layer (one global capacity 1.25, the same parameters and function), ``jax.jit`` of the
+  loss's gradient and the update with the experts placed ``P("expert")`` and XLA choosing the collectives: tokens/s,
+  temporaries, collective bytes, FLOPs and the two losses (equal within float32 rounding).
 
-Reported: tokens/s (interleaved rounds), the compiled temporaries per device, the all-to-all and all-gather bytes
-per device, and the two steps' losses (equal within float32 rounding).
+``breakdown`` (beyond the smoke setting, with the LM): where the layer's time goes, forward and forward + backward
+(ms per call, interleaved) at two settings: the layer section's (``expert`` 8), grouped and buffer; and one MoE MLP of
+the LM's ``{"data": 8}`` step (every expert local), grouped, buffer, grouped with an expert that does no matmul (the
+routing, sorting and scan alone) and the dense MLP with the same active parameters.
+
+``--smoke`` runs tiny sizes, one round of one step, and the LM's MoE on ``{"data": 8}`` only; its programs compile
+without XLA:CPU's backend optimisation (a third less compile time).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import sys
 import time
-from unittest import mock
 
-from _common import jit_once, run_facts, set_cpu_devices, time_calls, write_json
+from _common import run_facts, set_cpu_devices, write_json
 
+if "--smoke" in sys.argv[1:]:
+    # The smoke run checks that everything runs: its programs compile without XLA:CPU's backend optimisation, as
+    # _common.jit_once's do (a third less compile time; the values agree within float32 rounding).
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 set_cpu_devices(8)
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _moe import (  # noqa: E402
+    FACTOR,
+    K,
+    Mlp,
+    breakdown_rows,
+    by_kind,
+    gshard_moe,
+    init_params,
+    interleaved,
+    lm_gshard_rows,
+    lm_models,
+    lm_rows,
+    work,
+)
+
 import spmdcomm as sc  # noqa: E402
 from spmdcomm.parallel.expert import expert_capacity, route  # noqa: E402
-
-K, FACTOR = 2, 1.25
-LM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "lm")
-
-
-class Mlp(nn.Module):
-    width: int
-    hidden: int
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(self.width, name="down")(nn.gelu(nn.Dense(self.hidden, name="up")(x)))
-
-
-def gshard_moe(x, logits, experts, e, mesh):
-    """The GShard layer a JAX user writes: one-hot dispatch and combine tensors ``[N, E, C]`` and einsums, the expert
-    dimension split over ``expert`` by sharding constraints; ``experts`` maps ``[E, C, d]`` to ``[E, C, d]``.
-    Returns the output ``[N, d]`` and the Switch/GShard load-balancing loss over the ``N`` tokens."""
-    tokens = x.shape[0]
-    r = route(logits, K)
-    capacity = expert_capacity(tokens, e, K, FACTOR)
-    onehot = jax.nn.one_hot(r.experts, e, dtype=jnp.int32)  # [N, k, E], first choices before second ones
-    order = jnp.cumsum(onehot.transpose(1, 0, 2).reshape(-1, e), axis=0).reshape(K, tokens, e).transpose(1, 0, 2)
-    slot = jnp.sum((order - 1) * onehot, axis=-1)  # [N, k]
-    at = jax.nn.one_hot(slot, capacity)  # [N, k, C]: zeros past the capacity, the dropped assignments
-    dispatch = jnp.einsum("nke,nkc->nec", onehot, at)
-    combine = jnp.einsum("nk,nke,nkc->nec", r.weights, onehot, at)
-    split = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, jax.P("expert")))
-    out = split(experts(split(jnp.einsum("nec,nd->ecd", dispatch, x))))
-    balance = e * jnp.sum(onehot.sum((0, 1)) / (tokens * K) * r.probs.mean(0))
-    return jnp.einsum("nec,ecd->nd", combine, out).astype(x.dtype), balance
+from spmdcomm.parallel.expert.grouped import tile_rows  # noqa: E402
 
 
 def variants(args, mesh):
+    """The layer's variants (module docstring), each ``(params, x) -> y`` over the 8 devices, with the one-device
+    layer it must equal: ``None`` dropless, ``FACTOR`` one global capacity, ``"groups"`` a capacity per device."""
     mlp = Mlp(args.width, args.hidden)
     tok = jax.P("expert")
     specs = {"router": jax.P(), "experts": jax.P("expert")}
 
-    def ours(capacity_factor):
-        layer = sc.MoE(mlp, experts=args.experts, k=K, capacity_factor=capacity_factor, axis_name="expert")
+    def ours(capacity_factor, grouped=True):
+        layer = sc.MoE(
+            mlp, experts=args.experts, k=K, capacity_factor=capacity_factor, axis_name="expert", grouped=grouped
+        )
         apply = lambda p, x: layer.apply({"params": p}, x)
         return jax.shard_map(apply, mesh=mesh, in_specs=(specs, tok), out_specs=tok)
 
-    def gshard(p, x):
-        up, down = p["experts"]["up"], p["experts"]["down"]
-        experts = lambda a: nn.gelu(a @ up["kernel"] + up["bias"][:, None]) @ down["kernel"] + down["bias"][:, None]
-        return gshard_moe(x, x @ p["router"], experts, args.experts, mesh)[0]
+    def gshard(groups):
+        def fn(p, x):
+            up, down = p["experts"]["up"], p["experts"]["down"]
+            experts = lambda a: nn.gelu(a @ up["kernel"] + up["bias"][:, None]) @ down["kernel"] + down["bias"][:, None]
+            return gshard_moe(x, x @ p["router"], experts, args.experts, mesh, groups)[0]
+
+        return fn
 
     def gathered():
         layer = sc.MoE(mlp, experts=args.experts, k=K)
@@ -118,117 +135,36 @@ def variants(args, mesh):
         return jax.shard_map(body, mesh=mesh, in_specs=(specs, tok), out_specs=tok)
 
     return {
-        "ours dropless": ours(None),
-        "ours capacity 1.25": ours(FACTOR),
-        "gshard einsum capacity 1.25": gshard,
-        "all-gather experts": gathered(),
+        "ours dropless": (ours(None), None),
+        "ours dropless buffer": (ours(None, grouped=False), None),
+        "ours capacity 1.25": (ours(FACTOR), FACTOR),
+        "gshard einsum, per-device groups, capacity 1.25": (gshard(args.devices), "groups"),
+        "gshard einsum, one global capacity 1.25": (gshard(1), FACTOR),
+        "all-gather experts": (gathered(), None),
     }
 
 
-class GShardMoE(nn.Module):
-    """``sc.MoE``'s parameters and call (as examples/lm builds it), computed by :func:`gshard_moe` in the global
-    view; it sows the load-balancing loss into ``"moe"`` as ``sc.MoE`` does."""
-
-    expert: nn.Module
-    experts: int
-    k: int = K
-    mesh: object = None
-
-    @nn.compact
-    def __call__(self, x, mask=None):
-        # The benchmark's rows are all real (no packed rows): a token mask would be all True.
-        assert mask is None, "the GShard stand-in routes every token"
-        h = x.reshape(-1, x.shape[-1])
-        router = self.param("router", nn.initializers.normal(0.02), (h.shape[-1], self.experts), jnp.float32)
-        expert = self.expert.clone(parent=None)
-        params = self.param("experts", lambda key: None)  # the parameters come from sc.MoE's init
-        run = lambda buf: jax.vmap(lambda p, rows: expert.apply({"params": p}, rows))(params, buf)
-        y, balance = gshard_moe(h, h.astype(jnp.float32) @ router, run, self.experts, self.mesh)
-        self.sow("moe", "load_balancing_loss", balance)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-@contextlib.contextmanager
-def moe_layer(layer):
-    """examples/lm's blocks build ``layer`` where they name ``sc.MoE`` (while a model is built and traced)."""
-    with mock.patch.object(sc, "MoE", layer):
-        yield
-
-
-def lm_step(args, mesh):
-    """The LM step's rows: ours against the jit + NamedSharding GShard step (module docstring)."""
-    sys.path.insert(0, LM)
-    import models  # examples/lm/models.py
-
-    rows, length = 8 * args.lm_windows, args.lm_length
-    model = models.Transformer(
-        width=args.lm_width, layers=args.lm_layers, heads=4, max_len=length, experts=args.experts
-    )
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 256, (rows, length + 1)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    tx = optax.adamw(1e-3)
-    ours_moe = functools.partial(sc.MoE, capacity_factor=FACTOR)
-    with moe_layer(ours_moe):
-        params = _init(model, batch["inputs"][:1])
-        state = sc.TrainState.create(
-            params=params,
-            tx=tx,
-            apply_fn=model.apply,
-            mesh=mesh,
-            logical_axis_rules=models.logical_axis_rules(mesh.axis_names),
-        )
-        step = sc.make_train_step(models.make_loss_fn(), donate=False)
-        report = sc.explain(step, state, batch)
-        _, ours_metrics = step(state, batch)
-
-    def objective(apply_fn, p, batch):
-        loss, _, real, balance = models.token_sums(apply_fn, p, batch, jnp.ones(rows, bool))
-        return loss / real + models.BALANCE * balance
-
-    plain = nn.unbox(params)
-    put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
-    is_expert = lambda path: any(getattr(k, "key", None) == "experts" for k in path)
-    placed = jax.tree_util.tree_map_with_path(lambda q, v: put(v, jax.P("expert") if is_expert(q) else jax.P()), plain)
-    with moe_layer(functools.partial(GShardMoE, mesh=mesh)):
-
-        @jax.jit
-        def gshard_step(p, opt, batch):
-            loss, grads = jax.value_and_grad(lambda p: objective(model.apply, p, batch))(p)
-            updates, opt = tx.update(grads, opt, p)
-            return optax.apply_updates(p, updates), opt, loss
-
-        opt = jax.jit(tx.init)(placed)
-        data = jax.tree.map(lambda a: put(a, jax.P("expert")), batch)
-        compiled = gshard_step.lower(placed, opt, data).compile()
-        gshard_loss = float(compiled(placed, opt, data)[2])
-    theirs = sc.explain(compiled, mesh=mesh)
-    calls = {"ours": lambda: step(state, batch), "jit+NamedSharding gshard": lambda: compiled(placed, opt, data)}
-    times = _interleaved(calls, args.rounds, args.steps)
-    out = []
-    for name, rep, temp, loss in [
-        ("ours", report, report.memory.temp_bytes, float(ours_metrics["loss"])),
-        ("jit+NamedSharding gshard", theirs, compiled.memory_analysis().temp_size_in_bytes, gshard_loss),
-    ]:
-        out.append(
-            {
-                "variant": name,
-                "tokens_per_s": rows * length * args.steps / float(np.median(times[name])),
-                "temp_bytes": temp,
-                "collective_bytes": _by_kind(rep),
-                "loss": loss,
-            }
-        )
-    for row in out:
-        row["speed_vs_ours"] = row["tokens_per_s"] / out[0]["tokens_per_s"]
-    return out
-
-
-def _init(module, x):
-    """``module``'s parameters for an input like ``x``, in one program (``jit_once``): only the parameters are kept
-    (``mutable``), so XLA drops the forward pass that ``init`` traces (and the MoE layers' sown losses). On the host:
-    placing one device's arrays on a sharded layout compiles a slicing program per leaf; host arrays need none."""
-    return jax.device_get(jit_once(functools.partial(module.init, mutable=["params"]))(jax.random.key(0), x)["params"])
+def executed_flops(report, x, params, args, capacity_factor):
+    """Ours' counted FLOPs with each grouped-expert tile counted as often as it runs, not at the static bound: the
+    share of the scan's tiles that hold rows (``lax.cond`` skips the others), the mean over the devices for this
+    routing. None for a program without grouped tiles."""
+    conds = [c for c in report.work.conditionals if "grouped_experts" in c.scope]
+    if not conds:
+        return None
+    n, local, tokens = args.devices, args.experts // args.devices, args.tokens
+    assigned = np.asarray(route(jnp.asarray(x) @ params["router"], K).experts)
+    counts = np.bincount(assigned.reshape(-1), minlength=args.experts)
+    bound = n * tokens * K
+    if capacity_factor is not None:  # each expert keeps at most the capacity (global assignments, global order)
+        capacity = expert_capacity(n * tokens, args.experts, K, capacity_factor)
+        counts, bound = np.minimum(counts, capacity), min(bound, local * capacity)
+    else:
+        bound = min(bound, local * n * tokens)
+    tile = tile_rows(tokens * K, local)
+    tiles = -(-bound // tile) + local
+    ran = -(-counts // tile)  # tiles per expert; a device runs its local experts'
+    share = ran.reshape(n, local).sum(1).mean() / tiles
+    return report.work.weighted({c.name: (1 - share, share) for c in conds}).total
 
 
 def _output_and_loss(fn, cotangent):
@@ -239,23 +175,6 @@ def _output_and_loss(fn, cotangent):
         return jnp.sum(y * cotangent), y
 
     return loss
-
-
-def _by_kind(report):
-    by_kind: dict[str, int] = {}
-    for c in report.collectives:
-        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.total_bytes
-    return by_kind
-
-
-def _interleaved(calls, rounds, steps):
-    """Seconds of ``steps`` calls of each, the variants interleaved over ``rounds`` (order reversed every other)."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for r in range(rounds):
-        for name in list(calls) if r % 2 == 0 else list(reversed(calls)):
-            calls[name]()
-            times[name].append(time_calls(calls[name], steps))
-    return times
 
 
 def main() -> None:
@@ -272,46 +191,112 @@ def main() -> None:
     parser.add_argument("--lm-width", type=int, default=64)
     parser.add_argument("--lm-layers", type=int, default=2)
     parser.add_argument("--skip-lm", action="store_true", help="the layer only")
+    parser.add_argument("--lm-only", action="store_true", help="the LM steps only")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks that everything runs")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.smoke:
         args.tokens, args.width, args.hidden, args.rounds, args.steps = 16, 16, 32, 1, 1
         args.lm_windows, args.lm_length, args.lm_width, args.lm_layers = 1, 16, 32, 1
+    rows, expert_bytes = ([], None) if args.lm_only else layer_rows(args)
+    lm, lm_gshard = [], []
+    if not args.skip_lm:
+        models = lm_models(args)  # examples/lm's module, its MoE LM and the parameters every MoE variant starts from
+        lm, lm_gshard = lm_rows(args, args.devices, *models), lm_gshard_rows(args, args.devices, *models)
+    breakdown = [] if args.smoke or args.skip_lm or args.lm_only else breakdown_rows(args, args.devices)
+    args_kept = {k: v for k, v in vars(args).items() if k != "json"}  # the output's path is this machine's
+    result = {
+        **run_facts(),
+        "args": args_kept,
+        "expert_param_bytes": expert_bytes,
+        "rows": rows,
+        "lm": lm,
+        "lm_gshard": lm_gshard,
+        "breakdown": breakdown,
+    }
+    if rows:
+        print(f"expert parameters: {expert_bytes['per_device']} bytes per device of {expert_bytes['all']}")
+        print(
+            f"{'layer variant':48} {'tokens/s':>9} {'vs dropless':>11} {'temp MB':>8} {'max diff':>8} "
+            f"{'GFLOP':>7} {'experts/routed':>14} {'run/routed':>10}  collectives (bytes)"
+        )
+    for row in rows:
+        ran = row["executed_expert_flops_vs_routed"]
+        ran = "" if ran is None else f"{ran:.2f}"
+        print(
+            f"{row['variant']:48} {row['tokens_per_s']:9.0f} {row['speed_vs_ours_dropless']:11.2f} "
+            f"{row['temp_bytes'] / 2**20:8.2f} {row['max_abs_diff_to_one_device']:8.1e} "
+            f"{row['flops_total'] / 1e9:7.2f} {row['expert_flops_vs_routed']:14.2f} {ran:>10}  "
+            f"{row['collective_bytes']}"
+        )
+    if lm:
+        print(
+            f"LM step {'':32} {'tokens/s':>9} {'time/active':>11} {'time/total':>10} {'GFLOP':>7} "
+            f"{'flops/active':>12} {'flops/total':>11} {'temp MB':>8} {'loss':>8}"
+        )
+    for row in lm:
+        print(
+            f"  {row['variant']:38} {row['tokens_per_s']:9.0f} {row['time_vs_dense_active']:11.2f} "
+            f"{row['time_vs_dense_total']:10.2f} {row['flops_total'] / 1e9:7.2f} {row['flops_vs_dense_active']:12.2f} "
+            f"{row['flops_vs_dense_total']:11.2f} {row['temp_bytes'] / 2**20:8.2f} {row['loss']:8.5f}"
+        )
+    if lm_gshard:
+        print(f"LM step, capacity 1.25, experts over {args.devices} devices: tokens/s, vs ours, temp MB, loss")
+    for row in lm_gshard:
+        print(
+            f"  {row['variant']:38} {row['tokens_per_s']:9.0f} {row['speed_vs_ours']:8.2f} "
+            f"{row['temp_bytes'] / 2**20:8.2f} {row['loss']:9.6f}  {row['collective_bytes']}"
+        )
+    if breakdown:
+        print("where the layer's time goes (ms per call):           forward  fwd+bwd")
+    for row in breakdown:
+        print(f"  {row['setting']:9} {row['variant']:40} {row['forward_ms']:8.2f} {row['forward+backward_ms']:8.2f}")
+    write_json(args.json, result)
+
+
+def layer_rows(args):
+    """The layer's rows (module docstring) and the expert parameter bytes per device and in all."""
     mesh = sc.make_mesh({"expert": args.devices}, devices=jax.devices()[: args.devices])
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.devices * args.tokens, args.width)).astype(np.float32)
     cot = rng.standard_normal(x.shape).astype(np.float32)
-    layer = sc.MoE(Mlp(args.width, args.hidden), experts=args.experts, k=K)
-    params = nn.unbox(_init(layer, x[:1]))  # the arrays, without the logical names
+    mlp = Mlp(args.width, args.hidden)
+    params = nn.unbox(init_params(sc.MoE(mlp, experts=args.experts, k=K), x[:1]))  # the arrays, no logical names
     placed = {
         "router": jax.device_put(params["router"], NamedSharding(mesh, jax.P())),
         "experts": jax.device_put(params["experts"], NamedSharding(mesh, jax.P("expert"))),
     }
     xs, cots = (jax.device_put(a, NamedSharding(mesh, jax.P("expert"))) for a in (x, cot))
-    # The one-device layer, dropless and with the capacity rule, in one program.
-    factors = (None, FACTOR)
-    outputs = jax.jit(
-        lambda p, x: [
-            sc.MoE(Mlp(args.width, args.hidden), experts=args.experts, k=K, capacity_factor=cf).apply({"params": p}, x)
-            for cf in factors
-        ]
-    )(params, x)
-    reference = dict(zip(factors, outputs, strict=True))
+
+    # The one-device layer: dropless, with one global capacity, and with a capacity per device's tokens.
+    def one_device(p, x):
+        layer = lambda cf: functools.partial(
+            sc.MoE(mlp, experts=args.experts, k=K, capacity_factor=cf).apply, {"params": p}
+        )
+        groups = jax.vmap(layer(FACTOR))(x.reshape(args.devices, args.tokens, -1)).reshape(x.shape)
+        return [layer(None)(x), layer(FACTOR)(x), groups]
+
+    reference = dict(zip((None, FACTOR, "groups"), jax.jit(one_device)(params, x), strict=True))
+    routed = 2 * 3 * K * len(x) * (2 * args.width * args.hidden)  # the routed rows' expert matmuls, fwd + bwd
     programs, rows = {}, []
-    for name, fn in variants(args, mesh).items():
+    for name, (fn, want) in variants(args, mesh).items():
         # The step returns the layer's output beside the gradients: the comparison below needs no second program.
         step = jax.jit(lambda p, x, c, fn=fn: jax.value_and_grad(_output_and_loss(fn, c), (0, 1), has_aux=True)(p, x))
         compiled = step.lower(placed, xs, cots).compile()
-        by_kind = _by_kind(sc.explain(compiled, mesh=mesh))
+        report = sc.explain(compiled, mesh=mesh)
         y = compiled(placed, xs, cots)[0][1]
-        want = reference[None if name == "ours dropless" or name == "all-gather experts" else FACTOR]
+        counted = work(report)
+        ran = executed_flops(report, x, params, args, None if want is None else FACTOR) if "ours" in name else None
         rows.append(
             {
                 "variant": name,
                 "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-                "collective_bytes": by_kind,
-                "max_abs_diff_to_one_device": float(np.abs(np.asarray(y) - np.asarray(want)).max()),
+                "collective_bytes": by_kind(report),
+                "max_abs_diff_to_one_device": float(np.abs(np.asarray(y) - np.asarray(reference[want])).max()),
+                **counted,
+                "routed_expert_flops": routed,
+                "expert_flops_vs_routed": (counted["expert_flops"] or counted["flops_total"]) / routed,
+                "executed_expert_flops_vs_routed": None if ran is None else ran / routed,
             }
         )
         programs[name] = compiled
@@ -322,33 +307,14 @@ def main() -> None:
         "all": sum(leaf.nbytes for leaf in jax.tree.leaves(placed["experts"])),
     }
     calls = {name: lambda name=name: programs[name](placed, xs, cots) for name in programs}
-    times = _interleaved(calls, args.rounds, args.steps)
-    tokens = args.devices * args.tokens
+    times = interleaved(calls, args.rounds, args.steps)
     for row in rows:
-        row["tokens_per_s"] = tokens * args.steps / float(np.median(times[row["variant"]]))
+        row["tokens_per_s"] = len(x) * args.steps / float(np.median(times[row["variant"]]))
+        row["ms_per_call"] = 1e3 * float(np.median(times[row["variant"]])) / args.steps
     base = rows[0]["tokens_per_s"]
     for row in rows:
         row["speed_vs_ours_dropless"] = row["tokens_per_s"] / base
-    lm = [] if args.skip_lm else lm_step(args, mesh)
-    args_kept = {k: v for k, v in vars(args).items() if k != "json"}  # the output's path is this machine's
-    result = {**run_facts(), "args": args_kept, "expert_param_bytes": expert_bytes, "rows": rows, "lm": lm}
-    print(f"expert parameters: {expert_bytes['per_device']} bytes per device of {expert_bytes['all']}")
-    print(f"{'variant':30} {'tokens/s':>10} {'vs dropless':>11} {'temp MB':>8} {'max diff':>9}  collectives (bytes)")
-    for row in rows:
-        print(
-            f"{row['variant']:30} {row['tokens_per_s']:10.0f} {row['speed_vs_ours_dropless']:11.2f} "
-            f"{row['temp_bytes'] / 2**20:8.2f} {row['max_abs_diff_to_one_device']:9.1e}  {row['collective_bytes']}"
-        )
-    if lm:
-        print(
-            f"LM step (experts over {args.devices} devices): {'tokens/s':>10} {'vs ours':>8} {'temp MB':>8} {'loss':>9}"
-        )
-        for row in lm:
-            print(
-                f"  {row['variant']:27} {row['tokens_per_s']:10.0f} {row['speed_vs_ours']:8.2f} "
-                f"{row['temp_bytes'] / 2**20:8.2f} {row['loss']:9.6f}  {row['collective_bytes']}"
-            )
-    write_json(args.json, result)
+    return rows, expert_bytes
 
 
 if __name__ == "__main__":

@@ -356,15 +356,33 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path):
     assert len(context["errors"]) == 6 and all(e["as_documented"] for e in context["errors"])
     moe = results["moe"]
     rows = {row["variant"]: row for row in moe["rows"]}
-    assert set(rows) == {"ours dropless", "ours capacity 1.25", "gshard einsum capacity 1.25", "all-gather experts"}
-    # Every variant equals the one-device layer; the split variants hold 1/8 of the expert parameters per device.
+    assert set(rows) == {
+        "ours dropless",
+        "ours dropless buffer",
+        "ours capacity 1.25",
+        "gshard einsum, per-device groups, capacity 1.25",
+        "gshard einsum, one global capacity 1.25",
+        "all-gather experts",
+    }
+    # Every variant equals the one-device layer (the per-device GShard groups: the layer on each device's tokens);
+    # the split variants hold 1/8 of the expert parameters per device.
     assert all(row["max_abs_diff_to_one_device"] < 1e-5 and row["tokens_per_s"] > 0 for row in rows.values())
+    assert all(row["flops_total"] > 0 for row in rows.values())
     assert rows["ours dropless"]["collective_bytes"]["all-to-all"] > 0
+    assert rows["ours dropless"]["executed_expert_flops_vs_routed"] > 0
     assert moe["expert_param_bytes"]["per_device"] * 8 == moe["expert_param_bytes"]["all"]
-    lm = {row["variant"]: row for row in moe["lm"]}
-    assert set(lm) == {"ours", "jit+NamedSharding gshard"} and all(r["tokens_per_s"] > 0 for r in lm.values())
+    # The MoE LM against the dense LMs with its active (MLP k x wider) and its total (E x wider) parameters.
+    lm = {row["kind"]: row for row in moe["lm"]}
+    assert set(lm) == {"moe", "dense active", "dense total"}
+    assert lm["dense active"]["mlp_hidden"] == 2 * lm["moe"]["mlp_hidden"]
+    assert abs(lm["dense total"]["params"] / lm["moe"]["params"] - 1) < 0.02  # the router's aside
+    for r in lm.values():
+        assert r["tokens_per_s"] > 0 and r["flops_total"] > 0 and r["time_vs_dense_active"] > 0
+    gshard = {row["variant"]: row for row in moe["lm_gshard"]}
+    assert set(gshard) == {"ours", "jit+NamedSharding gshard"} and all(r["tokens_per_s"] > 0 for r in gshard.values())
     # The same function (capacity 1.25 in both): the same loss.
-    assert abs(lm["ours"]["loss"] - lm["jit+NamedSharding gshard"]["loss"]) < 1e-5 * abs(lm["ours"]["loss"])
+    ours, theirs = gshard["ours"]["loss"], gshard["jit+NamedSharding gshard"]["loss"]
+    assert abs(ours - theirs) < 1e-5 * abs(ours)
     flops = {row["layout"]: row for row in results["flops"]["rows"]}
     assert set(flops) == {"one device", "tensor"} and flops["one device"]["vs_model_flops"] == 1.0
     assert flops["tensor"]["vs_one_device"] == 1.0 and flops["tensor"]["bound"] == "exact"
