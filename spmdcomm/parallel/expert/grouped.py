@@ -156,21 +156,27 @@ def _tiles(apply: Callable[[Any, jax.Array], jax.Array], params: Any, tiles: jax
         params, residuals, which = res
         cotangent = _typed_as(cotangent, out_axes)
 
-        def step(grads: Any, saved: Any, ct: jax.Array, e: jax.Array) -> tuple[Any, jax.Array]:
+        def tile_grads(saved: Any, ct: jax.Array, e: jax.Array) -> tuple[Any, jax.Array]:
             mine, rest = jax.tree.leaves(pick(params, e)), iter(saved)
             leaves = [mine[j] if j >= 0 else next(rest) for j in where]
             d_params, d_rows = jax.tree.unflatten(vjp_def, leaves)(ct)
-            # In place: only this expert's rows of the accumulated gradient change.
-            grads = jax.tree.map(lambda g, d: g.at[e].add(d.astype(g.dtype)), grads, d_params)
-            return grads, d_rows.astype(tile.dtype)
+            return d_params, d_rows.astype(tile.dtype)
 
-        # The carry typed as a step leaves it (varying over the axes the experts' gradients vary over).
-        first = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda r: r[0], residuals), cotangent[0], which[0])
-        grads, d_rows = _zeros(jax.eval_shape(step, *first))
+        def accumulate(grads: Any, d_params: Any, e: jax.Array) -> Any:
+            # In place: only this expert's rows of the accumulated gradient change.
+            return jax.tree.map(lambda g, d: g.at[e].add(d.astype(g.dtype)), grads, d_params)
+
+        # The carry typed as the accumulation leaves it (varying over the axes the experts' gradients vary over).
+        first = (jax.tree.map(lambda r: r[0], residuals), cotangent[0], which[0])
+        tile_shapes = jax.eval_shape(tile_grads, *first)
+        grads = _zeros(jax.eval_shape(accumulate, jax.tree.map(jnp.zeros_like, params), tile_shapes[0], which[0]))
 
         def body(grads: Any, inputs: Any) -> tuple[Any, jax.Array]:
             saved, ct, e = inputs
-            return lax.cond(e < local, lambda g: step(g, saved, ct, e), lambda g: (g, d_rows), grads)
+            # Only the tile's own gradients inside the branch: a branch that passed the accumulated gradient through
+            # would copy all of it at every tile (measured: 1.6x the backward pass's time on XLA:CPU).
+            d_params, d_rows = lax.cond(e < local, tile_grads, lambda *_: _zeros(tile_shapes), saved, ct, e)
+            return accumulate(grads, d_params, jnp.minimum(e, local - 1)), d_rows
 
         grads, d_tiles = lax.scan(body, grads, (residuals, cotangent, which))
         grads = jax.tree.map(lambda g, p: _typed_as(g, varying_axes(p)), grads, params)
