@@ -169,13 +169,15 @@ def _tiles(apply: Callable[[Any, jax.Array], jax.Array], params: Any, tiles: jax
         # The carry typed as the accumulation leaves it (varying over the axes the experts' gradients vary over).
         first = (jax.tree.map(lambda r: r[0], residuals), cotangent[0], which[0])
         tile_shapes = jax.eval_shape(tile_grads, *first)
-        grads = _zeros(jax.eval_shape(accumulate, jax.tree.map(jnp.zeros_like, params), tile_shapes[0], which[0]))
+        # (Arrays, not eval_shape's structs, go back into eval_shape: a struct with a mesh of auto axes fails there.)
+        nothing = _zeros(tile_shapes)
+        grads = _zeros(jax.eval_shape(accumulate, jax.tree.map(jnp.zeros_like, params), nothing[0], which[0]))
 
         def body(grads: Any, inputs: Any) -> tuple[Any, jax.Array]:
             saved, ct, e = inputs
             # Only the tile's own gradients inside the branch: a branch that passed the accumulated gradient through
             # would copy all of it at every tile (measured: 1.6x the backward pass's time on XLA:CPU).
-            d_params, d_rows = lax.cond(e < local, tile_grads, lambda *_: _zeros(tile_shapes), saved, ct, e)
+            d_params, d_rows = lax.cond(e < local, tile_grads, lambda *_: nothing, saved, ct, e)
             return accumulate(grads, d_params, jnp.minimum(e, local - 1)), d_rows
 
         grads, d_tiles = lax.scan(body, grads, (residuals, cotangent, which))
