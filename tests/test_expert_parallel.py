@@ -463,6 +463,7 @@ def masked_loss_fn(params, batch, *, apply_fn, model_state, rng, mask):
     return sc.masked_mean(per_row, mask) + BALANCE * balance, {"balance": balance, **sc.moe_metrics(found["moe"])}
 
 
+@pytest.mark.slow  # the fast tier keeps the masked layer's cases of tests/test_moe.py
 def test_a_padded_batch_trains_and_evaluates_as_one_device_on_the_real_rows_alone(initial):
     """The MoE layers take the step's row mask: padding rows are not routed, take no capacity slot (the real rows'
     capacity is smaller than the padded batch's) and count in no loss; the train and eval steps equal one device

@@ -39,7 +39,7 @@ def moe_metrics(sown: Any, *, prefix: str = "moe/") -> dict[str, jax.Array]:
       >>> import flax.linen as nn
       >>> layer = sc.MoE(nn.Dense(4), experts=2, k=1)
       >>> variables = jax.jit(layer.init)(jax.random.key(0), jnp.ones((3, 4)))
-      >>> _, sown = layer.apply(variables, jnp.ones((3, 4)), mutable=["moe"])
+      >>> _, sown = jax.jit(lambda v, x: layer.apply(v, x, mutable=["moe"]))(variables, jnp.ones((3, 4)))
       >>> sorted(sc.moe_metrics(sown["moe"], prefix=""))
       ['dropped_fraction', 'expert_counts/0', 'expert_counts/1', 'load_balancing_loss', 'router_z_loss']
     """
