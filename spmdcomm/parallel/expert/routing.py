@@ -7,11 +7,10 @@ global batch is the devices' tokens in row-major device order over ``token_axes`
 
 How :func:`moe` moves the tokens, per device of an expert axis of size ``n`` holding ``E / n`` experts and ``T``
 tokens: the ``T * k`` assignments are sorted by destination device and sent with one
-:func:`~spmdcomm.ragged_all_to_all` (with their expert and slot), written into a buffer ``[E / n, B, d]``, run through
-the local experts, and sent back with a second one. ``B`` is the capacity with a ``capacity_factor``, and ``n * T``
-(every token of the expert axis) in the dropless layer: a static shape that holds any routing, at the cost of
-computing ``E * T`` rows per device, as if every expert saw every token; a grouped matmul over only the received rows
-is a follow-up.
+:func:`~spmdcomm.ragged_all_to_all` (with their local expert), run through the local experts, each on the rows it
+received only (:mod:`~spmdcomm.parallel.expert.grouped`), and sent back with a second one. Given a buffer function
+instead of :class:`Experts`, the received rows are written into a static buffer ``[E / n, B, d]`` (``B`` the capacity,
+or ``n * T`` dropless: every expert computes as many rows as the expert axis holds tokens).
 """
 
 from __future__ import annotations
@@ -140,7 +139,8 @@ def load_balancing_loss(
       A float32 scalar.
     """
     probs = probs if valid is None else jnp.where(valid[:, None], probs, 0.0)
-    tokens = _real_tokens(probs.shape[0], valid, token_axes)
+    # Every real token made k of the assignments counted: the global count follows, with no collective of its own.
+    tokens = probs.shape[0] * axes_size(token_axes) if valid is None else jnp.sum(counts) // k
     mean_probs = psum_over(probs.sum(0), token_axes) / jnp.maximum(tokens, 1)
     fraction = counts.astype(jnp.float32) / jnp.maximum(tokens * k, 1)
     return probs.shape[1] * jnp.sum(fraction * mean_probs)
@@ -158,8 +158,12 @@ def router_z_loss(logits: jax.Array, *, token_axes: tuple[str, ...] = (), valid:
       A float32 scalar, the same on every device.
     """
     z2 = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2
-    z2 = z2 if valid is None else jnp.where(valid, z2, 0.0)
-    return psum_over(jnp.sum(z2), token_axes) / jnp.maximum(_real_tokens(z2.shape[0], valid, token_axes), 1)
+    if valid is None:
+        return psum_over(jnp.sum(z2), token_axes) / (z2.shape[0] * axes_size(token_axes))
+    # The sum and the real tokens' count in one all-reduce.
+    total, real = jnp.sum(jnp.where(valid, z2, 0.0)), jnp.sum(valid, dtype=jnp.float32)
+    total, real = lax.psum((total, real), token_axes) if token_axes else (total, real)
+    return total / jnp.maximum(real, 1.0)
 
 
 def check_routing(fn: str, *, experts: int, k: int, routing: str, capacity_factor: float | None) -> None:
@@ -259,6 +263,8 @@ def moe(
     slots = assignment_slots(r.experts, experts, token_axes=axes, axis_name=axis_name, valid=valid)
     group_tokens = n * tokens
     real = jnp.ones((tokens, 1), bool) if valid is None else valid[:, None]
+    # The global batch's real tokens: k assignments each in the global counts (static without a mask).
+    real_tokens = tokens * axes_size(axes) if valid is None else jnp.sum(slots.counts) // k
     if capacity_factor is None:
         kept = jnp.broadcast_to(real, r.experts.shape)
         buffer = group_tokens
@@ -266,7 +272,7 @@ def moe(
         capacity = expert_capacity(tokens * axes_size(axes), experts, k, capacity_factor)
         if valid is not None:
             # The capacity of the real tokens (at most the static one, which sizes the buffer).
-            real_capacity = capacity_of(_real_tokens(tokens, valid, axes), experts, k, capacity_factor)
+            real_capacity = capacity_of(jnp.asarray(real_tokens), experts, k, capacity_factor)
             kept = real & (slots.global_slot < real_capacity)
         else:
             kept = slots.global_slot < capacity
@@ -304,7 +310,7 @@ def moe(
     per_assignment = back[jnp.argsort(order)].reshape(tokens, k, -1)
     gate = jnp.where(kept, r.weights, 0.0)
     y = jnp.einsum("tk,tkd->td", gate, per_assignment.astype(jnp.float32)).astype(x.dtype)
-    dropped = psum_over(jnp.sum(real & ~kept), axes) / jnp.maximum(_real_tokens(tokens, valid, axes) * k, 1)
+    dropped = psum_over(jnp.sum(real & ~kept), axes) / jnp.maximum(real_tokens * k, 1)
     stats = MoEStats(
         load_balancing_loss(r.probs, slots.counts, k, token_axes=axes, valid=valid),
         router_z_loss(r.logits, token_axes=axes, valid=valid),
@@ -326,13 +332,6 @@ def _token_mask(mask: jax.Array, tokens: int) -> jax.Array:
             )
         )
     return mask if mask.dtype == jnp.bool_ else mask != 0
-
-
-def _real_tokens(tokens: int, valid: jax.Array | None, axes: tuple[str, ...]) -> Any:
-    """The global batch's real tokens: a Python int without ``valid``, else an int32 scalar (the same everywhere)."""
-    if valid is None:
-        return tokens * axes_size(axes)
-    return psum_over(jnp.sum(valid, dtype=jnp.int32), axes)
 
 
 def _token_axes(axis_name: str | None, token_axes: tuple[str, ...] | None) -> tuple[str, ...]:
