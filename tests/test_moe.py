@@ -585,7 +585,8 @@ def test_grouped_experts_do_the_work_of_the_routed_rows_and_equal_the_buffer():
     """The default (grouped) layer's expert matmuls, forward and backward, count at most 1.1 x the work of the
     routed rows, 2 * 3 * k * T * (2 d h) (the static bound of the compiled program, for any routing), against E / k
     times that for the static buffer (grouped=False), with fewer temporaries; split over 4 devices the two give the
-    same outputs and gradients, and only the buffer takes forward-mode differentiation."""
+    same outputs and gradients (also under vmap and jax.checkpoint), and only the buffer takes forward-mode
+    differentiation."""
     tokens, width, hidden, k = 256, 16, 32, 2
 
     class Wide(nn.Module):
@@ -615,6 +616,17 @@ def test_grouped_experts_do_the_work_of_the_routed_rows_and_equal_the_buffer():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), outs[True][1], outs[False][1])
     one = {g: sc.MoE(Mlp(), experts=E, k=2, grouped=g) for g in (True, False)}
     tangent = jax.tree.map(np.ones_like, params)
+
+    # Under vmap (a batch of token sets) and jax.checkpoint, inside grad and jit: the grouped path equals the buffer.
+    def batched(g, p):
+        out = jax.vmap(lambda rows: one[g].apply({"params": p}, rows))(inputs.reshape(4, -1, D))
+        return jnp.sum(out**2)
+
+    vmapped = {g: jax.jit(jax.value_and_grad(jax.checkpoint(functools.partial(batched, g))))(params) for g in one}
+    np.testing.assert_allclose(vmapped[True][0], vmapped[False][0], rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), vmapped[True][1], vmapped[False][1]
+    )
     jvp = lambda g: jax.jit(lambda p, t: jax.jvp(lambda q: one[g].apply({"params": q}, inputs[:8]), (p,), (t,)))
     assert jvp(False).eval_shape(params, tangent)[1].shape == (8, D)
     with pytest.raises(TypeError, match="custom_vjp"):
