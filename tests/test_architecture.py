@@ -234,8 +234,8 @@ def test_the_layer_table_lists_every_module_of_each_layer():
     on_disk = {
         "base": {m.partition(".")[2] for m, p in modules.items() if m.count(".") == 1 and p.name != "__init__.py"}
     }
-    # a layer's modules by their names in its first package; those of another package of the layer (spmdcomm.train's
-    # neighbour spmdcomm.checkpoint) by their names under spmdcomm, the package itself included
+    # a layer's modules by their names in its first package; those of another package of the layer, if a layer has
+    # one, by their names under spmdcomm, the package itself included
     for name, entries in LAYERS[1:-1]:
         first, *others = entries
         on_disk[name] = {m.removeprefix(first + ".") for m in modules if m.startswith(first + ".")} | {

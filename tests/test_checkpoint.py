@@ -209,6 +209,21 @@ def test_restore_from_a_directory_without_checkpoints_returns_the_template_on_re
     assert ckpt.exists() == (directory == "empty")  # reading never creates the directory
 
 
+@pytest.mark.parametrize("fn", ["save_checkpoint", "restore_checkpoint"])
+def test_save_and_restore_take_a_train_state_and_nothing_else(tmp_path, fn):
+    """The checkpoint layer reads a state through its attributes (it sits below spmdcomm.train): a TrainState's
+    restore is a TrainState, and an object without them is refused by name as before."""
+    other = {"params": {"w": np.zeros(2, np.float32)}}
+    for wrong in (other, optax.sgd(0.1)):
+        with pytest.raises(
+            sc.SpmdError, match=rf"^spmdcomm\.{fn}: state is a {type(wrong).__name__}, not a TrainState\. Fix: pass"
+        ):
+            getattr(sc, fn)(tmp_path / "ckpt", wrong)
+    sc.save_checkpoint(tmp_path / "ckpt", state_of(1.0), step=1)
+    restored = sc.restore_checkpoint(tmp_path / "ckpt", state_of(0.0))
+    assert type(restored) is sc.TrainState and np.asarray(restored.params["b"]).tolist() == [1.0, 1.0]
+
+
 def test_missing_ok_does_not_hide_a_step_that_is_not_among_the_saved_ones(ckpt):
     with pytest.raises(
         sc.SpmdError, match=r"restore_checkpoint: no checkpoint for step 5 in .* \(it has steps \[1, 2\]\)"

@@ -36,8 +36,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("reliability", ("spmdcomm.reliability",)),
     # the parallelisms, each in a folder or module of its own, and the mesh roles they all read
     ("parallel", ("spmdcomm.parallel",)),
-    # checkpoints beside train: fit saves them, and a checkpoint holds a TrainState
-    ("train", ("spmdcomm.train", "spmdcomm.checkpoint")),
+    # checkpoints below train: fit saves them; they read a state through its attributes, not its class
+    ("checkpoint", ("spmdcomm.checkpoint",)),
+    ("train", ("spmdcomm.train",)),
     ("nnx", ("spmdcomm.nnx",)),
     ("explain", ("spmdcomm.explain",)),
     ("package", ("spmdcomm",)),  # spmdcomm/__init__.py: the public names of every layer
@@ -73,22 +74,27 @@ def test_modules_import_only_from_their_layer_or_below():
         (
             "spmdcomm.runtime.sync",
             "def f():\n    from spmdcomm.train.state import TrainState\n",
-            ["spmdcomm.runtime.sync (layer 1, runtime) imports spmdcomm.train.state (layer 7, train)"],
+            ["spmdcomm.runtime.sync (layer 1, runtime) imports spmdcomm.train.state (layer 8, train)"],
         ),
         (
             "spmdcomm.data.batches",
             "from spmdcomm import train, errors\n",
-            ["spmdcomm.data.batches (layer 3, data) imports spmdcomm.train (layer 7, train)"],
+            ["spmdcomm.data.batches (layer 3, data) imports spmdcomm.train (layer 8, train)"],
         ),
         (
             "spmdcomm.runtime.mesh",
             "from ..explain import report\n",
-            ["spmdcomm.runtime.mesh (layer 1, runtime) imports spmdcomm.explain.report (layer 9, explain)"],
+            ["spmdcomm.runtime.mesh (layer 1, runtime) imports spmdcomm.explain.report (layer 10, explain)"],
+        ),
+        (
+            "spmdcomm.checkpoint.checkpoint",
+            "def f():\n    from spmdcomm.train.state import TrainState\n",
+            ["spmdcomm.checkpoint.checkpoint (layer 7, checkpoint) imports spmdcomm.train.state (layer 8, train)"],
         ),
         (
             "spmdcomm.errors",
             "import spmdcomm\n",
-            ["spmdcomm.errors (layer 0, base) imports spmdcomm (layer 10, package)"],
+            ["spmdcomm.errors (layer 0, base) imports spmdcomm (layer 11, package)"],
         ),
     ],
 )

@@ -1,6 +1,7 @@
-"""Layer 7 (beside ``spmdcomm.train``), checkpoints: saving and restoring a ``TrainState`` with orbax-checkpoint,
-choosing the newest intact checkpoint, what it holds of a state, and saves written in the background
-(:class:`CheckpointSave`)."""
+"""Layer 7 (below ``spmdcomm.train``, whose ``fit`` saves checkpoints), checkpoints: saving and restoring a
+``TrainState`` with orbax-checkpoint, choosing the newest intact checkpoint, what it holds of a state (read through
+its attributes, :class:`~spmdcomm.checkpoint._arrays.CheckpointState`, never its class), and saves written in the
+background (:class:`CheckpointSave`)."""
 
 from spmdcomm.checkpoint._async import CheckpointSave
 from spmdcomm.checkpoint.checkpoint import (

@@ -1,24 +1,67 @@
 """The arrays a checkpoint holds of a :class:`~spmdcomm.TrainState`: its step, parameters, optimizer state, model
 state, RNG and loss scale, every leaf at the model's own shape (padded leaves cut to it), so that a checkpoint
-restores onto any strategy and device count."""
+restores onto any strategy and device count.
+
+The checkpoint layer sits below ``spmdcomm.train`` (``fit`` saves checkpoints), so it never imports the state's
+class: it reads a state through :class:`CheckpointState`, the attributes a ``TrainState`` has."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
 import numpy as np
 
 from spmdcomm.errors import SpmdError, describe
 
-if TYPE_CHECKING:
-    from spmdcomm.train.state import TrainState
+__all__ = [
+    "CheckpointState",
+    "State",
+    "arrays",
+    "targets",
+    "unpadded",
+    "stored",
+    "with_arrays",
+    "check_leaves",
+    "leaf_name",
+]
 
-__all__ = ["arrays", "targets", "unpadded", "stored", "with_arrays", "check_leaves", "leaf_name"]
+
+@runtime_checkable
+class CheckpointState(Protocol):
+    """What checkpoints read of a :class:`~spmdcomm.TrainState`: its arrays, its layout on the mesh (strategy,
+    padded leaves, pipeline order) and ``replace``. ``isinstance`` checks that every attribute is there."""
+
+    @property
+    def step(self) -> Any: ...
+    @property
+    def params(self) -> Any: ...
+    @property
+    def opt_state(self) -> Any: ...
+    @property
+    def model_state(self) -> Any: ...
+    @property
+    def rng(self) -> Any: ...
+    @property
+    def loss_scale(self) -> Any: ...
+    @property
+    def mesh(self) -> Any: ...
+    @property
+    def strategy(self) -> Any: ...
+    @property
+    def layout(self) -> Any: ...
+    @property
+    def pipeline(self) -> Any: ...
+    @property
+    def data_size(self) -> int: ...
+    def replace(self, **updates: Any) -> Any: ...
 
 
-def arrays(state: TrainState) -> dict[str, Any]:
+State = TypeVar("State", bound=CheckpointState)
+
+
+def arrays(state: CheckpointState) -> dict[str, Any]:
     arrays = {
         "step": state.step,
         "params": state.params,
@@ -31,7 +74,7 @@ def arrays(state: TrainState) -> dict[str, Any]:
     return arrays
 
 
-def targets(state: TrainState) -> dict[str, Any]:
+def targets(state: CheckpointState) -> dict[str, Any]:
     """What :func:`arrays` of ``state``'s unpadded form holds, as ``jax.ShapeDtypeStruct`` s with shardings: the
     leaves a checkpoint of this template must hold, and the shardings they are read into."""
     targets = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), arrays(state))
@@ -48,7 +91,7 @@ def targets(state: TrainState) -> dict[str, Any]:
     return targets
 
 
-def unpadded(state: TrainState) -> TrainState:
+def unpadded(state: State) -> State:
     """``state`` with its padded leaves (spmdcomm.parallel.data.layout) at their own shapes, whole over the data axes,
     and a pipeline's stacked layers in canonical order: what a checkpoint holds, so that it restores onto any device
     count, strategy and pipeline layout."""
@@ -65,7 +108,7 @@ def unpadded(state: TrainState) -> TrainState:
     return state.replace(params=params, opt_state=opt_state)
 
 
-def stored(state: TrainState) -> TrainState:
+def stored(state: State) -> State:
     """The inverse of :func:`unpadded`: ``state``'s leaves padded, ordered and placed as its layout stores them."""
     layout, mesh = state.layout, state.mesh
     if not layout.pads and not _reordered(state):
@@ -80,18 +123,18 @@ def stored(state: TrainState) -> TrainState:
     return state.replace(params=params, opt_state=opt_state)
 
 
-def _reordered(state: TrainState) -> bool:
+def _reordered(state: CheckpointState) -> bool:
     return state.pipeline is not None and state.pipeline.repeats > 1
 
 
-def _layers(state: TrainState, tree: Any, which: str, *, to_stage: bool) -> Any:
+def _layers(state: CheckpointState, tree: Any, which: str, *, to_stage: bool) -> Any:
     pipeline = state.pipeline
     if pipeline is None:
         return tree
     return pipeline.reorder(tree, state.layout.stacked_over(pipeline.axis, which), state.mesh, to_stage=to_stage)
 
 
-def with_arrays(state: TrainState, arrays: dict[str, Any]) -> TrainState:
+def with_arrays(state: State, arrays: dict[str, Any]) -> State:
     """``state`` with the arrays :func:`arrays` listed replaced by ``arrays``."""
     arrays = dict(arrays)
     if "loss_scale" in arrays:
@@ -99,7 +142,7 @@ def with_arrays(state: TrainState, arrays: dict[str, Any]) -> TrainState:
     return state.replace(**arrays)
 
 
-def check_leaves(directory: str | os.PathLike[str], step: int, saved: Any, state: TrainState) -> None:
+def check_leaves(directory: str | os.PathLike[str], step: int, saved: Any, state: CheckpointState) -> None:
     """Raises unless the checkpoint holds exactly the template's leaves, with the same shapes and dtypes."""
     stored = {m.name: m for m in jax.tree.leaves(dict(saved)) if hasattr(m, "shape")}
     wanted = {leaf_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(targets(state))[0]}

@@ -44,19 +44,25 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal, overload
 
 import jax
 
-from spmdcomm.checkpoint._arrays import arrays, check_leaves, stored, targets, unpadded, with_arrays
+from spmdcomm.checkpoint._arrays import (
+    CheckpointState,
+    State,
+    arrays,
+    check_leaves,
+    stored,
+    targets,
+    unpadded,
+    with_arrays,
+)
 from spmdcomm.checkpoint._async import CheckpointSave, started, wait_for_save_in_flight
 from spmdcomm.checkpoint._choice import chosen_step, make_room
 from spmdcomm.checkpoint._disk import innermost
 from spmdcomm.errors import CheckpointDamagedWarning, SpmdError, check_not_deleted, describe
 from spmdcomm.parallel.data.strategies import BY_NAME
-
-if TYPE_CHECKING:  # fit imports this module: the state's class is imported where a state is checked
-    from spmdcomm.train.state import TrainState
 
 __all__ = [
     "save_checkpoint",
@@ -70,7 +76,7 @@ __all__ = [
 @overload
 def save_checkpoint(
     directory: str | os.PathLike[str],
-    state: TrainState,
+    state: CheckpointState,
     *,
     step: int | None = ...,
     max_to_keep: int | None = ...,
@@ -80,7 +86,7 @@ def save_checkpoint(
 @overload
 def save_checkpoint(
     directory: str | os.PathLike[str],
-    state: TrainState,
+    state: CheckpointState,
     *,
     step: int | None = ...,
     max_to_keep: int | None = ...,
@@ -89,7 +95,7 @@ def save_checkpoint(
 ) -> CheckpointSave: ...
 def save_checkpoint(
     directory: str | os.PathLike[str],
-    state: TrainState,
+    state: CheckpointState,
     *,
     step: int | None = None,
     max_to_keep: int | None = None,
@@ -159,11 +165,11 @@ def save_checkpoint(
 
 def restore_checkpoint(
     directory: str | os.PathLike[str],
-    state: TrainState,
+    state: State,
     *,
     step: int | None = None,
     missing_ok: bool = False,
-) -> TrainState:
+) -> State:
     """Returns ``state`` with every array replaced by checkpoint ``step``'s (default: the newest intact one).
 
     A checkpoint of another strategy or axis size is read into the template's shardings (see the module
@@ -320,9 +326,8 @@ def _json_dict(fn: str, extra: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _check_state(fn: str, state: Any) -> None:
-    from spmdcomm.train.state import TrainState
-
-    if not isinstance(state, TrainState):
+    # Duck-typed: this layer sits below spmdcomm.train, whose TrainState has every attribute checkpoints read.
+    if not isinstance(state, CheckpointState):
         raise SpmdError(
             describe(
                 fn,
@@ -332,7 +337,7 @@ def _check_state(fn: str, state: Any) -> None:
         )
 
 
-def _layout_of(state: TrainState) -> dict[str, Any]:
+def _layout_of(state: CheckpointState) -> dict[str, Any]:
     """What a checkpoint records of its state's layout: the format (2: the model's tree under every strategy),
     the strategy and the size of the axis its leaves were split over."""
     return {"format": _FORMAT, "strategy": state.strategy.name, "shards": state.data_size}

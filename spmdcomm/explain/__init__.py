@@ -1,4 +1,4 @@
-"""Layer 8, explain: what a compiled step communicates, how much device memory it holds and how much work it does,
+"""Layer 10, explain: what a compiled step communicates, how much device memory it holds and how much work it does,
 without running it."""
 
 from spmdcomm.explain.flops import Conditional, Work, model_flops

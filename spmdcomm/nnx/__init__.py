@@ -1,4 +1,4 @@
-"""Layer 7, Flax NNX: ``nnx_loss_fn``/``nnx_metric_fn`` adapters, ``SyncBatchNorm``, ``PipelineStack`` and ``MoE``;
+"""Layer 9, Flax NNX: ``nnx_loss_fn``/``nnx_metric_fn`` adapters, ``SyncBatchNorm``, ``PipelineStack`` and ``MoE``;
 loads ``flax.nnx`` on use."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Layer 6, training: the train state, strategies (DDP, ZeRO, FSDP), train and eval steps, fit, checkpoints."""
+"""Layer 8, training: the train state, strategies (DDP, ZeRO, FSDP), train and eval steps, fit; the checkpoint functions
+of ``spmdcomm.checkpoint`` (the layer below), re-exported."""
 
 from spmdcomm.checkpoint.checkpoint import (
     CheckpointDamagedWarning,
