@@ -4,11 +4,14 @@ the next save, by its handle, at exit) while the previous complete checkpoint st
 
 A save is held in flight (or made to fail) at orbax's final rename of its temporary directory, as
 tests/workers/resume_job.py's ``--hang-at rename`` does. ``fit(..., async_save=True)`` resuming bitwise is in
-tests/test_resume.py and tests/test_recovery.py."""
+tests/test_resume.py and tests/test_recovery.py. In a job of two processes (tests/workers/mp_async_save.py), a
+background save that fails on one process is raised on both at once, naming that process, and a process that does
+not finish is named by the other one's error when the save's timeout passes."""
 
 from __future__ import annotations
 
 import errno
+import re
 import subprocess
 import sys
 import threading
@@ -17,6 +20,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from timing import LATE_S
 
 import spmdcomm as sc
 from spmdcomm.checkpoint import CheckpointSave, _async
@@ -119,6 +123,32 @@ def test_a_failed_background_save_is_raised_and_the_previous_checkpoint_stays_th
     assert host(sc.restore_checkpoint(tmp_path, state_of(0.0))) == host(state_of(2.0))
 
 
+@pytest.mark.parametrize(
+    ("timeout", "asynchronous", "problem"),
+    [
+        (5, False, "bounds the background part of asynchronous saves, and asynchronous is False"),
+        (0, True, "must be a number of seconds > 0"),
+        (True, True, "must be a number of seconds > 0"),
+    ],
+)
+def test_a_background_save_takes_a_timeout_of_seconds(tmp_path, timeout, asynchronous, problem):
+    state = state_of(1.0)
+    with pytest.raises(sc.SpmdError, match=rf"^spmdcomm\.save_checkpoint: timeout={timeout} {problem}\. Fix: "):
+        sc.save_checkpoint(tmp_path, state, step=1, asynchronous=asynchronous, timeout=timeout)
+    data = sc.IteratorLoader([np.zeros(2, np.float32)], resume="skip")
+    with pytest.raises(
+        sc.SpmdError,
+        match=rf"^spmdcomm\.fit: save_timeout={timeout} {problem.replace('asynchronous is', 'async_save is')}",
+    ):
+        sc.fit(None, state, data, checkpoint_dir=tmp_path, async_save=asynchronous, save_timeout=timeout)
+    with pytest.raises(
+        sc.SpmdError, match="save_every, max_to_keep, async_save and save_timeout need a checkpoint_dir"
+    ):
+        sc.fit(None, state, data, save_timeout=timeout)
+    assert list(tmp_path.iterdir()) == []
+    assert sc.save_checkpoint(tmp_path, state, step=1, asynchronous=True, timeout=30).wait() == 1
+
+
 EXITING = """
 import sys
 import jax
@@ -137,3 +167,51 @@ def test_a_process_that_exits_with_a_save_in_flight_completes_it_first(tmp_path)
     )
     assert out.returncode == 0 and "RETURNED" in out.stdout, out.stderr
     assert sc.latest_checkpoint_step(tmp_path / "ckpt") == 7, out.stderr
+
+
+STALL_TIMEOUT = 4.0  # seconds: the timeout of the save that a stalled process does not finish
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_background_save_that_fails_on_one_process_is_raised_on_every_process_within_its_timeout(launch, tmp_path):
+    root = tmp_path / "ckpt"
+    out = launch("mp_async_save.py", root, STALL_TIMEOUT, timeout=120).stdout
+    saves = {
+        (int(rank), int(step)): (float(seconds), outcome)
+        for rank, step, seconds, outcome in re.findall(r"^\[rank (\d)\] SAVE (\d) ([\d.]+) (.*)$", out, re.M)
+    }
+    latest = [int(s) for s in re.findall(r"^\[rank 0\] LATEST (\d+)$", out, re.M)]
+    assert sorted(saves) == [(r, s) for r in (0, 1) for s in range(1, 6)] and latest == [1, 1, 1, 1, 5], out
+
+    def failed(step: int, what: str, rank: int) -> str:
+        return (
+            f"CAUGHT spmdcomm.save_checkpoint: the asynchronous save of checkpoint {step} in {str(root)!r} {what} "
+            f"(seen on process {rank}). The checkpoint is not complete: the previous complete checkpoint stays the "
+            "latest"
+        )
+
+    full = "OSError: [Errno 28] No space left on device"
+    for rank in (0, 1):
+        assert saves[rank, 1][1] == saves[rank, 5][1] == "OK", out
+        # One process's write (2), or process 0's rename (3), fails: both processes raise its error at once, not
+        # at the save's timeout (60 s) nor orbax's barrier's (20 minutes).
+        for step, culprit in ((2, 1), (3, 0)):
+            seconds, outcome = saves[rank, step]
+            assert outcome.startswith(failed(step, f"failed in the background on process {culprit}: {full}", rank))
+            assert seconds < LATE_S, out
+        # Process 1 stalls: process 0 raises at the timeout naming it; process 1 when its write ends.
+        late = (
+            f"did not complete within its timeout of {STALL_TIMEOUT:g} s: process(es) [1] had not finished it "
+            "(process 0 waited for them at orbax's barrier '_async_write_complete.4')"
+        )
+        seconds, outcome = saves[rank, 4]
+        if rank == 0:
+            assert outcome.startswith(failed(4, late, 0)), out
+            assert STALL_TIMEOUT <= seconds < STALL_TIMEOUT + LATE_S, out
+        else:
+            assert outcome.startswith(
+                f"CAUGHT spmdcomm.save_checkpoint: the asynchronous save of checkpoint 4 in "
+                f"{str(root)!r} {late}; failed in the background on process 1: TimeoutError"
+            ), out
+            assert STALL_TIMEOUT + 3 <= seconds < STALL_TIMEOUT + 3 + LATE_S, out

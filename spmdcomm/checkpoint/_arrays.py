@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from spmdcomm.errors import SpmdError, describe
+from spmdcomm.parallel.data.strategies import BY_NAME
 
 __all__ = [
     "CheckpointState",
@@ -25,6 +26,8 @@ __all__ = [
     "with_arrays",
     "check_leaves",
     "leaf_name",
+    "layout_of",
+    "check_format",
 ]
 
 
@@ -180,3 +183,30 @@ def leaf_name(path: tuple[Any, ...]) -> str:
                 parts.append(str(getattr(key, attr)))
                 break
     return ".".join(parts)
+
+
+def layout_of(state: CheckpointState) -> dict[str, Any]:
+    """What a checkpoint records of its state's layout: the format (2: the model's tree under every strategy),
+    the strategy and the size of the axis its leaves were split over."""
+    return {"format": FORMAT, "strategy": state.strategy.name, "shards": state.data_size}
+
+
+FORMAT = 2
+
+
+def check_format(directory: str | os.PathLike[str], step: int, saved: dict[str, Any]) -> None:
+    # spmdcomm 0.2 stored what a strategy splits (ZeRO's optimizer state, FSDP's parameters) as flat vectors keyed
+    # "<layer>/<dtype>": only the checkpoints of a strategy that split nothing hold the model's tree.
+    if saved.get("format", 1) >= FORMAT or "strategy" not in saved:
+        return
+    written = BY_NAME.get(saved["strategy"])
+    if written is None or written.shards_optimizer:
+        raise SpmdError(
+            describe(
+                "restore_checkpoint",
+                f"checkpoint {step} in {os.fspath(directory)!r} was saved by spmdcomm 0.2 with strategy "
+                f"{saved['strategy']!r}, whose flat-vector layout this version no longer reads.",
+                fix="restore it with spmdcomm 0.2 into a DDP template (strategy=spmdcomm.DDP()) and save it again; "
+                "DDP checkpoints of 0.2 restore here into any strategy.",
+            )
+        )

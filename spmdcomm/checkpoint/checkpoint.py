@@ -43,6 +43,7 @@ each one found, so that all of them use the same checkpoint even when their view
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Literal, overload
 
@@ -52,17 +53,26 @@ from spmdcomm.checkpoint._arrays import (
     CheckpointState,
     State,
     arrays,
+    check_format,
     check_leaves,
+    layout_of,
     stored,
     targets,
     unpadded,
     with_arrays,
 )
-from spmdcomm.checkpoint._async import CheckpointSave, started, wait_for_save_in_flight
+from spmdcomm.checkpoint._async import (
+    DEFAULT_SAVE_TIMEOUT,
+    CheckpointSave,
+    CommitBarrier,
+    checked_timeout,
+    started,
+    wait_for_save_in_flight,
+)
 from spmdcomm.checkpoint._choice import chosen_step, make_room
 from spmdcomm.checkpoint._disk import innermost
 from spmdcomm.errors import CheckpointDamagedWarning, SpmdError, check_not_deleted, describe
-from spmdcomm.parallel.data.strategies import BY_NAME
+from spmdcomm.runtime.process import process_count
 
 __all__ = [
     "save_checkpoint",
@@ -82,6 +92,7 @@ def save_checkpoint(
     max_to_keep: int | None = ...,
     extra: dict[str, Any] | None = ...,
     asynchronous: Literal[False] = ...,
+    timeout: None = ...,
 ) -> int: ...
 @overload
 def save_checkpoint(
@@ -92,6 +103,7 @@ def save_checkpoint(
     max_to_keep: int | None = ...,
     extra: dict[str, Any] | None = ...,
     asynchronous: Literal[True],
+    timeout: float | None = ...,
 ) -> CheckpointSave: ...
 def save_checkpoint(
     directory: str | os.PathLike[str],
@@ -101,6 +113,7 @@ def save_checkpoint(
     max_to_keep: int | None = None,
     extra: dict[str, Any] | None = None,
     asynchronous: bool = False,
+    timeout: float | None = None,
 ) -> int | CheckpointSave:
     """Saves ``state`` as checkpoint ``step`` (default ``state.step``) under ``directory``.
 
@@ -122,15 +135,24 @@ def save_checkpoint(
       asynchronous: ``True``: write in the background and return a handle (its ``wait()`` blocks until the
         checkpoint is complete and raises the background write's error; ``done()`` polls). The checkpoint becomes
         the latest only once complete: a failed save, or a process killed while it writes, leaves the previous
-        complete checkpoint the latest. ``False`` (default): return once the checkpoint is complete.
+        complete checkpoint the latest. ``False`` (default): return once the checkpoint is complete. In a job of
+        several processes a background save that fails on one process fails on every process: each one's
+        ``wait()`` raises, naming the failing process, as soon as its write raised (see ``timeout``).
+      timeout: with ``asynchronous=True``, the seconds the background save may take, on every process, from the
+        start of its write until the checkpoint is complete (default :data:`DEFAULT_SAVE_TIMEOUT`, 1200 s, orbax's
+        own). Once it passes, every process's ``wait()`` raises, naming the processes that had not finished (a
+        stalled disk, a process that stopped); a process that finishes later raises too, and process 0 does not
+        make the checkpoint complete. Only for asynchronous saves.
 
     Returns:
       The step saved; with ``asynchronous=True``, a :class:`~spmdcomm.checkpoint.CheckpointSave` of it.
 
     Raises:
       SpmdError: when ``state`` is not a :class:`~spmdcomm.TrainState`, ``extra`` is not a dict JSON stores
-        unchanged, an intact checkpoint of the same step is already there, or this process's previous asynchronous
-        save failed (naming its step, directory and cause; nothing is saved then).
+        unchanged, ``timeout`` is not a number of seconds > 0 or comes without ``asynchronous=True``, an intact
+        checkpoint of the same step is already there, or this process's previous asynchronous save failed (naming
+        its step, directory and cause, and in a job of several processes the process that failed or those that
+        were late; nothing is saved then).
       DeletedArrayError: when ``state`` was consumed by a donating step.
       ImportError: when orbax-checkpoint cannot be imported.
     """
@@ -146,18 +168,29 @@ def save_checkpoint(
     )
     step = int(jax.device_get(state.step)) if step is None else int(step)
     extra = _json_dict("save_checkpoint", extra)
+    limit = checked_timeout("save_checkpoint", timeout, asynchronous=asynchronous)
     wait_for_save_in_flight()  # at most one save in flight; its error is raised here, before anything is written
-    mgr = _manager("save_checkpoint", directory, writing=True, max_to_keep=max_to_keep, asynchronous=asynchronous)
+    # With several processes, the save's barriers: a failure on one process is raised on every one.
+    barrier = CommitBarrier(directory, step, limit) if asynchronous and process_count() > 1 else None
+    mgr = _manager(
+        "save_checkpoint",
+        directory,
+        writing=True,
+        max_to_keep=max_to_keep,
+        asynchronous=asynchronous,
+        timeout=limit,
+        barrier=barrier,
+    )
     try:
         make_room(directory, mgr, step)
-        args = ocp.args.StandardSave(arrays(unpadded(state)), custom_metadata=_layout_of(state))
+        args = ocp.args.StandardSave(arrays(unpadded(state)), custom_metadata=layout_of(state))
         # Orbax's save first waits for its removal of unfinished saves, so no thread of it outlives this block.
         mgr.save(step, args=args, custom_metadata=extra, force=True)
     except BaseException:
         mgr.close()
         raise
     if asynchronous:  # the handle closes the manager once the background write ends
-        return started(CheckpointSave(mgr, directory, step))
+        return started(CheckpointSave(mgr, directory, step, barrier))
     with mgr:
         mgr.wait_until_finished()
     return step
@@ -207,7 +240,7 @@ def restore_checkpoint(
         if step is None:
             return state
         saved = mgr.item_metadata(step)
-        _check_format(directory, step, saved.custom_metadata or {})
+        check_format(directory, step, saved.custom_metadata or {})
         check_leaves(directory, step, saved, state)
         # Each leaf is read straight into the template's sharding: every process reads only its blocks, whatever
         # strategy or device count wrote them.
@@ -274,16 +307,20 @@ def _manager(
     writing: bool = False,
     max_to_keep: int | None = None,
     asynchronous: bool = False,
+    timeout: float = DEFAULT_SAVE_TIMEOUT,
+    barrier: CommitBarrier | None = None,
 ) -> Any:
     """An orbax manager of ``directory``. Only a writing one creates the directory and removes unfinished saves
     (in a background thread, which its save waits for); a reading one starts no thread that outlives it. An
-    asynchronous one writes its save, renames it complete and removes old steps in a background thread."""
+    asynchronous one writes its save, renames it complete and removes old steps in a background thread, within
+    ``timeout`` seconds, meeting the other processes at ``barrier`` (``None``: orbax's barriers; one process)."""
     ocp = _orbax(fn)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=asynchronous,
         cleanup_tmp_directories=writing,
         create=writing,
+        async_options=ocp.AsyncOptions(timeout_secs=max(1, math.ceil(timeout)), barrier_sync_fn=barrier),
     )
     return ocp.CheckpointManager(
         os.path.abspath(os.fspath(directory)), options=options, item_handlers=ocp.StandardCheckpointHandler()
@@ -333,32 +370,5 @@ def _check_state(fn: str, state: Any) -> None:
                 fn,
                 f"state is a {type(state).__name__}, not a TrainState.",
                 fix="pass the TrainState (for restore: a template built the same way).",
-            )
-        )
-
-
-def _layout_of(state: CheckpointState) -> dict[str, Any]:
-    """What a checkpoint records of its state's layout: the format (2: the model's tree under every strategy),
-    the strategy and the size of the axis its leaves were split over."""
-    return {"format": _FORMAT, "strategy": state.strategy.name, "shards": state.data_size}
-
-
-_FORMAT = 2
-
-
-def _check_format(directory: str | os.PathLike[str], step: int, saved: dict[str, Any]) -> None:
-    # spmdcomm 0.2 stored what a strategy splits (ZeRO's optimizer state, FSDP's parameters) as flat vectors keyed
-    # "<layer>/<dtype>": only the checkpoints of a strategy that split nothing hold the model's tree.
-    if saved.get("format", 1) >= _FORMAT or "strategy" not in saved:
-        return
-    written = BY_NAME.get(saved["strategy"])
-    if written is None or written.shards_optimizer:
-        raise SpmdError(
-            describe(
-                "restore_checkpoint",
-                f"checkpoint {step} in {os.fspath(directory)!r} was saved by spmdcomm 0.2 with strategy "
-                f"{saved['strategy']!r}, whose flat-vector layout this version no longer reads.",
-                fix="restore it with spmdcomm 0.2 into a DDP template (strategy=spmdcomm.DDP()) and save it again; "
-                "DDP checkpoints of 0.2 restore here into any strategy.",
             )
         )

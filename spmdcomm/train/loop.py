@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from spmdcomm.checkpoint._async import CheckpointSave
+from spmdcomm.checkpoint._async import CheckpointSave, checked_timeout
 from spmdcomm.checkpoint.checkpoint import checkpoint_extra, latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from spmdcomm.data.iterators import IteratorLoader, as_resumable, restore_position, saved_position
 from spmdcomm.errors import SpmdError, describe
@@ -41,6 +41,7 @@ def fit(
     save_every: int | None = None,
     max_to_keep: int | None = None,
     async_save: bool = False,
+    save_timeout: float | None = None,
     watchdog_timeout: float | None = None,
     watchdog_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
     watchdog_first_step_timeout: float | None = None,
@@ -99,6 +100,10 @@ def fit(
       async_save: ``True``: a save blocks the loop only while the state is copied to host memory, and writes in
         the background (at most one save in flight: the next save first waits for it); ``"time/save"`` then counts
         that copy and any wait. ``False`` (default): each save blocks until complete. Needs ``checkpoint_dir``.
+      save_timeout: with ``async_save``, the seconds each background save may take on every process
+        (``save_checkpoint(..., timeout=)``; default 1200 s). In a job of several processes, a save that fails on
+        one process is raised on every process (by the next save or at the end), naming that process, at once when
+        its write raised and after ``save_timeout`` when a process does not finish.
       watchdog_timeout: seconds; starts a :class:`spmdcomm.Watchdog`: when a step takes longer, compilation left
         out, every process prints one table naming the stuck process(es), what each process was doing and for
         how long, and exits with status :data:`spmdcomm.STUCK_EXIT_CODE` (75), so that ``spmdcomm-launch
@@ -150,15 +155,20 @@ def fit(
     checkpoints = None
     if checkpoint_dir is not None:
         checkpoints = _Checkpoints(
-            checkpoint_dir, data, save_every=save_every, max_to_keep=max_to_keep, asynchronous=async_save
+            checkpoint_dir,
+            data,
+            save_every=save_every,
+            max_to_keep=max_to_keep,
+            asynchronous=async_save,
+            timeout=save_timeout,
         )
         data = checkpoints.data  # a Grain source, wrapped to save its iterator's state
         state = checkpoints.resume(state)
-    elif save_every is not None or max_to_keep is not None or async_save:
+    elif save_every is not None or max_to_keep is not None or async_save or save_timeout is not None:
         raise SpmdError(
             describe(
                 "fit",
-                "save_every, max_to_keep and async_save need a checkpoint_dir.",
+                "save_every, max_to_keep, async_save and save_timeout need a checkpoint_dir.",
                 fix="pass checkpoint_dir=<a directory every process can reach>, or leave them out.",
             )
         )
@@ -295,7 +305,7 @@ class _Checkpoints:
     """``fit``'s checkpoints: what to restore at the start, when to save, and the data position saved with each."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], data: Any, *, save_every: Any, max_to_keep: Any, asynchronous: Any
+        self, directory: Any, data: Any, *, save_every: Any, max_to_keep: Any, asynchronous: Any, timeout: Any
     ):
         resumable = as_resumable(data)
         if resumable is None or (isinstance(resumable, IteratorLoader) and not resumable.resumable):
@@ -319,6 +329,7 @@ class _Checkpoints:
         self.data = resumable
         if not isinstance(asynchronous, bool):
             raise SpmdError(describe("fit", f"async_save={asynchronous!r} is not a bool.", fix="pass True or False."))
+        self.timeout = checked_timeout("fit", timeout, asynchronous=asynchronous, names=("save_timeout", "async_save"))
         self.save_every = save_every
         self.max_to_keep = max_to_keep
         self.asynchronous = asynchronous
@@ -361,7 +372,9 @@ class _Checkpoints:
         extra = {"data": saved_position(self.data)}
         self.in_flight = None  # save_checkpoint waits for it, and raises its error
         if self.asynchronous:
-            self.in_flight = save_checkpoint(self.directory, state, **options, extra=extra, asynchronous=True)
+            self.in_flight = save_checkpoint(
+                self.directory, state, **options, extra=extra, asynchronous=True, timeout=self.timeout
+            )
         else:
             save_checkpoint(self.directory, state, **options, extra=extra)
         self.saved_last = True
