@@ -1,6 +1,8 @@
 """Pipelines that are not sc.Loader: a Grain DataLoader or dataset given to fit resumes mid-epoch bitwise (its
 iterator state saved in the checkpoint), Grain's ShardOptions split the data between processes, and any other
-iterable resumes only as sc.IteratorLoader documents (resume="skip"), or fit refuses it.
+iterable resumes only as sc.IteratorLoader documents (resume="skip"), or fit refuses it. In a job of two processes
+(tests/workers/grain_job.py), stopped after a checkpoint and restarted by the launcher, each process resumes its
+own shard from its own iterator state.
 
 One tiny linear model on 2 devices, compiled once for the file."""
 
@@ -224,3 +226,39 @@ def test_spmdcomm_never_imports_grain():
     """Grain is an optional extra: fit recognises its iterators by their get_state / set_state alone."""
     root = Path(sc.__file__).parent
     assert not [p for p in root.rglob("*.py") if re.search(r"^\s*(import|from)\s+grain\b", p.read_text(), re.M)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_job_of_two_processes_stopped_and_restarted_resumes_each_process_from_its_own_grain_state(launch, tmp_path):
+    """Each process reads its own shard (a DataLoader sharded by ShardByJaxProcess; a dataset sliced by process
+    index and filtered differently on each, so that the two iterators stand at different positions). The job saves at
+    step 3, stops at step 6 and is restarted: every process's batches and final parameters equal the uninterrupted
+    run's."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    res = launch("grain_job.py", out, ckpt, max_restarts=1, timeout=120)
+    assert "exited with status 3" in res.stderr and "restart 1 of 1" in res.stderr, res.stderr
+    saved, steps = 3, 8
+    for name in ("loader", "dataset"):
+        positions = sc.checkpoint_extra(ckpt / name, step=saved)["data"]["processes"]
+        assert [p["batches"] for p in positions] == [saved, saved], positions
+        assert positions[0]["iterator"] != positions[1]["iterator"], positions  # one state per process
+        assert sc.latest_checkpoint_step(ckpt / name) == steps
+        shards = []
+        for rank in (0, 1):
+            straight, first, resumed = (
+                arrays(out / f"{name}-{run}-{rank}.npz") for run in ("straight", "first", "resumed")
+            )
+            assert (len(straight["batches"]), len(first["batches"]), len(resumed["batches"])) == (steps, 5, 5)
+            together = np.concatenate([first["batches"][:saved], resumed["batches"]])
+            assert together.tobytes() == straight["batches"].tobytes(), (name, rank)
+            for leaf in ("w", "b"):
+                assert resumed[leaf].tobytes() == straight[leaf].tobytes(), (name, rank, leaf)
+            shards.append(set(straight["batches"][..., 0].astype(int).ravel().tolist()))
+        assert not shards[0] & shards[1], name  # each process read its own examples
+
+
+def arrays(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as saved:
+        return dict(saved)
