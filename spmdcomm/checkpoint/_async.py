@@ -193,18 +193,16 @@ class CommitBarrier:
         self._over = False  # this process has raised or recorded an error: the later barriers do not wait
 
     def __call__(self, *, key: str, timeout_ms: int) -> None:
-        client = coordination_client("save_checkpoint")
         failing = sys.exc_info()[1]
+        if failing is not None and threading.current_thread() is not self._caller:
+            # One of orbax's threads, handling this save's error: this process's background save failed.
+            self.fail(failing)
         with self._lock:
             if self._over:
                 return
-            if failing is not None and threading.current_thread() is not self._caller:
-                # One of orbax's threads, handling this save's error: this process's background save failed.
-                self._over = True
-                self._record(client, {"error": innermost(failing)})
-                return
             n = self._calls[key]
             self._calls[key] += 1
+        client = coordination_client("save_checkpoint")
         base = f"{self.prefix}barrier/{key.replace('/', '|')}/{n}/"
         me, count = process_index(), process_count()
         client.key_value_set(f"{base}arrived/{me}", "")
@@ -235,6 +233,15 @@ class CommitBarrier:
             self._over = True
         self.raised = self.error(failed)
         raise self.raised
+
+    def fail(self, e: BaseException) -> None:
+        """Records that this process's save failed with ``e`` (unless it has raised or recorded an error already):
+        the processes waiting at a barrier of the save raise it, and this process's later barriers do not wait."""
+        with self._lock:
+            if self._over:
+                return
+            self._over = True
+        self._record(coordination_client("save_checkpoint"), {"error": innermost(e)})
 
     def failed_here(self, e: BaseException) -> SpmdError:
         """The error of this process, whose background save raised ``e``: ``e``, and what the other processes

@@ -186,7 +186,9 @@ def save_checkpoint(
         args = ocp.args.StandardSave(arrays(unpadded(state)), custom_metadata=layout_of(state))
         # Orbax's save first waits for its removal of unfinished saves, so no thread of it outlives this block.
         mgr.save(step, args=args, custom_metadata=extra, force=True)
-    except BaseException:
+    except BaseException as e:
+        if barrier is not None:  # the other processes' background saves wait for this one's: they raise instead
+            barrier.fail(e)
         mgr.close()
         raise
     if asynchronous:  # the handle closes the manager once the background write ends
