@@ -314,9 +314,13 @@ def test_fit_refuses_what_it_cannot_resume(tmp_path, step):
     batches = list(job.loader(mesh(), prefetch=0))[:2]
     with pytest.raises(sc.SpmdError, match=r"fit: data is a list, which cannot resume.*sc\.Loader\(dataset, sampler"):
         sc.fit(step, state, batches, checkpoint_dir=tmp_path)
-    with pytest.raises(sc.SpmdError, match=r"fit: save_every, max_to_keep and async_save need a checkpoint_dir"):
+    with pytest.raises(
+        sc.SpmdError, match=r"fit: save_every, max_to_keep, async_save and save_timeout need a checkpoint_dir"
+    ):
         sc.fit(step, state, batches, save_every=2)
-    with pytest.raises(sc.SpmdError, match=r"fit: save_every, max_to_keep and async_save need a checkpoint_dir"):
+    with pytest.raises(
+        sc.SpmdError, match=r"fit: save_every, max_to_keep, async_save and save_timeout need a checkpoint_dir"
+    ):
         sc.fit(step, state, batches, async_save=True)
     for bad in (0, True, 1.5):
         with pytest.raises(sc.SpmdError, match=rf"fit: save_every={bad!r} must be a positive int or None"):
