@@ -1,5 +1,12 @@
-"""The blockwise math of the context-parallel attention kernels (:mod:`spmdcomm.train.attention`): the mask of a
-pair of blocks, float32 softmax attention of whole sequences, and the ring's custom VJP.
+"""The blockwise math of the context-parallel attention kernels (:mod:`spmdcomm.collectives.attention`): the mask of
+a pair of blocks, float32 softmax attention of whole sequences, and the ring's derivative.
+
+The ring's derivative is a custom JVP whose tangent is a linear function with a transpose of its own
+(``linear_call``): forward mode (``jax.jvp``, ``jax.linearize``) runs :func:`_ring_tangent`, one more ring that
+carries the tangents of the key/value blocks with them; reverse mode transposes it into :func:`_ring_transpose`,
+which runs the ring again, recomputing each block's probabilities from the saved log-sum-exp. Either way one
+``t x t`` block of scores per head is live at a time, and the forward pass saves only ``q``, ``k``, ``v``, the output
+and the log-sum-exp (a ``jax.custom_vjp`` would do the same for ``jax.grad`` but refuses ``jax.jvp``).
 
 Shapes: ``q`` ``[b, t, h, d]``, ``k`` and ``v`` ``[b, s, h_kv, d]``; inside, queries are grouped ``[b, t, h_kv, g,
 d]`` (``g = h / h_kv``) and scores are ``[b, h_kv, g, t, s]`` in float32, -inf where the mask hides a key, so that
@@ -17,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from spmdcomm._jax_compat import varying_axes
+from spmdcomm._jax_compat import linear_call, varying_axes
 from spmdcomm.errors import ShapeError, SpmdError, describe
 
 __all__ = ["Side", "attend", "mask", "ring", "ring_forward", "sides"]
@@ -27,9 +34,9 @@ __all__ = ["Side", "attend", "mask", "ring", "ring_forward", "sides"]
 Side = tuple[jax.Array, jax.Array | None, jax.Array | None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def ring(axis: str, causal: bool, q: jax.Array, k: jax.Array, v: jax.Array, qside: Side, kside: Side) -> jax.Array:
-    """Ring attention's output (:func:`ring_forward`); its VJP (:func:`_ring_bwd`) runs the ring again."""
+    """Ring attention's output (:func:`ring_forward`); its derivative (:func:`_ring_jvp`) runs the ring again."""
     return ring_forward(axis, causal, q, k, v, qside, kside)[0]
 
 
@@ -138,14 +145,58 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.
 # --------------------------------------------------------------------------------------------------
 
 
-def _ring_fwd(axis: str, causal: bool, q: Any, k: Any, v: Any, qside: Side, kside: Side) -> tuple[Any, Any]:
+def _ring_jvp(axis: str, causal: bool, primals: Any, tangents: Any) -> tuple[jax.Array, jax.Array]:
+    """The output, and its tangent: :func:`_ring_tangent` in forward mode, transposed into :func:`_ring_transpose`
+    in reverse mode. Only the tangents that are not symbolic zeros are the linear function's inputs (a derivative in
+    ``q`` alone transposes to ``dq`` alone); those of the positions, segments and padding (integers) are ignored."""
+    q, k, v, qside, kside = primals
     out, lse = ring_forward(axis, causal, q, k, v, qside, kside)
-    return out, (q, k, v, qside, kside, out, lse)
+    moving = tuple(not isinstance(t, jax.custom_derivatives.SymbolicZero) for t in tangents[:3])
+    if not any(moving):
+        return out, jnp.zeros_like(out)
+    res = (q, k, v, qside, kside, out, lse)
+    tangent = functools.partial(_ring_tangent, axis, causal, moving)
+    transpose = functools.partial(_ring_transpose, axis, causal, moving)
+    return out, linear_call(tangent, transpose, res, tuple(t for t, m in zip(tangents, moving) if m))
 
 
-def _ring_bwd(axis: str, causal: bool, res: Any, dout: jax.Array) -> tuple[Any, ...]:
-    """``(dq, dk, dv, None, None)``: the ring once more, each block's probabilities recomputed from the saved
-    log-sum-exp, ``dk``/``dv`` travelling with their blocks (one block in memory at a time)."""
+ring.defjvp(_ring_jvp, symbolic_zeros=True)
+
+
+def _ring_tangent(axis: str, causal: bool, moving: tuple[bool, ...], res: Any, tangents: Any) -> jax.Array:
+    """The output's tangent, linear in ``(dq, dk, dv)``: with ``p`` each block's probabilities and ``ds`` the tangent
+    of its scores, ``dO = sum_blocks (p * ds) v + p dv - (sum_blocks rowsum(p * ds)) O``; the ring once more, ``dk``
+    and ``dv`` travelling with their blocks."""
+    q, k, v, qside, kside, out, lse = res
+    given = iter(tangents)
+    dq, dk, dv = (next(given) if m else jnp.zeros_like(x) for m, x in zip(moving, (q, k, v)))
+    b, t, h, d = q.shape
+    qg, dqg, og = (_grouped(x, k.shape[2]).astype(jnp.float32) for x in (q, dq, out))
+    vary = functools.partial(_vary, axes=_axes(axis, q, k, v, qside, kside, dq, dk, dv))
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]  # rows with no visible key: every p below is 0
+    scale = 1.0 / np.sqrt(d)
+
+    def step(state: Any, block: Any) -> Any:
+        acc, rows = state
+        kb, vb, ks, dkb, dvb = block
+        p = jnp.exp(_scores(qg, kb, mask(qside, ks, causal)) - lse)
+        ds = jnp.einsum("bqkgd,bskd->bkgqs", dqg, kb.astype(jnp.float32)) + jnp.einsum(
+            "bqkgd,bskd->bkgqs", qg, dkb.astype(jnp.float32)
+        )
+        pds = p * ds * scale
+        acc = acc + jnp.einsum("bkgqs,bskd->bqkgd", pds, vb.astype(jnp.float32))
+        acc = acc + jnp.einsum("bkgqs,bskd->bqkgd", p, dvb.astype(jnp.float32))
+        return (acc, rows + jnp.einsum("bkgqs->bqkg", pds)), block
+
+    start = vary((jnp.zeros(qg.shape), jnp.zeros(qg.shape[:-1])))
+    (acc, rows), _ = _around(step, start, vary((k, v, kside, dk, dv)), axis)
+    return (acc - rows[..., None] * og).reshape(b, t, h, d).astype(q.dtype)
+
+
+def _ring_transpose(axis: str, causal: bool, moving: tuple[bool, ...], res: Any, dout: jax.Array) -> tuple:
+    """The cotangents of ``(dq, dk, dv)`` (those that ``moving`` marks): the ring once more, each block's
+    probabilities recomputed from the saved log-sum-exp, ``dk``/``dv`` travelling with their blocks (one block in
+    memory at a time)."""
     q, k, v, qside, kside, out, lse = res
     qg = _grouped(q, k.shape[2]).astype(jnp.float32)
     do = _grouped(dout, k.shape[2]).astype(jnp.float32)
@@ -167,11 +218,8 @@ def _ring_bwd(axis: str, causal: bool, res: Any, dout: jax.Array) -> tuple[Any, 
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
     dq, block = _around(step, vary(zeros(qg)), vary((k, v, kside, zeros(k), zeros(v))), axis)
     dk, dv = _shift(block[3:], axis)  # block j's gradients are on device j - 1: one hop home
-    grads = (dq.reshape(q.shape), dk, dv)
-    return tuple(_cotangent(g, x) for g, x in zip(grads, (q, k, v))) + (None, None)
-
-
-ring.defvjp(_ring_fwd, _ring_bwd)
+    grads = zip((dq.reshape(q.shape), dk, dv), (q, k, v), moving)
+    return tuple(_cotangent(g, x) for g, x, m in grads if m)
 
 
 def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:

@@ -7,7 +7,7 @@ the whole sequence (to float round-off): softmax over the visible keys scaled by
 float32, zeros for a query that sees no key (in the output and every derivative, never NaN).
 
 - :func:`ring_attention`: the key/value blocks travel around the axis (``n - 1`` ``ppermute`` hops) while each device
-  merges blockwise results with a running log-sum-exp (online softmax). Any head count. Its custom VJP keeps only
+  merges blockwise results with a running log-sum-exp (online softmax). Any head count. Its derivative keeps only
   ``q``, ``k``, ``v``, the output and the log-sum-exp and runs the ring again, so memory holds one ``t x t`` block
   of scores per head at a time, at every ``n``.
 - :func:`all_to_all_attention` (DeepSpeed Ulysses): one ``all_to_all`` swaps the split from the tokens to the heads,
@@ -22,9 +22,12 @@ is built from the global positions of the tokens (:func:`sequence_positions`), n
 ``segment_ids`` (packed sequences: a query sees only keys of its segment). Grouped-query attention: ``k`` and ``v``
 may have fewer heads than ``q``; query head ``j`` reads KV head ``j // (h / h_kv)``.
 
-Derivatives: both differentiate in ``q``, ``k`` and ``v`` (``jax.grad``, ``jax.vjp``; ``jax.jvp`` for the
-all-to-all), under ``jax.jit``, ``jax.vmap`` and ``jax.checkpoint``, inside :func:`spmdcomm.spmd` and raw
-``jax.shard_map``. The train step's ``sc.context_attention`` calls these same functions.
+Derivatives: both differentiate in ``q``, ``k`` and ``v`` in reverse and forward mode (``jax.grad``, ``jax.vjp``,
+``jax.jvp``, ``jax.linearize``, and second derivatives), under ``jax.jit``, ``jax.vmap`` and ``jax.checkpoint``,
+inside :func:`spmdcomm.spmd` and raw ``jax.shard_map``. The ring's derivative is a custom JVP whose linear part
+has a transpose of its own (``jax.custom_derivatives.linear_call``): forward mode runs one more ring carrying the
+tangents, reverse mode runs the ring again from the saved log-sum-exp. The train step's ``sc.context_attention``
+calls these same functions.
 """
 
 from __future__ import annotations
@@ -63,9 +66,10 @@ def ring_attention(
     Step ``s`` attends this device's queries to the block of device ``i - s`` and merges it into float32 running
     statistics (row maximum, denominator, weighted values); between steps every key/value block, with its
     positions, segments and padding, moves one device on: ``n - 1`` ``ppermute`` hops of ``k`` and ``v``. The
-    backward pass (a custom VJP) runs the ring again, recomputing each block's probabilities from the saved
-    log-sum-exp; the ``dk``/``dv`` accumulators travel with their blocks and take one more hop home (``n`` hops).
-    Memory: one ``t x t`` block of scores per head at a time, at every ``n``. Any number of heads.
+    backward pass runs the ring again, recomputing each block's probabilities from the saved log-sum-exp; the
+    ``dk``/``dv`` accumulators travel with their blocks and take one more hop home (``n`` hops). Forward mode
+    (``jax.jvp``, ``jax.linearize``) runs one more ring, the tangents of ``k`` and ``v`` travelling with their
+    blocks. Memory: one ``t x t`` block of scores per head at a time, at every ``n``. Any number of heads.
 
     Args:
       q: ``[b, t, h, d]``, this device's queries (``t = T / n`` tokens of every sequence).
