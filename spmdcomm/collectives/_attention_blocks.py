@@ -29,9 +29,9 @@ from spmdcomm.errors import ShapeError, SpmdError, describe
 
 __all__ = ["Side", "attend", "mask", "ring", "ring_forward", "sides"]
 
-#: Per-token side information of one side of the attention: positions ``[B, t]`` (``B`` 1 or the batch), segment ids
-#: ``[B, t]`` or None, and (keys only) validity ``[B, t]`` or None.
-Side = tuple[jax.Array, jax.Array | None, jax.Array | None]
+#: Per-token side information of one side of the attention: positions ``[B, t]`` (``B`` 1 or the batch; None only for
+#: keys that no causal mask reads), segment ids ``[B, t]`` or None, and (keys only) validity ``[B, t]`` or None.
+Side = tuple[jax.Array | None, jax.Array | None, jax.Array | None]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
@@ -119,10 +119,13 @@ def sides(
 
 
 def mask(qside: Side, kside: Side, causal: bool) -> jax.Array:
-    """``[1 or b, t_q, t_k]``, True where the key is visible to the query."""
+    """``[1 or b, t_q, t_k]`` (``t_k`` 1 where the key side has no positions, segments or validity), True where the
+    key is visible to the query."""
     (qp, qs, _), (kp, ks, valid) = qside, kside
-    visible = jnp.ones((1, qp.shape[1], kp.shape[1]), bool)
-    if causal:
+    assert qp is not None and (kp is not None or not causal), "the queries' positions, and the keys' when causal"
+    # Without key positions (the ring's derivative carries none when not causal) the key axis broadcasts.
+    visible = jnp.ones((1, qp.shape[1], 1 if kp is None else kp.shape[1]), bool)
+    if causal and kp is not None:
         visible = visible & (kp[:, None, :] <= qp[:, :, None])
     if qs is not None and ks is not None:
         visible = visible & (ks[:, None, :] == qs[:, :, None])
@@ -164,39 +167,46 @@ ring.defjvp(_ring_jvp, symbolic_zeros=True)
 
 
 def _ring_tangent(axis: str, causal: bool, moving: tuple[bool, ...], res: Any, tangents: Any) -> jax.Array:
-    """The output's tangent, linear in ``(dq, dk, dv)``: with ``p`` each block's probabilities and ``ds`` the tangent
-    of its scores, ``dO = sum_blocks (p * ds) v + p dv - (sum_blocks rowsum(p * ds)) O``; the ring once more, ``dk``
-    and ``dv`` travelling with their blocks."""
+    """The output's tangent, linear in the tangents of ``moving`` (of ``q``, ``k``, ``v``): with ``p`` each block's
+    probabilities and ``ds`` the tangent of its scores, ``dO = sum_blocks (p * ds) v + p dv - (sum_blocks
+    rowsum(p * ds)) O``; the ring once more, ``dk`` and ``dv`` travelling with their blocks. Only what is needed
+    travels (the callee of ``linear_call`` is not pruned of dead code)."""
     q, k, v, qside, kside, out, lse = res
     given = iter(tangents)
-    dq, dk, dv = (next(given) if m else jnp.zeros_like(x) for m, x in zip(moving, (q, k, v)))
+    dq, dk, dv = (next(given) if m else None for m in moving)
     b, t, h, d = q.shape
-    qg, dqg, og = (_grouped(x, k.shape[2]).astype(jnp.float32) for x in (q, dq, out))
+    qg, og = (_grouped(x, k.shape[2]).astype(jnp.float32) for x in (q, out))
+    dqg = None if dq is None else _grouped(dq, k.shape[2]).astype(jnp.float32)
     vary = functools.partial(_vary, axes=_axes(axis, q, k, v, qside, kside, dq, dk, dv))
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]  # rows with no visible key: every p below is 0
-    scale = 1.0 / np.sqrt(d)
+    f32 = lambda x: x.astype(jnp.float32)
 
     def step(state: Any, block: Any) -> Any:
         acc, rows = state
         kb, vb, ks, dkb, dvb = block
         p = jnp.exp(_scores(qg, kb, mask(qside, ks, causal)) - lse)
-        ds = jnp.einsum("bqkgd,bskd->bkgqs", dqg, kb.astype(jnp.float32)) + jnp.einsum(
-            "bqkgd,bskd->bkgqs", qg, dkb.astype(jnp.float32)
-        )
-        pds = p * ds * scale
-        acc = acc + jnp.einsum("bkgqs,bskd->bqkgd", pds, vb.astype(jnp.float32))
-        acc = acc + jnp.einsum("bkgqs,bskd->bqkgd", p, dvb.astype(jnp.float32))
-        return (acc, rows + jnp.einsum("bkgqs->bqkg", pds)), block
+        terms = [
+            jnp.einsum("bqkgd,bskd->bkgqs", x, f32(y))
+            for x, y in ((dqg, kb), (qg, dkb))
+            if x is not None and y is not None
+        ]
+        if terms:
+            pds = p * sum(terms[1:], terms[0]) / np.sqrt(d)
+            acc = acc + jnp.einsum("bkgqs,bskd->bqkgd", pds, f32(vb))
+            rows = rows + jnp.einsum("bkgqs->bqkg", pds)
+        if dvb is not None:
+            acc = acc + jnp.einsum("bkgqs,bskd->bqkgd", p, f32(dvb))
+        return (acc, rows), block
 
     start = vary((jnp.zeros(qg.shape), jnp.zeros(qg.shape[:-1])))
-    (acc, rows), _ = _around(step, start, vary((k, v, kside, dk, dv)), axis)
+    (acc, rows), _ = _around(step, start, vary((k, v, _keys(kside, causal), dk, dv)), axis)
     return (acc - rows[..., None] * og).reshape(b, t, h, d).astype(q.dtype)
 
 
 def _ring_transpose(axis: str, causal: bool, moving: tuple[bool, ...], res: Any, dout: jax.Array) -> tuple:
-    """The cotangents of ``(dq, dk, dv)`` (those that ``moving`` marks): the ring once more, each block's
-    probabilities recomputed from the saved log-sum-exp, ``dk``/``dv`` travelling with their blocks (one block in
-    memory at a time)."""
+    """The cotangents of ``q``, ``k``, ``v`` that ``moving`` marks: the ring once more, each block's probabilities
+    recomputed from the saved log-sum-exp, ``dk``/``dv`` travelling with their blocks (one block in memory at a
+    time). Only what is needed travels and is computed."""
     q, k, v, qside, kside, out, lse = res
     qg = _grouped(q, k.shape[2]).astype(jnp.float32)
     do = _grouped(dout, k.shape[2]).astype(jnp.float32)
@@ -205,21 +215,34 @@ def _ring_transpose(axis: str, causal: bool, moving: tuple[bool, ...], res: Any,
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", do, _grouped(out, k.shape[2]).astype(jnp.float32))
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]  # rows with no visible key: every p below is 0
     scale = 1.0 / np.sqrt(q.shape[-1])
+    want_q, want_k, want_v = moving
 
-    def step(dq: jax.Array, block: Any) -> Any:
+    def step(dq: Any, block: Any) -> Any:
         kb, vb, ks, dk, dv = block
         p = jnp.exp(_scores(qg, kb, mask(qside, ks, causal)) - lse)
-        dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p, do)
-        dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vb.astype(jnp.float32))
-        ds = p * (dp - delta[..., None]) * scale
-        dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb.astype(jnp.float32))
-        return dq, (kb, vb, ks, dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qg), dv)
+        if want_v:
+            dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p, do)
+        if want_q or want_k:
+            dp = jnp.einsum("bqkgd,bskd->bkgqs", do, vb.astype(jnp.float32))
+            ds = p * (dp - delta[..., None]) * scale
+            if want_q:
+                dq = dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, kb.astype(jnp.float32))
+            if want_k:
+                dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qg)
+        return dq, (kb, vb, ks, dk, dv)
 
-    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-    dq, block = _around(step, vary(zeros(qg)), vary((k, v, kside, zeros(k), zeros(v))), axis)
+    zeros = lambda x, want: jnp.zeros(x.shape, jnp.float32) if want else None
+    blocks = (k, v, _keys(kside, causal), zeros(k, want_k), zeros(v, want_v))
+    dq, block = _around(step, vary(zeros(qg, want_q)), vary(blocks), axis)
     dk, dv = _shift(block[3:], axis)  # block j's gradients are on device j - 1: one hop home
-    grads = zip((dq.reshape(q.shape), dk, dv), (q, k, v), moving)
-    return tuple(_cotangent(g, x) for g, x, m in grads if m)
+    grads = (None if dq is None else dq.reshape(q.shape), dk, dv)
+    return tuple(_cotangent(g, x) for g, x, m in zip(grads, (q, k, v), moving) if m)
+
+
+def _keys(kside: Side, causal: bool) -> Side:
+    """The key side as the ring's derivative carries it: without the positions when no causal mask reads them."""
+    positions, segments, valid = kside
+    return (positions if causal else None, segments, valid)
 
 
 def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:
