@@ -97,23 +97,31 @@ def sides(
             )
         )
 
-    def rows(name: str, x: Any, kinds: str) -> Any:
+    b, t = q.shape[:2]
+    contract = {
+        "segment_ids": (f"int [{t}] (shared by the rows) or [{b}, {t}] (one per row)", "iu"),
+        "kv_mask": (f"bool or int [{t}] (shared by the rows) or [{b}, {t}] (one per row)", "biu"),
+    }
+    fixes = {
+        "segment_ids": "pass segment_ids for the same tokens as q, k and v: each token's segment, an int.",
+        "kv_mask": "pass kv_mask for this device's keys, the tokens of k and v: True or nonzero for a key that is "
+        "attended to, False or 0 for padding (a tokenizer's 0/1 attention_mask works as it is).",
+    }
+
+    def rows(name: str, x: Any) -> Any:
         if x is None:
             return None
         x = jnp.asarray(x)
-        b, t = q.shape[:2]
+        kind, kinds = contract[name]
         if not (x.ndim == 1 or (x.ndim == 2 and x.shape[0] == b)) or x.shape[-1] != t or x.dtype.kind not in kinds:
             raise ShapeError(
-                describe(
-                    fn,
-                    f"{name} is {x.dtype} {tuple(x.shape)}; with {shapes} it must be "
-                    f"{'bool' if kinds == 'b' else 'int'} [{t}] (shared by the rows) or [{b}, {t}] (one per row).",
-                    fix=f"pass {name} for the same tokens as q, k and v.",
-                )
+                describe(fn, f"{name} is {x.dtype} {tuple(x.shape)}; with {shapes} it must be {kind}.", fix=fixes[name])
             )
         return x[None] if x.ndim == 1 else x
 
-    segments, valid = rows("segment_ids", segment_ids, "iu"), rows("kv_mask", kv_mask, "b")
+    segments, valid = rows("segment_ids", segment_ids), rows("kv_mask", kv_mask)
+    if valid is not None and valid.dtype != bool:
+        valid = valid != 0  # an integer mask: nonzero attends (values cannot be checked inside jit)
     pos = positions(q.shape[1])[None]
     return (pos, segments, None), (pos, segments, valid)
 
