@@ -2,8 +2,9 @@
 
 JAX has no public API for a few things spmdcomm needs: whether the current ``shard_map`` trace checks
 varying manual axes, the coordination-service client of a multi-process job, whether the backends have
-started, cluster auto-detection, which axis a collective asked for when JAX failed on an unbound one, and which
-functions run a host callback (for the watchdog, which looks for them in thread stacks). Those
+started, cluster auto-detection, which axis a collective asked for when JAX failed on an unbound one, which
+functions run a host callback (for the watchdog, which looks for them in thread stacks), and the ``jax.vmap`` and
+second-derivative rules that ``jax.custom_derivatives.linear_call`` lacks (for ring attention's derivative). Those
 accesses live here and nowhere else in spmdcomm (one exception, FSDP's ``jax.checkpoint`` policy naming
 primitives, is in docs/architecture.md; ``tests/test_architecture.py`` checks both), so a JAX upgrade that moves
 one of them breaks exactly one function, which then raises a clear error naming the installed JAX version and the
@@ -13,6 +14,7 @@ finds nothing. Where a public API exists it is used instead.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Sequence
@@ -36,6 +38,7 @@ __all__ = [
     "is_host_callback_code",
     "jax_version",
     "jax_version_supported",
+    "linear_call",
     "varying_axes",
 ]
 
@@ -244,6 +247,108 @@ def _cluster_detector() -> Any:
             )
         )
     return detect
+
+
+def linear_call(fun: Any, transpose: Any, residuals: Any, linear: Any) -> Any:
+    """``jax.custom_derivatives.linear_call(fun, transpose, residuals, linear)``: ``fun(residuals, linear)``, linear in
+    ``linear``, whose transpose (in reverse mode) is ``transpose(residuals, cotangent)``; composing with ``jax.vmap``
+    and with derivatives in ``residuals`` too.
+
+    JAX 0.10's primitive has no ``vmap`` rule, and its JVP rule asserts that the residuals have no tangent (a second
+    derivative: ``jax.grad`` of ``jax.grad``, ``jax.jacfwd`` of ``jax.grad``). The first call adds both to JAX's
+    tables, for this primitive only and without changing what JAX already does: ``vmap`` batches ``fun`` and
+    ``transpose`` (every operand batched on its first axis); a tangent of the residuals adds the derivative of ``fun``
+    in them, by ``jax.jvp`` of its ops (so reverse mode over that term is ordinary autodiff).
+    """
+    from jax.custom_derivatives import linear_call as call
+
+    if not _LINEAR_CALL_RULES:
+        _add_linear_call_rules()
+    return call(fun, transpose, residuals, linear)
+
+
+_LINEAR_CALL_RULES: list[bool] = []
+
+
+def _add_linear_call_rules() -> None:
+    primitive = _private("jax._src.custom_derivatives", "linear_call_p")
+    ad, batching, core = (_module(f"jax._src.{name}") for name in ("interpreters.ad", "interpreters.batching", "core"))
+    jvps = getattr(ad, "primitive_jvps", None)
+    batchers = getattr(batching, "fancy_primitive_batchers", None)
+    if primitive is None or core is None or jvps is None or batchers is None or primitive not in jvps:
+        raise SpmdError(
+            _unsupported(
+                "jax._src.custom_derivatives.linear_call_p with its rule tables in jax._src.interpreters",
+                "give ring attention's derivative its vmap and second-derivative rules",
+            )
+        )
+    jax_jvp = jvps[primitive]
+    if getattr(jax_jvp, "spmdcomm_rule", False):  # added before (a test may have cleared the record)
+        _LINEAR_CALL_RULES.append(True)
+        return
+    from jax.custom_derivatives import linear_call as call
+
+    def jvp(primals: Any, tangents: Any, **params: Any) -> Any:
+        fixed = params["num_callee_consts"] + params["num_res"]
+        moving = [i for i, t in enumerate(tangents[:fixed]) if type(t) is not ad.Zero]
+        if not moving:
+            return jax_jvp(primals, tangents, **params)
+        out = primitive.bind(*primals, **params)
+        consts, callee = params["num_callee_consts"], params["callee"]
+        given = [i for i, t in enumerate(tangents[fixed:]) if type(t) is not ad.Zero]
+
+        def fun(res: Any, lin: Any) -> Any:
+            full = [ad.instantiate_zeros(t) if type(t) is ad.Zero else None for t in tangents[fixed:]]
+            for i, x in zip(given, lin):
+                full[i] = x
+            return core.eval_jaxpr(callee.jaxpr, callee.consts, *res, *full)
+
+        def transpose(res: Any, cts: Any) -> Any:
+            jaxpr, t_consts = params["transpose_thunk"]()
+            grads = core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *t_consts, *res[consts:], *cts)
+            return [grads[i] for i in given]
+
+        # The linear inputs with a tangent only: a zero among them would reach the transpose as a known value.
+        linear = call(fun, transpose, list(primals[:fixed]), [tangents[fixed + i] for i in given]) if given else None
+
+        def through(*values: Any) -> Any:
+            args = list(primals)
+            for i, x in zip(moving, values):
+                args[i] = x
+            return core.eval_jaxpr(callee.jaxpr, callee.consts, *args)
+
+        _, extra = jax.jvp(through, [primals[i] for i in moving], [tangents[i] for i in moving])
+        return out, extra if linear is None else [a + b for a, b in zip(linear, extra)]
+
+    def batch(axis_data: Any, args: Any, dims: Any, **params: Any) -> Any:
+        if all(d is None for d in dims):
+            return primitive.bind(*args, **params), [None] * len(params["callee"].out_avals)
+        size, mesh_axis = axis_data.size, axis_data.explicit_mesh_axis
+        args = [batching.bdim_at_front(x, d, size, mesh_axis) for x, d in zip(args, dims)]
+        callee, _ = batching.batch_jaxpr(params["callee"], axis_data, [True] * len(args), True)
+        transpose_thunk = params["transpose_thunk"]
+
+        @functools.cache
+        def batched_transpose() -> Any:
+            jaxpr, consts = transpose_thunk()
+            batched = [False] * len(consts) + [True] * (len(jaxpr.in_avals) - len(consts))
+            return batching.batch_jaxpr(jaxpr, axis_data, batched, True)[0], consts
+
+        out = primitive.bind(*args, **{**params, "callee": callee, "transpose_thunk": batched_transpose})
+        return out, [0] * len(out)
+
+    jvp.spmdcomm_rule = True  # type: ignore[attr-defined]
+    jvps[primitive] = jvp
+    batchers.setdefault(primitive, batch)
+    _LINEAR_CALL_RULES.append(True)
+
+
+def _module(name: str) -> Any:
+    """JAX's internal module ``name``, or None where the installed JAX lacks it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def _private(module: str, name: str) -> Any:

@@ -60,6 +60,22 @@ RETIRED = {
         r"loss`+ is a float scalar: the mean",
         "`loss_fn` (and any `aux` metric, and `metric_fn`) may return `sc.weighted(total, weight)`",
     ),
+    "attention: the ring refuses forward mode": (
+        "`ring_attention`: a custom VJP that runs the ring again ...; `jax.jvp` and `jax.linear_transpose` raise",
+        r"ring_attention`?: a custom VJP|custom VJP, so not `?jax\.jvp",
+        "`sc.ring_attention` now takes `jax.jvp`, `jax.linearize` and second derivatives",
+    ),
+    "attention: the all-to-all's KV heads must divide": (
+        "The heads (and KV heads under grouped-query attention) must divide the context size.",
+        r"\(and KV heads under grouped-query attention\) must divide|heads or KV heads that (the context size|`?c`?) "
+        r"does not divide|heads and KV heads must divide|needs `n` to divide `h` and `h_kv`",
+        "repeating each KV head `n / gcd(kv_heads, n)` times before the swap",
+    ),
+    "attention: the kernels' layout is contiguous by default": (
+        'The layout is `"contiguous"` by default, what `P(None, axis)` gives a sequence stored in order',
+        r'layout is `?"contiguous"`? by default|``"contiguous"`` \(default',
+        "default to `layout=None`: inside a train or eval step whose `sc.ContextParallel` splits",
+    ),
     "ddp: float16 skips at any device count": (
         "those of a single-device DynamicScale program on the whole batch, masked or not, at any device count",
         r"masked or not, at any device count",

@@ -7,30 +7,36 @@ the whole sequence (to float round-off): softmax over the visible keys scaled by
 float32, zeros for a query that sees no key (in the output and every derivative, never NaN).
 
 - :func:`ring_attention`: the key/value blocks travel around the axis (``n - 1`` ``ppermute`` hops) while each device
-  merges blockwise results with a running log-sum-exp (online softmax). Any head count. Its custom VJP keeps only
+  merges blockwise results with a running log-sum-exp (online softmax). Any head count. Its derivative keeps only
   ``q``, ``k``, ``v``, the output and the log-sum-exp and runs the ring again, so memory holds one ``t x t`` block
   of scores per head at a time, at every ``n``.
 - :func:`all_to_all_attention` (DeepSpeed Ulysses): one ``all_to_all`` swaps the split from the tokens to the heads,
-  attention runs on whole sequences for ``h / n`` heads (any kernel), one more swaps back. The heads and KV heads
-  must divide by ``n``.
+  attention runs on whole sequences for ``h / n`` heads (any kernel), one more swaps back. The heads must divide by
+  ``n``; KV heads that do not are repeated first, the fewest times that make them divide.
 
-Layouts: which tokens a device holds. ``"contiguous"`` (default; what ``P(None, axis)`` gives a sequence in order):
-device ``i`` holds chunk ``i`` of ``n``. ``"zigzag"``: device ``i`` holds chunks ``i`` and ``2n - 1 - i`` of ``2n``,
-the sequence stored in :func:`zigzag_order`, so that under a causal mask every device has the same work. Every mask
-is built from the global positions of the tokens (:func:`sequence_positions`), never from where they are stored:
-``causal`` (a query sees keys at or before its position), ``kv_mask`` (False keys, padding, are seen by no query) and
-``segment_ids`` (packed sequences: a query sees only keys of its segment). Grouped-query attention: ``k`` and ``v``
-may have fewer heads than ``q``; query head ``j`` reads KV head ``j // (h / h_kv)``.
+Layouts: which tokens a device holds. ``"contiguous"`` (what ``P(None, axis)`` gives a sequence in order): device
+``i`` holds chunk ``i`` of ``n``. ``"zigzag"``: device ``i`` holds chunks ``i`` and ``2n - 1 - i`` of ``2n``, the
+sequence stored in :func:`zigzag_order`, so that under a causal mask every device has the same work. ``layout=None``
+(the default) is the layout of the train step being traced when its ``sc.ContextParallel`` splits ``axis`` (a
+different explicit layout there raises ``SpmdError``), else ``"contiguous"``. Every mask is built from the global
+positions of the tokens (:func:`sequence_positions`), never from where they are stored: ``causal`` (a query sees keys
+at or before its position), ``kv_mask`` (keys that are False or 0, padding, are seen by no query; bool or int, so a
+tokenizer's ``attention_mask`` works as it is) and ``segment_ids`` (packed sequences: a query sees only keys of its
+segment). Grouped-query attention: ``k`` and ``v`` may have fewer heads than ``q``; query head ``j`` reads KV head
+``j // (h / h_kv)``.
 
-Derivatives: both differentiate in ``q``, ``k`` and ``v`` (``jax.grad``, ``jax.vjp``; ``jax.jvp`` for the
-all-to-all), under ``jax.jit``, ``jax.vmap`` and ``jax.checkpoint``, inside :func:`spmdcomm.spmd` and raw
-``jax.shard_map``. The train step's ``sc.context_attention`` calls these same functions.
+Derivatives: both differentiate in ``q``, ``k`` and ``v`` in reverse and forward mode (``jax.grad``, ``jax.vjp``,
+``jax.jvp``, ``jax.linearize``, and second derivatives), under ``jax.jit``, ``jax.vmap`` and ``jax.checkpoint``,
+inside :func:`spmdcomm.spmd` and raw ``jax.shard_map``. The ring's derivative is a custom JVP whose linear part
+has a transpose of its own (``jax.custom_derivatives.linear_call``): forward mode runs one more ring carrying the
+tangents, reverse mode runs the ring again from the saved log-sum-exp. The train step's ``sc.context_attention``
+calls these same functions.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +44,10 @@ import numpy as np
 from jax import lax
 
 from spmdcomm.collectives._attention_blocks import attend, mask, ring, sides
-from spmdcomm.collectives._common import bound_size
+from spmdcomm.collectives._layout import Layout, positions, resolve
 from spmdcomm.errors import ShapeError, SpmdError, describe
 
 __all__ = ["ring_attention", "all_to_all_attention", "sequence_positions", "zigzag_order", "attention_reference"]
-
-Layout = Literal["contiguous", "zigzag"]
-LAYOUTS = ("contiguous", "zigzag")
 
 
 def ring_attention(
@@ -54,7 +57,7 @@ def ring_attention(
     axis: str,
     *,
     causal: bool = False,
-    layout: Layout = "contiguous",
+    layout: Layout | None = None,
     segment_ids: jax.Array | None = None,
     kv_mask: jax.Array | None = None,
 ) -> jax.Array:
@@ -63,9 +66,10 @@ def ring_attention(
     Step ``s`` attends this device's queries to the block of device ``i - s`` and merges it into float32 running
     statistics (row maximum, denominator, weighted values); between steps every key/value block, with its
     positions, segments and padding, moves one device on: ``n - 1`` ``ppermute`` hops of ``k`` and ``v``. The
-    backward pass (a custom VJP) runs the ring again, recomputing each block's probabilities from the saved
-    log-sum-exp; the ``dk``/``dv`` accumulators travel with their blocks and take one more hop home (``n`` hops).
-    Memory: one ``t x t`` block of scores per head at a time, at every ``n``. Any number of heads.
+    backward pass runs the ring again, recomputing each block's probabilities from the saved log-sum-exp; the
+    ``dk``/``dv`` accumulators travel with their blocks and take one more hop home (``n`` hops). Forward mode
+    (``jax.jvp``, ``jax.linearize``) runs one more ring, the tangents of ``k`` and ``v`` travelling with their
+    blocks. Memory: one ``t x t`` block of scores per head at a time, at every ``n``. Any number of heads.
 
     Args:
       q: ``[b, t, h, d]``, this device's queries (``t = T / n`` tokens of every sequence).
@@ -75,11 +79,15 @@ def ring_attention(
       axis: the mesh axis the sequence is split over (any name), bound by the enclosing ``spmd`` or
         ``jax.shard_map``.
       causal: a query sees only keys at or before its global position.
-      layout: ``"contiguous"`` (default: device ``i`` holds chunk ``i`` of ``n``) or ``"zigzag"`` (chunks ``i``
-        and ``2n - 1 - i`` of ``2n``: the sequence stored in :func:`zigzag_order`; ``t`` even).
+      layout: ``"contiguous"`` (device ``i`` holds chunk ``i`` of ``n``) or ``"zigzag"`` (chunks ``i`` and
+        ``2n - 1 - i`` of ``2n``: the sequence stored in :func:`zigzag_order`; ``t`` even). None (default): inside
+        a train or eval step whose ``sc.ContextParallel`` splits ``axis``, the step's layout (the only one accepted
+        there); elsewhere ``"contiguous"``.
       segment_ids: int ``[t]`` or ``[b, t]``, the segment of each local token (packed sequences); a query sees
         only keys of its segment. None: one sequence.
-      kv_mask: bool ``[t]`` or ``[b, t]``, False for local keys that are padding (seen by no query). None: all.
+      kv_mask: bool or int ``[t]`` or ``[b, t]`` for the local keys: True or nonzero for a key that is attended to,
+        False or 0 for padding (seen by no query); a tokenizer's 0/1 ``attention_mask`` works as it is. Values are
+        not checked (inside ``jax.jit`` they cannot be): any nonzero attends. None: all.
 
     Returns:
       ``[b, t, h, d]`` in ``q``'s dtype: this device's block of the attention over the whole sequence; zeros for a
@@ -88,7 +96,8 @@ def ring_attention(
     Raises:
       AxisError: if ``axis`` is not bound here.
       ShapeError: for shapes that do not fit together (named with the sizes), or ``"zigzag"`` with an odd ``t``.
-      SpmdError: for an unknown ``layout`` or a ``causal`` that is not a bool.
+      SpmdError: for an unknown ``layout``, a ``layout`` other than the traced step's for its context axis, or a
+        ``causal`` that is not a bool.
 
     Examples:
       Eight tokens split over 4 devices of an axis ``"seq"``, each holding 2:
@@ -112,7 +121,7 @@ def all_to_all_attention(
     axis: str,
     *,
     causal: bool = False,
-    layout: Layout = "contiguous",
+    layout: Layout | None = None,
     segment_ids: jax.Array | None = None,
     kv_mask: jax.Array | None = None,
     kernel: Callable[..., jax.Array] | None = None,
@@ -120,33 +129,42 @@ def all_to_all_attention(
     """Softmax attention over a sequence split along ``axis``, by swapping the split to the heads (DeepSpeed Ulysses).
 
     One ``all_to_all`` gives each device ``h / n`` heads of the whole sequence (``[b, T, h / n, d]``, ``k`` and
-    ``v`` ``h_kv / n``), the positions, segments and padding are all-gathered, attention runs on whole sequences,
+    ``v`` ``r h_kv / n``), the positions, segments and padding are all-gathered, attention runs on whole sequences,
     and a second ``all_to_all`` brings every token's output home. Each device sends ``(n - 1) / n`` of its ``q``,
-    ``k``, ``v`` and output blocks. Derivative: that of the all-to-alls and the kernel.
+    ``k``, ``v`` and output blocks. Grouped-query attention whose ``h_kv`` KV heads ``n`` does not divide (8 query
+    heads, 2 KV heads, ``n = 4``), as Ulysses implementations do: each KV head is repeated ``r = n / gcd(h_kv, n)``
+    times before the swap (2 here: 4 KV heads, one per device), the fewest copies whose count ``n`` divides; query
+    head ``j`` still reads a copy of KV head ``j // (h / h_kv)``, and the copies' gradients sum into it. The
+    repeat costs ``r`` times the bytes of ``k`` and ``v`` in the swap. Derivative: that of the repeat, the
+    all-to-alls and the kernel.
 
     Args:
       q: ``[b, t, h, d]``, this device's queries (``t = T / n`` tokens of every sequence); ``n`` divides ``h``.
       k: ``[b, t, h_kv, d]``, this device's keys; ``h_kv`` divides ``h`` (query head ``j`` reads KV head ``j // (h
-        / h_kv)``) and ``n`` divides ``h_kv``.
+        / h_kv)``); repeated ``n / gcd(h_kv, n)`` times where ``n`` does not divide ``h_kv``.
       v: the values, shaped like ``k``.
       axis: the mesh axis the sequence is split over (any name), bound by the enclosing ``spmd`` or
         ``jax.shard_map``.
       causal: a query sees only keys at or before its global position.
-      layout: ``"contiguous"`` (default) or ``"zigzag"``, as for :func:`ring_attention`.
+      layout: ``"contiguous"``, ``"zigzag"`` or None (default: the traced step's, else ``"contiguous"``), as for
+        :func:`ring_attention`.
       segment_ids: int ``[t]`` or ``[b, t]``, each local token's segment (packed sequences). None: one sequence.
-      kv_mask: bool ``[t]`` or ``[b, t]``, False for local keys that are padding. None: all valid.
+      kv_mask: bool or int ``[t]`` or ``[b, t]``: True or nonzero for a key that is attended to, False or 0 for
+        padding, as for :func:`ring_attention`. None: all valid.
       kernel: None, float32 softmax attention in ``jax.numpy``; or a function called as ``kernel(q, k, v,
-        mask=mask)`` with ``q`` ``[b, T, h / n, d]``, ``k`` and ``v`` ``[b, T, h_kv / n, d]`` and a bool ``mask``
-        ``[b or 1, 1, T, T]`` (True: visible), returning ``[b, T, h / n, d]``, e.g.
-        ``jax.nn.dot_product_attention``. Rows with no visible key are set to zero after it.
+        mask=mask)`` with ``q`` ``[b, T, h / n, d]``, ``k`` and ``v`` ``[b, T, r h_kv / n, d]`` (``r`` the repeat
+        above, 1 when ``n`` divides ``h_kv``) and a bool ``mask`` ``[b or 1, 1, T, T]`` (True: visible), returning
+        ``[b, T, h / n, d]``, e.g. ``jax.nn.dot_product_attention``. Rows with no visible key are set to zero after
+        it.
 
     Returns:
       ``[b, t, h, d]`` in ``q``'s dtype: this device's block of the attention over the whole sequence.
 
     Raises:
       AxisError: if ``axis`` is not bound here.
-      ShapeError: for shapes that do not fit together, or heads or KV heads that ``n`` does not divide.
-      SpmdError: for an unknown ``layout``, a ``causal`` that is not a bool, or a ``kernel`` that is not callable.
+      ShapeError: for shapes that do not fit together, or query heads that ``n`` does not divide.
+      SpmdError: for an unknown ``layout``, a ``layout`` other than the traced step's for its context axis, a
+        ``causal`` that is not a bool, or a ``kernel`` that is not callable.
 
     Examples:
       >>> mesh = sc.make_mesh({"seq": 2}, devices=jax.devices()[:2])
@@ -165,17 +183,24 @@ def all_to_all_attention(
         )
     qside, kside = _sides(fn, q, k, v, axis, causal, layout, segment_ids, kv_mask)
     n = lax.axis_size(axis)
-    for name, heads in (("heads", q.shape[2]), ("KV heads", k.shape[2])):
-        if heads % n:
-            raise ShapeError(
-                describe(
-                    fn,
-                    f"{heads} {name} (q {q.shape[2]} heads, k/v {k.shape[2]} KV heads) do not split over "
-                    f"axis {axis!r} of size {n}: the all-to-all gives each device heads / {n} of them.",
-                    fix=f"use a number of {name} divisible by {n}, an axis whose size divides them, or "
-                    "ring_attention (any head count).",
-                )
+    h, h_kv = q.shape[2], k.shape[2]
+    if h % n:
+        raise ShapeError(
+            describe(
+                fn,
+                f"q has {h} heads, which do not split over axis {axis!r} of size {n} (q {h} heads, k/v {h_kv} KV "
+                f"heads): the all-to-all gives each device {h} / {n} query heads. KV heads are repeated until they "
+                "split; query heads cannot be.",
+                fix=f"use a number of query heads divisible by {n}, an axis whose size divides {h}, or "
+                "ring_attention (any head count).",
             )
+        )
+    # KV heads that do not split: each repeated r times in place (heads m r .. m r + r - 1 are copies of head m), the
+    # fewest copies whose count n divides. Query head j then reads copy j // (h / (r h_kv)), a copy of KV head
+    # j // (h / h_kv), since r divides h / h_kv whenever n divides h. Autodiff sums the copies' gradients.
+    repeat = n // math.gcd(h_kv, n)
+    if repeat > 1:
+        k, v = (jnp.repeat(x, repeat, axis=2) for x in (k, v))
     to_heads = lambda x: lax.all_to_all(x, axis, 2, 1, tiled=True)
     full = lambda side: jax.tree.map(lambda x: lax.all_gather(x, axis, axis=1, tiled=True), side)
     visible = mask(full(qside), full(kside), causal)
@@ -207,7 +232,7 @@ def attention_reference(
       v: the values, shaped like ``k``.
       causal: a query sees only keys at or before its position.
       segment_ids: int ``[T]`` or ``[b, T]`` of packed sequences, or None.
-      kv_mask: bool ``[T]`` or ``[b, T]``, False for padding keys; None: all valid.
+      kv_mask: bool or int ``[T]`` or ``[b, T]``, False or 0 for padding keys (nonzero attends); None: all valid.
 
     Returns:
       ``[b, T, h, d]`` in ``q``'s dtype; zeros for a query that sees no key.
@@ -261,7 +286,7 @@ def zigzag_order(T: int, c: int) -> np.ndarray:
     return chunks[[j for i in range(c) for j in (i, 2 * c - 1 - i)]].reshape(-1)
 
 
-def sequence_positions(length: int, axis: str, *, layout: Layout = "contiguous") -> jax.Array:
+def sequence_positions(length: int, axis: str, *, layout: Layout | None = None) -> jax.Array:
     """The global positions of the ``length`` tokens this device holds of a sequence split along ``axis``.
 
     For rotary or learned positions, in the layout given to :func:`ring_attention` (the positions its masks use).
@@ -270,14 +295,17 @@ def sequence_positions(length: int, axis: str, *, layout: Layout = "contiguous")
       length: the tokens per device, ``t = T / n``.
       axis: the mesh axis the sequence is split over, bound by the enclosing ``spmd`` or ``jax.shard_map``.
       layout: ``"contiguous"`` (device ``i`` holds ``[i t, (i + 1) t)``) or ``"zigzag"`` (chunks ``i`` and
-        ``2n - 1 - i`` of ``2n``, as after :func:`zigzag_order`; ``length`` even).
+        ``2n - 1 - i`` of ``2n``, as after :func:`zigzag_order`; ``length`` even). None (default): the traced
+        train step's layout when its ``sc.ContextParallel`` splits ``axis`` (the only one accepted there), else
+        ``"contiguous"``.
 
     Returns:
       int32 ``[length]``.
 
     Raises:
       AxisError: if ``axis`` is not bound here.
-      SpmdError: for another layout, or an odd ``length`` with ``"zigzag"`` (a :class:`ShapeError`).
+      SpmdError: for another layout, one other than the traced step's for its context axis, or an odd ``length``
+        with ``"zigzag"`` (a :class:`ShapeError`).
 
     Examples:
       >>> f = sc.spmd(lambda: sc.sequence_positions(4, "data", layout="zigzag"),
@@ -285,27 +313,8 @@ def sequence_positions(length: int, axis: str, *, layout: Layout = "contiguous")
       >>> f().tolist()
       [0, 1, 6, 7, 2, 3, 4, 5]
     """
-    return _positions("sequence_positions", length, axis, layout)
-
-
-def _positions(fn: str, length: int, axis: str, layout: str) -> jax.Array:
-    if layout not in LAYOUTS:
-        raise SpmdError(describe(fn, f"layout={layout!r} is not a layout.", fix='layout="contiguous" or "zigzag".'))
-    n = bound_size(fn, axis, argument="axis")
-    i = lax.axis_index(axis)
-    if layout == "contiguous":
-        return (i * length + jnp.arange(length)).astype(jnp.int32)
-    if length % 2:
-        raise ShapeError(
-            describe(
-                fn,
-                f"the zig-zag layout gives each device two equal chunks, but it holds {length} tokens (odd) of "
-                f"axis {axis!r} of size {n}.",
-                fix=f"pad the sequence to a multiple of 2 n = {2 * n} tokens (mask the padding with kv_mask).",
-            )
-        )
-    half = length // 2
-    return jnp.concatenate([i * half + jnp.arange(half), (2 * n - 1 - i) * half + jnp.arange(half)]).astype(jnp.int32)
+    fn = "sequence_positions"
+    return positions(fn, length, axis, resolve(fn, axis, layout))
 
 
 def _check_causal(fn: str, causal: object) -> None:
@@ -322,7 +331,7 @@ def _sides(
     v: jax.Array,
     axis: str,
     causal: object,
-    layout: str,
+    layout: str | None,
     segment_ids: object,
     kv_mask: object,
 ) -> tuple:
@@ -330,4 +339,5 @@ def _sides(
     if not isinstance(axis, str):
         raise SpmdError(describe(fn, f"axis={axis!r} is not a mesh axis name.", fix='pass one axis name, e.g. "seq".'))
     _check_causal(fn, causal)
-    return sides(fn, q, k, v, lambda t: _positions(fn, t, axis, layout), segment_ids, kv_mask)
+    layout = resolve(fn, axis, layout)
+    return sides(fn, q, k, v, lambda t: positions(fn, t, axis, layout), segment_ids, kv_mask)

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmdcomm.collectives._layout import LAYOUTS, step_split
 from spmdcomm.collectives.attention import (
-    LAYOUTS,
     all_to_all_attention,
     attention_reference,
     ring_attention,
@@ -129,10 +129,12 @@ def active_context() -> ContextParallel | None:
 @contextlib.contextmanager
 def context_split(context: ContextParallel | None) -> Iterator[None]:
     """Within the block, :func:`context_attention` and :func:`context_positions` follow ``context`` (the train and
-    eval steps set it while tracing)."""
+    eval steps set it while tracing), and so do ``sc.ring_attention``, ``sc.all_to_all_attention`` and
+    ``sc.sequence_positions`` over its axis: their layout by default, and the only one they accept."""
     token = _ACTIVE.set(context)
     try:
-        yield
+        with step_split(None if context is None else (context.axis, context.layout)):
+            yield
     finally:
         _ACTIVE.reset(token)
 
@@ -179,7 +181,7 @@ def context_attention(
     is exactly ``sc.ring_attention`` (``algorithm="ring"``) or ``sc.all_to_all_attention`` (``"all_to_all"``) over
     the context axis, in the split's layout: the ring passes key/value blocks around the axis with a running
     log-sum-exp and its backward pass reruns the ring; the all-to-all (DeepSpeed Ulysses) swaps the split from
-    tokens to heads and back (the heads and KV heads must divide the context size).
+    tokens to heads and back (the heads must divide the context size; KV heads that do not are repeated).
 
     Args:
       q: the queries, ``[batch, tokens, heads, head_dim]``.
@@ -188,14 +190,15 @@ def context_attention(
       causal: each token sees only tokens at or before its global position.
       segment_ids: int ``[tokens]`` or ``[batch, tokens]``: a token sees only tokens of its segment (packed
         sequences).
-      kv_mask: bool ``[tokens]`` or ``[batch, tokens]``: False keys (padding) are seen by no token.
+      kv_mask: bool or int ``[tokens]`` or ``[batch, tokens]``: keys that are False or 0 (padding) are seen by no
+        token, nonzero ones are attended to (a tokenizer's ``attention_mask`` works as it is).
       algorithm: ``"ring"`` (default) or ``"all_to_all"``; checked on every path, in a step or not.
 
     Returns:
       ``[batch, tokens, heads, head_dim]``, in ``q``'s dtype; zeros for a query that sees no key.
 
     Raises:
-      ShapeError: for shapes that do not fit together, or heads or KV heads that do not divide the context size
+      ShapeError: for shapes that do not fit together, or heads that do not divide the context size
         (``"all_to_all"``).
       SpmdError: for an unknown ``algorithm`` or a ``causal`` that is not a bool.
 
