@@ -332,11 +332,61 @@ def test_a_context_axis_splits_every_sequence_and_the_dropless_step_equals_one_d
     want, value, aux = jax.jit(functools.partial(sgd, value_and_grad))(plain)
     np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, aux["balance"]], rtol=1e-5)
     assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
-    # A capacity drops in the global token order, which the context split does not keep: refused while tracing.
-    with pytest.raises(
-        SpmdError, match=r"capacity_factor=1.0 in a step that splits every sequence over \('context',\)"
-    ):
-        sc.make_train_step(loss_fn, donate=False)(state.replace(apply_fn=MODEL.apply), data)
+
+
+CONTEXT_CAPACITY = 0.5  # drops about a third of the assignments: which ones depends on the order throughout
+
+
+def context_loss(params, batch, *, apply_fn, **_):
+    """:func:`loss_fn`, with the layer's dropped fraction in the aux too."""
+    out, found = apply_fn({"params": params}, batch["x"], mutable=["moe"])
+    balance = balance_loss(found["moe"])
+    dropped = sum(jax.tree.leaves(found["moe"]["MoE_0"]["dropped_fraction"]))
+    return jnp.mean((out - batch["y"]) ** 2) + BALANCE * balance, {"balance": balance, "dropped": dropped}
+
+
+@pytest.fixture(scope="module")
+def context_reference(initial):
+    """One device, the whole batch, ``Model(capacity=CONTEXT_CAPACITY)``: ``(new parameters, loss, aux)``."""
+    model, data = Model(capacity=CONTEXT_CAPACITY), batch()
+    value_and_grad = jax.value_and_grad(lambda p: context_loss(p, data, apply_fn=model.apply), has_aux=True)
+    return jax.jit(functools.partial(sgd, value_and_grad))(nn.unbox(initial))
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_a_capacity_with_every_sequence_over_a_context_axis_drops_what_one_device_drops(
+    layout, initial, context_reference
+):
+    """data 2 x expert 2 x context 2 with a capacity that drops assignments: the drop order is one device's on the
+    unsplit batch (first choices first, then rows, then each row's positions in the original sequence order), not
+    the order the devices hold the tokens in (each device holds a part of every row; in the zig-zag layout two
+    chunks far apart)."""
+    model = Model(capacity=CONTEXT_CAPACITY)
+    mesh = {"data": 2, "expert": 2, "context": 2}
+    state = create(initial, mesh, context=sc.ContextParallel(layout=layout), logical_axis_rules=RULES[None])
+    new, metrics = sc.make_train_step(context_loss, donate=False)(state.replace(apply_fn=model.apply), batch())
+    want, loss, aux = context_reference
+    assert float(aux["dropped"]) > 0.2  # one device drops many: the order decides which
+    np.testing.assert_allclose(
+        [metrics["loss"], metrics["balance"], metrics["dropped"]], [loss, aux["balance"], aux["dropped"]], rtol=1e-5
+    )
+    assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
+
+
+class Flat(nn.Module):
+    """``Model`` with the MoE layer given the tokens as ``[rows * tokens, d]``."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(D)(x)
+        h = h + sc.MoE(Mlp(), experts=E, k=2, capacity_factor=CAPACITY)(h.reshape(-1, D)).reshape(h.shape)
+        return nn.Dense(1)(h)
+
+
+def test_a_capacity_on_a_context_axis_raises_while_tracing_for_an_input_without_the_sequence_dimension(initial):
+    state = create(initial, {"data": 4, "context": 2}, context=sc.ContextParallel(), logical_axis_rules=RULES[None])
+    with pytest.raises(ShapeError, match=r"MoE: capacity_factor=1.0 in a step that splits every sequence over "):
+        sc.make_train_step(loss_fn, donate=False)(state.replace(apply_fn=Flat().apply), batch())
 
 
 class MoEBlock(nn.Module):
