@@ -14,6 +14,7 @@ import numpy as np
 from jax import lax
 
 from spmdcomm.collectives.exchanges import all_gather
+from spmdcomm.errors import ShapeError, describe
 
 __all__ = ["Slots", "SequenceSplit", "expert_capacity", "capacity_of", "assignment_slots", "axes_size", "psum_over"]
 
@@ -44,6 +45,23 @@ class SequenceSplit(NamedTuple):
     def chunks(self) -> int:
         """The chunks of each sequence one device holds: 2 in the zig-zag layout, 1 in the contiguous one."""
         return 2 if self.layout == "zigzag" else 1
+
+    @classmethod
+    def of(cls, fn: str, axis: str, layout: str, shape: tuple[int, ...], capacity_factor: float) -> SequenceSplit:
+        """The split of a layer input of ``shape``, ``[rows, tokens, ..., d]`` as a context-parallel step gives it;
+        :class:`~spmdcomm.errors.ShapeError` for fewer than 3 dimensions, where no dimension holds the positions."""
+        if len(shape) < 3:
+            raise ShapeError(
+                describe(
+                    fn,
+                    f"capacity_factor={capacity_factor!r} in a step that splits every sequence over {axis!r}, and an "
+                    f"input of shape {shape}: the capacity drops in the sequences' token order, so the layer needs "
+                    "each device's positions of every sequence on dimension 1.",
+                    fix="give the layer its input as [rows, tokens, ..., d], as the step split the batch (or use "
+                    "the dropless layer, capacity_factor=None, which takes any shape).",
+                )
+            )
+        return cls(axis, layout, shape[0], shape[1])
 
 
 def expert_capacity(tokens: int, experts: int, k: int, capacity_factor: float) -> int:

@@ -143,10 +143,8 @@ def step_split(
 
 def _sequence_split(fn: str, sequence: tuple[str, ...]) -> ContextParallel | None:
     """The context split of the step (its axis splits every sequence), or None without one."""
-    if not sequence:
-        return None
-    context = active_context()
-    if context is None or (context.axis,) != sequence:
+    context = active_context() if sequence else None
+    if sequence and (context is None or (context.axis,) != sequence):
         raise SpmdError(
             describe(
                 fn,
@@ -276,18 +274,8 @@ def moe_rows(
     h = x.reshape(-1, x.shape[-1])
     sequence = None
     if context is not None and layer.capacity_factor is not None:
-        if x.ndim < 3:
-            raise ShapeError(
-                describe(
-                    type(layer).__name__ if isinstance(layer, nn.Module) else "nnx.MoE",
-                    f"capacity_factor={layer.capacity_factor!r} in a step that splits every sequence over "
-                    f"{context.axis!r}, and an input of shape {x.shape}: the capacity drops in the sequences' token "
-                    "order, so the layer needs each device's positions of every sequence on dimension 1.",
-                    fix="give the layer its input as [rows, tokens, ..., d], as the step split the batch (or use "
-                    "the dropless layer, capacity_factor=None, which takes any shape).",
-                )
-            )
-        sequence = SequenceSplit(context.axis, context.layout, x.shape[0], x.shape[1])
+        fn = "MoE" if isinstance(layer, nn.Module) else "nnx.MoE"
+        sequence = SequenceSplit.of(fn, context.axis, context.layout, x.shape, layer.capacity_factor)
     y, stats = moe(
         h,
         h.astype(jnp.float32) @ router,
