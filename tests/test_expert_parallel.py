@@ -332,11 +332,61 @@ def test_a_context_axis_splits_every_sequence_and_the_dropless_step_equals_one_d
     want, value, aux = jax.jit(functools.partial(sgd, value_and_grad))(plain)
     np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, aux["balance"]], rtol=1e-5)
     assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
-    # A capacity drops in the global token order, which the context split does not keep: refused while tracing.
-    with pytest.raises(
-        SpmdError, match=r"capacity_factor=1.0 in a step that splits every sequence over \('context',\)"
-    ):
-        sc.make_train_step(loss_fn, donate=False)(state.replace(apply_fn=MODEL.apply), data)
+
+
+CONTEXT_CAPACITY = 0.5  # drops about a third of the assignments: which ones depends on the order throughout
+
+
+def context_loss(params, batch, *, apply_fn, **_):
+    """:func:`loss_fn`, with the layer's dropped fraction in the aux too."""
+    out, found = apply_fn({"params": params}, batch["x"], mutable=["moe"])
+    balance = balance_loss(found["moe"])
+    dropped = sum(jax.tree.leaves(found["moe"]["MoE_0"]["dropped_fraction"]))
+    return jnp.mean((out - batch["y"]) ** 2) + BALANCE * balance, {"balance": balance, "dropped": dropped}
+
+
+@pytest.fixture(scope="module")
+def context_reference(initial):
+    """One device, the whole batch, ``Model(capacity=CONTEXT_CAPACITY)``: ``(new parameters, loss, aux)``."""
+    model, data = Model(capacity=CONTEXT_CAPACITY), batch()
+    value_and_grad = jax.value_and_grad(lambda p: context_loss(p, data, apply_fn=model.apply), has_aux=True)
+    return jax.jit(functools.partial(sgd, value_and_grad))(nn.unbox(initial))
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_a_capacity_with_every_sequence_over_a_context_axis_drops_what_one_device_drops(
+    layout, initial, context_reference
+):
+    """data 2 x expert 2 x context 2 with a capacity that drops assignments: the drop order is one device's on the
+    unsplit batch (first choices first, then rows, then each row's positions in the original sequence order), not
+    the order the devices hold the tokens in (each device holds a part of every row; in the zig-zag layout two
+    chunks far apart)."""
+    model = Model(capacity=CONTEXT_CAPACITY)
+    mesh = {"data": 2, "expert": 2, "context": 2}
+    state = create(initial, mesh, context=sc.ContextParallel(layout=layout), logical_axis_rules=RULES[None])
+    new, metrics = sc.make_train_step(context_loss, donate=False)(state.replace(apply_fn=model.apply), batch())
+    want, loss, aux = context_reference
+    assert float(aux["dropped"]) > 0.2  # one device drops many: the order decides which
+    np.testing.assert_allclose(
+        [metrics["loss"], metrics["balance"], metrics["dropped"]], [loss, aux["balance"], aux["dropped"]], rtol=1e-5
+    )
+    assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
+
+
+class Flat(nn.Module):
+    """``Model`` with the MoE layer given the tokens as ``[rows * tokens, d]``."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(D)(x)
+        h = h + sc.MoE(Mlp(), experts=E, k=2, capacity_factor=CAPACITY)(h.reshape(-1, D)).reshape(h.shape)
+        return nn.Dense(1)(h)
+
+
+def test_a_capacity_on_a_context_axis_raises_while_tracing_for_an_input_without_the_sequence_dimension(initial):
+    state = create(initial, {"data": 4, "context": 2}, context=sc.ContextParallel(), logical_axis_rules=RULES[None])
+    with pytest.raises(ShapeError, match=r"MoE: capacity_factor=1.0 in a step that splits every sequence over "):
+        sc.make_train_step(loss_fn, donate=False)(state.replace(apply_fn=Flat().apply), batch())
 
 
 class MoEBlock(nn.Module):
@@ -412,6 +462,154 @@ def test_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_device_ac
     want, value, balance = jax.jit(functools.partial(sgd, jax.value_and_grad(loss, has_aux=True)))(nn.unbox(params))
     np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
     assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
+
+
+class NnxMoEBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.moe = sc.nnx.MoE(NnxMlp, experts=4, features=D, k=2, capacity_factor=CAPACITY, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.moe(h)
+
+
+class NnxStacked(nnx.Module):
+    """The NNX twin of ``Stacked``."""
+
+    def __init__(self, rngs):
+        self.embed, self.head = nnx.Linear(FEATURES, D, rngs=rngs), nnx.Linear(D, 1, rngs=rngs)
+        self.stack = sc.nnx.PipelineStack(NnxMoEBlock, layers=2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.stack(self.embed(x)))
+
+
+def test_an_nnx_gpipe_stack_hands_out_per_layer_and_micro_batch_what_one_device_sows():
+    """The eval step on stage 2 with 2 micro-batches and 4 layers (2 per stage): the capture holds [L, m], layer l's
+    value on micro-batch i (stage device i's rows) as one device's on those rows. Under 1F1B such a block raises."""
+    stack = nnx_once(lambda: sc.nnx.PipelineStack(Sowing, layers=4, rngs=nnx.Rngs(0)))
+    mesh = sc.make_mesh({"data": 1, "stage": 2}, devices=jax.devices()[:2])
+    state = sc.TrainState.create_nnx(stack, tx=optax.sgd(LR), mesh=mesh, pipeline=sc.Pipeline(microbatches=2))
+
+    def sown(model, x, *, mask):
+        _, found = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(model, x)
+        (means,) = found["layers"]["mean"].get_value()
+        return {f"{layer}/{i}": means[layer, i] for layer, i in np.ndindex(means.shape)}
+
+    x = batch()["x"][:8]
+    got = sc.make_eval_step(sc.nnx_metric_fn(sown))(state, x)
+    graphdef, variables = nnx.split(stack)
+    want = jit_once(lambda v, xs: [sown(nnx.merge(graphdef, v), x, mask=None) for x in xs])(variables, [x[:4], x[4:]])
+    for i in range(2):
+        for layer in range(4):
+            np.testing.assert_allclose(got[f"{layer}/{i}"], want[i][f"{layer}/0"], rtol=1e-5)
+    # A table schedule differentiates the layers in pieces of its own: what they sow could not reach the loss.
+    table = sc.TrainState.create_nnx(
+        stack, tx=optax.sgd(LR), mesh=mesh, pipeline=sc.Pipeline(microbatches=2, schedule="1f1b")
+    )
+
+    def loss(model, x, *, rng, mask):
+        return sum(sown(model, x, mask=mask).values())
+
+    with pytest.raises(SpmdError, match=r"sows into \['Intermediate'\] under a schedule other than 'gpipe'"):
+        sc.make_train_step(sc.nnx_loss_fn(loss), donate=False)(table, x)
+
+
+def nnx_stacked_loss(model, batch, *, rng, mask):
+    """The task loss and every layer's load-balancing loss, averaged over the micro-batches, read from the capture;
+    ``sc.moe_metrics`` reads the same capture."""
+    out, found = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(model, batch["x"])
+    (per_layer,) = found["stack"]["layers"]["moe"]["load_balancing_loss"].get_value()  # [L, micro-batches]
+    balance = jnp.sum(jnp.mean(per_layer, axis=1))
+    metrics = sc.moe_metrics(found, prefix="")
+    return jnp.mean((out - batch["y"]) ** 2) + BALANCE * balance, {
+        "balance": balance,
+        "dropped": metrics["stack/layers/moe/dropped_fraction"],
+    }
+
+
+class Sowing(nnx.Module):
+    """A block that sows its output's mean under ``nnx.capture`` (the default reduce: a tuple, one entry per
+    call)."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(FEATURES, FEATURES, rngs=rngs)
+
+    def __call__(self, h):
+        h = jnp.tanh(self.dense(h))
+        if hasattr(self, "__captures__"):  # as sc.nnx.MoE: only under nnx.capture (elsewhere sow is deprecated)
+            self.sow(nnx.Intermediate, "mean", jnp.mean(h))
+        return h
+
+
+def test_the_nnx_stack_hands_out_what_its_blocks_sow_per_layer_under_nnx_capture():
+    """Outside a step the stack is a scan: each value is [L, 1] (one micro-batch), layer l's what the block sows on
+    layer l's input; each call under the same capture adds an entry, nothing of the capture stays in the model, and
+    the stack runs outside a capture too."""
+    stack, x = nnx_once(lambda: sc.nnx.PipelineStack(Sowing, layers=3, rngs=nnx.Rngs(0))), batch()["x"][:4]
+    graphdef, variables = nnx.split(stack)
+
+    def run(variables, x):
+        stack = nnx.merge(graphdef, variables)
+        (h_first, _), found = nnx.capture(lambda s, x: (s(x), s(s(x))), nnx.Intermediate)(stack, x)
+        layers, h, means = nnx.split(stack.layers), x, []
+        for layer in range(3):  # each block by hand, on the layer before's output
+            h = nnx.merge(layers[0], jax.tree.map(lambda a, layer=layer: a[layer], layers[1])).dense(h)
+            h = jnp.tanh(h)
+            means.append(jnp.mean(h))
+        plain = stack(x)  # no capture: nothing sown
+        return h_first, found, jnp.stack(means), nnx.state(stack, nnx.Intermediate), plain
+
+    h_first, found, means, left, plain = jit_once(run)(variables, x)
+    first, second, third = found["layers"]["mean"].get_value()  # three calls: s(x), then s(s(x))
+    assert first.shape == second.shape == third.shape == (3, 1)
+    np.testing.assert_allclose(first[:, 0], means, rtol=1e-6)
+    np.testing.assert_allclose(second, first, rtol=1e-6)  # the same input
+    assert not np.allclose(third, first)  # the third call ran on the second's output
+    assert jax.tree.leaves(left) == []
+    np.testing.assert_allclose(plain, h_first, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_nnx_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_device_accumulating_micro_batches():
+    """The NNX twin of the Linen test above: the capture hands the loss each layer's losses per micro-batch [L, m],
+    and ``sc.moe_metrics`` reads them; the step equals one device running the micro-batches in turn."""
+    data = batch()
+    model = nnx_once(lambda: NnxStacked(nnx.Rngs(0)))
+    state = sc.TrainState.create_nnx(
+        model,
+        tx=optax.sgd(LR),
+        mesh=sc.make_mesh({"data": 2, "stage": 2, "expert": 2}),
+        pipeline=sc.Pipeline(microbatches=2),
+    )
+    assert state.params["stack"]["layers"]["moe"]["experts"]["up"]["kernel"].sharding.spec[:2] == ("stage", "expert")
+    new, metrics = sc.make_train_step(sc.nnx_loss_fn(nnx_stacked_loss), donate=False)(state, data)
+    blocks = np.arange(ROWS).reshape(2, 2, 2, ROWS // 8)  # device (d, s, e) holds rows block 4 d + 2 s + e
+    micro = [blocks[:, i].reshape(-1) for i in range(2)]  # micro-batch i: its stage-i devices' blocks
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def reference(params):
+        def loss(p):
+            parts = [
+                nnx_stacked_loss(
+                    nnx.merge(graphdef, p, rest), jax.tree.map(lambda a, r=r: a[r], data), rng=None, mask=None
+                )
+                for r in micro
+            ]
+            value = sum(v for v, _ in parts) / 2  # micro-batches of equal size: the mean of their means
+            aux = jax.tree.map(lambda *a: sum(a) / 2, *(a for _, a in parts))
+            return value, aux
+
+        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return value, aux, jax.tree.map(lambda p, g: p - LR * g, params, grads)
+
+    value, aux, want = reference(params)
+    assert float(aux["dropped"]) > 0  # the capacity drops assignments in each micro-batch
+    np.testing.assert_allclose(
+        [metrics["loss"], metrics["balance"], metrics["dropped"]], [value, aux["balance"], aux["dropped"]], rtol=1e-5
+    )
+    got = jax.tree.map(np.asarray, jax.device_get(new.full_params()))
+    assert_trees_close(nnx.to_pure_dict(got), nnx.to_pure_dict(want), rtol=1e-5, atol=1e-6)
 
 
 def test_a_moe_layer_under_a_table_schedule_raises_while_tracing():

@@ -25,6 +25,7 @@ import spmdcomm as sc
 import spmdcomm.collectives.ragged as ragged
 from spmdcomm.errors import AxisError, BackendError, ShapeError, SpmdError
 from spmdcomm.explain.hlo import inventory, parse_module
+from spmdcomm.parallel.expert.capacity import SequenceSplit, assignment_slots
 from tests.ddp_models import jit_once, nnx_once
 
 ROWS = 6  # rows each device holds in the collective's cases
@@ -297,6 +298,60 @@ def sharded_moe(axes, token_axes, **options):
     specs = {"router": jax.P(), "experts": jax.P("expert")}
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, jax.P(token_axes)), out_specs=(jax.P(token_axes), jax.P()))
     return mesh, mapped
+
+
+def numpy_slots(experts: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Each real assignment's slot at its expert in the capacity rule's order: every first choice before any second
+    choice, then the tokens in the order of ``experts`` (``[tokens, k]``); -1 for the others."""
+    slots, filled = np.full(experts.shape, -1), np.zeros(E, int)
+    for r in range(experts.shape[1]):
+        for t in np.flatnonzero(valid):
+            slots[t, r] = filled[experts[t, r]]
+            filled[experts[t, r]] += 1
+    return slots
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_slots_with_every_sequence_over_a_context_axis_follow_one_devices_token_order(layout):
+    """data 2 x expert 2 x context 2, 2 rows per (data, expert) block, 8 positions of 2 tokens each: every real
+    assignment's global slot is its slot on one device holding the unsplit batch (rows, then each row's positions
+    in sequence order); its group slot (over the expert axis) is its slot among the group's assignments in that
+    order, so a kept assignment's group slot is at most its global slot."""
+    rows, length, inner, k, c = 8, 8, 2, 2, 2
+    rng = np.random.default_rng(3)
+    experts = rng.integers(0, E, (rows, length, inner, k)).astype(np.int32)
+    valid = rng.random((rows, length, inner)) < 0.8
+    split = sc.ContextParallel(layout=layout)
+    order = split.order(length, c)  # the global position each stored position holds
+    mesh = sc.make_mesh({"data": 2, "expert": 2, "context": c})
+    axes = ("data", "expert", "context")
+    sequence = SequenceSplit("context", layout, rows // 4, length // c)
+
+    def body(experts, valid):
+        slots = assignment_slots(
+            experts.reshape(-1, k), E, token_axes=axes, axis_name="expert", valid=valid.reshape(-1), sequence=sequence
+        )
+        shape = experts.shape
+        return slots.global_slot.reshape(shape), slots.group_slot.reshape(shape), slots.counts
+
+    spec = jax.P(("data", "expert"), "context")
+    mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec, jax.P())))
+    stored = lambda a: jax.device_put(a[:, order], jax.NamedSharding(mesh, spec))
+    global_slot, group_slot, counts = (np.asarray(a) for a in mapped(stored(experts), stored(valid)))
+    back = np.argsort(order)
+    global_slot, group_slot = global_slot[:, back], group_slot[:, back]
+    real = np.broadcast_to(valid[..., None], experts.shape)
+    want = numpy_slots(experts.reshape(-1, k), valid.reshape(-1)).reshape(experts.shape)
+    np.testing.assert_array_equal(np.where(real, global_slot, -1), want)
+    np.testing.assert_array_equal(counts, np.bincount(experts[valid].reshape(-1), minlength=E))
+    # A group: the (data, context) devices' tokens, the two expert devices' rows in turn, each device's positions.
+    for data in range(2):
+        for context in range(c):
+            held = np.sort(order[context * (length // c) : (context + 1) * (length // c)])
+            group_rows = np.arange(data * 4, data * 4 + 4)  # rows of (data, expert 0) then (data, expert 1)
+            pick = np.ix_(group_rows, held)
+            mine = numpy_slots(experts[pick].reshape(-1, k), valid[pick].reshape(-1)).reshape(experts[pick].shape)
+            np.testing.assert_array_equal(np.where(real[pick], group_slot[pick], -1), mine)
 
 
 # The fast tier keeps one case of each kind (k = 1 and 2, both routings, capacity); tests/

@@ -4,6 +4,7 @@ Linen layer and the ``expert`` mesh role (``layer``: ``ExpertParallel``, its reg
 (``nnx``, loaded by ``sc.nnx.MoE`` on first use, so that ``flax.nnx`` loads only when it is used). The tokens move
 with :func:`spmdcomm.ragged_all_to_all`."""
 
+from spmdcomm.parallel.expert.capacity import SequenceSplit
 from spmdcomm.parallel.expert.layer import MOE_COLLECTION, ExpertParallel, MoE
 from spmdcomm.parallel.expert.report import ExpertReport
 from spmdcomm.parallel.expert.routing import (
@@ -28,6 +29,7 @@ __all__ = [
     "route",
     "expert_capacity",
     "assignment_slots",
+    "SequenceSplit",
     "load_balancing_loss",
     "router_z_loss",
 ]

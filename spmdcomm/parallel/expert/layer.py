@@ -22,6 +22,8 @@ from jax import lax
 from spmdcomm._format import LAYER_SCOPE
 from spmdcomm.collectives.ragged import RaggedImplementation
 from spmdcomm.errors import AxisError, ShapeError, SpmdError, describe
+from spmdcomm.parallel.context import ContextParallel, active_context
+from spmdcomm.parallel.expert.capacity import SequenceSplit
 from spmdcomm.parallel.expert.report import expert_report
 from spmdcomm.parallel.expert.routing import Experts, MoEStats, RoutingName, check_routing, moe
 from spmdcomm.parallel.pipeline.schedule import PIPELINED, active_schedule
@@ -100,14 +102,15 @@ def expert_split(config: ExpertParallel | None, roles: Any) -> Iterator[None]:
 
 
 def step_split(
-    fn: str, axis_name: str | None, token_axes: tuple[str, ...] | None, capacity_factor: float | None
-) -> tuple[str | None, tuple[str, ...] | None]:
-    """``(axis_name, token_axes)`` a layer runs with: its own outside a step; inside a step, the step's (a layer's
-    own must then be unset or the same). Raises :class:`~spmdcomm.errors.AxisError` for a layer's axes that differ
+    fn: str, axis_name: str | None, token_axes: tuple[str, ...] | None
+) -> tuple[str | None, tuple[str, ...] | None, ContextParallel | None]:
+    """``(axis_name, token_axes, context)`` a layer runs with: its own axes outside a step; inside a step, the
+    step's (a layer's own must then be unset or the same), and the step's context split (``None`` without one),
+    whose axis splits every sequence. Raises :class:`~spmdcomm.errors.AxisError` for a layer's axes that differ
     from the step's and :class:`~spmdcomm.errors.SpmdError` for what the steps cannot run exactly yet."""
     split = _ACTIVE.get()
     if split is None:
-        return axis_name, token_axes
+        return axis_name, token_axes, None
     token_axes_now = split.token_axes
     if split.stage is not None:
         schedule = getattr(active_schedule(), "schedule", "gpipe")
@@ -135,16 +138,22 @@ def step_split(
                     fix=f"leave {name} unset: inside a train or eval step the layer takes it from the step.",
                 )
             )
-    if capacity_factor is not None and split.sequence:
+    return split.axis, token_axes_now, _sequence_split(fn, split.sequence)
+
+
+def _sequence_split(fn: str, sequence: tuple[str, ...]) -> ContextParallel | None:
+    """The context split of the step (its axis splits every sequence), or None without one."""
+    context = active_context() if sequence else None
+    if sequence and (context is None or (context.axis,) != sequence):
         raise SpmdError(
             describe(
                 fn,
-                f"capacity_factor={capacity_factor!r} in a step that splits every sequence over {split.sequence}: "
-                "the capacity rule drops in the global batch's token order, which that split does not keep.",
-                fix="use the dropless layer (capacity_factor=None) with a context axis.",
+                f"the step splits every sequence over {sequence}, but no context split of that axis is active: the "
+                "capacity rule cannot place the tokens in their sequences.",
+                fix="run the layer inside the train or eval step of a state with context=sc.ContextParallel(...).",
             )
         )
-    return split.axis, token_axes_now
+    return context
 
 
 class MoE(nn.Module):
@@ -168,7 +177,10 @@ class MoE(nn.Module):
       experts: ``E``, over all devices.
       k: experts per token (default 2).
       routing: ``"softmax_topk"`` (default) or ``"topk_softmax"``.
-      capacity_factor: ``None`` (dropless, default) or the factor of the GShard/Switch capacity rule.
+      capacity_factor: ``None`` (dropless, default) or the factor of the GShard/Switch capacity rule, which drops
+        in one device's order on the global batch: every first choice before any second choice, then the rows, then
+        each row's positions in the original sequence order (also when a context axis splits every sequence, in
+        either layout: the layer then takes ``x`` as ``[rows, tokens, ..., d]``).
       axis_name: the mesh axis the experts are split over, or ``None`` (every expert on this device).
       token_axes: every axis that splits the tokens, in the global batch's order (default: ``axis_name``).
       implementation: of the all-to-alls: ``"auto"``, ``"native"`` or ``"padded"``.
@@ -225,14 +237,16 @@ class MoE(nn.Module):
         params = meta.unbox(self.get_variable("params", "experts"))
         one = lambda p, rows: cast(jax.Array, expert.apply({"params": p}, rows))
         run = Experts(params, one) if self.grouped else lambda buf: jax.vmap(one)(params, buf)
-        axis, tokens = None, None
+        axis, tokens, context = None, None, None
         if not self.is_initializing():
-            axis, tokens = step_split("MoE", self.axis_name, self.token_axes, self.capacity_factor)
+            axis, tokens, context = step_split("MoE", self.axis_name, self.token_axes)
         _check_held(jax.tree.leaves(params)[0].shape[0], self.experts, axis)
         # Named for sc.explain, which attributes this layer's all-to-alls (forward and backward) to its path.
         real = None if self.is_initializing() else token_mask("MoE", x, mask)
         with jax.named_scope(LAYER_SCOPE + ".".join(str(p) for p in self.path)):
-            y, stats = moe_rows(self, x, router, run, experts=self.experts, axis=axis, tokens=tokens, mask=real)
+            y, stats = moe_rows(
+                self, x, router, run, experts=self.experts, axis=axis, tokens=tokens, mask=real, context=context
+            )
         # Not while initialising: applying the whole init output would append to the init's entry and count twice.
         for field, value in [] if self.is_initializing() else stats._asdict().items():
             self.sow(MOE_COLLECTION, field, value)
@@ -249,11 +263,19 @@ def moe_rows(
     axis: str | None,
     tokens: tuple[str, ...] | None,
     mask: jax.Array | None = None,
+    context: ContextParallel | None = None,
 ) -> tuple[jax.Array, MoEStats]:
     """:func:`moe` of ``x`` (``[..., features]``, every position a token, ``mask`` of ``x.shape[:-1]`` the real ones)
     routed by ``x @ router`` in float32, with ``layer``'s ``k``, ``routing``, ``capacity_factor`` and
-    ``implementation``: the call the Linen and NNX layers share. Returns ``[..., d_out]`` and the statistics."""
+    ``implementation``: the call the Linen and NNX layers share. With the step's ``context`` split and a capacity,
+    ``x`` is ``[rows, tokens, ..., features]``, dimension 1 this device's positions of every sequence (the capacity
+    drops in one device's token order: :class:`~spmdcomm.parallel.expert.capacity.SequenceSplit`). Returns
+    ``[..., d_out]`` and the statistics."""
     h = x.reshape(-1, x.shape[-1])
+    sequence = None
+    if context is not None and layer.capacity_factor is not None:
+        fn = "MoE" if isinstance(layer, nn.Module) else "nnx.MoE"
+        sequence = SequenceSplit.of(fn, context.axis, context.layout, x.shape, layer.capacity_factor)
     y, stats = moe(
         h,
         h.astype(jnp.float32) @ router,
@@ -266,6 +288,7 @@ def moe_rows(
         token_axes=tokens,
         implementation=layer.implementation,
         mask=None if mask is None else mask.reshape(-1),
+        sequence=sequence,
     )
     return y.reshape(*x.shape[:-1], y.shape[-1]), stats
 

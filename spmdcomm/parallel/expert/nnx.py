@@ -41,7 +41,9 @@ class MoE(nnx.Module):
       features: ``d``, the last dimension of the input.
       k: experts per token (default 2).
       routing: ``"softmax_topk"`` (default) or ``"topk_softmax"``.
-      capacity_factor: ``None`` (dropless, default) or the factor of the GShard/Switch capacity rule.
+      capacity_factor: ``None`` (dropless, default) or the factor of the GShard/Switch capacity rule, dropping in
+        one device's order on the global batch, as :class:`spmdcomm.MoE`'s (first choices first, then rows, then
+        each row's positions in the original sequence order, also over a context axis).
       axis_name: the mesh axis the experts are split over, or ``None``.
       token_axes: every axis that splits the tokens, in the global batch's order (default: ``axis_name``).
       implementation: of the all-to-alls: ``"auto"``, ``"native"`` or ``"padded"``.
@@ -110,10 +112,18 @@ class MoE(nnx.Module):
         graphdef, state = nnx.split(self.experts)
         one = lambda s, rows: nnx.merge(graphdef, s)(rows)
         run = Experts(state, one) if self.grouped else lambda buf: jax.vmap(one)(state, buf)
-        axis, tokens = step_split("nnx.MoE", self.axis_name, self.token_axes, self.capacity_factor)
+        axis, tokens, context = step_split("nnx.MoE", self.axis_name, self.token_axes)
         real = token_mask("nnx.MoE", x, mask)
         y, stats = moe_rows(
-            self, x, self.router[...], run, experts=self.num_experts, axis=axis, tokens=tokens, mask=real
+            self,
+            x,
+            self.router[...],
+            run,
+            experts=self.num_experts,
+            axis=axis,
+            tokens=tokens,
+            mask=real,
+            context=context,
         )
         # Only under nnx.capture, which collects them: a sow outside it stores them on the module (deprecated).
         if hasattr(self, "__captures__"):

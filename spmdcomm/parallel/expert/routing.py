@@ -3,7 +3,9 @@ rule), the losses and counts over the global batch, and the dispatch, expert com
 
 Every function that needs the whole batch takes ``token_axes``, the mesh axes that split the tokens (empty on one
 device), and reduces over them with collectives, so its result is the one device's answer on the global batch. The
-global batch is the devices' tokens in row-major device order over ``token_axes``, each device's in its own order.
+global batch is the devices' tokens in row-major device order over ``token_axes``, each device's in its own order;
+when a context axis splits every sequence (``sequence=``), it is one device's order on the unsplit batch instead:
+rows, then each row's positions in the original sequence order.
 
 How :func:`moe` moves the tokens, per device of an expert axis of size ``n`` holding ``E / n`` experts and ``T``
 tokens: the ``T * k`` assignments are sorted by destination device and sent with one
@@ -25,6 +27,7 @@ from jax import lax
 from spmdcomm.collectives.ragged import RaggedImplementation, ragged_all_to_all
 from spmdcomm.errors import ShapeError, SpmdError, describe
 from spmdcomm.parallel.expert.capacity import (
+    SequenceSplit,
     Slots,
     assignment_slots,
     axes_size,
@@ -41,6 +44,7 @@ __all__ = [
     "moe",
     "Routing",
     "Slots",
+    "SequenceSplit",
     "route",
     "expert_capacity",
     "assignment_slots",
@@ -206,6 +210,7 @@ def moe(
     token_axes: tuple[str, ...] | None = None,
     implementation: RaggedImplementation = "auto",
     mask: jax.Array | None = None,
+    sequence: SequenceSplit | None = None,
 ) -> tuple[jax.Array, MoEStats]:
     """``sum_r weight[t, r] * expert_{e[t, r]}(x[t])`` for this device's tokens, the experts split over ``axis_name``.
 
@@ -217,7 +222,9 @@ def moe(
     adds nothing, so a token that loses all its experts gives zeros (the caller's residual passes it on).
     With ``mask``, only the real tokens are routed: the others give zeros, take no capacity slot and count in no
     loss or statistic, and the capacity is the one of the global batch's real tokens; the result is one device's on
-    the real tokens alone.
+    the real tokens alone. With ``sequence`` (every sequence split over a context axis, one of the token axes), the
+    token order of the capacity rule is one device's on the unsplit batch: rows, then each row's positions in the
+    original sequence order, whatever the layout (:func:`~spmdcomm.parallel.expert.routing.assignment_slots`).
 
     Args:
       x: ``[T, d]`` tokens of this device.
@@ -235,15 +242,19 @@ def moe(
         the losses, counts and the capacity rule are over all of them.
       implementation: of the two all-to-alls (:func:`~spmdcomm.ragged_all_to_all`).
       mask: ``[T]``, which tokens are real (bool, or 0/1 numbers), or ``None``: every token is.
+      sequence: how the ``T`` tokens lie in sequences split over a context axis
+        (:class:`~spmdcomm.parallel.expert.capacity.SequenceSplit`: ``rows x length x inner``), or ``None``; read
+        by the capacity rule only (the dropless layer needs no order).
 
     Returns:
       ``(y [T, d_out], stats)``: the combined expert outputs in float32 math, cast to ``x``'s dtype, and the
       :class:`MoEStats`.
 
     Raises:
-      SpmdError: for ``k`` outside ``[1, E]``, an unknown routing, a capacity factor that is not positive, or
-        ``token_axes`` without ``axis_name``.
-      ShapeError: when ``E`` does not divide by the size of ``axis_name``, or ``mask`` is not ``[T]``.
+      SpmdError: for ``k`` outside ``[1, E]``, an unknown routing, a capacity factor that is not positive,
+        ``token_axes`` without ``axis_name``, or a ``sequence`` axis that is not a token axis.
+      ShapeError: when ``E`` does not divide by the size of ``axis_name``, ``mask`` is not ``[T]``, or the tokens do
+        not fit ``sequence``.
     """
     check_routing("moe", experts=experts, k=k, routing=routing, capacity_factor=capacity_factor)
     axes = _token_axes(axis_name, token_axes)
@@ -259,8 +270,9 @@ def moe(
     local = experts // n
     x, tokens = jnp.asarray(x), x.shape[0]
     valid = None if mask is None else _token_mask(mask, tokens)
+    placed = None if capacity_factor is None else _check_sequence(sequence, axes, tokens)
     r = route(logits, k, routing=routing)
-    slots = assignment_slots(r.experts, experts, token_axes=axes, axis_name=axis_name, valid=valid)
+    slots = assignment_slots(r.experts, experts, token_axes=axes, axis_name=axis_name, valid=valid, sequence=placed)
     group_tokens = n * tokens
     real = jnp.ones((tokens, 1), bool) if valid is None else valid[:, None]
     # The global batch's real tokens: k assignments each in the global counts (static without a mask).
@@ -318,6 +330,32 @@ def moe(
         dropped.astype(jnp.float32),
     )
     return y, stats
+
+
+def _check_sequence(sequence: SequenceSplit | None, axes: tuple[str, ...], tokens: int) -> SequenceSplit | None:
+    """``sequence``, checked against the token axes and the ``tokens`` this device holds."""
+    if sequence is None:
+        return None
+    if sequence.axis not in axes:
+        raise SpmdError(
+            describe(
+                "moe",
+                f"sequence splits every sequence over {sequence.axis!r}, which is not one of the token axes {axes}.",
+                fix=f"list {sequence.axis!r} in token_axes (every axis that splits the tokens).",
+            )
+        )
+    rows, length, chunks = sequence.rows, sequence.length, sequence.chunks()
+    if rows < 1 or length < 1 or tokens % (rows * length) or length % chunks:
+        raise ShapeError(
+            describe(
+                "moe",
+                f"{tokens} tokens do not lie as {rows} rows of {length} positions each ({sequence.layout} layout over "
+                f"{sequence.axis!r}: {chunks} whole chunk(s) of every sequence per device).",
+                fix="give the layer its input as [rows, tokens, ..., d], the tokens of every sequence on dimension 1 "
+                "as the step split them.",
+            )
+        )
+    return sequence
 
 
 def _token_mask(mask: jax.Array, tokens: int) -> jax.Array:

@@ -24,6 +24,13 @@ class PipelineStack(nnx.Module):
     must map an array to one of its shape, one example per row, and hold no RNG streams (keep dropout outside the
     stack). Its other state (``nnx.BatchNorm``'s ``BatchStat``) is stacked too and stays whole on every device; in a
     pipeline it updates once per micro-batch, in order, never in a bubble, as one device with ``accum_steps=m``.
+    What the blocks sow under ``nnx.capture`` (a :class:`~spmdcomm.nnx.MoE` layer's losses and counts) comes out in
+    the capture, under the block's paths below ``layers``, each value ``[L, m, ...]``: per layer and per micro-batch
+    (``m = 1`` outside a pipeline; GPipe only), as the Linen :class:`~spmdcomm.PipelineStack` hands out its block's
+    collections::
+
+        y, found = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(model, x)
+        (per_layer,) = found["stack"]["layers"]["moe"]["load_balancing_loss"].get_value()  # [L, m]
 
     Args:
       make_block: ``make_block(rngs) -> nnx.Module``, called once under ``nnx.vmap``.
@@ -62,6 +69,13 @@ class PipelineStack(nnx.Module):
     def __call__(self, x: jax.Array, *args: Any) -> jax.Array:
         """Applies the blocks to ``x`` (rows first) and returns an array of ``x``'s shape.
 
+        Under ``nnx.capture``, what the blocks sow (``self.sow(nnx.Intermediate, ...)``, a MoE layer's statistics)
+        is handed out where the capture finds it, under each block module's path below ``layers``: each value the
+        block sowed in one call is stacked ``[L, m, ...]``, per layer (canonical order) and per micro-batch (``m = 1``
+        outside a pipeline, where the stack is a scan over the whole batch), gathered over the stage axis; a second
+        call under the same capture adds a second entry to the tuple, as a block called twice would. GPipe only: the
+        table schedules raise while tracing a block that sows. Without a capture nothing is collected.
+
         Args:
           x: the input, one example per row of dimension 0.
           *args: passed to every block call.
@@ -69,19 +83,66 @@ class PipelineStack(nnx.Module):
         Returns:
           The last block's output.
         """
-        graphdef, params = nnx.graphdef(self.layers), nnx.state(self.layers, nnx.Param)
-        others = nnx.Not(nnx.Param)  # BatchStat and any other state of the blocks
+        # The Variable types an enclosing nnx.capture collects; its stores stay out of the blocks' state.
+        kinds = tuple(type(v) for v in getattr(self, _CAPTURES, ()))
+        stores = _take_captures(self.layers)
+        try:
+            graphdef, params = nnx.graphdef(self.layers), nnx.state(self.layers, nnx.Param)
+            others = nnx.Not(nnx.Param)  # BatchStat and any other state of the blocks
+            state = nnx.state(self.layers, others)
+        finally:
+            _put_captures(stores)
 
         def layer(layer_params: Any, layer_state: Any, h: jax.Array, index: jax.Array, row: jax.Array) -> Any:
-            block = nnx.merge(graphdef, layer_params, layer_state)
-            out = block(h, *args)
-            return out, nnx.state(block, others)
+            block = nnx.merge(graphdef, layer_params, layer_state[_STATE])
+            if not kinds:
+                return block(h, *args), {_STATE: nnx.state(block, others)}
+            out, *found = nnx.capture(lambda b, h: b(h, *args), *kinds)(block, h)
+            # Each kind the block sowed is a collection of its own: the schedule stacks it [L, m, ...].
+            sown = {kind.__name__: f for kind, f in zip(kinds, found, strict=True) if jax.tree.leaves(f)}
+            return out, {_STATE: nnx.state(block, others), **sown}
 
-        state = nnx.state(self.layers, others)
-
-        out, new_state = run_stack(layer, params, x, state=state, remat=False)
-        nnx.update(self.layers, new_state)
+        out, new_state = run_stack(layer, params, x, state={_STATE: state}, remat=False)
+        nnx.update(self.layers, new_state[_STATE])
+        _hand_out(self.layers, {kind: new_state[kind.__name__] for kind in kinds if kind.__name__ in new_state})
         return out
+
+
+#: The key of the blocks' own state (BatchStat) among the collections a layer of the stack returns.
+_STATE = "state"
+#: The attribute ``nnx.capture`` keeps a module's stores in (one Variable per type it collects) while it runs.
+_CAPTURES = "__captures__"
+
+
+def _take_captures(layers: nnx.Module) -> list[tuple[nnx.Module, Any]]:
+    """Removes the stores an enclosing ``nnx.capture`` put on the block's modules, which the block's state must not
+    carry; returns them for :func:`_put_captures`."""
+    taken = []
+    for _, module in nnx.iter_modules(layers):
+        if hasattr(module, _CAPTURES):
+            taken.append((module, getattr(module, _CAPTURES)))
+            delattr(module, _CAPTURES)
+    return taken
+
+
+def _put_captures(taken: list[tuple[nnx.Module, Any]]) -> None:
+    for module, stores in taken:
+        setattr(module, _CAPTURES, nnx.data(stores))
+
+
+def _hand_out(layers: nnx.Module, found: dict[Any, Any]) -> None:
+    """Puts what the blocks sowed (``{kind: State}``, paths relative to the block, values ``[L, m, ...]``) into the
+    enclosing capture's stores of the modules at those paths, as their own ``sow`` would (a tuple gains entries)."""
+    modules = dict(nnx.iter_modules(layers))
+    for kind, state in found.items():
+        for path, variable in nnx.to_flat_state(state):
+            stores: tuple[Any, ...] = getattr(modules[tuple(path[:-1])], _CAPTURES, ())
+            for store in stores:
+                if type(store) is kind:
+                    name, value = path[-1], variable.get_value()
+                    before = store[name] if name in store else None
+                    both = isinstance(before, tuple) and isinstance(value, tuple)
+                    store[name] = before + value if both else value
 
 
 # nnx.Module's metaclass hides __init__'s signature from inspect and help() (they see (*args, **kwargs)).
