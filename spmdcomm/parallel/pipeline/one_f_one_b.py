@@ -99,25 +99,17 @@ def loop(pipeline: Pipeline, pieces: MicroPieces, model_state: Any, micro: Any, 
     # have their gradients summed over the stage axis once, after the loop.
     whole = [axis not in varying_axes(a) for a in jax.tree.leaves(pieces.params)]
     params = vary(pieces.params, (axis,))
-    every = tuple(sorted(set(axes) | {axis}))
-    others = set().union(*(varying_axes(a) for a in jax.tree.leaves(micro))) - set(every)
-    if others:
-        # The layers' collectives over such an axis would run inside the loop's per-stage branches, which XLA:CPU
-        # does not rendezvous (a hang, seen with context parallelism's attention).
-        raise SpmdError(
-            describe(
-                "make_train_step",
-                f"schedule={pipeline.schedule!r} with the batch split over {sorted(others)} besides the data and stage "
-                "axes (a context or expert axis): the layers' collectives over it would run inside the loop's "
-                "per-stage branches, which the table schedules do not run yet.",
-                fix="use sc.Pipeline(..., schedule='gpipe') on this mesh.",
-            )
-        )
+    # The batch split over axes besides the data and stage axes (context, expert): the layers run collectives over
+    # them, which every device of a group must run at the same point; a stage then runs every unit's action, on
+    # a work item or masked (a lockstep table), never a branch of its own.
+    others = set().union(*(varying_axes(a) for a in jax.tree.leaves(micro))) - set(axes) - {axis}
+    every = tuple(sorted(set(axes) | {axis} | others))
+    lockstep = bool(others)
 
     groups = micro[1].shape[0]
 
     def group(j: Any, model_state: Any, batch: Any, mask: jax.Array) -> tuple[Any, ...]:
-        return _group(pipeline, pieces, params, every, (j, groups), model_state, batch, mask)
+        return _group(pipeline, pieces, params, every, lockstep, (j, groups), model_state, batch, mask)
 
     # The groups run in turn, the model state threaded through them (as the sequential loop's micro-batches).
     grads, metrics, count, model_state = group(0, model_state, *jax.tree.map(lambda a: a[0], micro))
@@ -143,6 +135,7 @@ def _group(
     pieces: MicroPieces,
     params: Any,
     every: tuple[str, ...],
+    lockstep: bool,
     group: Any,
     model_state: Any,
     batch: Any,
@@ -154,7 +147,7 @@ def _group(
 
     axis, m, v = pipeline.axis, pipeline.microbatches, pipeline.repeats
     p, s = lax.axis_size(axis), lax.axis_index(axis)
-    plan = tables.table(pipeline.schedule, stages=p, microbatches=m, repeats=v)
+    plan = tables.table(pipeline.schedule, stages=p, microbatches=m, repeats=v, lockstep=lockstep)
     j, groups = group
     q = m // p
     rows = mask.shape[0]
@@ -279,8 +272,10 @@ def _group(
 
     def unit(carry: Any, xs: Any) -> tuple[Any, None]:
         inbox_f, inbox_b, ring, cts, layer_state, stack_grads, grads, metrics, count = carry
-        columns, events = xs
+        columns, events, kind = xs
         op, r, item, res_slot, inbox, grad_slot, recv_f, recv_b, recv_loss = (c[s] for c in columns)
+        # In a lockstep table a stage without a work item runs the unit's action masked: its results are dropped.
+        real, r = op != tables.IDLE, jnp.maximum(r, 0)
         # Stage 0's chunk 0 takes the micro-batch from the device that holds its rows (its layers before the stack).
         first = events["input"]
         x_in = cond(
@@ -292,15 +287,15 @@ def _group(
         h = jnp.where(inbox < 0, x_in, inbox_f[slot])
         res = [a[jnp.maximum(res_slot, 0)] for a in ring]
         kept = [a[jnp.maximum(grad_slot, 0)] for a in cts]
-        action = jnp.asarray(branch_of)[op]
+        action = jnp.asarray(branch_of)[kind if lockstep else op]
         st = jax.tree.map(lambda a: a[r], layer_state)
         out, new, g, c, st = lax.switch(action, [typed(b) for b in branches], r, item, h, inbox_b[slot], res, kept, st)
-        layer_state = jax.tree.map(lambda a, n: a.at[r].set(n), layer_state, st)
+        layer_state = jax.tree.map(lambda a, n: a.at[r].set(jnp.where(real, n, a[r])), layer_state, st)
         is_f = op == tables.F
         ring = [a.at[res_slot].set(jnp.where(is_f, n, a[res_slot])) for a, n in zip(ring, new, strict=True)]
         if zb:
             cts = [a.at[grad_slot].set(jnp.where(op == tables.I, n, a[grad_slot])) for a, n in zip(cts, c, strict=True)]
-        stack_grads = jax.tree.map(lambda a, d: a.at[r].add(d), stack_grads, g)
+        stack_grads = jax.tree.map(lambda a, d: a.at[r].add(jnp.where(real, d, jnp.zeros_like(d))), stack_grads, g)
         # The loss of the micro-batch leaving the last stage, on its device; the cotangent goes back.
         done = events["loss"]
 
@@ -345,7 +340,8 @@ def _group(
     carry = (*vary((inbox_f, inbox_b), every), ring, cts, vary(layer_state, every), *sums)
     columns = tuple(jnp.asarray(plan.columns[name]) for name in tables.COLUMNS)
     events = {name: jnp.asarray(e) for name, e in plan.events.items()}
-    carry, _ = lax.scan(unit, carry, (columns, events))
+    kinds = jnp.asarray(plan.kinds if plan.kinds is not None else np.zeros(plan.units, np.int32))
+    carry, _ = lax.scan(unit, carry, (columns, events, kinds))
     *_, layer_state, stack_grads, grads, metrics, count = carry
     # The stack's gradient, summed over the units, goes back to the parameters once (through the pre piece).
     _, to_params = jax.vjp(lambda p_: pre(p_, 0)["params"], params)
