@@ -198,7 +198,11 @@ class _Simulation:
                 if busy_until[s] >= u:
                     finished += 1  # the second unit of a B
                     continue
-                action = self._pick(kinds[-1], ready[s]) if self.lockstep else self._choose(s, ready[s], next_f[s], next_b[s], held[s])
+                action = (
+                    self._pick(kinds[-1], ready[s])
+                    if self.lockstep
+                    else self._choose(s, ready[s], next_f[s], next_b[s], held[s])
+                )
                 if action is None:
                     continue
                 name, j, r = action
