@@ -426,27 +426,13 @@ def masked_stacked_loss(params, batch, *, apply_fn, mask, **_):
     }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
-def test_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_device_accumulating_micro_batches(padded):
-    """Each layer's losses and capacity are per micro-batch, as one device accumulating the same micro-batches:
-    micro-batch i holds, in (data, expert) order, the rows of the stage-i device of each (data, expert) replica.
-    Padded, each stage runs its micro-batch with that micro-batch's real rows (the real rows' capacity and losses),
-    as one device given each micro-batch's real rows alone."""
-    data = batch()
-    params = stacked_params()
-    state = sc.TrainState.create(
-        params=params,
-        tx=optax.sgd(LR),
-        apply_fn=Stacked().apply,
-        mesh=sc.make_mesh({"data": 2, "stage": 2, "expert": 2}),
-        pipeline=sc.Pipeline(microbatches=2),
-        logical_axis_rules=RULES[None],
-    )
+@functools.cache
+def stacked_reference(padded):
+    """One device accumulating the micro-batches of a ``data 2 x stage 2 x expert 2`` pipeline with m = 2: micro-batch
+    i holds, in (data, expert) order, the rows of the stage-i device of each (data, expert) replica (device
+    (d, s, e) holds rows block 4 d + 2 s + e), each run with its real rows alone."""
+    data, params = batch(), stacked_params()
     real = np.arange(ROWS) < (REAL_ROWS if padded else ROWS)
-    given = sc.pad_batch(jax.tree.map(lambda a: a[:REAL_ROWS], data), 8) if padded else data
-    new, metrics = sc.make_train_step(masked_stacked_loss if padded else stacked_loss, donate=False)(state, given)
-    # Device (d, s, e) holds rows block 4 d + 2 s + e; micro-batch i is its stage-i devices' blocks.
     blocks = np.arange(ROWS).reshape(2, 2, 2, ROWS // 8)
     micro = [[r for r in blocks[:, i].reshape(-1) if real[r]] for i in range(2)]
 
@@ -459,9 +445,7 @@ def test_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_device_ac
         balance = sum(a["balance"] for _, a in parts) / 2
         return task / real.sum() + BALANCE * balance, balance
 
-    want, value, balance = jax.jit(functools.partial(sgd, jax.value_and_grad(loss, has_aux=True)))(nn.unbox(params))
-    np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
-    assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
+    return jax.jit(functools.partial(sgd, jax.value_and_grad(loss, has_aux=True)))(nn.unbox(params))
 
 
 class NnxMoEBlock(nnx.Module):
@@ -485,7 +469,7 @@ class NnxStacked(nnx.Module):
 
 def test_an_nnx_gpipe_stack_hands_out_per_layer_and_micro_batch_what_one_device_sows():
     """The eval step on stage 2 with 2 micro-batches and 4 layers (2 per stage): the capture holds [L, m], layer l's
-    value on micro-batch i (stage device i's rows) as one device's on those rows. Under 1F1B such a block raises."""
+    value on micro-batch i (stage device i's rows) as one device's on those rows. Under 1F1B the same step."""
     stack = nnx_once(lambda: sc.nnx.PipelineStack(Sowing, layers=4, rngs=nnx.Rngs(0)))
     mesh = sc.make_mesh({"data": 1, "stage": 2}, devices=jax.devices()[:2])
     state = sc.TrainState.create_nnx(stack, tx=optax.sgd(LR), mesh=mesh, pipeline=sc.Pipeline(microbatches=2))
@@ -502,16 +486,19 @@ def test_an_nnx_gpipe_stack_hands_out_per_layer_and_micro_batch_what_one_device_
     for i in range(2):
         for layer in range(4):
             np.testing.assert_allclose(got[f"{layer}/{i}"], want[i][f"{layer}/0"], rtol=1e-5)
-    # A table schedule differentiates the layers in pieces of its own: what they sow could not reach the loss.
-    table = sc.TrainState.create_nnx(
-        stack, tx=optax.sgd(LR), mesh=mesh, pipeline=sc.Pipeline(microbatches=2, schedule="1f1b")
-    )
 
+    # A table schedule hands the loss each micro-batch's values, [L, 1]: a loss that averages over dimension 1
+    # trains as under GPipe.
     def loss(model, x, *, rng, mask):
-        return sum(sown(model, x, mask=mask).values())
+        _, found = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(model, x)
+        (means,) = found["layers"]["mean"].get_value()
+        return jnp.sum(jnp.mean(means, axis=1))
 
-    with pytest.raises(SpmdError, match=r"sows into \['Intermediate'\] under a schedule other than 'gpipe'"):
-        sc.make_train_step(sc.nnx_loss_fn(loss), donate=False)(table, x)
+    step = sc.make_train_step(sc.nnx_loss_fn(loss), donate=False)
+    table = state.replace(pipeline=sc.Pipeline(microbatches=2, schedule="1f1b"))
+    (gpipe_state, gpipe), (table_state, got) = step(state, x), step(table, x)
+    np.testing.assert_allclose(got["loss"], gpipe["loss"], rtol=1e-5)
+    assert_trees_close(jax.device_get(table_state.full_params()), jax.device_get(gpipe_state.full_params()), rtol=1e-5)
 
 
 def nnx_stacked_loss(model, batch, *, rng, mask):
@@ -612,18 +599,34 @@ def test_nnx_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_devic
     assert_trees_close(nnx.to_pure_dict(got), nnx.to_pure_dict(want), rtol=1e-5, atol=1e-6)
 
 
-def test_a_moe_layer_under_a_table_schedule_raises_while_tracing():
+@pytest.mark.parametrize(
+    "schedule, padded",
+    [
+        pytest.param("gpipe", False, id="gpipe-full", marks=pytest.mark.slow),
+        pytest.param("gpipe", True, id="gpipe-padded", marks=pytest.mark.slow),
+        ("1f1b", False),
+        pytest.param("zb-h1", False, id="zb-h1-full", marks=pytest.mark.slow),
+    ],
+)
+def test_moe_blocks_in_a_stack_on_data2_stage2_expert2_equal_one_device_accumulating_micro_batches(schedule, padded):
+    """Each layer's losses and capacity are per micro-batch, as one device accumulating the same micro-batches
+    (:func:`stacked_reference`). Padded, each stage runs its micro-batch with that micro-batch's real rows (the real
+    rows' capacity and losses), as one device given each micro-batch's real rows alone. The table schedules (lockstep
+    on the expert axis) hand the loss each micro-batch's sown values, [L, 1]: the same numbers."""
     data = batch()
     state = sc.TrainState.create(
         params=stacked_params(),
         tx=optax.sgd(LR),
         apply_fn=Stacked().apply,
         mesh=sc.make_mesh({"data": 2, "stage": 2, "expert": 2}),
-        pipeline=sc.Pipeline(microbatches=2, schedule="1f1b"),
+        pipeline=sc.Pipeline(microbatches=2, schedule=schedule),
         logical_axis_rules=RULES[None],
     )
-    with pytest.raises(SpmdError, match=r"schedule='1f1b' with the batch split over \['expert'\].*schedule='gpipe'"):
-        sc.make_train_step(stacked_loss, donate=False)(state, data)
+    given = sc.pad_batch(jax.tree.map(lambda a: a[:REAL_ROWS], data), 8) if padded else data
+    new, metrics = sc.make_train_step(masked_stacked_loss if padded else stacked_loss, donate=False)(state, given)
+    want, value, balance = stacked_reference(padded)
+    np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
+    assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -144,14 +144,17 @@ def test_a_1f1b_checkpoint_resumes_under_gpipe_as_one_device(tmp_path):
     assert_trees_close(jax.device_get(restored.full_params()), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lockstep", [False, True], ids=["table", "lockstep"])
 @pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
 @pytest.mark.parametrize("p, m, v", [(2, 2, 1), (4, 8, 1), (4, 16, 1), (2, 4, 2), (4, 8, 2), (8, 16, 2)])
-def test_tables_keep_v_p_chunks_and_respect_every_dependency(kind, p, m, v):
+def test_tables_keep_v_p_chunks_and_respect_every_dependency(kind, p, m, v, lockstep):
     """Replays a table: every stage runs each chunk of each micro-batch forward and backward once, after what it
     needs has arrived (a neighbour's output of an earlier unit, or the loss); the inbox and ring slots it reads hold
     what it needs; at most v p chunks are in flight per stage. 1F1B's bubble is GPipe's, (p - 1) / (v m + p - 1),
-    in 3 (v m + p - 1) units; ZB-H1's is smaller, a third of it at m = p."""
-    t = tables.table(kind, stages=p, microbatches=m, repeats=v)
+    in 3 (v m + p - 1) units; ZB-H1's is smaller, a third of it at m = p. A lockstep table runs one action per unit
+    on every stage (the others masked), keeping up to p - 1 chunks more: 1F1B's the same bubble in 2 (v m + p - 1)
+    units, stage s keeping v p + p - 1 - 2 s; ZB-H1's still below GPipe's, stage s keeping v p + p - 1 - s."""
+    t = tables.table(kind, stages=p, microbatches=m, repeats=v, lockstep=lockstep)
     c, e = t.columns, t.events
     done, ring, inbox_f, inbox_b, grads = {}, {}, {}, {}, {}
     backward = tables.B if kind == "1f1b" else tables.I
@@ -193,12 +196,22 @@ def test_tables_keep_v_p_chunks_and_respect_every_dependency(kind, p, m, v):
             slot = (to, int(c["recv_f" if way == "f" else "recv_b"][u, to]))
             assert slot not in inbox
             inbox[slot] = (j, chunk)
+        if lockstep:
+            assert {int(o) for o in c["op"][u]} <= {tables.IDLE, int(t.kinds[u])}
         for s in range(p):
-            assert sum(1 for stage, _ in ring if stage == s) <= v * p
+            assert sum(1 for stage, _ in ring if stage == s) <= v * p + (p - 1 if lockstep else 0)
     assert not ring and not inbox_f and not inbox_b and not grads
     assert len(done) == p * m * v * (2 if kind == "1f1b" else 3)
-    assert t.in_flight == v * p and max(t.slots["res"], *t.in_flight_per_stage) == v * p
     gpipe = (p - 1) / (v * m + p - 1)
+    if lockstep:
+        keeps = [min(v * m, v * p + p - 1 - (2 if kind == "1f1b" else 1) * s) for s in range(p)]
+        assert t.in_flight_per_stage == keeps
+        if kind == "1f1b":
+            assert t.units == 2 * (v * m + p - 1) and t.bubble == pytest.approx(gpipe)
+        else:
+            assert t.bubble < gpipe
+        return
+    assert t.in_flight == v * p and max(t.slots["res"], *t.in_flight_per_stage) == v * p
     if kind == "1f1b":
         assert t.units == 3 * (v * m + p - 1) and t.bubble == pytest.approx(gpipe)
         assert t.in_flight_per_stage == [v * p - s for s in range(p)]

@@ -163,6 +163,30 @@ CASES = [  # the fast tier runs context (masked rows, tokens split unevenly over
         id="zb-h1-loss-scale-accum2",
         marks=SLOW,
     ),
+    # The table schedules with a context axis run lockstep tables (tables.py): the attention's collectives over the
+    # context axis run on every stage at each unit. ZB-H1 zig-zag with FSDP; 1F1B contiguous with accumulation.
+    pytest.param(
+        {"data": 2, "stage": 2, "context": 2},
+        {
+            "strategy": "fsdp",
+            "pipeline": sc.Pipeline(microbatches=2, schedule="zb-h1"),
+            "context": sc.ContextParallel(),
+        },
+        1,
+        id="zb-h1-context",
+        marks=SLOW,
+    ),
+    pytest.param(
+        {"stage": 2, "context": 4},
+        {
+            "strategy": "ddp",
+            "pipeline": sc.Pipeline(microbatches=2, schedule="1f1b"),
+            "context": sc.ContextParallel(layout="contiguous"),
+        },
+        2,
+        id="1f1b-context-contiguous-accum2",
+        marks=SLOW,
+    ),
 ]
 
 
@@ -206,15 +230,6 @@ def test_evaluate_gives_the_exact_token_weighted_mean_of_an_eval_set_with_a_padd
     np.testing.assert_allclose(got["loss"], (ce * w).sum() / w.sum(), rtol=1e-5)
     np.testing.assert_allclose(got["accuracy"], (right * w).sum() / w.sum(), rtol=1e-6)
     np.testing.assert_allclose(got["row_mean"], w.mean(-1).mean(), rtol=1e-6)  # a plain mean still weighs by rows
-
-
-def test_a_table_schedule_with_a_context_axis_is_refused():
-    with pytest.raises(sc.SpmdError, match=r"schedule='zb-h1' with the batch split over \['context'\].*'gpipe'"):
-        train(
-            {"data": 2, "stage": 2, "context": 2},
-            pipeline=sc.Pipeline(microbatches=2, schedule="zb-h1"),
-            context=sc.ContextParallel(),
-        )
 
 
 def scalar_loss(total, weight, aux=None):

@@ -26,7 +26,7 @@ from spmdcomm.parallel.context import ContextParallel, active_context
 from spmdcomm.parallel.expert.capacity import SequenceSplit
 from spmdcomm.parallel.expert.report import expert_report
 from spmdcomm.parallel.expert.routing import Experts, MoEStats, RoutingName, check_routing, moe
-from spmdcomm.parallel.pipeline.schedule import PIPELINED, active_schedule
+from spmdcomm.parallel.pipeline.schedule import PIPELINED
 from spmdcomm.parallel.real_rows import Unknown, real_rows
 from spmdcomm.parallel.registry import Parallelism
 
@@ -113,16 +113,6 @@ def step_split(
         return axis_name, token_axes, None
     token_axes_now = split.token_axes
     if split.stage is not None:
-        schedule = getattr(active_schedule(), "schedule", "gpipe")
-        if schedule != "gpipe":
-            raise SpmdError(
-                describe(
-                    fn,
-                    f"a MoE layer in a step with schedule={schedule!r} (stage axis {split.stage!r}): its statistics "
-                    "per micro-batch are handed out by the GPipe loop only.",
-                    fix="use sc.Pipeline(..., schedule='gpipe') for a model with MoE layers.",
-                )
-            )
         if PIPELINED.get() == split.stage:
             # Inside the loop the stage devices hold other micro-batches and layers: one micro-batch's tokens.
             token_axes_now = tuple(a for a in split.token_axes if a != split.stage)

@@ -22,58 +22,90 @@ class Layers:
     (``jax.vjp`` per layer), the backward pass from them, and its two halves (input and weight gradient)."""
 
     def __init__(
-        self, layer_fn: LayerFn, chunks: Any, stage: jax.Array, stages: int, k: int, x: jax.Array, state: Any, axis: str
+        self,
+        layer_fn: LayerFn,
+        chunks: Any,
+        stage: jax.Array,
+        stages: int,
+        k: int,
+        x: jax.Array,
+        state: Any,
+        axis: str,
+        *,
+        sown: tuple[str, ...] = (),
+        axes: tuple[str, ...] = (),
     ) -> None:
-        self.layer_fn, self.chunks, self.stage, self.stages, self.k, self.x = layer_fn, chunks, stage, stages, k, x
+        self.chunks, self.stage, self.stages, self.k, self.x = chunks, stage, stages, k, x
         self.axis = axis
         self.state = state  # one layer's state, a stand-in for tracing the backward passes' structure
+
+        def differentiated(w: Any, st: Any, h: jax.Array, index: jax.Array, row: Any) -> Any:
+            # What the layer sows (a MoE layer's losses, the collections in `sown`) is an output the loss reads,
+            # so it is differentiated with the layer's output: ((h, sown), state).
+            out, new = layer_fn(w, st, h, index, row)
+            if not sown:
+                return (out, {}), new
+            kept = type(new)({c: v for c, v in new.items() if c not in sown})
+            # Integer values (an expert's token counts) as floats: differentiable outputs (their cotangents unused).
+            real = lambda a: a if jnp.issubdtype(a.dtype, jnp.inexact) else a.astype(jnp.float32)
+            return (out, vary(jax.tree.map(real, {c: new[c] for c in sown}), axes)), kept
+
+        self.layer_fn = differentiated
 
     def chunk(self, r: Any) -> Any:
         """Chunk ``r``'s parameters (its ``k`` layers on dimension 0)."""
         return jax.tree.map(lambda a: a[r], self.chunks)
 
-    def forward(self, r: Any, h: jax.Array, row: Any, state: Any) -> tuple[jax.Array, list[jax.Array], Any]:
+    def forward(self, r: Any, h: jax.Array, row: Any, state: Any) -> tuple[jax.Array, list[jax.Array], Any, Any]:
         """Chunk ``r`` on ``h`` from its layers' ``state``: its output, the residuals of its layers (stacked
-        ``[k, ...]``), but the parameters, which the stage holds anyway, and the layers' new state."""
+        ``[k, ...]``), but the parameters, which the stage holds anyway, the layers' new state and what they sowed
+        (stacked ``[k, ...]``)."""
 
         def one(h: jax.Array, xs: Any) -> Any:
             w, st, index = xs
             # The state is an input of the differentiated function (its cotangent unused): a layer that updates
             # it in place (NNX's BatchStat) must be built in the trace that updates it.
-            out, vjp_fn, st = jax.vjp(lambda w, h, st: self.layer_fn(w, st, h, index, row), w, h, st, has_aux=True)
-            return out, ([a for a, keep in zip(*_residuals(vjp_fn, w, self.axis), strict=True) if keep], st)
+            (out, sown), vjp_fn, st = jax.vjp(
+                lambda w, h, st: self.layer_fn(w, st, h, index, row), w, h, st, has_aux=True
+            )
+            return out, ([a for a, keep in zip(*_residuals(vjp_fn, w, self.axis), strict=True) if keep], st, sown)
 
-        out, (res, state) = lax.scan(one, h, (self.chunk(r), state, self._indices(r)))
-        return out, res, state
+        out, (res, state, sown) = lax.scan(one, h, (self.chunk(r), state, self._indices(r)))
+        return out, res, state, sown
 
-    def backward(self, r: Any, res: list[jax.Array], ct: jax.Array, row: Any) -> tuple[jax.Array, Any]:
-        """The cotangent of chunk ``r``'s input and its weight gradient, from its residuals."""
+    def backward(self, r: Any, res: list[jax.Array], ct: jax.Array, ct_sown: Any, row: Any) -> tuple[jax.Array, Any]:
+        """The cotangent of chunk ``r``'s input and its weight gradient, from its residuals, the cotangent of its
+        output and those of what its layers sowed (``[k, ...]``)."""
 
         def one(ct: jax.Array, xs: Any) -> Any:
-            w, res, index = xs
-            g_w, g_h, _ = self._vjp(w, res, index, row, ct)(ct)
+            w, res, index, ct_sown = xs
+            g_w, g_h, _ = self._vjp(w, res, index, row, ct)((ct, ct_sown))
             return g_h, g_w
 
-        return lax.scan(one, ct, (self.chunk(r), res, self._indices(r)), reverse=True)
+        return lax.scan(one, ct, (self.chunk(r), res, self._indices(r), ct_sown), reverse=True)
 
-    def split_backward(self, res_shapes: list[Any], h: jax.Array) -> None:
+    def split_backward(self, res_shapes: list[Any], h: jax.Array, sown: Any) -> None:
         """Cuts a layer's backward pass into the input and the weight gradient (:mod:`~.split`), traced on stand-ins
-        of the types the loop calls it with (``res_shapes``: a chunk's residuals; ``h``: a layer's input)."""
+        of the types the loop calls it with (``res_shapes``: a chunk's residuals; ``h``: a layer's input; ``sown``:
+        what a layer sows)."""
         w = jax.tree.map(lambda a: a[0], self.chunk(0))
         res = [typed_zeros(a)[0] for a in res_shapes]
         index = vary(jnp.zeros((), jnp.int32), (self.axis,))  # as the loop's, they vary over the stage axis
-        backward = lambda w, res, ct, index, row: self._vjp(w, res, index, row, ct)(ct)[:2]
-        self.cut = split.split_backward(backward, w, res, h, index, index, axis=self.axis)
+        backward = lambda w, res, ct, index, row: self._vjp(w, res, index, row, ct[0])(ct)[:2]
+        ct = (h, jax.tree.map(typed_zeros, sown))
+        self.cut = split.split_backward(backward, w, res, ct, index, index, axis=self.axis)
 
-    def input_grad(self, r: Any, res: list[jax.Array], ct: jax.Array, row: Any) -> tuple[jax.Array, list[jax.Array]]:
+    def input_grad(
+        self, r: Any, res: list[jax.Array], ct: jax.Array, ct_sown: Any, row: Any
+    ) -> tuple[jax.Array, list[jax.Array]]:
         """The cotangent of chunk ``r``'s input, and what each layer's weight gradient needs of its backward pass
         (:meth:`weight_grad`), stacked ``[k, ...]``."""
 
         def one(ct: jax.Array, xs: Any) -> Any:
-            w, res, index = xs
-            return self.cut.input_grad(w, res, ct, index, row)
+            w, res, index, ct_sown = xs
+            return self.cut.input_grad(w, res, (ct, ct_sown), index, row)
 
-        return lax.scan(one, ct, (self.chunk(r), res, self._indices(r)), reverse=True)
+        return lax.scan(one, ct, (self.chunk(r), res, self._indices(r), ct_sown), reverse=True)
 
     def weight_grad(self, r: Any, res: list[jax.Array], kept: list[jax.Array], row: Any) -> Any:
         """Chunk ``r``'s weight gradient, from its residuals and what :meth:`input_grad` kept: its matmuls only."""

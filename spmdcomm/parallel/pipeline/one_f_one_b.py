@@ -40,7 +40,7 @@ zeros), and every device runs the pre and post pieces at those units (only the r
 from __future__ import annotations
 
 import contextvars
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +51,8 @@ from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.pipeline import tables
 from spmdcomm.parallel.pipeline.actions import Layers, typed_zeros
-from spmdcomm.parallel.pipeline.schedule import LayerFn, MicroPieces
+from spmdcomm.parallel.pipeline.schedule import PIPELINED, LayerFn, MicroPieces
+from spmdcomm.parallel.real_rows import UNKNOWN, Unknown, real_rows, rows_of
 
 if TYPE_CHECKING:
     from spmdcomm.parallel.pipeline.pipeline import Pipeline
@@ -71,23 +72,26 @@ def stack_piece(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array) -> tup
     if piece is None:
         return None
     if isinstance(piece, dict):
-        # The loop differentiates the layers in pieces of its own, out of the user's reach: nothing they sow
-        # (a MoE layer's losses) could come back. Tracing one layer finds out: what it returns beyond its state.
+        # What the block sows (a MoE layer's losses): what one layer returns beyond its state. The loss sees it
+        # per micro-batch, [L, 1, ...]; in the pre piece, zeros of that shape (what follows the stack is unused).
         first_params, first_state = jax.tree.map(lambda a: a[0], (params, state))
         _, out = jax.eval_shape(lambda p, st, h: layer_fn(p, st, h, jnp.int32(0), 0), first_params, first_state, x)
         sown = sorted(set(out) - set(state))
-        if sown:
-            raise SpmdError(
-                describe(
-                    "PipelineStack",
-                    f"the stack's block sows into {sown} under a schedule other than 'gpipe': that schedule "
-                    "cannot hand per-micro-batch values back to the loss.",
-                    fix="use sc.Pipeline(..., schedule='gpipe'), which hands them out [L, m, ...].",
-                )
-            )
-        piece.update(layer_fn=layer_fn, params=params, state=state, x=x)
-        return x, state
-    return piece, state
+        layers = jax.tree.leaves(params)[0].shape[0] * piece["stages"]
+        stand_in = jax.tree.map(lambda a: jnp.zeros((layers, 1, *a.shape), a.dtype), {c: out[c] for c in sown})
+        piece.update(layer_fn=layer_fn, params=params, state=state, x=x, sown=sown, rows=real_rows(), like=stand_in)
+        return x, {**state, **stand_in}
+    # The loop carries integer values (an expert's token counts) as floats: each back to its own dtype.
+    return piece.h, {**state, **jax.tree.map(lambda a, like: a.astype(like.dtype), piece.sown, piece.like)}
+
+
+class _Post(NamedTuple):
+    """What the stack returns in a post piece: the pipeline's output and what its layers sowed for the micro-batch,
+    ``[L, 1, ...]``."""
+
+    h: jax.Array
+    sown: dict[str, Any]
+    like: dict[str, Any]
 
 
 def loop(pipeline: Pipeline, pieces: MicroPieces, model_state: Any, micro: Any, axes: tuple[str, ...]) -> Any:
@@ -99,25 +103,17 @@ def loop(pipeline: Pipeline, pieces: MicroPieces, model_state: Any, micro: Any, 
     # have their gradients summed over the stage axis once, after the loop.
     whole = [axis not in varying_axes(a) for a in jax.tree.leaves(pieces.params)]
     params = vary(pieces.params, (axis,))
-    every = tuple(sorted(set(axes) | {axis}))
-    others = set().union(*(varying_axes(a) for a in jax.tree.leaves(micro))) - set(every)
-    if others:
-        # The layers' collectives over such an axis would run inside the loop's per-stage branches, which XLA:CPU
-        # does not rendezvous (a hang, seen with context parallelism's attention).
-        raise SpmdError(
-            describe(
-                "make_train_step",
-                f"schedule={pipeline.schedule!r} with the batch split over {sorted(others)} besides the data and stage "
-                "axes (a context or expert axis): the layers' collectives over it would run inside the loop's "
-                "per-stage branches, which the table schedules do not run yet.",
-                fix="use sc.Pipeline(..., schedule='gpipe') on this mesh.",
-            )
-        )
+    # The batch split over axes besides the data and stage axes (context, expert): the layers run collectives over
+    # them, which every device of a group must run at the same point; a stage then runs every unit's action, on
+    # a work item or masked (a lockstep table), never a branch of its own.
+    others = set().union(*(varying_axes(a) for a in jax.tree.leaves(micro))) - set(axes) - {axis}
+    every = tuple(sorted(set(axes) | {axis} | others))
+    lockstep = bool(others)
 
     groups = micro[1].shape[0]
 
     def group(j: Any, model_state: Any, batch: Any, mask: jax.Array) -> tuple[Any, ...]:
-        return _group(pipeline, pieces, params, every, (j, groups), model_state, batch, mask)
+        return _group(pipeline, pieces, params, every, lockstep, (j, groups), model_state, batch, mask)
 
     # The groups run in turn, the model state threaded through them (as the sequential loop's micro-batches).
     grads, metrics, count, model_state = group(0, model_state, *jax.tree.map(lambda a: a[0], micro))
@@ -143,6 +139,7 @@ def _group(
     pieces: MicroPieces,
     params: Any,
     every: tuple[str, ...],
+    lockstep: bool,
     group: Any,
     model_state: Any,
     batch: Any,
@@ -154,7 +151,7 @@ def _group(
 
     axis, m, v = pipeline.axis, pipeline.microbatches, pipeline.repeats
     p, s = lax.axis_size(axis), lax.axis_index(axis)
-    plan = tables.table(pipeline.schedule, stages=p, microbatches=m, repeats=v)
+    plan = tables.table(pipeline.schedule, stages=p, microbatches=m, repeats=v, lockstep=lockstep)
     j, groups = group
     q = m // p
     rows = mask.shape[0]
@@ -164,13 +161,13 @@ def _group(
     def pre(p_: Any, part: Any) -> dict[str, Any]:
         """The stack's input, parameters, layer function and state, and the model state the loss returns."""
         b, mk = jax.tree.map(lambda a: a[part], parts)
-        captured: dict[str, Any] = {}
+        captured: dict[str, Any] = {"stages": p}
         token = _PIECE.set(captured)
         try:
             _, (_, (_, aux)) = pieces.loss(p_, model_state, b, mk, j, part)
         finally:
             _PIECE.reset(token)
-        if captured:
+        if "x" in captured:
             return {**captured, "returned": aux.get("model_state", model_state)}
         raise SpmdError(
             describe(
@@ -180,9 +177,11 @@ def _group(
             )
         )
 
-    def post(p_: Any, h: jax.Array, part: Any) -> tuple[jax.Array, Any]:
+    def post(p_: Any, h: jax.Array, part: Any, sown: Any) -> tuple[jax.Array, Any]:
         b, mk = jax.tree.map(lambda a: a[part], parts)
-        token = _PIECE.set(h)  # the stack's state is what it was given: only the loop's is kept
+        token = _PIECE.set(
+            _Post(h, sown, first["like"])
+        )  # the stack's state is what it was given: only the loop's is kept
         try:
             count, (value, (loss, aux)) = pieces.loss(p_, model_state, b, mk, j, part)
         finally:
@@ -195,9 +194,24 @@ def _group(
     x0, weights0 = first["x"], first["params"]
 
     def layer_fn(*args: Any) -> Any:
-        # The loop runs the layers outside the user's function: in the contexts the step runs that in.
-        with pieces.context():
-            return first["layer_fn"](*args)
+        # The loop runs the layers outside the user's function: in the contexts the step runs that in, on one
+        # micro-batch of the stage group's (a MoE layer's tokens: those of the other axes, not the stage axis).
+        token = PIPELINED.set(axis)
+        try:
+            with pieces.context():
+                return first["layer_fn"](*args)
+        finally:
+            PIPELINED.reset(token)
+
+    # The real rows of each micro-batch (a MoE layer routes those only): part i mod q of stage device i // q's.
+    given = first["rows"]
+    if given is None or isinstance(given, Unknown):
+        micro_rows = lambda item: given
+    elif given.shape[0] != first["x"].shape[0]:
+        micro_rows = lambda item: UNKNOWN
+    else:
+        every_mask = lax.all_gather(vary(parts[1], (axis,)), axis, tiled=True)  # [p q, mb], stage-major
+        micro_rows = lambda item: every_mask[jnp.maximum(item, 0)]
 
     local = jax.tree.leaves(weights0)[0].shape[0]  # this stage's layers: v chunks of k
     k = local // v
@@ -208,7 +222,8 @@ def _group(
     rebuild = _state_rebuilder(model_state, first["returned"], stack_state, pipeline.schedule)
     own = gpipe.stage_rows(stack_state, local, p, v, s)
     layer_state = vary(jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), own), every)
-    layers = Layers(layer_fn, chunks, s, p, k, x0, jax.tree.map(lambda a: a[0, 0], layer_state), axis)
+    one_state = jax.tree.map(lambda a: a[0, 0], layer_state)
+    layers = Layers(layer_fn, chunks, s, p, k, x0, one_state, axis, sown=tuple(first["sown"]), axes=every)
 
     def row_of(item: jax.Array) -> jax.Array:
         # The first row of micro-batch `item` relative to this device's part 0, whose key the layers draw from:
@@ -219,17 +234,25 @@ def _group(
     # The residuals keep the types the forward pass gives them (a BatchNorm's statistics, summed over the data
     # axes, do not vary over them): the backward pass, traced on a stand-in, expects exactly those.
     chunk_state = jax.tree.map(lambda a: a[0], layer_state)
-    res_shapes = jax.eval_shape(lambda h, st: layers.forward(0, h, 0, st)[1], vary(x0, every), chunk_state)
+    with rows_of(micro_rows(0)):
+        forward_shapes = jax.eval_shape(lambda h, st: layers.forward(0, h, 0, st), vary(x0, every), chunk_state)
+    _, res_shapes, _, sown_shapes = forward_shapes
+    # What the layers sow, per micro-batch and chunk ([m, v, k, ...]), and the loss's cotangents of it.
+    sown_buf = jax.tree.map(lambda a: typed_zeros(a, m, v), sown_shapes)
+    ct_buf = jax.tree.map(lambda a: typed_zeros(a, m, v), sown_shapes)
+    sown_zeros = lambda: jax.tree.map(typed_zeros, sown_shapes)
     buffers = lambda n, shape, dtype: jnp.zeros((n,) + shape, dtype)
     ring = [typed_zeros(a, plan.slots["res"]) for a in res_shapes]
     if zb:
-        layers.split_backward(res_shapes, vary(x0, every))
+        with rows_of(micro_rows(0)):  # the rows' mask only types the trace: the residuals carry its values
+            layers.split_backward(res_shapes, vary(x0, every), jax.tree.map(lambda a: typed_zeros(a)[0], sown_shapes))
     # ZB-H1: what each layer's input gradient keeps for its weight gradient, k layers of a chunk per slot.
     kept_types = layers.cut.kept if zb else []
     cts = [typed_zeros(a, plan.slots["grad"], k) for a in kept_types]
     inbox_f = buffers(plan.slots["inbox_f"], x0.shape, x0.dtype)
     inbox_b = buffers(plan.slots["inbox_b"], x0.shape, x0.dtype)
-    metric_shapes = jax.eval_shape(lambda: post(params, x0, 0)[1][1])
+    sown_whole = lambda tree: jax.tree.map(lambda a: jnp.zeros((v * p * k, 1, *a.shape[1:]), a.dtype), tree)
+    metric_shapes = jax.eval_shape(lambda: post(params, x0, 0, sown_whole(sown_shapes))[1][1])
     zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
     cyclic = v > 1  # the last stage's chunk r feeds stage 0's chunk r + 1
     right = [(i, (i + 1) % p) for i in range(p if cyclic else p - 1)]
@@ -244,43 +267,51 @@ def _group(
     cond = lambda pred, yes, no, typing=varied: lax.cond(pred, typing(yes), typing(no))
     chunk0 = layers.chunk(0)
     typed = lambda f: (
-        lambda *a: (lambda o: (vary(o[0], every), o[1], like(o[2], chunk0), o[3], vary(o[4], every)))(f(*a))
+        lambda *a: (
+            lambda o: (vary(o[0], every), o[1], like(o[2], chunk0), o[3], vary(o[4], every), vary(o[5], every))
+        )(f(*a))
     )
 
     # The switch's branches, by action: each gives (out, residuals to keep, weight gradient of the chunk, layer
     # cotangents to keep, the chunk's state); what an action does not give is zeros (the state: unchanged).
-    def idle(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
+    def idle(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
         blank = [typed_zeros(a, k) for a in kept_types]
-        return nothing(), [typed_zeros(a) for a in res_shapes], zeros(chunk0), blank, st
+        return nothing(), [typed_zeros(a) for a in res_shapes], zeros(chunk0), blank, st, sown_zeros()
 
-    def forward(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
-        out, new, st = layers.forward(r, h, row_of(item), st)
-        _, _, g, c, _ = idle(r, item, h, ct, res, kept, st)
-        return out, new, g, c, st
+    def forward(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
+        with rows_of(micro_rows(item)):
+            out, new, st, sown = layers.forward(r, h, row_of(item), st)
+        _, _, g, c, _, _ = idle(r, item, h, ct, cs, res, kept, st)
+        return out, new, g, c, st, sown
 
-    def backward(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
-        ct_in, g = layers.backward(r, res, ct, row_of(item))
-        _, new, _, c, _ = idle(r, item, h, ct, res, kept, st)
-        return ct_in, new, g, c, st
+    def backward(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
+        with rows_of(micro_rows(item)):
+            ct_in, g = layers.backward(r, res, ct, cs, row_of(item))
+        _, new, _, c, _, sown = idle(r, item, h, ct, cs, res, kept, st)
+        return ct_in, new, g, c, st, sown
 
-    def input_grad(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
-        ct_in, c = layers.input_grad(r, res, ct, row_of(item))
-        _, new, g, _, _ = idle(r, item, h, ct, res, kept, st)
-        return ct_in, new, g, c, st
+    def input_grad(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
+        with rows_of(micro_rows(item)):
+            ct_in, c = layers.input_grad(r, res, ct, cs, row_of(item))
+        _, new, g, _, _, sown = idle(r, item, h, ct, cs, res, kept, st)
+        return ct_in, new, g, c, st, sown
 
-    def weight_grad(r: Any, item: Any, h: Any, ct: Any, res: Any, kept: Any, st: Any) -> Any:
-        g = layers.weight_grad(r, res, kept, row_of(item))
-        out, new, _, c, _ = idle(r, item, h, ct, res, kept, st)
-        return out, new, g, c, st
+    def weight_grad(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
+        with rows_of(micro_rows(item)):
+            g = layers.weight_grad(r, res, kept, row_of(item))
+        out, new, _, c, _, sown = idle(r, item, h, ct, cs, res, kept, st)
+        return out, new, g, c, st, sown
 
     branches = [idle, forward, input_grad, weight_grad] if zb else [idle, forward, backward]
     branch_of = np.zeros(5, np.int32)
     branch_of[[tables.F, tables.B, tables.I, tables.W]] = [1, 2, 2, 3]
 
     def unit(carry: Any, xs: Any) -> tuple[Any, None]:
-        inbox_f, inbox_b, ring, cts, layer_state, stack_grads, grads, metrics, count = carry
-        columns, events = xs
+        inbox_f, inbox_b, ring, cts, sown_buf, ct_buf, layer_state, stack_grads, grads, metrics, count = carry
+        columns, events, kind = xs
         op, r, item, res_slot, inbox, grad_slot, recv_f, recv_b, recv_loss = (c[s] for c in columns)
+        # In a lockstep table a stage without a work item runs the unit's action masked: its results are dropped.
+        real, r, at = op != tables.IDLE, jnp.maximum(r, 0), jnp.maximum(item, 0)
         # Stage 0's chunk 0 takes the micro-batch from the device that holds its rows (its layers before the stack).
         first = events["input"]
         x_in = cond(
@@ -292,15 +323,19 @@ def _group(
         h = jnp.where(inbox < 0, x_in, inbox_f[slot])
         res = [a[jnp.maximum(res_slot, 0)] for a in ring]
         kept = [a[jnp.maximum(grad_slot, 0)] for a in cts]
-        action = jnp.asarray(branch_of)[op]
+        action = jnp.asarray(branch_of)[kind if lockstep else op]
         st = jax.tree.map(lambda a: a[r], layer_state)
-        out, new, g, c, st = lax.switch(action, [typed(b) for b in branches], r, item, h, inbox_b[slot], res, kept, st)
-        layer_state = jax.tree.map(lambda a, n: a.at[r].set(n), layer_state, st)
+        cs = jax.tree.map(lambda a: a[at, r], ct_buf)
+        out, new, g, c, st, sown = lax.switch(
+            action, [typed(b) for b in branches], r, item, h, inbox_b[slot], cs, res, kept, st
+        )
+        layer_state = jax.tree.map(lambda a, n: a.at[r].set(jnp.where(real, n, a[r])), layer_state, st)
         is_f = op == tables.F
+        sown_buf = jax.tree.map(lambda a, n: a.at[at, r].set(jnp.where(is_f, n, a[at, r])), sown_buf, sown)
         ring = [a.at[res_slot].set(jnp.where(is_f, n, a[res_slot])) for a, n in zip(ring, new, strict=True)]
         if zb:
             cts = [a.at[grad_slot].set(jnp.where(op == tables.I, n, a[grad_slot])) for a, n in zip(cts, c, strict=True)]
-        stack_grads = jax.tree.map(lambda a, d: a.at[r].add(d), stack_grads, g)
+        stack_grads = jax.tree.map(lambda a, d: a.at[r].add(jnp.where(real, d, jnp.zeros_like(d))), stack_grads, g)
         # The loss of the micro-batch leaving the last stage, on its device; the cotangent goes back.
         done = events["loss"]
 
@@ -308,15 +343,33 @@ def _group(
             h_out = vary(from_stage(p - 1, out), (axis,))  # varying: the cotangent stays this device's
             owner = s == jnp.maximum(done, 0) // q
             part = jnp.maximum(done, 0) % q
-            value, post_vjp, (n, sums) = jax.vjp(lambda p_, h: post(p_, h, part), params, h_out, has_aux=True)
-            g_post, ct_out = post_vjp(vary(jnp.where(owner, 1.0, 0.0).astype(value.dtype), every))
+            # What every layer sowed for the micro-batch, in layer order (layer (r p + s) k + j: [v, p, k]).
+            gathered = jax.tree.map(lambda a: lax.all_gather(a[jnp.maximum(done, 0)], axis, axis=1), sown_buf)
+            sown = jax.tree.map(lambda a: a.reshape((v * p * k, 1, *a.shape[3:])), gathered)
+            value, post_vjp, (n, sums) = jax.vjp(
+                lambda p_, h, sown: post(p_, h, part, sown), params, h_out, sown, has_aux=True
+            )
+            g_post, ct_out, ct_sown = post_vjp(vary(jnp.where(owner, 1.0, 0.0).astype(value.dtype), every))
             ct_last = from_stage(jnp.maximum(done, 0) // q, ct_out)
+            # This stage's layers' share of the sown values' cotangents, [v, k, ...], from the rows' device.
+            mine = lambda a: from_stage(jnp.maximum(done, 0) // q, a).reshape((v, p, k, *a.shape[2:]))[:, s]
             masked = lambda t: jax.tree.map(lambda a: jnp.where(owner, a, jnp.zeros_like(a)), t)
-            return ct_last, g_post, masked(sums), jnp.where(owner, n, 0.0)
+            return ct_last, g_post, masked(sums), jnp.where(owner, n, 0.0), jax.tree.map(mine, ct_sown)
 
-        no_loss = lambda: (jnp.zeros_like(x0), zeros(params), zeros(metric_shapes), jnp.zeros((), jnp.float32))
+        no_loss = lambda: (
+            jnp.zeros_like(x0),
+            zeros(params),
+            zeros(metric_shapes),
+            jnp.zeros((), jnp.float32),
+            jax.tree.map(lambda a: a[0], zeros(ct_buf)),
+        )
         loss_typing = lambda f: lambda: (lambda o: (vary(o[0], every), like(o[1], params), *vary(o[2:], every)))(f())
-        ct_last, g_post, sums, n = cond(done >= 0, loss, no_loss, loss_typing)
+        ct_last, g_post, sums, n, ct_sown = cond(done >= 0, loss, no_loss, loss_typing)
+        ct_buf = jax.tree.map(
+            lambda a, c: a.at[jnp.maximum(done, 0)].set(jnp.where(done >= 0, c, a[jnp.maximum(done, 0)])),
+            ct_buf,
+            ct_sown,
+        )
         grads = jax.tree.map(jnp.add, grads, g_post)
         metrics = jax.tree.map(jnp.add, metrics, sums)
         # What this unit sent reaches the neighbours' inboxes: activations from the left, cotangents from the right.
@@ -335,17 +388,31 @@ def _group(
 
         params_typing = lambda f: lambda: like(f(), params)
         grads = jax.tree.map(jnp.add, grads, cond(back >= 0, embed_grad, lambda: zeros(params), params_typing))
-        return (inbox_f, inbox_b, ring, cts, layer_state, stack_grads, grads, metrics, count + n), None
+        return (
+            inbox_f,
+            inbox_b,
+            ring,
+            cts,
+            sown_buf,
+            ct_buf,
+            layer_state,
+            stack_grads,
+            grads,
+            metrics,
+            count + n,
+        ), None
 
     sums = (
         like(zeros(chunks), chunks),
         like(zeros(params), params),
         *vary((zeros(metric_shapes), jnp.zeros(())), every),
     )
-    carry = (*vary((inbox_f, inbox_b), every), ring, cts, vary(layer_state, every), *sums)
+    inboxes, sown_bufs = vary((inbox_f, inbox_b), every), vary((sown_buf, ct_buf), every)
+    carry = (*inboxes, ring, cts, *sown_bufs, vary(layer_state, every), *sums)
     columns = tuple(jnp.asarray(plan.columns[name]) for name in tables.COLUMNS)
     events = {name: jnp.asarray(e) for name, e in plan.events.items()}
-    carry, _ = lax.scan(unit, carry, (columns, events))
+    kinds = jnp.asarray(plan.kinds if plan.kinds is not None else np.zeros(plan.units, np.int32))
+    carry, _ = lax.scan(unit, carry, (columns, events, kinds))
     *_, layer_state, stack_grads, grads, metrics, count = carry
     # The stack's gradient, summed over the units, goes back to the parameters once (through the pre piece).
     _, to_params = jax.vjp(lambda p_: pre(p_, 0)["params"], params)

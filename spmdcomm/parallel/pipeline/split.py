@@ -103,7 +103,10 @@ def split_backward(backward: Callable[..., tuple[Any, Any]], *args: Any, axis: s
     second = [i for i in flat.needed(g_w) if i not in set(first)]
     while True:
         made = {k for i in first for k in flat.eqns[i].outs} | set(ct)
+        # What the weight gradient reads, and the parts of it the first half computes whole (a weight's gradient
+        # that the input gradient needs too, or a cotangent passed straight through).
         read = {k for i in second for k in flat.eqns[i].ins if isinstance(k, int)}
+        read |= {k for k in g_w if isinstance(k, int)}
         kept_keys = sorted(made & read)
         # A value that does not vary over the stage axis is a constant of the trace: recomputed, not kept.
         constant = [k for k in kept_keys if axis not in varying_axes(flat.avals[k])]

@@ -74,6 +74,8 @@ class Table:
       events: ``name -> [units]``: ``input`` (the micro-batch stage 0 takes from its device), ``loss`` (the one
         whose loss is computed), ``back`` (the one whose cotangent leaves stage 0 for its device's layers).
       slots: ``name -> count``: ``res``, ``inbox_f``, ``inbox_b``, ``grad``: buffer sizes (at least 1).
+      kinds: ``[units]``, a lockstep table's action at each unit (every stage runs it, on a work item or masked);
+        ``None`` for a table whose stages run different actions at a unit.
     """
 
     kind: str
@@ -83,6 +85,7 @@ class Table:
     columns: dict[str, np.ndarray]
     events: dict[str, np.ndarray]
     slots: dict[str, int]
+    kinds: np.ndarray | None = None
 
     @property
     def units(self) -> int:
@@ -100,11 +103,20 @@ class Table:
         return self._peaks
 
     @property
+    def lockstep(self) -> bool:
+        """Whether every stage runs the same action at each unit (module docstring)."""
+        return self.kinds is not None
+
+    @property
     def bubble(self) -> float:
-        """The idle fraction of the stages' units (a ``B`` counts its two units)."""
+        """The idle fraction of the stages' time: of their units, a ``B`` counting its two; in a lockstep table, of
+        the units weighted by their action's cost (``F = I = W = 1``, ``B = 2``), a stage that runs the unit's
+        action masked being idle."""
         op = self.columns["op"]
-        busy = np.count_nonzero(op != IDLE) + np.count_nonzero(op == B)
-        return float(1.0 - busy / op.size)
+        if self.kinds is None:
+            busy = np.count_nonzero(op != IDLE) + np.count_nonzero(op == B)
+            return float(1.0 - busy / op.size)
+        return float(1.0 - _COST[op].sum() / (_COST[self.kinds].sum() * self.stages))
 
     @functools.cached_property
     def _peaks(self) -> list[int]:
@@ -115,11 +127,16 @@ class Table:
 
 
 @functools.cache
-def table(kind: str, *, stages: int, microbatches: int, repeats: int) -> Table:
+def table(kind: str, *, stages: int, microbatches: int, repeats: int, lockstep: bool = False) -> Table:
     """The table of schedule ``kind`` (a key of :data:`SCHEDULES`) for ``p`` stages, ``m`` micro-batches (a multiple
-    of ``p``) and ``v`` chunks per stage (module docstring)."""
+    of ``p``) and ``v`` chunks per stage; ``lockstep``: every stage runs the same action at each unit (module
+    docstring)."""
     kind = SCHEDULES[kind]
-    return _Simulation(kind, stages, microbatches, repeats).run()
+    return _Simulation(kind, stages, microbatches, repeats, lockstep).run()
+
+
+#: What each action costs, in forward passes (the lockstep bubble's weights).
+_COST = np.array([0, 1, 2, 1, 1])
 
 
 class _Slots:
@@ -140,8 +157,8 @@ class _Slots:
 
 
 class _Simulation:
-    def __init__(self, kind: str, p: int, m: int, v: int) -> None:
-        self.kind, self.p, self.m, self.v = kind, p, m, v
+    def __init__(self, kind: str, p: int, m: int, v: int, lockstep: bool) -> None:
+        self.kind, self.p, self.m, self.v, self.lockstep = kind, p, m, v, lockstep
         # Forwards in Megatron's interleaved order: groups of p micro-batches through chunk 0, then chunk 1, ...;
         # backwards the same through the chunks in reverse.
         order = [(g * p + i, r) for g in range(m // p) for r in range(v) for i in range(p)]
@@ -162,8 +179,10 @@ class _Simulation:
         where: dict[tuple[str, int, int, int], int] = {}  # (buffer, stage, item, chunk) -> slot
         rows: list[dict[str, list[int]]] = []
         events: list[dict[str, int]] = []
-        total = 3 * v * m * p  # F and B (two units), or F, I and W
+        # F and B (two units; one in lockstep), or F, I and W
+        total = (2 if self.kind == "1f1b" and self.lockstep else 3) * v * m * p
         finished = 0
+        kinds: list[int] = []
         while finished < total:
             u = len(rows)
             if u > 8 * (v * m + p) * 3:
@@ -172,17 +191,24 @@ class _Simulation:
             row["op"] = [IDLE] * p
             event = {"input": -1, "loss": -1, "back": -1}
             outputs: list[tuple[str, int, int, int]] = []
+            ready = [self._ready(s, u, done, next_f, next_b, pending_w) for s in range(p)]
+            if self.lockstep:
+                kinds.append(self._unit_kind(kinds[-1] if kinds else None, ready, next_f, next_b))
             for s in range(p):
                 if busy_until[s] >= u:
                     finished += 1  # the second unit of a B
                     continue
-                action = self._choose(s, u, done, next_f, next_b, pending_w, held)
+                action = (
+                    self._pick(kinds[-1], ready[s])
+                    if self.lockstep
+                    else self._choose(s, ready[s], next_f[s], next_b[s], held[s])
+                )
                 if action is None:
                     continue
                 name, j, r = action
                 row["op"][s], row["chunk"][s], row["item"][s] = {"F": F, "B": B, "I": I, "W": W}[name], r, j
                 # A B's cotangent is ready after its second unit.
-                done[(name, s, j, r)] = u + 1 if name == "B" else u
+                done[(name, s, j, r)] = u + 1 if name == "B" and not self.lockstep else u
                 finished += 1
                 if name == "F":
                     next_f[s] += 1
@@ -200,7 +226,7 @@ class _Simulation:
                     row["inbox"][s] = slot = where.pop(("in_b", s, j, r))
                     inbox_b.free(s, slot)
                     if name == "B":
-                        busy_until[s] = u + 1
+                        busy_until[s] = u if self.lockstep else u + 1
                         held[s] -= 1
                         res.free(s, where.pop(("res", s, j, r)))
                     else:
@@ -233,9 +259,10 @@ class _Simulation:
         columns = {name: np.array([row[name] for row in rows], np.int32) for name in COLUMNS}
         event_columns = {name: np.array([e[name] for e in events], np.int32) for name in ("input", "loss", "back")}
         slots = {"res": res.size, "inbox_f": inbox_f.size, "inbox_b": inbox_b.size, "grad": grad.size}
-        return Table(self.kind, p, m, v, columns, event_columns, slots)
+        lock = np.array(kinds, np.int32) if self.lockstep else None
+        return Table(self.kind, p, m, v, columns, event_columns, slots, lock)
 
-    def _choose(
+    def _ready(
         self,
         s: int,
         u: int,
@@ -243,13 +270,13 @@ class _Simulation:
         next_f: list[int],
         next_b: list[int],
         pending_w: list[list[tuple[int, int]]],
-        held: list[int],
-    ) -> tuple[str, int, int] | None:
-        """The action stage ``s`` runs at unit ``u`` (None: it waits)."""
+    ) -> dict[str, tuple[str, int, int] | None]:
+        """What stage ``s`` could run at unit ``u``: its next forward and next backward (``B`` or ``I``) in their
+        orders if their inputs have arrived, and its oldest pending weight gradient."""
         p, v, n = self.p, self.v, len(self.forwards)
         before = lambda key: done.get(key, u) < u  # finished at an earlier unit: its output has arrived
         backward = "B" if self.kind == "1f1b" else "I"
-        ready_b = ready_f = None
+        ready: dict[str, tuple[str, int, int] | None] = {"F": None, "B": None, "W": None}
         if next_b[s] < n:
             j, r = self.backwards[next_b[s]]
             if s == p - 1 and r == v - 1:
@@ -257,21 +284,56 @@ class _Simulation:
             else:
                 to, chunk = (s + 1, r) if s < p - 1 else (0, r + 1)
                 source = (backward, to, j, chunk)
-            ready_b = (backward, j, r) if before(source) else None
+            ready["B"] = (backward, j, r) if before(source) else None
         if next_f[s] < n:
             j, r = self.forwards[next_f[s]]
             if (s == 0 and r == 0) or before(("F", s - 1, j, r) if s > 0 else ("F", p - 1, j, r - 1)):
-                ready_f = ("F", j, r)
+                ready["F"] = ("F", j, r)
+        if pending_w[s]:
+            ready["W"] = ("W", *pending_w[s][0])
+        return ready
+
+    def _choose(
+        self, s: int, ready: dict[str, tuple[str, int, int] | None], next_f: int, next_b: int, held: int
+    ) -> tuple[str, int, int] | None:
+        """The action stage ``s`` runs at a unit of a table whose stages run different actions (None: it waits)."""
+        p, v, n = self.p, self.v, len(self.forwards)
         if self.kind == "1f1b":
             # A fixed order, as Megatron's: v p - s - 1 forwards, then a forward and a backward in turn, then the
             # last backwards; the stage waits for the next of its order.
             warm = min(v * p - s - 1, n)
-            forward_next = next_f[s] < warm or (next_f[s] < n and next_b[s] >= next_f[s] - warm)
-            return ready_f if forward_next else ready_b
+            forward_next = next_f < warm or (next_f < n and next_b >= next_f - warm)
+            return ready["F"] if forward_next else ready["B"]
         # ZB-H1: an input gradient as soon as it can run (the previous stage waits for it), else a forward while
         # the ring has room, else the oldest weight gradient.
-        if ready_b is not None:
-            return ready_b
-        if ready_f is not None and held[s] < self.limit:
-            return ready_f
-        return ("W", *pending_w[s][0]) if pending_w[s] else None
+        if ready["B"] is not None:
+            return ready["B"]
+        if ready["F"] is not None and held < self.limit:
+            return ready["F"]
+        return ready["W"]
+
+    def _unit_kind(
+        self,
+        last: int | None,
+        ready: list[dict[str, tuple[str, int, int] | None]],
+        next_f: list[int],
+        next_b: list[int],
+    ) -> int:
+        """A lockstep unit's action: the next of the schedule's cycle (``F``, ``B``; ``F``, ``I``, ``W``) that some
+        stage can run; a ``W`` only when every stage has one pending (else it would run masked somewhere) or
+        nothing else is left."""
+        cycle = [F, B] if self.kind == "1f1b" else [F, I, W]
+        start = 0 if last is None else cycle.index(last) + 1
+        n = len(self.forwards)
+        rest = all(f == n for f in next_f) and all(b == n for b in next_b)
+        for kind in cycle[start:] + cycle[:start]:
+            key = "F" if kind == F else "W" if kind == W else "B"
+            stages = [r[key] is not None for r in ready]
+            if any(stages) and (kind != W or all(stages) or rest):
+                return kind
+        raise AssertionError(f"the lockstep {self.kind} table is stuck: p={self.p}, m={self.m}, v={self.v}")
+
+    @staticmethod
+    def _pick(kind: int, ready: dict[str, tuple[str, int, int] | None]) -> tuple[str, int, int] | None:
+        """A stage's action at a lockstep unit of action ``kind``: its ready one of that kind (None: masked)."""
+        return ready["F" if kind == F else "W" if kind == W else "B"]
