@@ -6,13 +6,17 @@ stage keeps a bounded number of micro-batches' activations, whatever ``m``, and 
 What each stage runs when is a table (:mod:`spmdcomm.parallel.pipeline.tables`), computed in NumPy before tracing;
 this module's loop runs any table. The step's loop hands it the pieces of a micro-batch
 (:class:`~spmdcomm.parallel.pipeline.schedule.MicroPieces`): the user's loss on a part of the device's rows. The
-stack splits it: run in the *pre* piece, the stack hands over its input and its parameters (what follows it is
-unused); run in the *post* piece, it returns the output the pipeline computed. The layers outside the stack
+stack splits it (:mod:`~spmdcomm.parallel.pipeline.pieces`): run in the *pre* piece, the stack hands over its input
+and its parameters (what follows it is unused); run in the *post* piece, it returns the output the pipeline computed
+and what the layers sowed for the micro-batch (gathered from the stages when its loss runs; their cotangents go
+back to each stage's layers with the output's). The layers outside the stack
 (embedding, head, loss) run on the rows' own device, as in GPipe. Device ``s`` of a data replica owns micro-batches
 ``[s m/p, (s+1) m/p)``, a part each of its rows.
 
 One loop over the table's units. At each unit every stage runs its action on one chunk of its layers (a
-``lax.switch``: a stage without one computes nothing):
+``lax.switch``: a stage without one computes nothing). With the batch split over a context or expert axis the
+layers run collectives over it, which every device of a group must run at the same point: the loop then runs a
+lockstep table, every stage running each unit's action, on its work item or masked (results dropped):
 
 - ``F``: the chunk's forward pass, one ``jax.vjp`` per layer; the residuals (every layer's activations, but the
   parameters) go to the ring slot the table names, and the layers' state (BatchNorm's running statistics) moves
@@ -39,8 +43,7 @@ zeros), and every device runs the pre and post pieces at those units (only the r
 
 from __future__ import annotations
 
-import contextvars
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -51,47 +54,14 @@ from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.pipeline import tables
 from spmdcomm.parallel.pipeline.actions import Layers, typed_zeros
-from spmdcomm.parallel.pipeline.schedule import PIPELINED, LayerFn, MicroPieces
-from spmdcomm.parallel.real_rows import UNKNOWN, Unknown, real_rows, rows_of
+from spmdcomm.parallel.pipeline.pieces import Post, state_rebuilder, traced_piece
+from spmdcomm.parallel.pipeline.schedule import PIPELINED, MicroPieces
+from spmdcomm.parallel.real_rows import UNKNOWN, Unknown, rows_of
 
 if TYPE_CHECKING:
     from spmdcomm.parallel.pipeline.pipeline import Pipeline
 
-__all__ = ["loop", "stack_piece"]
-
-#: The piece being traced: None (no 1F1B loop: the stack runs as GPipe), a dict (pre: the stack puts what it was
-#: given there), or the stack's output (post).
-_PIECE: contextvars.ContextVar[Any] = contextvars.ContextVar("spmdcomm_1f1b_piece", default=None)
-
-
-def stack_piece(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array) -> tuple[jax.Array, Any] | None:
-    """What a 1F1B pipeline's stack does in the piece being traced: ``None`` outside the 1F1B loop (the eval step:
-    the stack runs as GPipe); in a pre piece it hands over what it was given and returns its input (what follows
-    the stack is then unused, and compiled away); in a post piece it returns the output the pipeline computed."""
-    piece = _PIECE.get()
-    if piece is None:
-        return None
-    if isinstance(piece, dict):
-        # What the block sows (a MoE layer's losses): what one layer returns beyond its state. The loss sees it
-        # per micro-batch, [L, 1, ...]; in the pre piece, zeros of that shape (what follows the stack is unused).
-        first_params, first_state = jax.tree.map(lambda a: a[0], (params, state))
-        _, out = jax.eval_shape(lambda p, st, h: layer_fn(p, st, h, jnp.int32(0), 0), first_params, first_state, x)
-        sown = sorted(set(out) - set(state))
-        layers = jax.tree.leaves(params)[0].shape[0] * piece["stages"]
-        stand_in = jax.tree.map(lambda a: jnp.zeros((layers, 1, *a.shape), a.dtype), {c: out[c] for c in sown})
-        piece.update(layer_fn=layer_fn, params=params, state=state, x=x, sown=sown, rows=real_rows(), like=stand_in)
-        return x, {**state, **stand_in}
-    # The loop carries integer values (an expert's token counts) as floats: each back to its own dtype.
-    return piece.h, {**state, **jax.tree.map(lambda a, like: a.astype(like.dtype), piece.sown, piece.like)}
-
-
-class _Post(NamedTuple):
-    """What the stack returns in a post piece: the pipeline's output and what its layers sowed for the micro-batch,
-    ``[L, 1, ...]``."""
-
-    h: jax.Array
-    sown: dict[str, Any]
-    like: dict[str, Any]
+__all__ = ["loop"]
 
 
 def loop(pipeline: Pipeline, pieces: MicroPieces, model_state: Any, micro: Any, axes: tuple[str, ...]) -> Any:
@@ -162,11 +132,8 @@ def _group(
         """The stack's input, parameters, layer function and state, and the model state the loss returns."""
         b, mk = jax.tree.map(lambda a: a[part], parts)
         captured: dict[str, Any] = {"stages": p}
-        token = _PIECE.set(captured)
-        try:
+        with traced_piece(captured):
             _, (_, (_, aux)) = pieces.loss(p_, model_state, b, mk, j, part)
-        finally:
-            _PIECE.reset(token)
         if "x" in captured:
             return {**captured, "returned": aux.get("model_state", model_state)}
         raise SpmdError(
@@ -179,13 +146,8 @@ def _group(
 
     def post(p_: Any, h: jax.Array, part: Any, sown: Any) -> tuple[jax.Array, Any]:
         b, mk = jax.tree.map(lambda a: a[part], parts)
-        token = _PIECE.set(
-            _Post(h, sown, first["like"])
-        )  # the stack's state is what it was given: only the loop's is kept
-        try:
+        with traced_piece(Post(h, sown, first["like"])):  # the stack's state is what it was given: the loop's is kept
             count, (value, (loss, aux)) = pieces.loss(p_, model_state, b, mk, j, part)
-        finally:
-            _PIECE.reset(token)
         aux = {k: v for k, v in aux.items() if k != "model_state"}
         return value, (count, pieces.metrics(count, loss, aux))
 
@@ -219,7 +181,7 @@ def _group(
     # The stack's state (BatchNorm's statistics: whole on every device, canonical order): this stage's rows as its
     # chunks, each moved on by its forward passes, which run in micro-batch order.
     stack_state = first["state"]
-    rebuild = _state_rebuilder(model_state, first["returned"], stack_state, pipeline.schedule)
+    rebuild = state_rebuilder(model_state, first["returned"], stack_state, pipeline.schedule)
     own = gpipe.stage_rows(stack_state, local, p, v, s)
     layer_state = vary(jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), own), every)
     one_state = jax.tree.map(lambda a: a[0, 0], layer_state)
@@ -420,35 +382,3 @@ def _group(
     # Every stage's rows of the stack's state, gathered: the whole state on every device, as GPipe leaves it.
     new_state = rebuild(gpipe.whole_state(layer_state, local, p, v, axis))
     return jax.tree.map(jnp.add, grads, g_stack), metrics, count, new_state
-
-
-def _state_rebuilder(given: Any, returned: Any, stack_state: Any, schedule: str) -> Any:
-    """``f(new stack state) -> model state``: the tree the loss returns (``returned``, from ``given``) with the stack's
-    state in it replaced. Raises :class:`SpmdError` when the loss changes the model state outside the stack: the
-    layers before and after the stack run once per micro-batch, at units of their own, where GPipe runs them once on
-    the device's rows, so their statistics would be other numbers."""
-    stack = {id(a): i for i, a in enumerate(jax.tree.leaves(stack_state))}
-    leaves, treedef = jax.tree.flatten(returned)
-    before = jax.tree.leaves(given)
-    where = [stack.get(id(a)) for a in leaves]
-    moved = [
-        i for i, (a, w) in enumerate(zip(leaves, where, strict=True)) if w is None and not any(a is b for b in before)
-    ]
-    if moved:
-        paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(returned)[0]]
-        raise SpmdError(
-            describe(
-                "make_train_step",
-                f"loss_fn updates the model state outside the PipelineStack ({', '.join(paths[i] for i in moved[:3])}) "
-                f"under schedule={schedule!r}: this schedule runs the layers before and after the stack once per "
-                "micro-batch, at different units of its loop, where GPipe runs them once on the device's rows, so a "
-                "BatchNorm there would normalise by other statistics.",
-                fix="move the layers with state into the stack (sc.PipelineStack), or use schedule='gpipe'.",
-            )
-        )
-
-    def rebuild(new: Any) -> Any:
-        fresh = jax.tree.leaves(new)
-        return jax.tree.unflatten(treedef, [a if w is None else fresh[w] for a, w in zip(leaves, where, strict=True)])
-
-    return rebuild

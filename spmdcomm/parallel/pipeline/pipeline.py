@@ -46,7 +46,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from spmdcomm.errors import ShapeError, SpmdError, describe
-from spmdcomm.parallel.pipeline import one_f_one_b, tables
+from spmdcomm.parallel.pipeline import one_f_one_b, pieces, tables
 from spmdcomm.parallel.pipeline.report import pipeline_report
 from spmdcomm.parallel.pipeline.schedule import LayerFn, MicroPieces, MicroStep, Schedule, schedule_context
 from spmdcomm.parallel.registry import Parallelism
@@ -267,7 +267,7 @@ class Pipeline(Schedule):
           ``(h, new_state)``: the stack's output for this device's rows and the whole updated state.
         """
         if self.schedule != "gpipe":
-            piece = one_f_one_b.stack_piece(layer_fn, params, state, x)
+            piece = pieces.stack_piece(layer_fn, params, state, x)
             if piece is not None:
                 return piece
         from spmdcomm.parallel.pipeline import gpipe  # imported when a stack runs: gpipe imports this module's checks
