@@ -50,7 +50,8 @@ class PipelineStack(nn.Module):
     statistics and updates the running ones once per micro-batch, in order, never in a bubble: the result equals
     one device with ``accum_steps=m`` (GPipe's rule; ``docs/pipeline.md``). What the block sows into a collection
     the caller makes mutable (a MoE layer's losses into ``"moe"``) comes out under the stack's ``"layers"``, each
-    value ``[L, m, ...]``: per layer and per micro-batch (``m = 1`` outside a pipeline; GPipe only).
+    value ``[L, m, ...]``: per layer and per micro-batch (``m = 1`` outside a pipeline;
+    ``[L, 1, ...]`` per call of the loss under the table schedules, which run it once per micro-batch).
 
     Attributes:
       block: the layer, an unbound Flax module (e.g. ``Block(width=256)``), called as ``block(h, *args)``.
