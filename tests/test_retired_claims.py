@@ -25,6 +25,17 @@ SOURCES = [
 
 # name: (the sentence as it stood, a pattern for it, the words of the CHANGELOG entry that made it false)
 RETIRED = {
+    "pipeline: table schedules refuse a context or expert axis": (
+        "a context or expert axis (any axis besides the data and stage axes that splits the batch: its collectives "
+        "would run inside the loop's per-stage branches)",
+        r"collectives would run inside the loop's per-stage branches",
+        "**Every axis under the table schedules.**",
+    ),
+    "pipeline: sown values reach the loss under GPipe only": (
+        "a stack whose block sows values (which only GPipe hands back, `[L, m, ...]`)",
+        r"which only GPipe hands back|GPipe only: the table schedules raise",
+        "What the stack's blocks sow (a MoE layer's",
+    ),
     "sharded: no pipeline": (
         "There is no pipeline parallelism: nothing schedules micro-batches over stages of a model.",
         r"there is no pipeline parallelism",
