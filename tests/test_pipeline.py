@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmdcomm as sc
 from spmdcomm.parallel.pipeline import gpipe
-from spmdcomm.parallel.pipeline.pipeline import stage_order
+from spmdcomm.parallel.pipeline.layer_order import stage_order
 from spmdcomm.parallel.pipeline.schedule import run_stack, schedule_context
 from tests.ddp_models import assert_trees_close, mesh_of, write_initial
 

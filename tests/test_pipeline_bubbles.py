@@ -14,7 +14,7 @@ import pytest
 
 import spmdcomm as sc
 from spmdcomm.parallel.pipeline import gpipe
-from spmdcomm.parallel.pipeline.pipeline import stage_order
+from spmdcomm.parallel.pipeline.layer_order import stage_order
 from tests.ddp_models import assert_trees_close
 from tests.test_pipeline import (
     LAYERS,

@@ -6,7 +6,7 @@ forward pass of the 1F1B schedule's eval step."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +14,12 @@ from jax import lax
 
 from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import ShapeError, describe
-from spmdcomm.parallel.pipeline.pipeline import GROUPS, Pipeline, check_schedule, reorder_layers
+from spmdcomm.parallel.pipeline.layer_order import GROUPS, check_schedule, reorder_layers
 from spmdcomm.parallel.pipeline.schedule import PIPELINED, LayerFn, scan_layers
 from spmdcomm.parallel.real_rows import UNKNOWN, Unknown, real_rows, rows_of
+
+if TYPE_CHECKING:
+    from spmdcomm.parallel.pipeline.pipeline import Pipeline
 
 __all__ = ["pipelined", "stage_rows", "whole_state"]
 

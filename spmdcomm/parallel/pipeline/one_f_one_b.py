@@ -52,7 +52,7 @@ from jax import lax
 
 from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.parallel.pipeline import tables
+from spmdcomm.parallel.pipeline import gpipe, tables
 from spmdcomm.parallel.pipeline.actions import Layers, typed_zeros
 from spmdcomm.parallel.pipeline.pieces import Post, state_rebuilder, traced_piece
 from spmdcomm.parallel.pipeline.schedule import PIPELINED, MicroPieces
@@ -117,7 +117,6 @@ def _group(
 ) -> tuple[Any, ...]:
     """One pipeline of the schedule's table over this device's rows ``batch`` of group ``group = (j, groups)``,
     from ``model_state``: ``(grads, metric sums, count, model state)``."""
-    from spmdcomm.parallel.pipeline import gpipe  # gpipe imports pipeline, which imports this module
 
     axis, m, v = pipeline.axis, pipeline.microbatches, pipeline.repeats
     p, s = lax.axis_size(axis), lax.axis_index(axis)
