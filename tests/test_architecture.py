@@ -211,6 +211,26 @@ def test_the_imports_that_run_at_import_time_form_no_cycle():
     assert cycles(graph) == [], "move what both need into a third module, or import it for annotations only"
 
 
+def test_no_module_imports_spmdcomm_inside_a_function_but_the_nnx_loaders():
+    """An import inside a function hides an arrow the cycle test above cannot see (a loop importing its config
+    lazily, the config importing the loop): only ``spmdcomm.nnx`` loads modules on first use, because they import
+    ``flax.nnx``."""
+    lazy = set()
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.ImportFrom) and (sub.module or "").startswith("spmdcomm"):
+                        lazy.add((name, sub.module))
+                    elif isinstance(sub, ast.Import):
+                        lazy.update((name, a.name) for a in sub.names if a.name.startswith("spmdcomm"))
+    assert lazy == {
+        ("spmdcomm.nnx", "spmdcomm.nnx.batchnorm"),
+        ("spmdcomm.nnx", "spmdcomm.parallel.pipeline.nnx_stack"),
+        ("spmdcomm.nnx", "spmdcomm.parallel.expert.nnx"),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The layer table, the error types, the module paths users see
 
