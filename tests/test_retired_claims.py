@@ -28,7 +28,7 @@ RETIRED = {
     "pipeline: table schedules refuse a context or expert axis": (
         "a context or expert axis (any axis besides the data and stage axes that splits the batch: its collectives "
         "would run inside the loop's per-stage branches)",
-        r"collectives would run inside the loop's per-stage branches",
+        r"collectives would run inside the loop's per-stage branches|they refuse a context or expert axis",
         "**Every axis under the table schedules.**",
     ),
     "pipeline: sown values reach the loss under GPipe only": (

@@ -75,8 +75,9 @@ class Pipeline(Schedule):
         with the backward pass split into input and weight gradients, the weight gradients filling the bubble,
         torch's ``ScheduleInterleavedZeroBubble``). The last two take any loss the step takes (a per-row mean or
         :func:`~spmdcomm.weighted`) and model state only inside the stack (BatchNorm's statistics there follow
-        GPipe's rule); they refuse a context or expert axis, MoE layers and a stack whose block sows (use
-        ``"gpipe"``).
+        GPipe's rule). With a context or expert axis they run a lockstep table (every stage runs each unit's
+        action, masked where it has none); what the stack's blocks sow reaches each call of the loss per
+        micro-batch, ``[L, 1, ...]``.
 
     Raises:
       SpmdError: for a non-positive ``microbatches`` or ``repeats``, an ``axis`` that is not a string, or an
