@@ -26,8 +26,8 @@ class PipelineStack(nnx.Module):
     pipeline it updates once per micro-batch, in order, never in a bubble, as one device with ``accum_steps=m``.
     What the blocks sow under ``nnx.capture`` (a :class:`~spmdcomm.nnx.MoE` layer's losses and counts) comes out in
     the capture, under the block's paths below ``layers``, each value ``[L, m, ...]``: per layer and per micro-batch
-    (``m = 1`` outside a pipeline; ``[L, 1, ...]`` per micro-batch under the table schedules), as the Linen :class:`~spmdcomm.PipelineStack` hands out its block's
-    collections::
+    (``m = 1`` outside a pipeline; ``[L, 1, ...]`` per micro-batch under the table schedules), as the Linen
+    :class:`~spmdcomm.PipelineStack` hands out its block's collections::
 
         y, found = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(model, x)
         (per_layer,) = found["stack"]["layers"]["moe"]["load_balancing_loss"].get_value()  # [L, m]
@@ -74,7 +74,8 @@ class PipelineStack(nnx.Module):
         block sowed in one call is stacked ``[L, m, ...]``, per layer (canonical order) and per micro-batch (``m = 1``
         outside a pipeline, where the stack is a scan over the whole batch), gathered over the stage axis; a second
         call under the same capture adds a second entry to the tuple, as a block called twice would. Under the table
-        schedules each call of the loss sees its micro-batch's values, ``[L, 1, ...]``. Without a capture nothing is collected.
+        schedules each call of the loss sees its micro-batch's values, ``[L, 1, ...]``. Without a capture nothing is
+        collected.
 
         Args:
           x: the input, one example per row of dimension 0.
