@@ -248,8 +248,9 @@ def lm_gshard_rows(args, devices, models, model, params):
 
     put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
     is_expert = lambda path: any(getattr(k, "key", None) == "experts" for k in path)
+    # The blocks are one stack: each expert leaf is [layers, experts, ...], split over expert on dimension 1.
     placed = jax.tree_util.tree_map_with_path(
-        lambda q, v: put(v, jax.P("expert") if is_expert(q) else jax.P()), nn.unbox(params)
+        lambda q, v: put(v, jax.P(None, "expert") if is_expert(q) else jax.P()), nn.unbox(params)
     )
     with moe_layer(functools.partial(GShardMoE, mesh=mesh)):
 

@@ -6,6 +6,7 @@
     python examples/lm/main.py --devices 8 --packed --mesh data=2,context=4    # documents of different lengths
     python examples/lm/main.py --devices 8 --checkpoint-dir ckpt --max-steps 200       # stop; run again to resume
     python examples/lm/main.py --devices 8 --experts 8 --top-k 2 --mesh data=2,expert=4       # mixture of experts
+    python examples/lm/main.py --devices 8 --experts 8 --mesh data=2,stage=2,expert=2 --microbatches 2 --schedule zb-h1
 
 The corpus is this Python's standard library (no download). Every evaluation prints validation bits per byte next
 to the unigram baseline's; the last line printed is the JSON summary (also written to --json). The training logic
@@ -54,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--packed", action="store_true", help="rows of documents of different lengths, padded at the end")
     p.add_argument("--attention", choices=["ring", "all_to_all"], help="context parallelism's algorithm")
     p.add_argument("--repeats", type=int, help="a pipeline's layer groups per stage (needs a stage axis)")
+    p.add_argument(
+        "--schedule",
+        choices=["gpipe", "1f1b", "interleaved_1f1b", "zb-h1"],
+        help="a pipeline's schedule (needs a stage axis; default gpipe)",
+    )
     p.add_argument("--experts", type=int, help="a mixture of this many experts in every block (0: dense MLPs)")
     p.add_argument("--top-k", type=int, help="experts per token")
     p.add_argument("--mlp-ratio", type=int, help="an MLP's (or expert's) hidden units per unit of width")

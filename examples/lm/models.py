@@ -15,8 +15,11 @@ compute the whole head, forward and backward. Without a ``"model"`` axis nothing
 
 With ``experts`` every block's MLP is a mixture of experts (``sc.MoE``, top-k routing, dropless): each expert an MLP
 of the same shape, its hidden units over ``"model"`` too; on a mesh with an ``"expert"`` axis the state splits the
-experts over it and the batch too. Such blocks are modules of their own instead of a stack, and the loss adds the
-load-balancing loss of every MoE layer.
+experts over it and the batch too. These blocks are stacked the same way (their parameters ``[layers, ...]`` under
+``"blocks"``, the experts ``[layers, experts, ...]``), a pipeline over a ``"stage"`` axis under any schedule
+included; packed rows' padding is not routed. The stack hands out each layer's sown load-balancing loss per
+micro-batch, and the loss adds their sum over the layers of their mean over the micro-batches
+(:func:`balance_loss`).
 """
 
 from __future__ import annotations
@@ -200,12 +203,8 @@ class Transformer(nn.Module):
         )
         if segmented:
             x = jnp.concatenate([x, segments[..., None].astype(x.dtype)], axis=-1)
-        if self.experts:
-            # One module per block: a scan (sc.PipelineStack) would not hand the MoE layers' sown losses back.
-            for i in range(self.layers):
-                x = block.clone(parent=self, name=f"block_{i}")(x)
-        else:
-            x = stack(block, self.layers, name="blocks")(x)
+        # MoE blocks too: the stack hands out what their layers sow, per layer and micro-batch (balance_loss).
+        x = stack(block, self.layers, name="blocks")(x)
         x = x[..., :-1] if segmented else x
         x = _norm(self.dtype, "final_norm")(x)
         return embed.attend(x).astype(jnp.float32)  # the head is the embedding, transposed
@@ -241,12 +240,11 @@ def make_metric_fn() -> Callable:
 def token_sums(apply_fn, params, batch, mask) -> tuple[jnp.ndarray, ...]:
     """The cross-entropy summed over the real target bytes of ``batch``'s real rows (``mask``), the correct
     next-byte guesses among them, how many there are (every byte of a plain window, the bytes of a packed row's
-    documents, segment > 0), and the MoE layers' load-balancing losses summed (0 without experts)."""
+    documents, segment > 0), and the MoE layers' load-balancing loss (:func:`balance_loss`; 0 without experts)."""
     inputs, targets = batch["inputs"].astype(jnp.int32), batch["targets"].astype(jnp.int32)
     segments = batch.get("segments")
     logits, sown = apply_fn({"params": params}, inputs, segments, batch.get("positions"), mutable=["moe"])
-    found = jax.tree_util.tree_leaves_with_path(sown.get("moe", {}))
-    balance = sum((v for path, v in found if path[-2].key == "load_balancing_loss"), jnp.zeros((), jnp.float32))
+    balance = balance_loss(sown.get("moe", {}))
     real = jnp.broadcast_to(jnp.asarray(mask, bool)[:, None], targets.shape)
     if segments is not None:
         real = real & (segments > 0)
@@ -254,3 +252,14 @@ def token_sums(apply_fn, params, batch, mask) -> tuple[jnp.ndarray, ...]:
     loss = jnp.where(real, optax.softmax_cross_entropy_with_integer_labels(logits, targets), 0.0)
     right = real & (jnp.argmax(logits, -1) == targets)
     return jnp.sum(loss), jnp.sum(right, dtype=jnp.float32), jnp.sum(real, dtype=jnp.float32), balance
+
+
+def balance_loss(sown: Any) -> jnp.ndarray:
+    """The load-balancing loss of the MoE layers in ``sown`` (the ``"moe"`` collection; 0 without experts): the
+    stack hands each layer's out per micro-batch, ``[layers, m]`` (``m`` GPipe's micro-batches; 1 outside a
+    pipeline, where the stack is a scan, and in each call of the loss under the table schedules, which call it once
+    per micro-batch). The sum over the layers of the mean over the micro-batches is the same loss under every
+    schedule: each micro-batch adds its own layers' losses, as when accumulating."""
+    found = jax.tree_util.tree_leaves_with_path(sown)
+    per_layer = [v for path, v in found if path[-2].key == "load_balancing_loss"]  # [layers, m] each
+    return sum((jnp.sum(jnp.mean(v, axis=1)) for v in per_layer), jnp.zeros((), jnp.float32))

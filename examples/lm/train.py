@@ -3,7 +3,8 @@
 ``train_and_evaluate(Config(...))`` trains the transformer of ``models.py`` on the Python standard library's source
 (``input_pipeline.py``) on a mesh the config names (``"data=4,model=2"``: the batch split over ``data``, attention
 heads and MLP units over ``model``; ``"replica=2,shard=4"``: hybrid sharding; ``"data=2,expert=4"`` with
-``experts``: the experts split over ``expert``, the batch over both), with the config's strategy, AdamW
+``experts``: the experts split over ``expert``, the batch over both; ``"data=2,stage=2,model=2"``: the blocks a
+pipeline of the config's ``schedule``), with the config's strategy, AdamW
 with a warm-up cosine schedule, and one ``sc.fit`` call over an ``sc.Loader``. An ``sc.Hook`` computes the
 validation loss every ``eval_every`` steps through ``sc.evaluate``; each evaluation prints validation bits per byte
 next to the unigram baseline's (the training bytes' frequencies). The loss is token-weighted (``sc.weighted``): the
@@ -46,6 +47,7 @@ class Config:
     strategy: str = "ddp"  # one of spmdcomm.train.STRATEGIES, over the data axes
     microbatches: int = 1  # a pipeline's micro-batches; without a stage axis, gradient accumulation's
     repeats: int = 1  # a pipeline's layer groups per stage (needs a "stage" axis)
+    schedule: str = "gpipe"  # a pipeline's: "gpipe", "1f1b" (with repeats: interleaved 1F1B) or "zb-h1"
     attention: str = "ring"  # how attention crosses a "context" axis: "ring" or "all_to_all"
     experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (split over an "expert" axis)
     top_k: int = 2  # experts per token
@@ -179,22 +181,24 @@ def build_state(
       mesh: the devices and their axes.
       params: the initial parameters, boxed with their logical names as :func:`init_params` returns them (its by
         default); a caller that builds states on several meshes initialises once.
-      pipeline: on a mesh with a ``"stage"`` axis, the schedule (e.g. ``schedule="1f1b"``, ``remat=False``);
-        default GPipe with remat, ``config.microbatches`` micro-batches and ``config.repeats`` repeats.
+      pipeline: on a mesh with a ``"stage"`` axis, the schedule (e.g. ``remat=False``); default
+        ``config.schedule`` (GPipe with remat), ``config.microbatches`` micro-batches and ``config.repeats`` repeats.
 
     Raises:
-      ValueError: for ``config.repeats`` other than 1, or a ``pipeline``, without a ``"stage"`` axis (a pipeline's
-        settings).
+      ValueError: for ``config.repeats`` other than 1, a ``config.schedule`` other than GPipe, or a ``pipeline``,
+        without a ``"stage"`` axis (a pipeline's settings).
     """
     pipelined = PIPELINE_AXIS in mesh.axis_names
     if config.repeats != 1 and not pipelined:
         raise ValueError(f"--repeats {config.repeats}: repeats are a pipeline's, and the mesh has no 'stage' axis")
+    if config.schedule != "gpipe" and not pipelined:
+        raise ValueError(f"--schedule {config.schedule}: schedules are a pipeline's, and the mesh has no 'stage' axis")
     if pipeline is not None and not pipelined:
         raise ValueError(f"{pipeline}: the mesh has no 'stage' axis to pipeline over")
     model = make_model(config)
     params = init_params(config) if params is None else params
     if pipelined and pipeline is None:
-        pipeline = sc.Pipeline(config.microbatches, PIPELINE_AXIS, config.repeats)
+        pipeline = sc.Pipeline(config.microbatches, PIPELINE_AXIS, config.repeats, schedule=config.schedule)
     state = sc.TrainState.create(
         params=params,
         tx=make_optimizer(config),
