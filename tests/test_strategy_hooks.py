@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import spmdcomm as sc
-from spmdcomm.checkpoint.checkpoint import _check_format
+from spmdcomm.checkpoint._arrays import check_format
 from spmdcomm.parallel.data.strategies import BY_NAME, STRATEGIES, resolve_strategy
 
 
@@ -57,9 +57,9 @@ def test_full_params_are_the_whole_replicated_tree(strategy):
 )
 def test_a_02_checkpoint_is_refused_when_its_strategy_split_state(saved, refused):
     if not refused:
-        _check_format("ckpt", 3, saved)
+        check_format("ckpt", 3, saved)
         return
     with pytest.raises(sc.SpmdError) as err:
-        _check_format("ckpt", 3, saved)
+        check_format("ckpt", 3, saved)
     assert str(err.value).startswith("spmdcomm.restore_checkpoint: checkpoint 3 in 'ckpt' was saved by spmdcomm 0.2")
     assert f"strategy {saved['strategy']!r}" in str(err.value) and "Fix: restore it with spmdcomm 0.2" in str(err.value)
