@@ -117,7 +117,9 @@ def test_a_block_without_epsilon_trains_as_one_device(layout, strategy, m, v):
     )
     state, losses = train(state, batches())
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-    assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=1e-5)
+    # A block without epsilon divides by its rows' RMS, which magnifies the rounding in which the layouts' programs
+    # differ: one kernel entry of 4096 is 2.5e-5 apart after the steps (compiled without backend optimisation).
+    assert_trees_close(jax.device_get(state.full_params()), expected, rtol=1e-5, atol=5e-5)
 
 
 @SLOW
