@@ -353,6 +353,7 @@ def context_reference(initial):
     return jax.jit(functools.partial(sgd, value_and_grad))(nn.unbox(initial))
 
 
+@pytest.mark.slow  # the fast tier checks the slots against NumPy (tests/test_moe.py)
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_a_capacity_with_every_sequence_over_a_context_axis_drops_what_one_device_drops(
     layout, initial, context_reference
@@ -604,7 +605,7 @@ def test_nnx_moe_blocks_in_a_gpipe_stack_on_data2_stage2_expert2_equal_one_devic
     [
         pytest.param("gpipe", False, id="gpipe-full", marks=pytest.mark.slow),
         pytest.param("gpipe", True, id="gpipe-padded", marks=pytest.mark.slow),
-        ("1f1b", False),
+        pytest.param("1f1b", False, id="1f1b-full", marks=pytest.mark.slow),
         pytest.param("zb-h1", False, id="zb-h1-full", marks=pytest.mark.slow),
     ],
 )
