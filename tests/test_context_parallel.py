@@ -1,6 +1,7 @@
 """Context parallelism in the train and eval steps: every sequence split over a ``context`` axis equals one device,
 for a small causal transformer whose attention goes through ``sc.context_attention`` (both algorithms) and whose
-positions come from ``sc.context_positions``; on ``data 2 x context 4`` and ``data 2 x context 2 x model 2``."""
+positions come from ``sc.context_positions``; on ``data 2 x context 4`` and ``data 2 x context 2 x model 2``, and
+with the blocks a pipeline under the table schedules on ``stage 2 x context 2 x model 2``."""
 
 from __future__ import annotations
 
@@ -181,3 +182,72 @@ def test_an_nnx_model_with_context_attention_equals_one_device():
     state, losses = run(sc.make_mesh({"data": 2, "context": 4}), context=sc.ContextParallel())
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert_trees_close(jax.device_get(state.full_params()), jax.device_get(expected.params), rtol=1e-4, atol=1e-5)
+
+
+class StackedBlock(nn.Module):
+    """Pre-LayerNorm causal attention, its projections split over ``model`` (columns in, rows out) when asked."""
+
+    model: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        split = nn.with_partitioning(init, (None, "model")) if self.model else init
+        rows = nn.with_partitioning(init, ("model", None)) if self.model else init
+        qkv = nn.Dense(3 * WIDTH, use_bias=False, kernel_init=split)(nn.LayerNorm()(x))
+        q, k, v = jnp.split(qkv.reshape(x.shape[:2] + (3 * HEADS, WIDTH // HEADS)), 3, axis=2)
+        return x + nn.Dense(WIDTH, use_bias=False, kernel_init=rows)(
+            sc.context_attention(q, k, v, causal=True).reshape(x.shape)
+        )
+
+
+class StackedLM(nn.Module):
+    """The LM with its blocks a ``sc.PipelineStack`` (a pipeline over the stage axis)."""
+
+    model: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        positions = sc.context_positions(tokens.shape[1])
+        h = nn.Embed(VOCAB, WIDTH)(tokens) + self.param("pos", nn.initializers.normal(0.1), (T, WIDTH))[positions]
+        return nn.Dense(VOCAB)(nn.LayerNorm()(sc.PipelineStack(StackedBlock(self.model), layers=2)(h)))
+
+
+def stacked_loss(params, batch, *, apply_fn, model_state, rng, mask):
+    logits = apply_fn({"params": params}, batch["tokens"])
+    return sc.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean(-1), mask)
+
+
+def stacked_train(model, mesh, **kwargs):
+    params = jax.jit(model.init)(jax.random.key(0), batches(1)[0]["tokens"][:1])["params"]
+    devices = jax.devices()[: int(np.prod(list(mesh.values())))]
+    state = sc.TrainState.create(
+        params=params, apply_fn=model.apply, tx=optax.adam(1e-2), mesh=sc.make_mesh(mesh, devices=devices), **kwargs
+    )
+    step, losses = sc.make_train_step(stacked_loss), []
+    for batch in batches(2):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return jax.device_get(state.full_params()), losses
+
+
+@functools.cache
+def stacked_one_device():
+    return stacked_train(StackedLM(), {"data": 1})
+
+
+@SLOW
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_table_schedule_on_stage2_context2_model2_equals_one_device(schedule):
+    """Every sequence split over context, the attention's projections over model, the blocks over stage: the table
+    schedules run a lockstep table (the ring's collectives on every stage at each unit); one device's losses and
+    parameters (GPipe with a context axis: tests/test_weighted_loss.py)."""
+    expected, expected_losses = stacked_one_device()
+    params, losses = stacked_train(
+        StackedLM(model=True),
+        {"stage": 2, "context": 2, "model": 2},
+        pipeline=sc.Pipeline(microbatches=2, schedule=schedule),
+        context=sc.ContextParallel(),
+    )
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(params, expected, rtol=1e-4, atol=1e-5)
