@@ -631,6 +631,44 @@ def test_moe_blocks_in_a_stack_on_data2_stage2_expert2_equal_one_device_accumula
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_moe_blocks_on_stage2_expert2_model2_equal_one_device_accumulating_micro_batches(schedule):
+    """The experts' MLPs split over model too (``RULES["model"]``), no data axis: device (s, e, t) holds rows block
+    2 s + e, so micro-batch i is blocks 2 i and 2 i + 1; one device accumulating those two micro-batches."""
+    data = batch()
+    state = sc.TrainState.create(
+        params=stacked_params(),
+        tx=optax.sgd(LR),
+        apply_fn=Stacked().apply,
+        mesh=sc.make_mesh({"stage": 2, "expert": 2, "model": 2}),
+        pipeline=sc.Pipeline(microbatches=2, schedule=schedule),
+        logical_axis_rules=RULES["model"],
+    )
+    up = state.params["PipelineStack_0"]["layers"]["MoE_0"]["experts"]["up"]["kernel"]
+    assert up.sharding.spec == ("stage", "expert", None, "model")
+    new, metrics = sc.make_train_step(stacked_loss, donate=False)(state, data)
+    want, value, balance = model_axis_reference()
+    np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
+    assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
+
+
+@functools.cache
+def model_axis_reference():
+    data, half = batch(), ROWS // 2
+
+    def loss(p):
+        parts = [
+            stacked_loss(p, jax.tree.map(lambda a, i=i: a[i * half : (i + 1) * half], data), apply_fn=Stacked().apply)
+            for i in range(2)
+        ]
+        value = sum(v for v, _ in parts) / 2
+        balance = sum(a["balance"] for _, a in parts) / 2
+        return value, balance
+
+    return jax.jit(functools.partial(sgd, jax.value_and_grad(loss, has_aux=True)))(nn.unbox(stacked_params()))
+
+
+@pytest.mark.slow
 def test_a_padded_batch_accumulated_in_two_micro_batches_equals_one_device_on_each_ones_real_rows(initial):
     """accum_steps=2: each micro-batch's MoE runs on its real rows (capacity, losses), as one device accumulating
     the same micro-batches given their real rows alone: micro-batch j holds row j of every device's two rows."""
