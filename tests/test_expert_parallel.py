@@ -645,7 +645,7 @@ def test_moe_blocks_on_stage2_expert2_model2_equal_one_device_accumulating_micro
         logical_axis_rules=RULES["model"],
     )
     up = state.params["PipelineStack_0"]["layers"]["MoE_0"]["experts"]["up"]["kernel"]
-    assert up.sharding.spec == ("stage", "expert", None, "model")
+    assert tuple(up.sharding.spec) == ("stage", "expert", None, "model")
     new, metrics = sc.make_train_step(stacked_loss, donate=False)(state, data)
     want, value, balance = model_axis_reference()
     np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
