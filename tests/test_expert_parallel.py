@@ -631,21 +631,27 @@ def test_moe_blocks_in_a_stack_on_data2_stage2_expert2_equal_one_device_accumula
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_moe_blocks_on_stage2_expert2_model2_equal_one_device_accumulating_micro_batches(schedule):
-    """The experts' MLPs split over model too (``RULES["model"]``), no data axis: device (s, e, t) holds rows block
-    2 s + e, so micro-batch i is blocks 2 i and 2 i + 1; one device accumulating those two micro-batches."""
+@pytest.mark.parametrize(
+    "schedule, third", [("1f1b", "model"), ("zb-h1", "model"), ("1f1b", "context"), ("zb-h1", "context")]
+)
+def test_moe_blocks_on_stage2_expert2_and_model_or_context_equal_one_device_accumulating_micro_batches(schedule, third):
+    """No data axis: device (s, e, .) holds rows block 2 s + e, so micro-batch i is blocks 2 i and 2 i + 1; one device
+    accumulating those two micro-batches. With a model axis the experts' MLPs are split over it too
+    (``RULES["model"]``); with a context axis every sequence is (the capacity drops in one device's token order)."""
     data = batch()
     state = sc.TrainState.create(
         params=stacked_params(),
         tx=optax.sgd(LR),
         apply_fn=Stacked().apply,
-        mesh=sc.make_mesh({"stage": 2, "expert": 2, "model": 2}),
+        mesh=sc.make_mesh({"stage": 2, "expert": 2, third: 2}),
         pipeline=sc.Pipeline(microbatches=2, schedule=schedule),
-        logical_axis_rules=RULES["model"],
+        logical_axis_rules=RULES["model" if third == "model" else None],
+        **({"context": sc.ContextParallel()} if third == "context" else {}),
     )
     up = state.params["PipelineStack_0"]["layers"]["MoE_0"]["experts"]["up"]["kernel"]
-    assert tuple(up.sharding.spec) == ("stage", "expert", None, "model")
+    assert tuple(up.sharding.spec)[:2] == ("stage", "expert") and ("model" in tuple(up.sharding.spec)) == (
+        third == "model"
+    )
     new, metrics = sc.make_train_step(stacked_loss, donate=False)(state, data)
     want, value, balance = model_axis_reference()
     np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
