@@ -631,9 +631,7 @@ def test_moe_blocks_in_a_stack_on_data2_stage2_expert2_equal_one_device_accumula
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "schedule, third", [("1f1b", "model"), ("zb-h1", "model"), ("1f1b", "context"), ("zb-h1", "context")]
-)
+@pytest.mark.parametrize("schedule, third", [(s, t) for t in ("model", "context") for s in ("gpipe", "1f1b", "zb-h1")])
 def test_moe_blocks_on_stage2_expert2_and_model_or_context_equal_one_device_accumulating_micro_batches(schedule, third):
     """No data axis: device (s, e, .) holds rows block 2 s + e, so micro-batch i is blocks 2 i and 2 i + 1; one device
     accumulating those two micro-batches. With a model axis the experts' MLPs are split over it too
