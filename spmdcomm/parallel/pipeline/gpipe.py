@@ -21,7 +21,7 @@ from spmdcomm.parallel.real_rows import UNKNOWN, Unknown, real_rows, rows_of
 if TYPE_CHECKING:
     from spmdcomm.parallel.pipeline.pipeline import Pipeline
 
-__all__ = ["pipelined", "stage_rows", "whole_state"]
+__all__ = ["micro_batch_rows", "pipelined", "stage_rows", "whole_state"]
 
 
 #: What the loop's buffers hold before anything is written to them. Bubble ticks read such slots; they compute on a
@@ -50,7 +50,7 @@ def pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline
     # The state is whole (all L layers, canonical order) on every device: this stage's layers, as its chunks.
     own = stage_rows(state, local, p, v, s)
     layer_state = vary(jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), own), axes)
-    micro_rows = _micro_batch_rows(real_rows(), x.shape[0], q, mb, axis)
+    micro_rows = micro_batch_rows(real_rows(), x.shape[0], q, mb, axis)
     left = [(i, (i - 1) % p) for i in range(p)]
     right = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
 
@@ -108,7 +108,7 @@ def pipelined(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array, pipeline
     return io_out.reshape(x.shape), {**whole, **_per_micro_batch(sown, s, m, v, p, axis)}
 
 
-def _micro_batch_rows(rows: Any, held: int, q: int, mb: int, axis: str) -> Callable[[jax.Array], Any]:
+def micro_batch_rows(rows: Any, held: int, q: int, mb: int, axis: str) -> Callable[[jax.Array], Any]:
     """``f(i)``: the real-row mask of micro-batch ``i`` (``[mb]``, part ``i mod q`` of stage device ``i // q``'s
     rows), from this device's mask ``rows`` of its ``held`` rows (gathered over the stage axis: small); ``None`` for
     an unmasked batch, :data:`~spmdcomm.parallel.real_rows.UNKNOWN` when the stack's input is not the batch's rows."""

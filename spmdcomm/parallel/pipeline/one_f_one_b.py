@@ -56,7 +56,7 @@ from spmdcomm.parallel.pipeline import gpipe, tables
 from spmdcomm.parallel.pipeline.actions import Layers, typed_zeros
 from spmdcomm.parallel.pipeline.pieces import Post, state_rebuilder, traced_piece
 from spmdcomm.parallel.pipeline.schedule import PIPELINED, MicroPieces
-from spmdcomm.parallel.real_rows import UNKNOWN, Unknown, rows_of
+from spmdcomm.parallel.real_rows import rows_of
 
 if TYPE_CHECKING:
     from spmdcomm.parallel.pipeline.pipeline import Pipeline
@@ -164,15 +164,12 @@ def _group(
         finally:
             PIPELINED.reset(token)
 
-    # The real rows of each micro-batch (a MoE layer routes those only): part i mod q of stage device i // q's.
+    # The real rows of each micro-batch (a MoE layer routes those only), as GPipe's loop finds them: from this
+    # device's mask when the stack's input is the batch's rows (what the pre piece saw), None for an unmasked batch.
     given = first["rows"]
-    if given is None or isinstance(given, Unknown):
-        micro_rows = lambda item: given
-    elif given.shape[0] != first["x"].shape[0]:
-        micro_rows = lambda item: UNKNOWN
-    else:
-        every_mask = lax.all_gather(vary(parts[1], (axis,)), axis, tiled=True)  # [p q, mb], stage-major
-        micro_rows = lambda item: every_mask[jnp.maximum(item, 0)]
+    held = x0.shape[0] * q  # the stack's input rows on this device, q parts
+    rows_of_item = gpipe.micro_batch_rows(mask if isinstance(given, jax.Array) else given, held, q, mb, axis)
+    micro_rows = lambda item: rows_of_item(jnp.maximum(item, 0))
 
     local = jax.tree.leaves(weights0)[0].shape[0]  # this stage's layers: v chunks of k
     k = local // v
@@ -227,11 +224,14 @@ def _group(
     varied = lambda f: lambda *a: vary(f(*a), every)
     cond = lambda pred, yes, no, typing=varied: lax.cond(pred, typing(yes), typing(no))
     chunk0 = layers.chunk(0)
-    typed = lambda f: (
-        lambda *a: (
-            lambda o: (vary(o[0], every), o[1], like(o[2], chunk0), o[3], vary(o[4], every), vary(o[5], every))
-        )(f(*a))
-    )
+
+    def typed(f: Any) -> Any:
+        def branch(r: Any, item: Any, *rest: Any) -> Any:
+            with rows_of(micro_rows(item)):  # the real rows of the micro-batch the layers run on
+                o = f(r, item, *rest)
+            return vary(o[0], every), o[1], like(o[2], chunk0), o[3], vary(o[4], every), vary(o[5], every)
+
+        return branch
 
     # The switch's branches, by action: each gives (out, residuals to keep, weight gradient of the chunk, layer
     # cotangents to keep, the chunk's state); what an action does not give is zeros (the state: unchanged).
@@ -240,26 +240,22 @@ def _group(
         return nothing(), [typed_zeros(a) for a in res_shapes], zeros(chunk0), blank, st, sown_zeros()
 
     def forward(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
-        with rows_of(micro_rows(item)):
-            out, new, st, sown = layers.forward(r, h, row_of(item), st)
+        out, new, st, sown = layers.forward(r, h, row_of(item), st)
         _, _, g, c, _, _ = idle(r, item, h, ct, cs, res, kept, st)
         return out, new, g, c, st, sown
 
     def backward(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
-        with rows_of(micro_rows(item)):
-            ct_in, g = layers.backward(r, res, ct, cs, row_of(item))
+        ct_in, g = layers.backward(r, res, ct, cs, row_of(item))
         _, new, _, c, _, sown = idle(r, item, h, ct, cs, res, kept, st)
         return ct_in, new, g, c, st, sown
 
     def input_grad(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
-        with rows_of(micro_rows(item)):
-            ct_in, c = layers.input_grad(r, res, ct, cs, row_of(item))
+        ct_in, c = layers.input_grad(r, res, ct, cs, row_of(item))
         _, new, g, _, _, sown = idle(r, item, h, ct, cs, res, kept, st)
         return ct_in, new, g, c, st, sown
 
     def weight_grad(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
-        with rows_of(micro_rows(item)):
-            g = layers.weight_grad(r, res, kept, row_of(item))
+        g = layers.weight_grad(r, res, kept, row_of(item))
         out, new, _, c, _, sown = idle(r, item, h, ct, cs, res, kept, st)
         return out, new, g, c, st, sown
 
@@ -273,6 +269,8 @@ def _group(
         op, r, item, res_slot, inbox, grad_slot, recv_f, recv_b, recv_loss = (c[s] for c in columns)
         # In a lockstep table a stage without a work item runs the unit's action masked: its results are dropped.
         real, r, at = op != tables.IDLE, jnp.maximum(r, 0), jnp.maximum(item, 0)
+        # (A table's idle branch leaves the state and gives zero gradients: nothing to mask.)
+        kept_if_real = (lambda new, old: jnp.where(real, new, old)) if lockstep else (lambda new, old: new)
         # Stage 0's chunk 0 takes the micro-batch from the device that holds its rows (its layers before the stack).
         first = events["input"]
         x_in = cond(
@@ -290,30 +288,31 @@ def _group(
         out, new, g, c, st, sown = lax.switch(
             action, [typed(b) for b in branches], r, item, h, inbox_b[slot], cs, res, kept, st
         )
-        layer_state = jax.tree.map(lambda a, n: a.at[r].set(jnp.where(real, n, a[r])), layer_state, st)
+        layer_state = jax.tree.map(lambda a, n: a.at[r].set(kept_if_real(n, a[r])), layer_state, st)
         is_f = op == tables.F
         sown_buf = jax.tree.map(lambda a, n: a.at[at, r].set(jnp.where(is_f, n, a[at, r])), sown_buf, sown)
         ring = [a.at[res_slot].set(jnp.where(is_f, n, a[res_slot])) for a, n in zip(ring, new, strict=True)]
         if zb:
             cts = [a.at[grad_slot].set(jnp.where(op == tables.I, n, a[grad_slot])) for a, n in zip(cts, c, strict=True)]
-        stack_grads = jax.tree.map(lambda a, d: a.at[r].add(jnp.where(real, d, jnp.zeros_like(d))), stack_grads, g)
+        stack_grads = jax.tree.map(lambda a, g_: a.at[r].add(kept_if_real(g_, jnp.zeros_like(g_))), stack_grads, g)
         # The loss of the micro-batch leaving the last stage, on its device; the cotangent goes back.
         done = events["loss"]
 
+        d = jnp.maximum(done, 0)
+
         def loss() -> Any:
             h_out = vary(from_stage(p - 1, out), (axis,))  # varying: the cotangent stays this device's
-            owner = s == jnp.maximum(done, 0) // q
-            part = jnp.maximum(done, 0) % q
+            owner, part = s == d // q, d % q
             # What every layer sowed for the micro-batch, in layer order (layer (r p + s) k + j: [v, p, k]).
-            gathered = jax.tree.map(lambda a: lax.all_gather(a[jnp.maximum(done, 0)], axis, axis=1), sown_buf)
+            gathered = jax.tree.map(lambda a: lax.all_gather(a[d], axis, axis=1), sown_buf)
             sown = jax.tree.map(lambda a: a.reshape((v * p * k, 1, *a.shape[3:])), gathered)
             value, post_vjp, (n, sums) = jax.vjp(
                 lambda p_, h, sown: post(p_, h, part, sown), params, h_out, sown, has_aux=True
             )
             g_post, ct_out, ct_sown = post_vjp(vary(jnp.where(owner, 1.0, 0.0).astype(value.dtype), every))
-            ct_last = from_stage(jnp.maximum(done, 0) // q, ct_out)
+            ct_last = from_stage(d // q, ct_out)
             # This stage's layers' share of the sown values' cotangents, [v, k, ...], from the rows' device.
-            mine = lambda a: from_stage(jnp.maximum(done, 0) // q, a).reshape((v, p, k, *a.shape[2:]))[:, s]
+            mine = lambda a: from_stage(d // q, a).reshape((v, p, k, *a.shape[2:]))[:, s]
             masked = lambda t: jax.tree.map(lambda a: jnp.where(owner, a, jnp.zeros_like(a)), t)
             return ct_last, g_post, masked(sums), jnp.where(owner, n, 0.0), jax.tree.map(mine, ct_sown)
 
@@ -327,7 +326,7 @@ def _group(
         loss_typing = lambda f: lambda: (lambda o: (vary(o[0], every), like(o[1], params), *vary(o[2:], every)))(f())
         ct_last, g_post, sums, n, ct_sown = cond(done >= 0, loss, no_loss, loss_typing)
         ct_buf = jax.tree.map(
-            lambda a, c: a.at[jnp.maximum(done, 0)].set(jnp.where(done >= 0, c, a[jnp.maximum(done, 0)])),
+            lambda a, c: a.at[d].set(jnp.where(done >= 0, c, a[d])),
             ct_buf,
             ct_sown,
         )
