@@ -70,7 +70,7 @@ import time
 
 from _common import run_facts, set_cpu_devices, write_json
 
-if "--smoke" in sys.argv[1:]:
+if "--smoke" in sys.argv[1:] and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     # The smoke run checks that everything runs: its programs compile without XLA:CPU's backend optimisation, as
     # _common.jit_once's do (a third less compile time; the values agree within float32 rounding).
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()

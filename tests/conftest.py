@@ -53,6 +53,16 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the default (1
 jax.config.update("jax_compilation_cache_dir", XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
+
+@pytest.fixture
+def compile_flags() -> str:
+    """This session's XLA_FLAGS without the device count (the root conftest.py's fast-compile flags): for a process a
+    test starts on its own device count, to compile as the suite does (its bits compared with the test's, or its
+    run only checked to complete)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 # Seconds a job may run unless a test says otherwise: well below pytest's 600 s, so that a stuck job fails
 # with its output instead of being killed by pytest-timeout.
 LAUNCH_TIMEOUT = 400.0

@@ -308,9 +308,10 @@ def test_names_are_found_in_code_and_backticks(tmp_path):
 
 
 @pytest.mark.slow
-def test_benchmark_entry_point_runs_and_plots(tmp_path):
+def test_benchmark_entry_point_runs_and_plots(tmp_path, compile_flags):
     """benchmarks/run_all.py at its smoke setting: every benchmark runs, writes JSON, and each plot is drawn."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = compile_flags  # each benchmark sets its own device count
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run(
         [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--smoke", "--out", str(tmp_path)],

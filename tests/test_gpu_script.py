@@ -127,12 +127,12 @@ def test_run_parallel_stops_what_outlives_the_deadline(gpu):
 
 
 @pytest.mark.slow
-def test_tiny_run_on_cpu_writes_every_section(tmp_path):
+def test_tiny_run_on_cpu_writes_every_section(tmp_path, compile_flags):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script takes one CPU device
     env["JAX_PLATFORMS"] = "cpu"
-    # Compiled without XLA:CPU's backend optimisation (0.6 of the compile time): this run checks that every section
-    # runs and writes its results, not their speed.
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    # Compiled as the suite compiles (conftest's fast-compile flags): this run checks that every section runs and
+    # writes its results, not their speed.
+    env["XLA_FLAGS"] = compile_flags
     # No budget: on a loaded machine any share of one runs out, and a section that runs out of its share is
     # recorded as timed out (tested above), which is not what this run checks. The timeout only ends a hang.
     cmd = [sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path), "--peak-tflops", "0.5", "--budget", "inf"]

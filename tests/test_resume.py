@@ -349,12 +349,11 @@ def test_checkpoint_extra_round_trips_json_only(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["arrays", "rename"])
-def test_process_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, step, straight, where):
+def test_process_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, compile_flags, step, straight, where):
     ckpt, marker = tmp_path / "ckpt", tmp_path / "saving"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    # The job compiles as this process does (conftest's backend optimisation level): its bits are compared with ours.
-    same = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level")]
-    env["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={DEVICES}", *same])
+    # The job compiles as this process does (conftest's fast-compile flags): its bits are compared with ours.
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES} {compile_flags}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     cmd = [sys.executable, str(JOB_PATH), str(ckpt), str(tmp_path / "out.npz"), "--save-every", "4"]
     cmd += ["--hang-in-save", "8", "--marker", str(marker), "--hang-at", where]
