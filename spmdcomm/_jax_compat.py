@@ -3,7 +3,8 @@
 JAX has no public API for a few things spmdcomm needs: whether the current ``shard_map`` trace checks
 varying manual axes, the coordination-service client of a multi-process job, whether the backends have
 started, cluster auto-detection, which axis a collective asked for when JAX failed on an unbound one, which
-functions run a host callback (for the watchdog, which looks for them in thread stacks), and the ``jax.vmap`` and
+functions run a host callback (for the watchdog, which looks for them in thread stacks), which outputs of a traced
+function read an input (for the table schedules' model state), and the ``jax.vmap`` and
 second-derivative rules that ``jax.custom_derivatives.linear_call`` lacks (for ring attention's derivative). Those
 accesses live here and nowhere else in spmdcomm (one exception, FSDP's ``jax.checkpoint`` policy naming
 primitives, is in docs/architecture.md; ``tests/test_architecture.py`` checks both), so a JAX upgrade that moves
@@ -39,6 +40,7 @@ __all__ = [
     "jax_version",
     "jax_version_supported",
     "linear_call",
+    "outputs_depending_on",
     "varying_axes",
 ]
 
@@ -117,6 +119,18 @@ def vary(tree: Any, axes: Sequence[str]) -> Any:
         return lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(one, tree)
+
+
+def outputs_depending_on(fun: Any, x: Any) -> list[bool]:
+    """For each leaf of ``fun(x)``, whether its value depends on ``x``: JAX's dead-code elimination of the traced
+    program, asked for that output alone, keeps the input or not (loops, conditionals and nested programs
+    included). ``x`` may be a tracer of an enclosing trace; ``fun`` is traced once, never run."""
+    dce = _private("jax._src.interpreters.partial_eval", "dce_jaxpr")
+    if dce is None:
+        raise SpmdError(_unsupported("jax._src.interpreters.partial_eval.dce_jaxpr", "find what a traced value reads"))
+    program = jax.make_jaxpr(fun)(x).jaxpr
+    n = len(program.outvars)
+    return [bool(dce(program, [k == i for k in range(n)])[1][0]) for i in range(n)]
 
 
 def collective_axes_in_traceback(tb: TracebackType | None) -> list[str]:

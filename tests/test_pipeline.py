@@ -553,13 +553,14 @@ def norm_metrics(params, batch, *, apply_fn, model_state, mask):
 
 
 @functools.cache
-def init_norm():
-    """``NormNet``'s variables on the host, one compiled init for every run."""
-    return jax.device_get(jax.jit(NormNet().init)(jax.random.key(0), np.zeros((2, 5), np.float32)))
+def init_norm(cls=NormNet):
+    """The variables of ``cls`` (``NormNet``, or another net of the same fields) on the host, one compiled init for
+    every run."""
+    return jax.device_get(jax.jit(cls().init)(jax.random.key(0), np.zeros((2, 5), np.float32)))
 
 
 def train_norm(net, mesh, data, *, accum=1, **kwargs):
-    variables = init_norm()
+    variables = init_norm(type(net))
     state = sc.TrainState.create(
         params=variables["params"],
         model_state={"batch_stats": variables["batch_stats"]},
@@ -582,12 +583,12 @@ def train_norm(net, mesh, data, *, accum=1, **kwargs):
 
 
 @functools.cache
-def norm_one_device(replicas, m):
-    """One device's run of ``NormNet("data")`` with ``accum_steps=m``, its micro-batch j holding every replica's
+def norm_one_device(replicas, m, cls=NormNet):
+    """One device's run of ``cls("data")`` with ``accum_steps=m``, its micro-batch j holding every replica's
     micro-batch j: replica d's micro-batch j is global rows d R + j R/m (R rows per replica)."""
     order = np.arange(16).reshape(replicas, m, -1).transpose(1, 0, 2).ravel()
     data = [{k: a[order] for k, a in b.items()} for b in batches(rows=16)]
-    return train_norm(NormNet("data"), mesh_of(1), data, accum=m)
+    return train_norm(cls("data"), mesh_of(1), data, accum=m)
 
 
 @pytest.mark.parametrize(

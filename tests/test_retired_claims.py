@@ -36,6 +36,12 @@ RETIRED = {
         r"which only GPipe hands back|GPipe only: the table schedules raise",
         "What the stack's blocks sow (a MoE layer's",
     ),
+    "pipeline: table schedules refuse model state outside the stack": (
+        "Refused with an error naming `schedule=\"gpipe\"`: a model state updated outside the stack",
+        r"naming `schedule=\"gpipe\"`: a model state updated outside|with model state updated outside the stack \||"
+        r"model state only inside the stack|refusal left: the table schedules with model state",
+        "**Model state outside the stack under the table schedules**",
+    ),
     "sharded: no pipeline": (
         "There is no pipeline parallelism: nothing schedules micro-batches over stages of a model.",
         r"there is no pipeline parallelism",

@@ -9,9 +9,9 @@ this module's loop runs any table. The step's loop hands it the pieces of a micr
 stack splits it (:mod:`~spmdcomm.parallel.pipeline.pieces`): run in the *pre* piece, the stack hands over its input
 and its parameters (what follows it is unused); run in the *post* piece, it returns the output the pipeline computed
 and what the layers sowed for the micro-batch (gathered from the stages when its loss runs; their cotangents go
-back to each stage's layers with the output's). The layers outside the stack
-(embedding, head, loss) run on the rows' own device, as in GPipe. Device ``s`` of a data replica owns micro-batches
-``[s m/p, (s+1) m/p)``, a part each of its rows.
+back to each stage's layers with the output's). The layers outside the stack (embedding, head, loss) run on the
+rows' own device, once per micro-batch, moving their state on in micro-batch order (``pieces.OutsideState``).
+Device ``s`` of a data replica owns micro-batches ``[s m/p, (s+1) m/p)``, a part each of its rows.
 
 One loop over the table's units. At each unit every stage runs its action on one chunk of its layers (a
 ``lax.switch``: a stage without one computes nothing). With the batch split over a context or expert axis the
@@ -54,7 +54,7 @@ from spmdcomm._jax_compat import vary, varying_axes
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.pipeline import gpipe, tables
 from spmdcomm.parallel.pipeline.actions import Layers, typed_zeros
-from spmdcomm.parallel.pipeline.pieces import Post, state_rebuilder, traced_piece
+from spmdcomm.parallel.pipeline.pieces import OutsideState, Post, traced_piece
 from spmdcomm.parallel.pipeline.schedule import PIPELINED, MicroPieces
 from spmdcomm.parallel.real_rows import rows_of
 
@@ -127,14 +127,15 @@ def _group(
     mb = rows // q
     parts = jax.tree.map(lambda a: a.reshape((q, mb) + a.shape[1:]), (batch, mask))
 
-    def pre(p_: Any, part: Any) -> dict[str, Any]:
-        """The stack's input, parameters, layer function and state, and the model state the loss returns."""
+    def pre(p_: Any, part: Any, state: Any = model_state, tag: Any = None) -> dict[str, Any]:
+        """The stack's input, parameters, layer function and state, and the model state the loss returns (``tag``:
+        added to the stack's output, to find what depends on it)."""
         b, mk = jax.tree.map(lambda a: a[part], parts)
-        captured: dict[str, Any] = {"stages": p}
+        captured: dict[str, Any] = {"stages": p} if tag is None else {"stages": p, "tag": tag}
         with traced_piece(captured):
-            _, (_, (_, aux)) = pieces.loss(p_, model_state, b, mk, j, part)
+            _, (_, (_, aux)) = pieces.loss(p_, state, b, mk, j, part)
         if "x" in captured:
-            return {**captured, "returned": aux.get("model_state", model_state)}
+            return {**captured, "returned": aux.get("model_state", state)}
         raise SpmdError(
             describe(
                 "make_train_step",
@@ -143,12 +144,13 @@ def _group(
             )
         )
 
-    def post(p_: Any, h: jax.Array, part: Any, sown: Any) -> tuple[jax.Array, Any]:
+    def post(p_: Any, h: jax.Array, part: Any, sown: Any, state: Any = model_state) -> tuple[jax.Array, Any]:
         b, mk = jax.tree.map(lambda a: a[part], parts)
         with traced_piece(Post(h, sown, first["like"])):  # the stack's state is what it was given: the loop's is kept
-            count, (value, (loss, aux)) = pieces.loss(p_, model_state, b, mk, j, part)
+            count, (value, (loss, aux)) = pieces.loss(p_, state, b, mk, j, part)
+        new_state = aux.get("model_state", state)
         aux = {k: v for k, v in aux.items() if k != "model_state"}
-        return value, (count, pieces.metrics(count, loss, aux))
+        return value, (count, pieces.metrics(count, loss, aux), new_state)
 
     # The stack's layers and layer function, traced once (part 0's: a micro-batch's rows are keyed from there).
     first = pre(params, 0)
@@ -177,7 +179,6 @@ def _group(
     # The stack's state (BatchNorm's statistics: whole on every device, canonical order): this stage's rows as its
     # chunks, each moved on by its forward passes, which run in micro-batch order.
     stack_state = first["state"]
-    rebuild = state_rebuilder(model_state, first["returned"], stack_state, pipeline.schedule)
     own = gpipe.stage_rows(stack_state, local, p, v, s)
     layer_state = vary(jax.tree.map(lambda a: a.reshape((v, k) + a.shape[1:]), own), every)
     one_state = jax.tree.map(lambda a: a[0, 0], layer_state)
@@ -210,12 +211,22 @@ def _group(
     inbox_f = buffers(plan.slots["inbox_f"], x0.shape, x0.dtype)
     inbox_b = buffers(plan.slots["inbox_b"], x0.shape, x0.dtype)
     sown_whole = lambda tree: jax.tree.map(lambda a: jnp.zeros((v * p * k, 1, *a.shape[1:]), a.dtype), tree)
-    metric_shapes = jax.eval_shape(lambda: post(params, x0, 0, sown_whole(sown_shapes))[1][1])
+    # The model state outside the stack (a BatchNorm in the embedding or the head): the leaves the layers before the
+    # stack update move on at the input events, those after it at the loss events, both in micro-batch order.
+    outside, metric_shapes = OutsideState.trace(
+        model_state,
+        (first["returned"], lambda t: pre(params, 0, tag=t)["returned"]),
+        lambda: post(params, x0, 0, sown_whole(sown_shapes))[1][1:],
+        stack_state,
+        x0,
+        pipeline.schedule,
+    )
     zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
     cyclic = v > 1  # the last stage's chunk r feeds stage 0's chunk r + 1
     right = [(i, (i + 1) % p) for i in range(p if cyclic else p - 1)]
     left = [((i + 1) % p, i) for i in range(p if cyclic else p - 1)]
     from_stage = lambda src, x: lax.psum(jnp.where(s == src, x, jnp.zeros_like(x)), axis)
+    from_owner = lambda src, values: [from_stage(src, a) for a in values]
     nothing = lambda: jnp.zeros_like(x0)
     # Every branch's results vary over the manual axes, as the loop's carry does (shard_map's typing); the
     # residuals keep their own types, and gradients their parameters' (summed over the axes they do not vary over,
@@ -264,7 +275,8 @@ def _group(
     branch_of[[tables.F, tables.B, tables.I, tables.W]] = [1, 2, 2, 3]
 
     def unit(carry: Any, xs: Any) -> tuple[Any, None]:
-        inbox_f, inbox_b, ring, cts, sown_buf, ct_buf, layer_state, stack_grads, grads, metrics, count = carry
+        inbox_f, inbox_b, ring, cts, sown_buf, ct_buf, layer_state, stack_grads, grads, metrics, count, *rest = carry
+        before, after, used = rest
         columns, events, kind = xs
         op, r, item, res_slot, inbox, grad_slot, recv_f, recv_b, recv_loss = (c[s] for c in columns)
         # In a lockstep table a stage without a work item runs the unit's action masked: its results are dropped.
@@ -272,12 +284,16 @@ def _group(
         # (A table's idle branch leaves the state and gives zero gradients: nothing to mask.)
         kept_if_real = (lambda new, old: jnp.where(real, new, old)) if lockstep else (lambda new, old: new)
         # Stage 0's chunk 0 takes the micro-batch from the device that holds its rows (its layers before the stack).
+        # It runs from the model state the micro-batches before left (kept, for its backward pass).
         first = events["input"]
-        x_in = cond(
-            first >= 0,
-            lambda: from_stage(jnp.maximum(first, 0) // q, pre(params, jnp.maximum(first, 0) % q)["x"]),
-            nothing,
-        )
+        i = jnp.maximum(first, 0)
+
+        def take() -> Any:
+            got = pre(params, i % q, outside.build(before))
+            return from_stage(i // q, got["x"]), from_owner(i // q, outside.take(got["returned"], outside.before))
+
+        used = [u.at[i].set(jnp.where(first >= 0, a, u[i])) for u, a in zip(used, before, strict=True)]
+        x_in, before = cond(first >= 0, take, lambda: (nothing(), before))
         slot = jnp.maximum(inbox, 0)
         h = jnp.where(inbox < 0, x_in, inbox_f[slot])
         res = [a[jnp.maximum(res_slot, 0)] for a in ring]
@@ -306,15 +322,17 @@ def _group(
             # What every layer sowed for the micro-batch, in layer order (layer (r p + s) k + j: [v, p, k]).
             gathered = jax.tree.map(lambda a: lax.all_gather(a[d], axis, axis=1), sown_buf)
             sown = jax.tree.map(lambda a: a.reshape((v * p * k, 1, *a.shape[3:])), gathered)
-            value, post_vjp, (n, sums) = jax.vjp(
-                lambda p_, h, sown: post(p_, h, part, sown), params, h_out, sown, has_aux=True
+            state = outside.build([a[d] for a in used], after)
+            value, post_vjp, (n, sums, new_state) = jax.vjp(
+                lambda p_, h, sown: post(p_, h, part, sown, state), params, h_out, sown, has_aux=True
             )
             g_post, ct_out, ct_sown = post_vjp(vary(jnp.where(owner, 1.0, 0.0).astype(value.dtype), every))
             ct_last = from_stage(d // q, ct_out)
             # This stage's layers' share of the sown values' cotangents, [v, k, ...], from the rows' device.
             mine = lambda a: from_stage(d // q, a).reshape((v, p, k, *a.shape[2:]))[:, s]
             masked = lambda t: jax.tree.map(lambda a: jnp.where(owner, a, jnp.zeros_like(a)), t)
-            return ct_last, g_post, masked(sums), jnp.where(owner, n, 0.0), jax.tree.map(mine, ct_sown)
+            moved = from_owner(d // q, outside.take(new_state, outside.after))
+            return ct_last, g_post, masked(sums), jnp.where(owner, n, 0.0), jax.tree.map(mine, ct_sown), moved
 
         no_loss = lambda: (
             jnp.zeros_like(x0),
@@ -322,9 +340,10 @@ def _group(
             zeros(metric_shapes),
             jnp.zeros((), jnp.float32),
             jax.tree.map(lambda a: a[0], zeros(ct_buf)),
+            after,
         )
         loss_typing = lambda f: lambda: (lambda o: (vary(o[0], every), like(o[1], params), *vary(o[2:], every)))(f())
-        ct_last, g_post, sums, n, ct_sown = cond(done >= 0, loss, no_loss, loss_typing)
+        ct_last, g_post, sums, n, ct_sown, after = cond(done >= 0, loss, no_loss, loss_typing)
         ct_buf = jax.tree.map(
             lambda a, c: a.at[d].set(jnp.where(done >= 0, c, a[d])),
             ct_buf,
@@ -343,24 +362,14 @@ def _group(
         def embed_grad() -> Any:
             owner = s == jnp.maximum(back, 0) // q
             ct_x = from_stage(0, out)
-            _, pre_vjp = jax.vjp(lambda p_: pre(p_, jnp.maximum(back, 0) % q)["x"], params)
+            state = outside.build([a[jnp.maximum(back, 0)] for a in used])
+            _, pre_vjp = jax.vjp(lambda p_: pre(p_, jnp.maximum(back, 0) % q, state)["x"], params)
             return pre_vjp(jnp.where(owner, ct_x, jnp.zeros_like(ct_x)))[0]
 
         params_typing = lambda f: lambda: like(f(), params)
         grads = jax.tree.map(jnp.add, grads, cond(back >= 0, embed_grad, lambda: zeros(params), params_typing))
-        return (
-            inbox_f,
-            inbox_b,
-            ring,
-            cts,
-            sown_buf,
-            ct_buf,
-            layer_state,
-            stack_grads,
-            grads,
-            metrics,
-            count + n,
-        ), None
+        sums = (layer_state, stack_grads, grads, metrics, count + n)
+        return (inbox_f, inbox_b, ring, cts, sown_buf, ct_buf, *sums, before, after, used), None
 
     sums = (
         like(zeros(chunks), chunks),
@@ -368,15 +377,17 @@ def _group(
         *vary((zeros(metric_shapes), jnp.zeros(())), every),
     )
     inboxes, sown_bufs = vary((inbox_f, inbox_b), every), vary((sown_buf, ct_buf), every)
-    carry = (*inboxes, ring, cts, *sown_bufs, vary(layer_state, every), *sums)
+    threaded = vary((outside.take(model_state, outside.before), outside.take(model_state, outside.after)), every)
+    used = [jnp.zeros((m, *a.shape), a.dtype) for a in threaded[0]]
+    carry = (*inboxes, ring, cts, *sown_bufs, vary(layer_state, every), *sums, *threaded, vary(used, every))
     columns = tuple(jnp.asarray(plan.columns[name]) for name in tables.COLUMNS)
     events = {name: jnp.asarray(e) for name, e in plan.events.items()}
     kinds = jnp.asarray(plan.kinds if plan.kinds is not None else np.zeros(plan.units, np.int32))
     carry, _ = lax.scan(unit, carry, (columns, events, kinds))
-    *_, layer_state, stack_grads, grads, metrics, count = carry
+    *_, layer_state, stack_grads, grads, metrics, count, before, after, _ = carry
     # The stack's gradient, summed over the units, goes back to the parameters once (through the pre piece).
     _, to_params = jax.vjp(lambda p_: pre(p_, 0)["params"], params)
     (g_stack,) = to_params(jax.tree.map(lambda a: a.reshape((local,) + a.shape[2:]), stack_grads))
     # Every stage's rows of the stack's state, gathered: the whole state on every device, as GPipe leaves it.
-    new_state = rebuild(gpipe.whole_state(layer_state, local, p, v, axis))
+    new_state = outside.build(before, after, gpipe.whole_state(layer_state, local, p, v, axis))
     return jax.tree.map(jnp.add, grads, g_stack), metrics, count, new_state

@@ -14,11 +14,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from spmdcomm._jax_compat import outputs_depending_on
 from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.pipeline.schedule import LayerFn
 from spmdcomm.parallel.real_rows import real_rows
 
-__all__ = ["Post", "stack_piece", "state_rebuilder", "traced_piece"]
+__all__ = ["OutsideState", "Post", "stack_piece", "traced_piece"]
 
 #: The piece being traced: None (no 1F1B loop: the stack runs as GPipe), a dict (pre: the stack puts what it was
 #: given there), or the stack's output (post).
@@ -51,7 +52,8 @@ def stack_piece(layer_fn: LayerFn, params: Any, state: Any, x: jax.Array) -> tup
         layers = jax.tree.leaves(params)[0].shape[0] * piece["stages"]
         stand_in = jax.tree.map(lambda a: jnp.zeros((layers, 1, *a.shape), a.dtype), {c: out[c] for c in sown})
         piece.update(layer_fn=layer_fn, params=params, state=state, x=x, sown=sown, rows=real_rows(), like=stand_in)
-        return x, {**state, **stand_in}
+        # A tag added to the output shows which of the loss's results depend on it (OutsideState).
+        return x + piece["tag"] if "tag" in piece else x, {**state, **stand_in}
     # The loop carries integer values (an expert's token counts) as floats: each back to its own dtype.
     return piece.h, {**state, **jax.tree.map(lambda a, like: a.astype(like.dtype), piece.sown, piece.like)}
 
@@ -65,33 +67,82 @@ class Post(NamedTuple):
     like: dict[str, Any]
 
 
-def state_rebuilder(given: Any, returned: Any, stack_state: Any, schedule: str) -> Any:
-    """``f(new stack state) -> model state``: the tree the loss returns (``returned``, from ``given``) with the stack's
-    state in it replaced. Raises :class:`SpmdError` when the loss changes the model state outside the stack: the
-    layers before and after the stack run once per micro-batch, at units of their own, where GPipe runs them once on
-    the device's rows, so their statistics would be other numbers."""
-    stack = {id(a): i for i, a in enumerate(jax.tree.leaves(stack_state))}
-    leaves, treedef = jax.tree.flatten(returned)
-    before = jax.tree.leaves(given)
-    where = [stack.get(id(a)) for a in leaves]
-    moved = [
-        i for i, (a, w) in enumerate(zip(leaves, where, strict=True)) if w is None and not any(a is b for b in before)
-    ]
-    if moved:
-        paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(returned)[0]]
-        raise SpmdError(
-            describe(
-                "make_train_step",
-                f"loss_fn updates the model state outside the PipelineStack ({', '.join(paths[i] for i in moved[:3])}) "
-                f"under schedule={schedule!r}: this schedule runs the layers before and after the stack once per "
-                "micro-batch, at different units of its loop, where GPipe runs them once on the device's rows, so a "
-                "BatchNorm there would normalise by other statistics.",
-                fix="move the layers with state into the stack (sc.PipelineStack), or use schedule='gpipe'.",
+class OutsideState(NamedTuple):
+    """The model state a table schedule's loop threads outside the stack's (BatchNorm in the embedding or the head).
+
+    The layers before the stack run at the input events (one micro-batch each, in micro-batch order), the layers
+    after it at the loss events (in order too): the leaves each side updates, ``before`` and ``after`` (indices into
+    the model state's leaves), move on there, from the device that holds the micro-batch's rows, as one device's
+    micro-batches would move them one after another. A leaf the layers after the stack update is an ``after`` leaf
+    even if the layers before update it too (the post piece runs both, in that order)."""
+
+    treedef: Any
+    given: list[Any]
+    stack: list[int | None]  # per leaf: its index among the stack's state leaves, or None
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+
+    @staticmethod
+    def trace(
+        given: Any, pre: tuple[Any, Any], post: Any, stack_state: Any, x: jax.Array, schedule: str
+    ) -> tuple[OutsideState, Any]:
+        """From the model state ``given`` to the loss; ``pre``: the model state the pre piece returned, and the pre
+        piece as ``f(tag) -> model state`` (``tag`` added to the stack's output ``x``); ``post() -> (metrics, model
+        state)``: the post piece; the stack's state. Returns the threaded leaves and the metrics' shapes."""
+        returned: list[Any] = []
+
+        def metrics() -> Any:
+            out, new_state = post()
+            returned.append(new_state)
+            return out
+
+        shapes = jax.eval_shape(metrics)
+        # Which of the pre piece's returned leaves depend on the stack's output: the layers after it update those.
+        after_stack = outputs_depending_on(lambda t: jax.tree.leaves(pre[1](t)), x)
+        return OutsideState._of(given, pre[0], returned[0], stack_state, after_stack, schedule), shapes
+
+    @staticmethod
+    def _of(given: Any, pre: Any, post: Any, stack_state: Any, after_stack: list[bool], schedule: str) -> OutsideState:
+        leaves, treedef = jax.tree.flatten(given)
+        pre_leaves, post_leaves = jax.tree.leaves(pre), jax.tree.leaves(post)
+        if {str(jax.tree.structure(t)) for t in (given, pre, post)} != {str(treedef)}:
+            raise SpmdError(
+                describe(
+                    "make_train_step",
+                    f"loss_fn returned a model_state of another tree than state.model_state ({treedef}).",
+                    fix="return the updated model state with the same structure (or leave 'model_state' out of aux).",
+                )
             )
-        )
+        in_stack = {id(a): i for i, a in enumerate(jax.tree.leaves(stack_state))}
+        stack = [in_stack.get(id(a)) for a in pre_leaves]
+        outside = [i for i, w in enumerate(stack) if w is None]
+        before = tuple(i for i in outside if pre_leaves[i] is not leaves[i] and not after_stack[i])
+        after = tuple(i for i in outside if post_leaves[i] is not leaves[i] and after_stack[i])
+        odd = [i for i in before + after if not jnp.issubdtype(leaves[i].dtype, jnp.number)]
+        if odd:
+            paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(given)[0]]
+            raise SpmdError(
+                describe(
+                    "make_train_step",
+                    f"loss_fn updates model state leaves that are not numbers ({', '.join(paths[i] for i in odd[:3])}) "
+                    f"outside the PipelineStack under schedule={schedule!r}, which moves such state between stages.",
+                    fix="keep that state in the stack (sc.PipelineStack) or use schedule='gpipe'.",
+                )
+            )
+        return OutsideState(treedef, leaves, stack, before, after)
 
-    def rebuild(new: Any) -> Any:
-        fresh = jax.tree.leaves(new)
-        return jax.tree.unflatten(treedef, [a if w is None else fresh[w] for a, w in zip(leaves, where, strict=True)])
+    def take(self, tree: Any, which: tuple[int, ...]) -> list[Any]:
+        leaves = jax.tree.leaves(tree)
+        return [leaves[i] for i in which]
 
-    return rebuild
+    def build(self, before: list[Any], after: list[Any] | None = None, stack_state: Any = None) -> Any:
+        """The model state: the given leaves, with ``before``, ``after`` and the stack's state (those given) in
+        place."""
+        leaves = list(self.given)
+        for which, values in ((self.before, before), (self.after, after)):
+            for i, a in zip(which, [] if values is None else values, strict=values is not None):
+                leaves[i] = a
+        if stack_state is not None:
+            fresh = jax.tree.leaves(stack_state)
+            leaves = [a if w is None else fresh[w] for a, w in zip(leaves, self.stack, strict=True)]
+        return jax.tree.unflatten(self.treedef, leaves)

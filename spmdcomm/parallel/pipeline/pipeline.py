@@ -74,10 +74,11 @@ class Pipeline(Schedule):
         ``repeats=v`` torch's ``ScheduleInterleaved1F1B``, also named ``"interleaved_1f1b"``); ``"zb-h1"`` (1F1B
         with the backward pass split into input and weight gradients, the weight gradients filling the bubble,
         torch's ``ScheduleInterleavedZeroBubble``). The last two take any loss the step takes (a per-row mean or
-        :func:`~spmdcomm.weighted`) and model state only inside the stack (BatchNorm's statistics there follow
-        GPipe's rule). With a context or expert axis they run a lockstep table (every stage runs each unit's
-        action, masked where it has none); what the stack's blocks sow reaches each call of the loss per
-        micro-batch, ``[L, 1, ...]``.
+        :func:`~spmdcomm.weighted`) and any model state: the layers before and after the stack run once per
+        micro-batch, in micro-batch order, and move their state (BatchNorm's statistics) on each time, as the
+        stack's layers do under both schedules. With a context or expert axis they run a lockstep table (every
+        stage runs each unit's action, masked where it has none); what the stack's blocks sow reaches each call of
+        the loss per micro-batch, ``[L, 1, ...]``.
 
     Raises:
       SpmdError: for a non-positive ``microbatches`` or ``repeats``, an ``axis`` that is not a string, or an
