@@ -734,7 +734,7 @@ def test_nnx_batchnorm_in_a_stage_equals_one_device_with_one_micro_batch_at_a_ti
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_two_processes_with_the_stage_or_the_expert_axis_across_them_equal_one_device(launch, tmp_path):
-    """One job (tests/workers/mp_pipeline.py): GPipe and 1F1B with the stage axis across the processes, then
+    """One job (tests/workers/mp_pipeline.py): GPipe, 1F1B and ZB-H1 with the stage axis across the processes, then
     tests/test_expert_parallel.py's MoE step with the expert axis across them, on a padded batch."""
     from tests.test_expert_parallel import MODEL, REAL_ROWS, batch, one_device_step
 
@@ -743,7 +743,7 @@ def test_two_processes_with_the_stage_or_the_expert_axis_across_them_equal_one_d
     out = launch("mp_pipeline.py", tmp_path, timeout=300)
     assert out.stdout.count("PIPELINE OK") == 2 and out.stdout.count("EXPERTS OK") == 2  # one each per process
     expected, expected_losses = one_device(32)
-    for schedule in ("pipeline", "pipeline_1f1b"):  # GPipe, then 1F1B
+    for schedule in ("pipeline", "pipeline_1f1b", "pipeline_zb"):  # GPipe, 1F1B, ZB-H1
         got = np.load(tmp_path / f"params_{schedule}.npz")
         for path, x in jax.tree_util.tree_flatten_with_path(expected)[0]:
             name = jax.tree_util.keystr(path)

@@ -4,7 +4,7 @@ process s) and whose data axis stays inside each process.
 Usage: spmdcomm-launch -n 2 --devices-per-process 2 mp_pipeline.py OUT_DIR
 The test hands both models' initial parameters over in OUT_DIR (ddp_models.write_initial).
 Trains tests/test_pipeline.py's model (8 stacked blocks) 3 steps under FSDP with a GPipe schedule of 4
-micro-batches, then with the 1F1B schedule, every process passing the global batch (host_input="global");
+micro-batches, then with the 1F1B and ZB-H1 schedules, every process passing the global batch (host_input="global");
 process 0 writes the parameters (in canonical layer order) and the losses of each.
 
 Then, in the same processes (one job: each process starting and compiling its programs costs more than the steps),
@@ -50,7 +50,7 @@ def main(out_dir: Path) -> None:
     rows = [{d.process_index for d in row} for row in mesh.devices]
     assert rows == [{0}, {1}], rows  # one stage per process: the activations cross processes
     step = sc.make_train_step(loss_fn, host_input="global")
-    for name, schedule in [("pipeline", "gpipe"), ("pipeline_1f1b", "1f1b")]:
+    for name, schedule in [("pipeline", "gpipe"), ("pipeline_1f1b", "1f1b"), ("pipeline_zb", "zb-h1")]:
         state = sc.TrainState.create(
             params=initial["pipeline"],
             apply_fn=Net().apply,
