@@ -583,12 +583,22 @@ def train_norm(net, mesh, data, *, accum=1, **kwargs):
 
 
 @functools.cache
-def norm_one_device(replicas, m, cls=NormNet):
-    """One device's run of ``cls("data")`` with ``accum_steps=m``, its micro-batch j holding every replica's
-    micro-batch j: replica d's micro-batch j is global rows d R + j R/m (R rows per replica)."""
-    order = np.arange(16).reshape(replicas, m, -1).transpose(1, 0, 2).ravel()
+def norm_one_device(replicas, m, cls=NormNet, *, accum=1, stages=2):
+    """One device's run of ``cls("data")`` with ``accum_steps=accum m``, its micro-batch ``g m + j`` holding every
+    replica's micro-batch j of accumulation group g. A replica's R rows are split over its ``stages`` devices, each
+    device's into ``accum`` groups, and a group's m micro-batches are q = m / stages parts of each device's group in
+    turn (accum 1: replica d's micro-batch j is global rows d R + j R/m)."""
+    rows, q = 16 // replicas, m // stages
+    group, mb = rows // (stages * accum), rows // (stages * accum * q)
+    order = [
+        d * rows + (j // q) * (rows // stages) + g * group + (j % q) * mb + i
+        for g in range(accum)
+        for j in range(m)
+        for d in range(replicas)
+        for i in range(mb)
+    ]
     data = [{k: a[order] for k, a in b.items()} for b in batches(rows=16)]
-    return train_norm(cls("data"), mesh_of(1), data, accum=m)
+    return train_norm(cls("data"), mesh_of(1), data, accum=accum * m)
 
 
 @pytest.mark.parametrize(

@@ -265,26 +265,28 @@ class EdgeNormNet(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "schedule, layout, strategy, m, v",
+    "schedule, layout, strategy, m, v, accum",
     [
-        pytest.param("1f1b", {"data": 2, "stage": 2}, "ddp", 4, 1, marks=SLOW),
-        pytest.param("zb-h1", {"data": 2, "stage": 2, "model": 2}, "zero1", 2, 2, marks=SLOW),
+        pytest.param("1f1b", {"data": 2, "stage": 2}, "ddp", 4, 1, 1, marks=SLOW),
+        pytest.param("1f1b", {"data": 2, "stage": 2}, "ddp", 2, 1, 2, marks=SLOW),  # the state through the groups
+        pytest.param("zb-h1", {"data": 2, "stage": 2, "model": 2}, "zero1", 2, 2, 1, marks=SLOW),
     ],
     ids=str,
 )
 def test_batchnorm_before_in_and_after_the_stack_equals_one_device_with_one_micro_batch_at_a_time(
-    schedule, layout, strategy, m, v
+    schedule, layout, strategy, m, v, accum
 ):
     """GPipe's rule for the stack's layers under the table schedules, and the same for the layers before and after
     it: each micro-batch normalised by its own statistics (synchronised over the data axis), the running statistics
     updated once per micro-batch, in micro-batch order (in the stack: once per forward pass of a chunk); one device
-    with accum_steps=m, its micro-batch j holding every replica's micro-batch j."""
-    (want, want_stats), want_losses, want_error = norm_one_device(layout["data"], m, EdgeNormNet)
+    with accum_steps=m, its micro-batch j holding every replica's micro-batch j (with accumulation: group by group)."""
+    (want, want_stats), want_losses, want_error = norm_one_device(layout["data"], m, EdgeNormNet, accum=accum)
     assert set(want_stats["batch_stats"]) == {"BatchNorm_0", "BatchNorm_1", "PipelineStack_0"}
     (got, got_stats), losses, error = train_norm(
         EdgeNormNet("data"),
         sc.make_mesh(layout, devices=jax.devices()[: int(np.prod(list(layout.values())))]),
         batches(rows=16),
+        accum=accum,
         strategy=strategy,
         pipeline=sc.Pipeline(microbatches=m, repeats=v, schedule=schedule),
     )

@@ -37,7 +37,7 @@ RETIRED = {
         "What the stack's blocks sow (a MoE layer's",
     ),
     "pipeline: table schedules refuse model state outside the stack": (
-        "Refused with an error naming `schedule=\"gpipe\"`: a model state updated outside the stack",
+        'Refused with an error naming `schedule="gpipe"`: a model state updated outside the stack',
         r"naming `schedule=\"gpipe\"`: a model state updated outside|with model state updated outside the stack \||"
         r"model state only inside the stack|refusal left: the table schedules with model state",
         "**Model state outside the stack under the table schedules**",
