@@ -53,6 +53,7 @@ import train  # noqa: E402  examples/lm/train.py
 
 import spmdcomm as sc  # noqa: E402
 from spmdcomm.explain import Work, model_flops  # noqa: E402
+from spmdcomm.parallel.pipeline import one_f_one_b  # noqa: E402
 
 M = 8  # a pipeline's micro-batches per data replica
 
@@ -122,14 +123,18 @@ def table_shares(work: Work, pipeline: sc.Pipeline, stages: int) -> dict[str, tu
     the stage's action, by each action's share of the table's (unit, stage) cells (its branches are the actions
     present, in code order: idle, F, B or idle, F, I, W), and each per-micro-batch event's ``lax.cond`` (a micro-batch
     enters, its loss is computed, its cotangent leaves stage 0: ``m`` of the units each), true ``m / units`` of the
-    time. Every device runs the same program, so the mean over the stages times the devices is the mesh's total."""
+    time; inside each event, the ``lax.cond`` that runs the layers outside the stack on the rows' device, true on
+    one device of the ``p`` stages. Every device runs the same program, so the mean over the stages times the
+    devices is the mesh's total."""
     table = pipeline.table(stages)
     op = table.columns["op"]
     actions = tuple(float(np.mean(op == code)) for code in np.unique(op))
     event = pipeline.microbatches / table.units
     shares: dict[str, tuple[float, ...]] = {}
     for c in work.conditionals:
-        if c.runs % table.units == 0 and len(c.flops) == len(actions):
+        if one_f_one_b.ROWS_DEVICE in c.scope.split("/"):  # inside an event: true on the rows' device, 1 of p
+            shares[c.name] = (1 - 1 / stages, 1 / stages)
+        elif c.runs % table.units == 0 and len(c.flops) == len(actions):
             shares[c.name] = actions
         elif c.runs % table.units == 0 and len(c.flops) == 2:
             shares[c.name] = (1 - event, event)

@@ -8,10 +8,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from spmdcomm._jax_compat import vary, varying_axes
-from spmdcomm.parallel.pipeline import split
+from spmdcomm.parallel.pipeline import split, tables
 from spmdcomm.parallel.pipeline.schedule import LayerFn
 
 __all__ = ["Layers", "typed_zeros"]
@@ -130,6 +131,39 @@ class Layers:
         stored = iter(res)
         leaves = [next(stored) if keep else a for a, keep in zip(leaves, kept, strict=True)]
         return jax.tree.unflatten(structure, leaves)
+
+    def branches(self, row_of: Any, blank: Any, zb: bool) -> tuple[list[Any], np.ndarray]:
+        """The table loop's ``lax.switch`` branches, by action: each ``(r, item, h, ct, cs, res, kept, st) -> (out,
+        residuals to keep, the chunk's weight gradient, layer cotangents to keep, the chunk's state, what it sowed)``
+        on chunk ``r`` for micro-batch ``item`` (its first row ``row_of(item)``), what an action does not give taken
+        from ``blank(st)``; and the branch index of each table op (``IDLE, F, B, I, W``)."""
+
+        def idle(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
+            return blank(st)
+
+        def forward(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
+            out, new, st, sown = self.forward(r, h, row_of(item), st)
+            _, _, g, c, _, _ = blank(st)
+            return out, new, g, c, st, sown
+
+        def backward(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
+            ct_in, g = self.backward(r, res, ct, cs, row_of(item))
+            _, new, _, c, _, sown = blank(st)
+            return ct_in, new, g, c, st, sown
+
+        def input_grad(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
+            ct_in, c = self.input_grad(r, res, ct, cs, row_of(item))
+            _, new, g, _, _, sown = blank(st)
+            return ct_in, new, g, c, st, sown
+
+        def weight_grad(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
+            g = self.weight_grad(r, res, kept, row_of(item))
+            out, new, _, c, _, sown = blank(st)
+            return out, new, g, c, st, sown
+
+        branch_of = np.zeros(5, np.int32)
+        branch_of[[tables.F, tables.B, tables.I, tables.W]] = [1, 2, 2, 3]
+        return ([idle, forward, input_grad, weight_grad] if zb else [idle, forward, backward]), branch_of
 
 
 def typed_zeros(like: Any, *lead: int) -> jax.Array:

@@ -38,7 +38,8 @@ events are the same on every device (a ``lax.cond`` on the table): stage 0 takes
 the last stage's chunk ``v - 1`` finished one, whose device's post piece gives the loss and the cotangent; stage 0
 finished a backward pass, whose cotangent goes through its device's pre piece. Moves between a stage and the rows'
 device are all-reduces over the stage axis of one micro-batch's activations (one device sends, the others add
-zeros), and every device runs the pre and post pieces at those units (only the rows' device's count).
+zeros); the pre and post pieces run on the rows' device only (a ``lax.cond``), or, in a lockstep table, on every
+device, only the rows' device's counting.
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ from spmdcomm.parallel.real_rows import rows_of
 if TYPE_CHECKING:
     from spmdcomm.parallel.pipeline.pipeline import Pipeline
 
-__all__ = ["loop"]
+__all__ = ["ROWS_DEVICE", "loop"]
+
+#: The ``jax.named_scope`` of each ``lax.cond`` that runs a micro-batch's layers outside the stack on the device that
+#: holds its rows (true on one device of the stage axis's ``p``).
+ROWS_DEVICE = "rows_device"
 
 
 def loop(pipeline: Pipeline, pieces: MicroPieces, model_state: Any, micro: Any, axes: tuple[str, ...]) -> Any:
@@ -200,7 +205,6 @@ def _group(
     sown_buf = jax.tree.map(lambda a: typed_zeros(a, m, v), sown_shapes)
     ct_buf = jax.tree.map(lambda a: typed_zeros(a, m, v), sown_shapes)
     sown_zeros = lambda: jax.tree.map(typed_zeros, sown_shapes)
-    buffers = lambda n, shape, dtype: jnp.zeros((n,) + shape, dtype)
     ring = [typed_zeros(a, plan.slots["res"]) for a in res_shapes]
     if zb:
         with rows_of(micro_rows(0)):  # the rows' mask only types the trace: the residuals carry its values
@@ -208,19 +212,13 @@ def _group(
     # ZB-H1: what each layer's input gradient keeps for its weight gradient, k layers of a chunk per slot.
     kept_types = layers.cut.kept if zb else []
     cts = [typed_zeros(a, plan.slots["grad"], k) for a in kept_types]
-    inbox_f = buffers(plan.slots["inbox_f"], x0.shape, x0.dtype)
-    inbox_b = buffers(plan.slots["inbox_b"], x0.shape, x0.dtype)
+    inbox_f, inbox_b = (jnp.zeros((plan.slots[n], *x0.shape), x0.dtype) for n in ("inbox_f", "inbox_b"))
     sown_whole = lambda tree: jax.tree.map(lambda a: jnp.zeros((v * p * k, 1, *a.shape[1:]), a.dtype), tree)
     # The model state outside the stack (a BatchNorm in the embedding or the head): the leaves the layers before the
     # stack update move on at the input events, those after it at the loss events, both in micro-batch order.
-    outside, metric_shapes = OutsideState.trace(
-        model_state,
-        (first["returned"], lambda t: pre(params, 0, tag=t)["returned"]),
-        lambda: post(params, x0, 0, sown_whole(sown_shapes))[1][1:],
-        stack_state,
-        x0,
-        pipeline.schedule,
-    )
+    pre_piece = (first["returned"], lambda t: pre(params, 0, tag=t)["returned"])
+    post_piece = lambda: post(params, x0, 0, sown_whole(sown_shapes))[1][1:]
+    outside, metric_shapes = OutsideState.trace(model_state, pre_piece, post_piece, stack_state, x0, pipeline.schedule)
     zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
     cyclic = v > 1  # the last stage's chunk r feeds stage 0's chunk r + 1
     right = [(i, (i + 1) % p) for i in range(p if cyclic else p - 1)]
@@ -234,6 +232,16 @@ def _group(
     like = lambda tree, ref: jax.tree.map(lambda a, b: vary(a, tuple(sorted(varying_axes(b)))), tree, ref)
     varied = lambda f: lambda *a: vary(f(*a), every)
     cond = lambda pred, yes, no, typing=varied: lax.cond(pred, typing(yes), typing(no))
+
+    def on_owner(pred: Any, f: Any, typing: Any) -> Any:
+        # The layers outside the stack (embedding, head, loss) for one micro-batch run on the device that holds its
+        # rows only, the others giving zeros. A lockstep table runs them on every device, masked: their collectives
+        # over a context or expert axis must not run in a branch that differs by stage.
+        if lockstep:
+            return typing(f)()
+        with jax.named_scope(ROWS_DEVICE):  # explain's work count weighs its branches by this name
+            return lax.cond(pred, typing(f), typing(lambda: zeros(jax.eval_shape(f))))
+
     chunk0 = layers.chunk(0)
 
     def typed(f: Any) -> Any:
@@ -244,35 +252,16 @@ def _group(
 
         return branch
 
-    # The switch's branches, by action: each gives (out, residuals to keep, weight gradient of the chunk, layer
-    # cotangents to keep, the chunk's state); what an action does not give is zeros (the state: unchanged).
-    def idle(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
-        blank = [typed_zeros(a, k) for a in kept_types]
-        return nothing(), [typed_zeros(a) for a in res_shapes], zeros(chunk0), blank, st, sown_zeros()
-
-    def forward(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
-        out, new, st, sown = layers.forward(r, h, row_of(item), st)
-        _, _, g, c, _, _ = idle(r, item, h, ct, cs, res, kept, st)
-        return out, new, g, c, st, sown
-
-    def backward(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
-        ct_in, g = layers.backward(r, res, ct, cs, row_of(item))
-        _, new, _, c, _, sown = idle(r, item, h, ct, cs, res, kept, st)
-        return ct_in, new, g, c, st, sown
-
-    def input_grad(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
-        ct_in, c = layers.input_grad(r, res, ct, cs, row_of(item))
-        _, new, g, _, _, sown = idle(r, item, h, ct, cs, res, kept, st)
-        return ct_in, new, g, c, st, sown
-
-    def weight_grad(r: Any, item: Any, h: Any, ct: Any, cs: Any, res: Any, kept: Any, st: Any) -> Any:
-        g = layers.weight_grad(r, res, kept, row_of(item))
-        out, new, _, c, _, sown = idle(r, item, h, ct, cs, res, kept, st)
-        return out, new, g, c, st, sown
-
-    branches = [idle, forward, input_grad, weight_grad] if zb else [idle, forward, backward]
-    branch_of = np.zeros(5, np.int32)
-    branch_of[[tables.F, tables.B, tables.I, tables.W]] = [1, 2, 2, 3]
+    # The switch's branches, by action; what an action does not give is zeros (the state: unchanged).
+    blank = lambda st: (
+        nothing(),
+        [typed_zeros(a) for a in res_shapes],
+        zeros(chunk0),
+        [typed_zeros(a, k) for a in kept_types],
+        st,
+        sown_zeros(),
+    )
+    branches, branch_of = layers.branches(row_of, blank, zb)
 
     def unit(carry: Any, xs: Any) -> tuple[Any, None]:
         inbox_f, inbox_b, ring, cts, sown_buf, ct_buf, layer_state, stack_grads, grads, metrics, count, *rest = carry
@@ -289,8 +278,12 @@ def _group(
         i = jnp.maximum(first, 0)
 
         def take() -> Any:
-            got = pre(params, i % q, outside.build(before))
-            return from_stage(i // q, got["x"]), from_owner(i // q, outside.take(got["returned"], outside.before))
+            def run() -> Any:
+                got = pre(params, i % q, outside.build(before))
+                return got["x"], outside.take(got["returned"], outside.before)
+
+            x, moved = on_owner(s == i // q, run, varied)
+            return from_stage(i // q, x), from_owner(i // q, moved)
 
         used = [u.at[i].set(jnp.where(first >= 0, a, u[i])) for u, a in zip(used, before, strict=True)]
         x_in, before = cond(first >= 0, take, lambda: (nothing(), before))
@@ -323,16 +316,22 @@ def _group(
             gathered = jax.tree.map(lambda a: lax.all_gather(a[d], axis, axis=1), sown_buf)
             sown = jax.tree.map(lambda a: a.reshape((v * p * k, 1, *a.shape[3:])), gathered)
             state = outside.build([a[d] for a in used], after)
-            value, post_vjp, (n, sums, new_state) = jax.vjp(
-                lambda p_, h, sown: post(p_, h, part, sown, state), params, h_out, sown, has_aux=True
-            )
-            g_post, ct_out, ct_sown = post_vjp(vary(jnp.where(owner, 1.0, 0.0).astype(value.dtype), every))
-            ct_last = from_stage(d // q, ct_out)
+
+            def run() -> Any:
+                value, post_vjp, (n, sums, new_state) = jax.vjp(
+                    lambda p_, h, sown: post(p_, h, part, sown, state), params, h_out, sown, has_aux=True
+                )
+                g_post, ct_out, ct_sown = post_vjp(vary(jnp.where(owner, 1.0, 0.0).astype(value.dtype), every))
+                masked = lambda t: jax.tree.map(lambda a: jnp.where(owner, a, jnp.zeros_like(a)), t)
+                moved = outside.take(new_state, outside.after)
+                return g_post, ct_out, ct_sown, masked(sums), jnp.where(owner, n, 0.0), moved
+
+            typing = lambda f: lambda: (lambda o: (like(o[0], params), *vary(o[1:], every)))(f())
+            g_post, ct_out, ct_sown, sums, n, moved = on_owner(owner, run, typing)
             # This stage's layers' share of the sown values' cotangents, [v, k, ...], from the rows' device.
             mine = lambda a: from_stage(d // q, a).reshape((v, p, k, *a.shape[2:]))[:, s]
-            masked = lambda t: jax.tree.map(lambda a: jnp.where(owner, a, jnp.zeros_like(a)), t)
-            moved = from_owner(d // q, outside.take(new_state, outside.after))
-            return ct_last, g_post, masked(sums), jnp.where(owner, n, 0.0), jax.tree.map(mine, ct_sown), moved
+            moved = from_owner(d // q, moved)
+            return from_stage(d // q, ct_out), g_post, sums, n, jax.tree.map(mine, ct_sown), moved
 
         no_loss = lambda: (
             jnp.zeros_like(x0),
@@ -359,14 +358,19 @@ def _group(
         # Stage 0's input cotangent goes to the rows' device, back through its layers before the stack.
         back = events["back"]
 
+        params_typing = lambda f: lambda: like(f(), params)
+
         def embed_grad() -> Any:
             owner = s == jnp.maximum(back, 0) // q
             ct_x = from_stage(0, out)
             state = outside.build([a[jnp.maximum(back, 0)] for a in used])
-            _, pre_vjp = jax.vjp(lambda p_: pre(p_, jnp.maximum(back, 0) % q, state)["x"], params)
-            return pre_vjp(jnp.where(owner, ct_x, jnp.zeros_like(ct_x)))[0]
 
-        params_typing = lambda f: lambda: like(f(), params)
+            def run() -> Any:
+                _, pre_vjp = jax.vjp(lambda p_: pre(p_, jnp.maximum(back, 0) % q, state)["x"], params)
+                return pre_vjp(jnp.where(owner, ct_x, jnp.zeros_like(ct_x)))[0]
+
+            return on_owner(owner, run, params_typing)
+
         grads = jax.tree.map(jnp.add, grads, cond(back >= 0, embed_grad, lambda: zeros(params), params_typing))
         sums = (layer_state, stack_grads, grads, metrics, count + n)
         return (inbox_f, inbox_b, ring, cts, sown_buf, ct_buf, *sums, before, after, used), None
