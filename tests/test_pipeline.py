@@ -702,6 +702,18 @@ def test_an_nnx_block_with_its_own_rng_streams_is_refused():
         sc.nnx.PipelineStack(DropoutBlock, layers=2, rngs=nnx.Rngs(0))
 
 
+def nnx_norm_run(model, mesh, accum, **kwargs):
+    """``((parameters, model state), losses)`` of three steps of the NNX ``model(rngs)`` on 16 rows, Adam."""
+    from flax import nnx
+
+    state = sc.TrainState.create_nnx(model(nnx.Rngs(0)), tx=optax.adam(1e-2), mesh=mesh, **kwargs)
+    step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss), accum_steps=accum), []
+    for batch in batches(rows=16):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return jax.device_get((state.full_params(), state.model_state)), losses
+
+
 @SLOW
 def test_nnx_batchnorm_in_a_stage_equals_one_device_with_one_micro_batch_at_a_time():
     from flax import nnx
@@ -723,19 +735,11 @@ def test_nnx_batchnorm_in_a_stage_equals_one_device_with_one_micro_batch_at_a_ti
         def __call__(self, x):
             return self.head(self.stack(self.embed(x)))
 
-    def run(mesh, accum, **kwargs):
-        state = sc.TrainState.create_nnx(NormNet(nnx.Rngs(0)), tx=optax.adam(1e-2), mesh=mesh, **kwargs)
-        step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss), accum_steps=accum), []
-        for batch in batches(rows=16):
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
-        return jax.device_get((state.full_params(), state.model_state)), losses
-
-    (want, want_stats), want_losses = run(mesh_of(1), 4)
+    (want, want_stats), want_losses = nnx_norm_run(NormNet, mesh_of(1), 4)
     stats = want_stats["stack"]["layers"]["norm"]["mean"]
     assert stats.shape == (4, WIDTH) and np.abs(stats).max() > 0.01  # stacked and trained
     mesh = sc.make_mesh({"data": 1, "stage": 2}, devices=jax.devices()[:2])
-    (got, got_stats), losses = run(mesh, 1, pipeline=sc.Pipeline(microbatches=4, repeats=2))
+    (got, got_stats), losses = nnx_norm_run(NormNet, mesh, 1, pipeline=sc.Pipeline(microbatches=4, repeats=2))
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
     assert_trees_close(got_stats, want_stats, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -29,7 +28,7 @@ from tests.test_pipeline import (
     init,
     loss_fn,
     net_of,
-    nnx_loss,
+    nnx_norm_run,
     nnx_one_device,
     nnx_train,
     norm_one_device,
@@ -322,18 +321,10 @@ def test_nnx_batchnorm_before_in_and_after_the_stack_under_1f1b_equals_one_devic
             h = self.stack(self.first(self.embed(x)))
             return self.head(h + jnp.tanh(self.last(h)))
 
-    def run(mesh, accum, **kwargs):
-        state = sc.TrainState.create_nnx(Model(nnx.Rngs(0)), tx=optax.adam(1e-2), mesh=mesh, **kwargs)
-        step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss), accum_steps=accum), []
-        for batch in batches(rows=16):
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
-        return jax.device_get((state.full_params(), state.model_state)), losses
-
-    (want, want_stats), want_losses = run(sc.make_mesh({"data": 1}, devices=jax.devices()[:1]), 4)
+    (want, want_stats), want_losses = nnx_norm_run(Model, sc.make_mesh({"data": 1}, devices=jax.devices()[:1]), 4)
     assert all(np.abs(want_stats[k]["mean"]).max() > 0.01 for k in ("first", "last"))  # moved by training
     mesh = sc.make_mesh({"data": 1, "stage": 2}, devices=jax.devices()[:2])
-    (got, got_stats), losses = run(mesh, 1, pipeline=sc.Pipeline(microbatches=4, schedule="1f1b"))
+    (got, got_stats), losses = nnx_norm_run(Model, mesh, 1, pipeline=sc.Pipeline(microbatches=4, schedule="1f1b"))
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
     assert_trees_close(got_stats, want_stats, rtol=1e-5, atol=1e-5)
