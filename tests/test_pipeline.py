@@ -702,12 +702,12 @@ def test_an_nnx_block_with_its_own_rng_streams_is_refused():
         sc.nnx.PipelineStack(DropoutBlock, layers=2, rngs=nnx.Rngs(0))
 
 
-def nnx_norm_run(model, mesh, accum, **kwargs):
+def nnx_norm_run(model, mesh, accum, *, rng="per_device", **kwargs):
     """``((parameters, model state), losses)`` of three steps of the NNX ``model(rngs)`` on 16 rows, Adam."""
     from flax import nnx
 
     state = sc.TrainState.create_nnx(model(nnx.Rngs(0)), tx=optax.adam(1e-2), mesh=mesh, **kwargs)
-    step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss), accum_steps=accum), []
+    step, losses = sc.make_train_step(sc.nnx_loss_fn(nnx_loss), accum_steps=accum, rng=rng), []
     for batch in batches(rows=16):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))

@@ -296,9 +296,10 @@ def test_batchnorm_before_in_and_after_the_stack_equals_one_device_with_one_micr
 
 
 @SLOW
-def test_nnx_batchnorm_before_in_and_after_the_stack_under_1f1b_equals_one_device_accumulating():
-    """The NNX model state (BatchStat before, in and after an sc.nnx.PipelineStack; the RNG state untouched) under
-    1F1B on stage 2: one device with accum_steps=4 on the same rows."""
+def test_nnx_batchnorm_and_dropout_around_the_stack_under_1f1b_equal_one_device_accumulating():
+    """The NNX model state under 1F1B on stage 2 (BatchStat before, in and after an sc.nnx.PipelineStack; a dropout
+    stream's count moved on by the dropout before and after it): one device with accum_steps=4 on the same rows,
+    the masks per example (rng="per_example"; the default per-device rng draws other masks on other devices)."""
     from flax import nnx
 
     def norm(rngs):
@@ -316,18 +317,25 @@ def test_nnx_batchnorm_before_in_and_after_the_stack_under_1f1b_equals_one_devic
             self.embed, self.first = nnx.Linear(5, WIDTH, use_bias=False, rngs=rngs), norm(rngs)
             self.stack = sc.nnx.PipelineStack(Block, layers=4, rngs=rngs)
             self.last, self.head = norm(rngs), nnx.Linear(WIDTH, 3, rngs=rngs)
+            self.drop = nnx.Dropout(0.2, rngs=rngs)
 
         def __call__(self, x):
-            h = self.stack(self.first(self.embed(x)))
-            return self.head(h + jnp.tanh(self.last(h)))
+            h = self.stack(self.drop(self.first(self.embed(x))))
+            return self.head(h + self.drop(jnp.tanh(self.last(h))))
 
-    (want, want_stats), want_losses = nnx_norm_run(Model, sc.make_mesh({"data": 1}, devices=jax.devices()[:1]), 4)
-    assert all(np.abs(want_stats[k]["mean"]).max() > 0.01 for k in ("first", "last"))  # moved by training
+    one = sc.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    (want, want_state), want_losses = nnx_norm_run(Model, one, 4, rng="per_example")
+    assert all(np.abs(want_state[k]["mean"]).max() > 0.01 for k in ("first", "last"))  # moved by training
     mesh = sc.make_mesh({"data": 1, "stage": 2}, devices=jax.devices()[:2])
-    (got, got_stats), losses = nnx_norm_run(Model, mesh, 1, pipeline=sc.Pipeline(microbatches=4, schedule="1f1b"))
+    pipeline = sc.Pipeline(microbatches=4, schedule="1f1b")
+    (got, got_state), losses = nnx_norm_run(Model, mesh, 1, pipeline=pipeline, rng="per_example")
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
-    assert_trees_close(got_stats, want_stats, rtol=1e-5, atol=1e-5)
+    keys = lambda t: jax.tree.map(
+        lambda a: jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a, t
+    )
+    assert int(want_state["drop"]["rngs"]["count"].get_value()) == 3 * 4 * 2  # 3 steps, 4 micro-batches, 2 calls
+    assert_trees_close(keys(got_state), keys(want_state), rtol=1e-5, atol=1e-5)
 
 
 def test_what_the_table_schedules_do_not_run_is_refused():
