@@ -16,7 +16,9 @@ from spmdcomm.parallel.registry import Program
 __all__ = ["ExpertReport", "ExpertLayer", "expert_report"]
 
 # The scopes the experts run in (spmdcomm.parallel.expert.routing.moe), by the path they name.
-_PATHS = {"grouped_experts": "grouped", "buffered_experts": "buffer"}
+_PATHS = {"grouped_experts": "grouped", "grouped_experts_one_row": "grouped", "buffered_experts": "buffer"}
+# Scopes whose matmuls XLA may turn into elementwise products (tiles of one row): their count is not vouched for.
+_UNCOUNTED = {"grouped_experts_one_row"}
 _WORDS = {
     "grouped": "grouped experts (routed rows only)",
     "buffer": "buffered experts (a static buffer of rows per expert)",
@@ -43,10 +45,9 @@ class ExpertLayer(NamedTuple):
         those XLA left without metadata inside a loop, branch or fusion of that scope); for the grouped path every
         tile of the static bound computes (``(ceil(R / b) + L) b`` rows for a bound of ``R`` received rows over
         ``L`` local experts and tiles of ``b`` rows), which a run stays under as it skips the tiles past its rows.
-        A matmul XLA turns into elementwise products (the weight gradient of a tile of one row) is not counted.
-        ``None`` where the count cannot be vouched for: a matmul without any scope sits next to the experts' ops
-        (``Work.unscoped_near``: it may be theirs), the program has a loop of unknown trip count, or no path is
-        found.
+        ``None`` where the count cannot be vouched for: tiles of one row (XLA turns their matmuls into elementwise
+        products), a matmul without any scope next to the experts' ops (``Work.unscoped_near``: it may be theirs),
+        a loop of unknown trip count in the program, or no path found.
     """
 
     layer: str
@@ -147,10 +148,13 @@ def _per_layer(moves: list[Any], program: Program) -> tuple[ExpertLayer, ...]:
         entry[0] += c.count
         entry[1] += c.total_bytes
     paths: dict[str, set[str]] = {}
+    uncounted: set[str] = set()
     for name in dict.fromkeys(re.findall(r'op_name="([^"]*)"', program.hlo)):
         found = _experts_of(name)
         if found is not None:
             paths.setdefault(found[0], set()).add(found[1])
+            if _UNCOUNTED & set(name.split("/")):
+                uncounted.add(found[0])
     flops: dict[str, float] = {}
     doubtful: set[str] = set()
     if paths:  # the work is counted only for a program with experts in it
@@ -160,7 +164,7 @@ def _per_layer(moves: list[Any], program: Program) -> tuple[ExpertLayer, ...]:
             if found is not None:
                 flops[found[0]] = flops.get(found[0], 0) + count
         # A matmul that lost its metadata next to a layer's experts may be theirs; a loop counted once undercounts.
-        doubtful = {f[0] for f in map(_experts_of, work.unscoped_near) if f is not None}
+        doubtful = uncounted | {f[0] for f in map(_experts_of, work.unscoped_near) if f is not None}
         if work.unknown_loops:
             doubtful |= set(paths)
     result = []

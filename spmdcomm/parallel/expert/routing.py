@@ -309,7 +309,9 @@ def moe(
     if isinstance(apply_experts, Experts):
         # Tiles sized for the rows a device receives on average (T k), not for the bound (n T k, any routing).
         tile = tile_rows(tokens * k, local)
-        with jax.named_scope("grouped_experts"):
+        # (Tiles of one row: XLA turns their matmuls into elementwise products, which explain cannot count as
+        # matmuls; the scope says so.)
+        with jax.named_scope("grouped_experts" if tile > 1 else "grouped_experts_one_row"):
             back = grouped_apply(apply_experts.apply, apply_experts.params, got, got_where[:, 0], received, tile=tile)
     else:
         # The buffer and its read-out in the scope too, as grouped_apply's sorting: every op next to an expert's
