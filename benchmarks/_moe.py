@@ -123,12 +123,9 @@ def interleaved(calls, rounds, steps):
 
 def expert_flops(report) -> float:
     """The FLOPs of the expert matmuls summed over devices, counted at the compiled program's static bound (every
-    tile of the grouped scan): the scopes that name ``grouped_experts`` or ``buffered_experts``, or where the count
-    files the grouped scan's work under no scope (as in a train step), its conditionals' largest branches."""
+    tile of the grouped scan): the scopes that name ``grouped_experts`` or ``buffered_experts`` (the grouped scan's
+    matmuls, which XLA leaves without metadata in a train step, count under the scan's scope)."""
     per_device = sum(v for scope, v in report.work.by_scope.items() if any(s in scope for s in EXPERT_SCOPES))
-    if not per_device:
-        conds = [c for c in report.work.conditionals if "grouped_experts" in c.scope]
-        per_device = sum(c.runs * max(c.flops) for c in conds)
     return per_device * report.work.devices
 
 

@@ -24,8 +24,10 @@ import pytest
 from flax import nnx
 
 import spmdcomm as sc
+from spmdcomm._format import format_flops
 from spmdcomm.errors import AxisError, ShapeError, SpmdError
-from spmdcomm.parallel.expert.report import expert_report
+from spmdcomm.parallel.expert.report import ExpertLayer, expert_report
+from spmdcomm.parallel.registry import Program
 from tests.ddp_models import assert_trees_close, jit_once, nnx_once
 
 E, D, HIDDEN, ROWS, TOKENS, FEATURES = 8, 8, 16, 16, 4, 6
@@ -170,17 +172,68 @@ def test_explain_lists_the_moe_layers_all_to_alls_and_expert_bytes_per_device(in
         split = "" if share == 4 else ", each split 2 ways over the data axes"  # FSDP: half of 2 experts each
         assert f"params['MoE_0']['experts']: 8 experts, 2 per device{split}; parameters" in text and "padded" in text
         # Every all-to-all over the axis, forward and backward, is attributed to the one MoE layer.
-        assert section.per_layer == (("MoE_0", section.all_to_alls, section.all_to_all_bytes),)
-        assert f"layer MoE_0: {section.all_to_alls} all-to-alls over 'expert'" in text
+        ((layer, count, sent, path, _),) = section.per_layer
+        assert (layer, count, sent, path) == ("MoE_0", section.all_to_alls, section.all_to_all_bytes, "grouped")
+        assert f"layer MoE_0: grouped experts (routed rows only), {count} all-to-alls over 'expert'" in text
         # Padded or ragged is read from the program, not the platform: the same program with XLA's ragged
         # all-to-all in place of the dense ones (as on a GPU) is reported ragged, its moves still counted.
         ragged = tuple(
             dataclasses.replace(c, kind="ragged-all-to-all") if c.kind == "all-to-all" else c
             for c in report.collectives
         )
-        native = expert_report(state, ragged)
+        native = expert_report(state, Program(ragged, report.hlo, lambda report=report: report.work))
         assert not native.padded and (native.all_to_alls, native.per_layer) == (section.all_to_alls, section.per_layer)
         assert "ragged (bytes are bounds)" in str(native)
+
+
+class TwoPaths(nn.Module):
+    """A grouped MoE layer, then one on the static buffer (grouped=False), both dropless."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(D)(x)
+        h = h + sc.MoE(Mlp(), experts=E, k=2, capacity_factor=None)(h)
+        h = h + sc.MoE(Mlp(), experts=E, k=2, capacity_factor=None, grouped=False)(h)
+        return nn.Dense(1)(h)
+
+
+def test_explain_says_each_moe_layers_path_and_its_experts_matmul_flops_as_counted_by_hand():
+    rows, n, k = 64, 4, 2  # 32 tokens per device: tiles of 2 rows (one-row tiles' weight gradients are no matmuls)
+    data = {
+        "x": np.ones((rows, TOKENS, FEATURES), np.float32),
+        "y": np.ones((rows, TOKENS, 1), np.float32),
+    }
+    model = TwoPaths()
+    params = jax.jit(model.init)(jax.random.key(0), data["x"][:1])["params"]
+    mesh = sc.make_mesh({"data": 2, "expert": n})
+    state = sc.TrainState.create(
+        params=params, tx=optax.sgd(LR), apply_fn=model.apply, mesh=mesh, logical_axis_rules=RULES[None]
+    )
+    report = sc.explain(sc.make_train_step(loss_fn, donate=False), state, data)
+    (section,) = report.sections
+    tokens, local = rows * TOKENS // 8, E // n
+    # Per device, forward and backward: 3 passes (the output, the rows' gradient, the weights' gradient) of the
+    # expert's 2 matmuls, 2 d HIDDEN FLOPs per row each. The grouped layer computes every tile of its static bound
+    # of n T k received rows (any routing) sorted into tiles of b rows per expert, so the bound plus less than a
+    # tile per expert (docs/experts.md, Costs); the buffer L B rows, B = n T dropless.
+    tile = 2  # the largest power of two within T k / (16 L)
+    assert tile <= tokens * k / (16 * local) < 2 * tile
+    per_row = 3 * 2 * 2 * D * HIDDEN
+    grouped, buffer = (n * tokens * k + local * tile) * per_row, local * n * tokens * per_row
+    got = {layer.layer: (layer.path, layer.flops) for layer in section.per_layer}
+    assert got == {"MoE_0": ("grouped", grouped), "MoE_1": ("buffer", buffer)}
+    assert all(layer.all_to_alls == 5 for layer in section.per_layer)
+    text = str(section)
+    assert "layer MoE_0: grouped experts (routed rows only), 5 all-to-alls over 'expert', " in text
+    assert f"per device, at most {format_flops(grouped)} per device" in text
+    assert "layer MoE_1: buffered experts (a static buffer of rows per expert), 5 all-to-alls" in text
+    assert text.endswith(f"per device, {format_flops(buffer)} per device")
+    # A matmul that lost its metadata next to a layer's experts may be theirs: that layer's count is not given.
+    lost = dataclasses.replace(report.work, unscoped_near=("TwoPaths/MoE_1/sc:MoE_1/buffered_experts/Mlp_1",))
+    doubt = expert_report(state, Program(report.collectives, report.hlo, lambda: lost))
+    assert [(layer.layer, layer.flops) for layer in doubt.per_layer] == [("MoE_0", grouped), ("MoE_1", None)]
+    assert str(doubt).endswith("per device, matmul FLOPs unknown")
+    assert isinstance(doubt.per_layer[0], ExpertLayer)
 
 
 def test_a_checkpoint_keeps_the_experts_in_order_and_restores_on_another_expert_axis_or_none(initial, tmp_path):

@@ -212,6 +212,37 @@ def test_fused_dots_in_a_loop_in_a_loop_and_a_call_compose_multiplicatively():
     assert count_work(hlo(FUSED_DOT, inner, outer, never)).flops == 3 * FUSED
 
 
+def test_an_op_without_metadata_or_with_a_scope_outside_its_loop_counts_under_the_loop_and_a_lost_one_is_named():
+    bare = """%bare (q0: f32[4,6], q1: f32[6,5]) -> f32[4,5] {
+  %q0 = f32[4,6]{1,0} parameter(0)
+  %q1 = f32[6,5]{1,0} parameter(1)
+  ROOT %e = f32[4,5]{1,0} dot(f32[4,6]{1,0} %q0, f32[6,5]{1,0} %q1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}"""  # noqa: E501
+    body = """%body (t: (f32[4,6], f32[6,5])) -> (f32[4,6], f32[6,5]) {
+  %t = (f32[4,6]{1,0}, f32[6,5]{1,0}) parameter(0)
+  %a = f32[4,6]{1,0} get-tuple-element(%t), index=0
+  %b = f32[6,5]{1,0} get-tuple-element(%t), index=1
+  %f = f32[4,5]{1,0} fusion(%a, %b), kind=kOutput, calls=%bare
+  %g = f32[4,5]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/Head/dot_general"}
+  %h = f32[4,5]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused
+  ROOT %r = (f32[4,6]{1,0}, f32[6,5]{1,0}) tuple(%a, %b)
+}"""  # noqa: E501
+    entry = """ENTRY %main (x: (f32[4,6], f32[6,5])) -> f32[4,5] {
+  %x = (f32[4,6]{1,0}, f32[6,5]{1,0}) parameter(0)
+  %w = (f32[4,6]{1,0}, f32[6,5]{1,0}) while(%x), condition=%c, body=%body, metadata={op_name="jit(f)/Net/while"}, backend_config={"known_trip_count":{"n":"2"}}
+  %a.1 = f32[4,6]{1,0} get-tuple-element(%w), index=0
+  %b.1 = f32[6,5]{1,0} get-tuple-element(%w), index=1
+  %lost = f32[4,5]{1,0} dot(%a.1, %b.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %s = f32[4,5]{1,0} add(%lost, %lost), metadata={op_name="jit(f)/Net/Dense_0/add"}
+}"""  # noqa: E501
+    # In the loop (JAX traced its body inside Net): the fused dot without metadata and the dot whose metadata says
+    # Head count under Net; the one whose own scope lies inside Net keeps it. The dot left without any scope counts
+    # under "", and the scope of the add next to it is named.
+    work = count_work(hlo(FUSED_DOT, bare, body, entry))
+    assert work.by_scope == {"Net": 2 * 2 * FUSED, "Net/Dense_0": 2 * FUSED, "": FUSED}
+    assert work.unscoped_near == ("Net/Dense_0",)
+
+
 def test_a_predicate_conditional_lists_its_branches_false_first():
     branch = """%{name} (t: (f32[4,6], f32[6,5])) -> f32[4,5] {{
   %t.{name} = (f32[4,6]{{1,0}}, f32[6,5]{{1,0}}) parameter(0)

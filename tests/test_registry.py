@@ -49,9 +49,9 @@ def toy_context(toy, roles):
         _ACTIVE.reset(token)
 
 
-def explain_section(state, collectives):
+def explain_section(state, program):
     axis = state.roles.axis("toy")
-    return f"toy over {axis!r}: {sum(c.count for c in collectives if c.axes and axis in c.axes)} collective(s)"
+    return f"toy over {axis!r}: {sum(c.count for c in program.collectives if c.axes and axis in c.axes)} collective(s)"
 
 
 TOY = registry.Parallelism(

@@ -98,6 +98,11 @@ RETIRED = {
         r"masked or not, at any device count",
         "a float16 weight gradient summed over one device's rows can overflow",
     ),
+    "experts: explain does not say each layer's compute path": (
+        "`sc.explain`'s expert section does not say which compute path each layer takes",
+        r"does not say which compute path",
+        "**`sc.explain`'s expert section says each MoE layer's compute path and its experts' FLOPs.**",
+    ),
 }
 
 

@@ -47,7 +47,8 @@ from collections.abc import Mapping, Sequence
 
 from spmdcomm._format import format_flops
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.explain.hlo import _ARRAY, _OP_NAME, Module, _Instruction, parse_module
+from spmdcomm.explain.hlo import _ARRAY, Module, _Instruction, parse_module
+from spmdcomm.explain.scopes import beside, scopes
 
 __all__ = ["Work", "Conditional", "count_work", "model_flops", "work_line"]
 
@@ -78,9 +79,13 @@ class Work:
       flops: per device (every device of an SPMD program runs the same HLO on its own block).
       devices: the devices the program runs on.
       by_scope: FLOPs per device by ``jax.named_scope`` / Flax module path (``"M/Dense_0"``; a backward-pass op
-        counts under its forward scope; ``""`` for ops outside any scope), largest first.
+        counts under its forward scope; an op XLA left without metadata under that of the loop, branch or fusion
+        running it: :mod:`spmdcomm.explain.scopes`; ``""`` for ops outside any scope), largest first.
       conditionals: the program's conditionals with each branch's work.
       unknown_loops: how many ``while`` loops of unknown trip count were counted once.
+      unscoped_near: the scopes of the instructions that feed or use a matmul or convolution counted under ``""``
+        (no scope of its own nor of anything running it: XLA drops the metadata of some ops it rewrites); their
+        counts in ``by_scope`` may be missing its FLOPs. Sorted.
     """
 
     flops: float
@@ -88,6 +93,7 @@ class Work:
     by_scope: dict[str, float]
     conditionals: tuple[Conditional, ...] = ()
     unknown_loops: int = 0
+    unscoped_near: tuple[str, ...] = ()
     # The program, to count again with shares (:meth:`weighted`), and whether shares counted this one.
     _module: Module | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
     _shares: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
@@ -207,6 +213,7 @@ def _count(module: Module, devices: int, shares: Sequence[float] | Mapping[str, 
     for inst in module.instructions:
         body.setdefault(inst.computation, []).append(inst)
     shapes = {i.name: i.shape for i in module.instructions}
+    scope = scopes(module)
     done: dict[str, _Tally] = {}
 
     def tally(computation: str) -> _Tally:
@@ -217,7 +224,7 @@ def _count(module: Module, devices: int, shares: Sequence[float] | Mapping[str, 
         for inst in body.get(computation, []):
             own = _own_flops(inst, shapes)
             if own:
-                total.add(_Tally(own, {_scope(inst.attrs): own}))
+                total.add(_Tally(own, {scope[inst.name]: own}))
             if inst.opcode == "while":
                 trips = _trip_count(inst.attrs)
                 runs = 1 if trips is None else trips  # unknown: once, a lower bound
@@ -234,20 +241,22 @@ def _count(module: Module, devices: int, shares: Sequence[float] | Mapping[str, 
                     total.add(chosen, weight)
                     total.add(_Tally(conditionals=branch.conditionals, unknown_loops=branch.unknown_loops))
                 flops = tuple(_exact(b.flops) for b in branches)
-                total.conditionals.append(Conditional(inst.name, _scope(inst.attrs), 1, flops))
+                total.conditionals.append(Conditional(inst.name, scope[inst.name], 1, flops))
             elif inst.opcode in ("fusion", "async-start", "call"):  # run once, as part of the instruction
                 for callee in _callees(inst.attrs, "to_apply" if inst.opcode == "call" else "calls"):
                     total.add(tally(callee))
         return total
 
     result = tally(module.entry) if module.entry else _Tally()
-    scopes = dict(sorted(result.scopes.items(), key=lambda kv: -kv[1]))
+    by_scope = dict(sorted(result.scopes.items(), key=lambda kv: -kv[1]))
+    lost = [i for i in module.instructions if not scope[i.name] and _own_flops(i, shapes)]
     work = Work(
         flops=_exact(result.flops),
         devices=devices,
-        by_scope={k: _exact(v) for k, v in scopes.items()},
+        by_scope={k: _exact(v) for k, v in by_scope.items()},
         conditionals=tuple(result.conditionals),
         unknown_loops=result.unknown_loops,
+        unscoped_near=beside(module, lost, scope),
     )
     object.__setattr__(work, "_module", module)  # frozen: set once, here
     object.__setattr__(work, "_shares", shares is not None)
@@ -317,29 +326,6 @@ def _weights(
             )
         )
     return weights
-
-
-_STRUCTURAL = re.compile(
-    r"(while|body|cond|closed_call|shard_map|checkpoint|rematted_computation|remat|pjit|core_call|scan|"
-    r"custom_jvp_call|custom_vjp_call|custom_vjp_call_jaxpr|branch_\d+_fun|jit\(.*\))"
-)
-_TRANSFORM = re.compile(r"[\w\-]+\((.*)\)")
-
-
-def _scope(attrs: str) -> str:
-    """The named scopes of an op (its ``op_name`` without the primitive, JAX's own structure and transforms)."""
-    m = _OP_NAME.search(attrs)
-    if m is None:
-        return ""
-    parts = []
-    for part in m.group(1).split("/")[:-1]:
-        if _STRUCTURAL.fullmatch(part):
-            continue
-        while (t := _TRANSFORM.fullmatch(part)) is not None:  # transpose(jvp(Dense_0)) -> Dense_0
-            part = t.group(1)
-        if part and not _STRUCTURAL.fullmatch(part):
-            parts.append(part)
-    return "/".join(parts)
 
 
 def _trip_count(attrs: str) -> int | None:

@@ -38,7 +38,7 @@ from spmdcomm.explain.hlo import inventory as _inventory
 from spmdcomm.explain.hlo import parse_module as _parse_module
 from spmdcomm.explain.memory import DeviceMemory, device_memory
 from spmdcomm.parallel.pipeline.report import PipelineReport
-from spmdcomm.parallel.registry import registered
+from spmdcomm.parallel.registry import Program, registered
 from spmdcomm.train.memory import StateMemory
 from spmdcomm.train.state import TrainState
 
@@ -107,7 +107,8 @@ def explain(fn: Any, /, *args: Any, mesh: Mesh | None = None, **kwargs: Any) -> 
         mesh = _mesh_of(fn, compiled, devices)
     collectives = tuple(_inventory(module, mesh))
     state = args[0] if args and isinstance(args[0], TrainState) else None
-    sections = () if state is None else _sections(state, collectives)
+    work = functools.cache(lambda: count_work(module, devices))  # counted once, if a section asks
+    sections = () if state is None else _sections(state, Program(collectives, text, work))
     return Explanation(
         name=_name_of(fn, module.name),
         devices=devices,
@@ -392,8 +393,8 @@ def _format_groups(c: Collective) -> str:
     return text if len(text) <= 32 else text[:29] + "..."
 
 
-def _sections(state: TrainState, collectives: tuple[Collective, ...]) -> tuple[Any, ...]:
+def _sections(state: TrainState, program: Program) -> tuple[Any, ...]:
     """The explain section of each parallelism ``state`` runs (its registry entry's ``explain``) that has one."""
     configs = state.configs
     hooks = [p.explain for p in registered() if p.keyword in configs and p.explain is not None]
-    return tuple(s for s in (hook(state, collectives) for hook in hooks) if s is not None)
+    return tuple(s for s in (hook(state, program) for hook in hooks) if s is not None)

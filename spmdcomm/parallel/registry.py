@@ -27,13 +27,27 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, NamedTuple
 
 from jax.sharding import Mesh
 
 from spmdcomm.errors import SpmdError, describe
 
-__all__ = ["Parallelism", "register", "registered", "logical_rules"]
+__all__ = ["Parallelism", "Program", "register", "registered", "logical_rules"]
+
+
+class Program(NamedTuple):
+    """What ``sc.explain`` read of a compiled step, for the parallelisms' sections (an entry's ``explain``).
+
+    Attributes:
+      collectives: its collectives (``spmdcomm.explain.Collective``), in program order.
+      hlo: its optimised HLO text.
+      work: its matmul and convolution FLOPs (``spmdcomm.explain.Work``), counted on the first call, then kept.
+    """
+
+    collectives: tuple[Any, ...]
+    hlo: str
+    work: Callable[[], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +71,9 @@ class Parallelism:
         layout is known (a pipeline's layers in stage order).
       step_context: ``step_context(config, roles)``: the context manager the steps enter around the model call
         (``config`` is ``None`` for a state without it, so that a step's trace never sees an outer step's).
-      explain: ``explain(state, collectives) -> section | None``: its part of ``sc.explain``'s report (an object
-        whose ``str`` is one line or more).
+      explain: ``explain(state, program) -> section | None``: its part of ``sc.explain``'s report (an object
+        whose ``str`` is one line or more), from the state and what ``sc.explain`` read of the compiled step
+        (:class:`Program`).
     """
 
     role: str
@@ -73,7 +88,7 @@ class Parallelism:
     check: Callable[[str, Any, Mesh], None] | None = None
     prepare: Callable[[str, Any, Any, Any], Any] | None = None
     step_context: Callable[[Any, Any], AbstractContextManager[Any]] | None = None
-    explain: Callable[[Any, tuple[Any, ...]], Any] | None = None
+    explain: Callable[[Any, Program], Any] | None = None
 
     def enter(self, config: Any, roles: Any) -> AbstractContextManager[Any]:
         """The context the steps enter around the model call (a null context when it installs none)."""

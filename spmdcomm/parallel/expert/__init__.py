@@ -6,7 +6,7 @@ with :func:`spmdcomm.ragged_all_to_all`."""
 
 from spmdcomm.parallel.expert.capacity import SequenceSplit
 from spmdcomm.parallel.expert.layer import MOE_COLLECTION, ExpertParallel, MoE
-from spmdcomm.parallel.expert.report import ExpertReport
+from spmdcomm.parallel.expert.report import ExpertLayer, ExpertReport
 from spmdcomm.parallel.expert.routing import (
     ROUTINGS,
     MoEStats,
@@ -22,6 +22,7 @@ __all__ = [
     "MoE",
     "ExpertParallel",
     "ExpertReport",
+    "ExpertLayer",
     "MoEStats",
     "moe",
     "MOE_COLLECTION",

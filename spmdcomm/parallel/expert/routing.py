@@ -309,14 +309,18 @@ def moe(
     if isinstance(apply_experts, Experts):
         # Tiles sized for the rows a device receives on average (T k), not for the bound (n T k, any routing).
         tile = tile_rows(tokens * k, local)
-        with jax.named_scope("grouped_experts"):
+        # (Tiles of one row: XLA turns their matmuls into elementwise products, which explain cannot count as
+        # matmuls; the scope says so.)
+        with jax.named_scope("grouped_experts" if tile > 1 else "grouped_experts_one_row"):
             back = grouped_apply(apply_experts.apply, apply_experts.params, got, got_where[:, 0], received, tile=tile)
     else:
-        expert_of, slot_of = jnp.where(received, got_where[:, 0], local), got_where[:, 1]  # row `local`: dropped
-        held = jnp.zeros((local, buffer) + x.shape[1:], x.dtype).at[expert_of, slot_of].set(got, mode="drop")
+        # The buffer and its read-out in the scope too, as grouped_apply's sorting: every op next to an expert's
+        # matmuls is in it (sc.explain's expert section checks that no matmul without metadata sits next to them).
         with jax.named_scope("buffered_experts"):
+            expert_of, slot_of = jnp.where(received, got_where[:, 0], local), got_where[:, 1]  # row `local`: dropped
+            held = jnp.zeros((local, buffer) + x.shape[1:], x.dtype).at[expert_of, slot_of].set(got, mode="drop")
             done = apply_experts(held)
-        back = jnp.where(received[:, None], done.at[expert_of, slot_of].get(mode="fill", fill_value=0), 0)
+            back = jnp.where(received[:, None], done.at[expert_of, slot_of].get(mode="fill", fill_value=0), 0)
     if axis_name is not None:
         back, _ = ragged_all_to_all(back, recv_sizes, axis_name, out_rows=tokens * k, implementation=implementation)
     per_assignment = back[jnp.argsort(order)].reshape(tokens, k, -1)

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from spmdcomm._format import format_bytes as _format_bytes
+from spmdcomm.parallel.registry import Program
 
 __all__ = ["PipelineReport", "pipeline_report"]
 
@@ -76,16 +77,16 @@ class PipelineReport:
         return line
 
 
-def pipeline_report(state: Any, collectives: tuple[Any, ...]) -> PipelineReport | None:
-    """The :class:`PipelineReport` of a step of ``state`` (a ``TrainState``) whose compiled program holds
-    ``collectives`` (``spmdcomm.explain``'s ``Collective`` s); None without a pipeline."""
+def pipeline_report(state: Any, program: Program) -> PipelineReport | None:
+    """The :class:`PipelineReport` of a step of ``state`` (a ``TrainState``) compiled to ``program`` (its
+    collectives); None without a pipeline."""
     pipeline = state.pipeline
     if pipeline is None:
         return None
     stages = int(state.mesh.shape[pipeline.axis])
     leaves = jax.tree.leaves(state.params)
     stacked = [x for x, flag in zip(leaves, state.layout.stacked_over(pipeline.axis, "params"), strict=True) if flag]
-    over = [c for c in collectives if c.axes is not None and pipeline.axis in c.axes]
+    over = [c for c in program.collectives if c.axes is not None and pipeline.axis in c.axes]
     permutes = [c for c in over if c.kind == "collective-permute"]
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state.model_state))
     kept = "stage input" if pipeline.recomputed else "every layer's activations"
