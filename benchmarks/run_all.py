@@ -6,11 +6,11 @@
 Each benchmark runs in its own process (the fake device count must be set before JAX starts) and streams its
 progress. Plots: busbw vs message size per collective (spmdcomm vs jax.lax vs the memcpy line), steps/s vs
 loader latency for prefetch, samples/s per train-step configuration, memory per device and samples/s
-relative to DDP per data-parallel strategy, and for the pipeline its stack bytes per device, its temporaries
-against the micro-batch count and its step time against DDP's with the bubble formula.
-relative to DDP per data-parallel strategy, tokens/s, temporaries and bytes over the context axis against the
-sequence length for context parallelism, tokens/s and temporaries of the MoE layer and the MoE LM step, and the
-LM step's matmul FLOPs over the mesh per layout against one device's and the model FLOPs.
+relative to DDP per data-parallel strategy, for the pipeline its stack bytes per device, its temporaries
+against the micro-batch count and its step time against DDP's with the bubble formula, tokens/s, temporaries
+and bytes over the context axis against the sequence length for context parallelism, tokens/s and temporaries
+of the MoE layer and the MoE LM step, and the LM step's matmul FLOPs over the mesh per layout against one
+device's and the model FLOPs.
 """
 
 from __future__ import annotations

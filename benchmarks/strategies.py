@@ -2,7 +2,9 @@
 plain ``jax.jit`` program a JAX user writes for FSDP.
 
 Run: ``python benchmarks/strategies.py [--rounds 11] [--steps 8] [--sizes 2,4,8] [--models mlp,cnn,odd-mlp,transformer]
-[--smoke] [--json PATH]``.
+[--smoke] [--json PATH]``; ``--markdown JSON`` prints the tables of a JSON written before and runs nothing. The
+JSON's ``"markdown"`` holds the same tables (``_strategies_tables.py``): docs/sharded.md and benchmarks/README.md
+show them.
 
 Strategies: DDP, ZeRO-1, ZeRO-2, FSDP, and FSDP with ``reshard_after_forward=False``. Models, with Adam:
 
@@ -56,10 +58,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 from pathlib import Path
 
 from _common import jit_once, run_facts, set_cpu_devices, step_caller, time_calls, write_json
+from _strategies_tables import JIT, markdown, speed_goals
 
 set_cpu_devices(8)  # before JAX starts: the memory table takes meshes of 2, 4 and 8 of these devices
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -82,15 +86,8 @@ STRATEGIES = {
     "fsdp": "fsdp",
     "fsdp reshard_after_forward=False": sc.FSDP(reshard_after_forward=False),
 }
-JIT = "jit+NamedSharding fsdp"  # the plain jax.jit program, a column next to our strategies
 ACCUM = 4  # micro-batches of the accumulation column
 LM_BATCH, LM_SEQ, LM_VOCAB = 64, 64, 256  # the transformer's global batch (sequences), tokens per sequence
-# Speed goals: (strategy, baseline, least ratio)
-SPEED_GOALS = [
-    ("fsdp", JIT, 0.9),
-    ("fsdp", "ddp", 0.85),
-    ("zero1", "ddp", 0.95),
-]
 
 
 def mnist_cnn():
@@ -506,17 +503,6 @@ def _rows(model_name: str, n: int) -> dict[str, np.ndarray]:
 # --- report ----------------------------------------------------------------------------------------
 
 
-def speed_goals(variants: dict) -> list[tuple[str, str, float, float, bool]]:
-    """``(strategy, baseline, ratio, least ratio, met)`` of each speed goal whose two variants ran."""
-    out = []
-    for name, base, bound in SPEED_GOALS:
-        if name in variants and base in variants:
-            key = "ratio_vs_jit" if base == JIT else "ratio_vs_ddp"
-            ratio = variants[name][key]
-            out.append((name, base, ratio, bound, ratio >= bound))
-    return out
-
-
 def print_tables(result: dict) -> None:
     kib = 1024
     batches = ", ".join(f"{m} {b}" for m, b in result.get("batch_per_model", {}).items())
@@ -586,7 +572,13 @@ def main() -> None:
         help="no temporaries at one row per device; only the layouts with goals; speed on the first of --sizes",
     )
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--markdown", type=Path, metavar="JSON", help="print the tables of a JSON this script wrote; runs nothing"
+    )
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return
     models = args.models.split(",")
     names = ["ddp", *(name for name in args.strategies.split(",") if name != "ddp")]
     result = {
@@ -606,7 +598,9 @@ def main() -> None:
         # programs, found in the compilation cache where one is set).
         mesh = sc.data_mesh(devices=jax.devices()[: int(args.sizes.split(",")[0])]) if args.smoke else None
         result["speed"] = speed(models, names, args.rounds, args.steps, mesh=mesh)
+        result["speed_devices"] = jax.device_count() if mesh is None else mesh.size
     print_tables(result)
+    result["markdown"] = markdown(result)
     write_json(args.json, result)
 
 

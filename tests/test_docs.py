@@ -330,6 +330,7 @@ def test_benchmark_entry_point_runs_and_plots(tmp_path, compile_flags):
     assert [(r["strategy"], r["devices"]) for r in memory] == [("ddp", 2), ("fsdp", 2), ("jit+NamedSharding fsdp", 2)]
     assert memory[1]["goal_met"] and memory[1]["persistent_bytes vs ddp"] < 0.51
     assert results["strategies"]["speed"]["mlp"]["fsdp"]["samples_per_s"] > 0
+    assert "| MLP | fsdp |" in results["strategies"]["markdown"]  # the tables docs/sharded.md shows
     layouts = {r["layout"]: r for r in results["strategies"]["layouts"]}
     assert layouts["fsdp hybrid replica=2 x shard=4"]["goal_met"] and layouts["ddp data=4 x model=2"]["goal_met"]
     assert set(layouts["fsdp hybrid replica=2 x shard=4"]["bytes_over_axis"]) == {"replica", "shard"}
