@@ -26,7 +26,7 @@ from flax import nnx
 import spmdcomm as sc
 from spmdcomm._format import format_flops
 from spmdcomm.errors import AxisError, ShapeError, SpmdError
-from spmdcomm.parallel.expert.report import ExpertLayer, expert_report
+from spmdcomm.parallel.expert.report import ExpertLayer, ExpertReport, expert_report
 from spmdcomm.parallel.registry import Program
 from tests.ddp_models import assert_trees_close, jit_once, nnx_once
 
@@ -677,10 +677,18 @@ def test_moe_blocks_in_a_stack_on_data2_stage2_expert2_equal_one_device_accumula
         logical_axis_rules=RULES[None],
     )
     given = sc.pad_batch(jax.tree.map(lambda a: a[:REAL_ROWS], data), 8) if padded else data
-    new, metrics = sc.make_train_step(masked_stacked_loss if padded else stacked_loss, donate=False)(state, given)
+    step = sc.make_train_step(masked_stacked_loss if padded else stacked_loss, donate=False)
+    new, metrics = step(state, given)
     want, value, balance = stacked_reference(padded)
     np.testing.assert_allclose([metrics["loss"], metrics["balance"]], [value, balance], rtol=1e-5)
     assert_trees_close(jax.device_get(new.full_params()), want, rtol=1e-5, atol=1e-6)
+    if schedule == "gpipe" and not padded:
+        # explain counts the stack's 2 MoE layers of 4 experts: 2 experts of 1 layer a device, 1 / (p e) of the bytes.
+        (section,) = [s for s in sc.explain(step, state, given).sections if isinstance(s, ExpertReport)]
+        path = "params['PipelineStack_0']['layers']['MoE_0']['experts']"
+        whole = sum(a.nbytes for a in jax.tree.leaves(state.params["PipelineStack_0"]["layers"]["MoE_0"]["experts"]))
+        assert (section.layers, section.stacked) == (((path, 4, whole // 4, whole),), ((path, 2, 2),))
+        assert "2 MoE layers" in str(section) and "1 layer of 2 experts per device" in str(section)
 
 
 @pytest.mark.slow

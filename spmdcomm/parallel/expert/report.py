@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import jax
 
 from spmdcomm._format import LAYER_SCOPE, format_bytes, format_flops
+from spmdcomm.parallel.data._specs import names
 from spmdcomm.parallel.registry import Program
 
 __all__ = ["ExpertReport", "ExpertLayer", "expert_report"]
@@ -82,6 +83,9 @@ class ExpertReport:
         only; read from the compiled program, so ``implementation="padded"`` on a GPU shows here too.
       per_layer: each MoE layer (:class:`ExpertLayer`): its all-to-alls, the path its experts run on and their
         matmul FLOPs per device, by its module path, in program order.
+      stacked: ``(path, L, p)`` of the entries of ``layers`` that hold a pipeline's ``L`` stacked MoE layers
+        (``[L, E, ...]``, the layers split over the ``p`` devices of the stage axis, the experts over the expert
+        axis): one entry for the stack, its bytes per device ``1 / (p e)`` of them.
     """
 
     axis: str
@@ -91,19 +95,29 @@ class ExpertReport:
     all_to_all_bytes: int
     padded: bool
     per_layer: tuple[ExpertLayer, ...] = ()
+    stacked: tuple[tuple[str, int, int], ...] = ()
 
     def __str__(self) -> str:
-        layers = len(self.layers)
+        stacks = {path: (count, stages) for path, count, stages in self.stacked}
+        layers = sum(stacks.get(path, (1, 1))[0] for path, *_ in self.layers)
         kind = "padded (dense all-to-alls: full bounds sent)" if self.padded else "ragged (bytes are bounds)"
         lines = [
             f"experts over {self.axis!r} ({self.size} devices): {layers} MoE layer{'s' * (layers != 1)}; all-to-alls "
             f"over {self.axis!r}: {self.all_to_alls} ({format_bytes(self.all_to_all_bytes)} per device), {kind}"
         ]
-        lines += [
-            f"  {path}: {experts} experts, {experts // self.size} per device{_split(mine * self.size, whole)}; "
-            f"parameters {format_bytes(mine)} per device of {format_bytes(whole)}"
-            for path, experts, mine, whole in self.layers
-        ]
+        for path, experts, mine, whole in self.layers:
+            count, stages = stacks.get(path, (1, 1))
+            mine_layers = count // stages
+            held = (
+                f"{count} layers of {experts} experts, {mine_layers} layer{'s' * (mine_layers != 1)} of "
+                f"{experts // self.size} experts per device (the layers over the stage axis)"
+                if count > 1
+                else f"{experts} experts, {experts // self.size} per device"
+            )
+            lines.append(
+                f"  {path}: {held}{_split(mine * self.size * stages, whole)}; "
+                f"parameters {format_bytes(mine)} per device of {format_bytes(whole)}"
+            )
         lines += [f"  {layer.line(self.axis)}" for layer in self.per_layer]
         return "\n".join(lines)
 
@@ -116,11 +130,24 @@ def expert_report(state: Any, program: Program) -> ExpertReport | None:
         return None
     flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
     layers: dict[str, list[int]] = {}
-    for (path, x), flag in zip(flat, state.layout.stacked_over(config.axis, "params"), strict=True):
-        if flag:
+    stage = getattr(state.configs.get("pipeline"), "axis", None)
+
+    def experts_dim(spec: Any) -> int | None:
+        # Dimension 0, or 1 behind a pipeline's stacked layers ([L, E, ...], L over the stage axis).
+        if names(spec, 0) == config.axis:
+            return 0
+        return 1 if stage is not None and names(spec, 0) == stage and names(spec, 1) == config.axis else None
+
+    stacked: dict[str, tuple[int, int]] = {}
+    for (path, x), spec in zip(flat, state.layout.param_leaf_specs, strict=True):
+        dim = experts_dim(spec)
+        if dim is not None:
             keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
             owner = len(keys) - keys[::-1].index("experts") if "experts" in keys else len(keys)
-            entry = layers.setdefault(jax.tree_util.keystr(path[:owner]), [int(x.shape[0]), 0, 0])
+            key = jax.tree_util.keystr(path[:owner])
+            entry = layers.setdefault(key, [int(x.shape[dim]), 0, 0])
+            if dim == 1:
+                stacked[f"params{key}"] = (int(x.shape[0]), int(state.mesh.shape[stage]))
             entry[1] += x.addressable_shards[0].data.nbytes
             entry[2] += x.nbytes
     moves = [
@@ -136,6 +163,7 @@ def expert_report(state: Any, program: Program) -> ExpertReport | None:
         all_to_all_bytes=sum(c.total_bytes for c in moves),
         padded=bool(moves) and not any(c.kind == "ragged-all-to-all" for c in moves),
         per_layer=_per_layer(moves, program),
+        stacked=tuple((path, count, stages) for path, (count, stages) in stacked.items()),
     )
 
 
