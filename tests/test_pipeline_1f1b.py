@@ -26,11 +26,13 @@ from tests.test_pipeline import (
     NormBlock,
     batches,
     init,
+    init_norm,
     loss_fn,
     net_of,
     nnx_norm_run,
     nnx_one_device,
     nnx_train,
+    norm_loss,
     norm_one_device,
     one_device,
     one_device_with_a_non_finite_step,
@@ -341,6 +343,19 @@ def test_nnx_batchnorm_and_dropout_around_the_stack_under_1f1b_equal_one_device_
 def test_what_the_table_schedules_do_not_run_is_refused():
     with pytest.raises(sc.SpmdError, match=r"schedule='zb' is not a schedule.*'gpipe', '1f1b', 'interleaved_1f1b'"):
         sc.Pipeline(microbatches=4, schedule="zb")
+    # A loss whose model state changes tree: the check every schedule makes (before anything compiles).
+    variables = init_norm(EdgeNormNet)
+    state = sc.TrainState.create(
+        params=variables["params"],
+        model_state={"batch_stats": variables["batch_stats"]},
+        apply_fn=EdgeNormNet().apply,
+        tx=TX,
+        mesh=sc.make_mesh({"data": 2, "stage": 2}, devices=jax.devices()[:4]),
+        pipeline=sc.Pipeline(microbatches=2, schedule="1f1b"),
+    )
+    drops_state = lambda *a, **kw: (norm_loss(*a, **kw)[0], {"model_state": {"other": jnp.zeros(3)}})
+    with pytest.raises(sc.SpmdError, match="model_state whose tree or shapes differ"):
+        sc.make_train_step(drops_state)(state, batches(rows=16)[0])
 
 
 def test_zb_h1_cuts_a_layers_backward_pass_so_that_nothing_runs_twice():

@@ -15,9 +15,8 @@ from jax import lax
 
 from spmdcomm._jax_compat import vary
 from spmdcomm.data.placement import HostInput
-from spmdcomm.errors import SpmdError, describe
 from spmdcomm.parallel.data.strategy import ReduceContext
-from spmdcomm.parallel.pipeline.schedule import MicroPieces
+from spmdcomm.parallel.pipeline.schedule import MicroPieces, check_model_state
 from spmdcomm.parallel.real_rows import rows_of
 from spmdcomm.parallel.rng import per_example_key
 from spmdcomm.train._model_call import differentiable_loss
@@ -97,7 +96,7 @@ def accumulate(
     def one(model_state: Any, batch: Any, m: jax.Array, j: Any) -> tuple[Any, ...]:
         c, ((_, (loss, aux)), grads) = call(grad_fn, params, model_state, batch, m, j, share)
         new_model_state = aux.pop("model_state", model_state)
-        _check_same_tree(model_state, new_model_state)
+        check_model_state(model_state, new_model_state)
         metrics = metric_sums(c, loss, aux)
         if masked and strategy.local_grads:
             # A block without real examples has weight 0, but its backward pass may still give 0 * NaN = NaN: a
@@ -155,20 +154,3 @@ def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
     except (TypeError, ValueError):  # no signature to read (a builtin): pass only the contract's arguments
         return False
     return parameter is not None and parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD)
-
-
-def _check_same_tree(old: Any, new: Any) -> None:
-    # jax.tree_util.PyTreeDef: jaxlib ships no type stubs, so mypy knows a treedef's methods only through this name
-    old_def: jax.tree_util.PyTreeDef = jax.tree.structure(old)
-    new_def: jax.tree_util.PyTreeDef = jax.tree.structure(new)
-    old_shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(old)]
-    new_shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(new)]
-    if old_def != new_def or old_shapes != new_shapes:
-        raise SpmdError(
-            describe(
-                "make_train_step",
-                f"loss_fn returned a model_state whose tree or shapes differ from "
-                f"state.model_state: expected {old_def} {old_shapes}, got {new_def} {new_shapes}.",
-                fix="return the updated model state with the same structure (or leave 'model_state' out of aux).",
-            )
-        )

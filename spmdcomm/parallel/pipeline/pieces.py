@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from spmdcomm._jax_compat import outputs_depending_on
 from spmdcomm.errors import SpmdError, describe
-from spmdcomm.parallel.pipeline.schedule import LayerFn
+from spmdcomm.parallel.pipeline.schedule import LayerFn, check_model_state
 from spmdcomm.parallel.real_rows import real_rows
 
 __all__ = ["OutsideState", "Post", "stack_piece", "traced_piece"]
@@ -105,14 +105,8 @@ class OutsideState(NamedTuple):
     def _of(given: Any, pre: Any, post: Any, stack_state: Any, after_stack: list[bool], schedule: str) -> OutsideState:
         leaves, treedef = jax.tree.flatten(given)
         pre_leaves, post_leaves = jax.tree.leaves(pre), jax.tree.leaves(post)
-        if {str(jax.tree.structure(t)) for t in (given, pre, post)} != {str(treedef)}:
-            raise SpmdError(
-                describe(
-                    "make_train_step",
-                    f"loss_fn returned a model_state of another tree than state.model_state ({treedef}).",
-                    fix="return the updated model state with the same structure (or leave 'model_state' out of aux).",
-                )
-            )
+        check_model_state(given, pre)
+        check_model_state(given, post)
         in_stack = {id(a): i for i, a in enumerate(jax.tree.leaves(stack_state))}
         stack = [in_stack.get(id(a)) for a in pre_leaves]
         outside = [i for i, w in enumerate(stack) if w is None]

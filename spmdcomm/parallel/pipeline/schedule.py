@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from spmdcomm._jax_compat import vary
+from spmdcomm.errors import SpmdError, describe
 
 __all__ = [
     "Schedule",
@@ -39,6 +40,7 @@ __all__ = [
     "active_schedule",
     "schedule_context",
     "PIPELINED",
+    "check_model_state",
 ]
 
 #: ``step(model_state, batch, mask, j) -> (grads, metrics, model_state, count)``: micro-batch ``j``'s gradient (in
@@ -214,3 +216,22 @@ def scan_layers(
     body = jax.checkpoint(one) if remat else one
     count = jax.tree.leaves(params)[0].shape[0]
     return lax.scan(body, x, (params, state, offset + jnp.arange(count)))
+
+
+def check_model_state(old: Any, new: Any) -> None:
+    """Raises :class:`SpmdError` unless the model state ``new`` the loss returned has ``old``'s tree, shapes and
+    dtypes: every schedule threads it from one micro-batch to the next."""
+    # jax.tree_util.PyTreeDef: jaxlib ships no type stubs, so mypy knows a treedef's methods only through this name
+    old_def: jax.tree_util.PyTreeDef = jax.tree.structure(old)
+    new_def: jax.tree_util.PyTreeDef = jax.tree.structure(new)
+    old_shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(old)]
+    new_shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(new)]
+    if old_def != new_def or old_shapes != new_shapes:
+        raise SpmdError(
+            describe(
+                "make_train_step",
+                f"loss_fn returned a model_state whose tree or shapes differ from "
+                f"state.model_state: expected {old_def} {old_shapes}, got {new_def} {new_shapes}.",
+                fix="return the updated model state with the same structure (or leave 'model_state' out of aux).",
+            )
+        )
